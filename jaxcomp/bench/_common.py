@@ -1,0 +1,80 @@
+"""Shared benchmark plumbing: fake devices, timing, tables, JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def request_cpu_devices(n: int = 8) -> None:
+    """Asks for ``n`` fake CPU devices; must run before JAX initialises its backend."""
+    import jax
+
+    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" or not os.environ.get("JAX_PLATFORMS"):
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:  # backend already initialised: keep what we have
+            pass
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark takes."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", metavar="PATH", help="write results as JSON to PATH")
+    p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median reported)")
+    return p
+
+
+def time_fn(fn: Callable[..., Any], *args: Any, repeats: int = 20, warmup: int = 2) -> float:
+    """Median wall time in seconds of ``fn(*args)`` (already jitted), blocking on the result."""
+    import jax
+    import numpy as np
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def env_info() -> dict[str, Any]:
+    """Versions and devices, recorded with every result file."""
+    import jax
+
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": len(jax.devices()),
+        "device_kind": jax.devices()[0].device_kind,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+    }
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> None:
+    """Prints ``rows`` with ``columns = [(key, format spec), ...]``."""
+    cells = [[format(r[k], f) if r.get(k) is not None else "-" for k, f in columns] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, (k, _) in enumerate(columns)]
+    print("  ".join(k.rjust(w) for (k, _), w in zip(columns, widths)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
+def write_json(path: str | None, benchmark: str, results: list[dict[str, Any]], **extra) -> None:
+    """Writes ``{"benchmark", "env", "results", **extra}`` to ``path`` (if given)."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"benchmark": benchmark, "env": env_info(), "results": results, **extra}, f,
+                  indent=2)
+    print(f"wrote {path}")

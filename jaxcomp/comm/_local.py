@@ -1,0 +1,76 @@
+"""Per-worker gradients inside ``shard_map`` without the hidden all-reduce.
+
+``jax.grad`` with respect to a parameter that is *replicated* (invariant) over a mesh axis
+inserts an uncompressed ``float32`` all-reduce over that axis: the transpose of the implicit
+broadcast is a ``psum`` (JAX-NOTES §1). Casting the parameters to *varying* first keeps the
+gradients local, so a compressed reduction can follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """Mesh axes over which ``x`` varies, inside ``shard_map`` (empty outside)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def to_varying(tree: Any, axes: str | Sequence[str]) -> Any:
+    """Marks every leaf of ``tree`` as varying over ``axes`` (leaves already varying are kept).
+
+    Use it on replicated parameters before differentiating inside ``shard_map``.
+    """
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+
+    def cast(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def local_value_and_grad(
+    fun: Callable[..., Any],
+    axes: str | Sequence[str],
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """``jax.value_and_grad`` for use inside ``shard_map`` that returns *per-worker* gradients.
+
+    The differentiated arguments are cast to varying over ``axes`` first, so no collective over
+    ``axes`` is inserted and each worker gets the gradient of its own loss. Reduce them
+    yourself, e.g. with :func:`jaxcomp.transforms.compressed_mean`.
+
+    Args:
+      fun: the loss, as for ``jax.value_and_grad``.
+      axes: the data-parallel mesh axis name(s).
+      argnums: which arguments to differentiate.
+      has_aux: as for ``jax.value_and_grad``.
+
+    Returns:
+      A function with ``jax.value_and_grad``'s signature and outputs.
+
+    Example:
+      >>> # inside shard_map(..., in_specs=(P(), P("data"))):
+      >>> # loss, grads = local_value_and_grad(loss_fn, "data")(params, batch)  # no all-reduce
+    """
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    grad_fn = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+    def wrapped(*args, **kwargs):
+        args = list(args)
+        for i in nums:
+            args[i] = to_varying(args[i], axes)
+        return grad_fn(*args, **kwargs)
+
+    return wrapped

@@ -1,0 +1,154 @@
+"""The codec contract shared by every compressor, and the helpers they use.
+
+A *codec* is three pure functions bundled in a :class:`Codec` NamedTuple::
+
+  state = codec.init(x)                               # x: array or ShapeDtypeStruct
+  payload, state = codec.compress(x, state, key)      # key: PRNG key, or None when deterministic
+  x_hat = codec.decompress(payload, like)             # like: array or ShapeDtypeStruct of x
+
+The payload is a pytree of arrays *in the dtypes that travel* (bit-packed ``uint8`` codes,
+``uint16`` indices, ``float16`` scales) with shapes fixed by the codec's static parameters, so
+the same payload shape appears on every device and can cross ``ppermute``/``all_gather``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+Payload = Any
+CodecState = Any
+Like = Any  # an array or a jax.ShapeDtypeStruct: only .shape and .dtype are read
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless codec."""
+
+
+class Reduction(enum.Enum):
+    """How payloads from several workers can be combined (read by the collective layer).
+
+    * ``SUM``: payload leaves are linear in the input and share their structure across
+      workers (same indices, same scales), so ``psum`` of the payloads decodes to the sum.
+    * ``GATHER``: payloads must be gathered and decoded one by one before summing
+      (TopK, quantization with per-worker scales, sign).
+    * ``LOW_RANK``: PowerSGD factors, reduced by the two-round power-iteration protocol.
+    """
+
+    SUM = "sum"
+    GATHER = "gather"
+    LOW_RANK = "low_rank"
+
+
+class Codec(NamedTuple):
+    """A pure compressor: ``init``, ``compress`` and ``decompress`` plus static facts.
+
+    Attributes:
+      init: ``init(x) -> state``.
+      compress: ``compress(x, state, key) -> (payload, state)``.
+      decompress: ``decompress(payload, like) -> x_hat`` with ``x_hat.shape == like.shape``.
+      name: a short human-readable description, e.g. ``"quantize(4, tensor)"``.
+      reduction: how payloads from several workers combine (:class:`Reduction`).
+      stochastic: whether ``compress`` needs a PRNG key.
+      psum: for ``Reduction.SUM`` codecs, ``psum(payload, axis_name) -> payload``: sums
+        payloads over a mesh axis inside ``shard_map`` so that decoding the result gives the
+        sum of the decoded inputs (e.g. a cast psums in its 16-bit float type, RandK psums its
+        values and keeps the shared seed). ``None`` for other codecs.
+    """
+
+    init: Callable[[Like], CodecState]
+    compress: Callable[[Array, CodecState, Array | None], tuple[Payload, CodecState]]
+    decompress: Callable[[Payload, Like], Array]
+    name: str
+    reduction: Reduction = Reduction.GATHER
+    stochastic: bool = False
+    psum: Callable[[Payload, str], Payload] | None = None
+
+
+def wire_bytes(payload: Payload) -> int:
+    """Bytes a payload occupies on the wire: the sum over its leaves of ``size * itemsize``.
+
+    Works on arrays and on ``jax.ShapeDtypeStruct`` trees (e.g. from ``jax.eval_shape``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> wire_bytes({"codes": jnp.zeros(10, jnp.uint8), "scale": jnp.zeros((), jnp.float32)})
+      14
+    """
+    return int(
+        sum(
+            math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+            for leaf in jax.tree.leaves(payload)
+        )
+    )
+
+
+def payload_shape(codec: Codec, like: Like) -> Payload:
+    """The payload's ``ShapeDtypeStruct`` tree for an input shaped like ``like`` (no FLOPs)."""
+    like = jax.ShapeDtypeStruct(like.shape, like.dtype)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if codec.stochastic else None
+
+    def run(x, k):
+        return codec.compress(x, codec.init(x), k)[0]
+
+    return jax.eval_shape(run, like, key)
+
+
+def dense_bytes(like: Like) -> int:
+    """Bytes of the uncompressed array ``like``."""
+    return math.prod(like.shape) * np.dtype(like.dtype).itemsize
+
+
+def check_float(x: Like, codec_name: str) -> None:
+    """Raises ``TypeError`` unless ``x`` has a floating dtype."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{codec_name} compresses floating-point arrays; got dtype {x.dtype}.")
+
+
+def check_key(key: Array | None, codec_name: str) -> None:
+    """Raises ``ValueError`` when a stochastic codec is called without a PRNG key."""
+    if key is None:
+        raise ValueError(f"{codec_name} is stochastic: compress(x, state, key) needs a PRNG key.")
+
+
+def check_choice(name: str, value: Any, allowed: tuple) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}; got {value!r}.")
+
+
+def check_int_range(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    """Raises ``ValueError`` unless ``value`` is an int in ``[lo, hi]``."""
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    ok = ok and value >= lo and (hi is None or value <= hi)
+    if not ok:
+        upper = "" if hi is None else f" and <= {hi}"
+        raise ValueError(f"{name} must be an integer >= {lo}{upper}; got {value!r}.")
+
+
+def check_fraction(name: str, value: Any) -> None:
+    """Raises ``ValueError`` unless ``0 < value <= 1``."""
+    ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool)
+    if not (ok and 0.0 < float(value) <= 1.0):
+        raise ValueError(f"{name} must be a fraction in (0, 1]; got {value!r}.")
+
+
+def index_dtype(num_positions: int) -> np.dtype:
+    """The smallest unsigned integer dtype that can index ``num_positions`` positions."""
+    if num_positions <= 1 << 8:
+        return np.dtype(np.uint8)
+    if num_positions <= 1 << 16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.uint32)
+
+
+def as_like(like: Like) -> jax.ShapeDtypeStruct:
+    """Normalises an array or struct to a ``ShapeDtypeStruct``."""
+    return jax.ShapeDtypeStruct(tuple(like.shape), like.dtype)

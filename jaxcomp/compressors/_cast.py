@@ -1,0 +1,93 @@
+"""The identity codec and 16-bit float casts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcomp.compressors import _base
+
+_CASTS = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
+
+
+def identity() -> _base.Codec:
+    """The codec that sends its input unchanged (the uncompressed baseline).
+
+    Returns:
+      A :class:`~jaxcomp.compressors.Codec` whose payload is ``x`` itself; payloads from
+      several workers can be summed with ``psum``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp import compressors
+      >>> codec = compressors.identity()
+      >>> x = jnp.arange(3.0)
+      >>> codec.decompress(codec.compress(x, codec.init(x), None)[0], x)
+      Array([0., 1., 2.], dtype=float32)
+    """
+
+    def init(x):
+        del x
+        return _base.EmptyState()
+
+    def compress(x, state, key=None):
+        del key
+        return x, state
+
+    def decompress(payload, like):
+        return payload.astype(like.dtype)
+
+    def psum(payload, axis_name):
+        return jax.lax.psum(payload, axis_name)
+
+    return _base.Codec(init, compress, decompress, "identity", _base.Reduction.SUM, False, psum)
+
+
+def cast(dtype="bfloat16") -> _base.Codec:
+    """Rounds to a 16-bit float and sends the 16-bit words.
+
+    The payload is the ``uint16`` bit pattern of the rounded value
+    (``lax.bitcast_convert_type``): the XLA CPU backend widens ``bfloat16`` collectives to
+    ``float32`` (JAX-NOTES §2), while ``uint16`` travels as two bytes on every backend.
+    Rounding is round-to-nearest-even; values beyond the format's range become ``+-inf`` and
+    NaN stays NaN.
+
+    Args:
+      dtype: ``"bfloat16"`` (8 exponent bits, range of ``float32``) or ``"float16"``
+        (IEEE half: more mantissa, overflows above 65504).
+
+    Returns:
+      A :class:`~jaxcomp.compressors.Codec` with a ``uint16`` payload of ``x``'s shape.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp import compressors
+      >>> codec = compressors.cast("float16")
+      >>> x = jnp.array([1.0, 1 / 3])
+      >>> payload, _ = codec.compress(x, codec.init(x), None)
+      >>> payload.dtype, codec.decompress(payload, x)
+      (dtype('uint16'), Array([1.        , 0.33325195], dtype=float32))
+    """
+    dtype_name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    _base.check_choice("dtype", dtype_name, tuple(_CASTS))
+    target = _CASTS[dtype_name]
+    name = f"cast({dtype_name})"
+
+    def init(x):
+        _base.check_float(x, name)
+        return _base.EmptyState()
+
+    def compress(x, state, key=None):
+        del key
+        _base.check_float(x, name)
+        return jax.lax.bitcast_convert_type(x.astype(target), jnp.uint16), state
+
+    def decompress(payload, like):
+        return jax.lax.bitcast_convert_type(payload, target).astype(like.dtype)
+
+    def psum(payload, axis_name):
+        total = jax.lax.psum(jax.lax.bitcast_convert_type(payload, target), axis_name)
+        return jax.lax.bitcast_convert_type(total, jnp.uint16)
+
+    return _base.Codec(init, compress, decompress, name, _base.Reduction.SUM, False, psum)
