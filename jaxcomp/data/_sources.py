@@ -1,0 +1,166 @@
+"""Random-access data sources: in-memory arrays, and the offline datasets that ship with Python
+and scikit-learn.
+
+A *source* is anything with ``len(source)`` and ``source.__getitems__(indices) -> dict`` of
+numpy arrays stacked along a leading axis (the protocol of ``tfds.data_source``). The loader
+adds the sample ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+#: SHA-256 of the pydoc topics corpus (keys sorted, joined with "\n\n") on Python 3.11.7.
+#: The corpus differs between Python versions; :func:`pydoc_text` warns when it does not match.
+PYDOC_TOPICS_SHA256 = "71f2ff5d99bdc1f9c48c5c2353ad138201c5ca1c377e0226857ef8fa89b8bcee"
+SPLITS = ("train", "test")
+
+
+class Source(Protocol):
+    """Random access to examples: ``len`` and ``__getitems__`` returning stacked arrays."""
+
+    def __len__(self) -> int: ...
+
+    def __getitems__(self, indices: Sequence[int]) -> dict[str, np.ndarray]: ...
+
+
+class ArraySource:
+    """A source over a dict of equally long numpy arrays.
+
+    Example:
+      >>> src = ArraySource({"x": np.zeros((5, 2)), "label": np.arange(5)})
+      >>> src.__getitems__([4, 0])["label"]
+      array([4, 0])
+    """
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]):
+        lengths = {k: len(v) for k, v in arrays.items()}
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"all arrays must have the same length; got {lengths}.")
+        self.arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        self._len = next(iter(lengths.values()))
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitems__(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
+        idx = np.asarray(indices, np.int64)
+        return {k: v[idx] for k, v in self.arrays.items()}
+
+    def __repr__(self) -> str:
+        shapes = {k: (v.shape, str(v.dtype)) for k, v in self.arrays.items()}
+        return f"ArraySource(len={self._len}, {shapes})"
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}; got {split!r}.")
+
+
+def digits(split: str = "train", *, flat: bool = True, test_fraction: float = 0.2) -> ArraySource:
+    """scikit-learn's bundled handwritten digits (1,797 8x8 images, 10 classes; no download).
+
+    Pixels are scaled from [0, 16] to [0, 1]. The train/test split is a fixed permutation
+    (seed 0), 80/20 by default: 1,437 train and 360 test images.
+
+    Args:
+      split: ``"train"`` or ``"test"``.
+      flat: ``x`` of shape ``(64,)`` (for an MLP) or ``(8, 8, 1)`` (for a CNN).
+      test_fraction: share of images held out for ``"test"``.
+
+    Returns:
+      An :class:`ArraySource` with ``x`` (float32) and ``label`` (int32).
+    """
+    from sklearn.datasets import load_digits
+
+    _check_split(split)
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1); got {test_fraction!r}.")
+    bunch = load_digits()
+    x = (bunch.data / 16.0).astype(np.float32)
+    y = bunch.target.astype(np.int32)
+    order = np.random.default_rng(0).permutation(len(x))
+    n_test = int(round(len(x) * test_fraction))
+    idx = order[n_test:] if split == "train" else order[:n_test]
+    x = x[idx] if flat else x[idx].reshape(-1, 8, 8, 1)
+    return ArraySource({"x": x, "label": y[idx]})
+
+
+def pydoc_corpus() -> tuple[bytes, str]:
+    """The English text of Python's bundled ``pydoc_data.topics`` as UTF-8 bytes, and its SHA-256.
+
+    Topics are joined in sorted key order with blank lines between them.
+    """
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+    return text, hashlib.sha256(text).hexdigest()
+
+
+def token_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
+    """Non-overlapping windows of ``seq_len + 1`` tokens, ``[num_windows, seq_len + 1]``."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1; got {seq_len!r}.")
+    n = (len(tokens) - 1) // seq_len
+    if n < 1:
+        raise ValueError(f"{len(tokens)} tokens cannot fill one window of {seq_len + 1}.")
+    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    return np.asarray(tokens)[idx]
+
+
+def lm_source(windows: np.ndarray) -> ArraySource:
+    """Next-token prediction pairs: ``x = w[:, :-1]``, ``label = w[:, 1:]`` (int32)."""
+    w = windows.astype(np.int32)
+    return ArraySource({"x": w[:, :-1], "label": w[:, 1:]})
+
+
+def pydoc_text(
+    split: str = "train",
+    *,
+    seq_len: int = 128,
+    test_fraction: float = 0.1,
+    expected_sha256: str | None = None,
+) -> ArraySource:
+    """Byte-level language-modelling windows of Python's bundled documentation text.
+
+    The corpus (465k characters on Python 3.11) is encoded as UTF-8 bytes (vocabulary 256),
+    cut into non-overlapping windows of ``seq_len + 1``; the last ``test_fraction`` of the
+    windows is the test split.
+
+    Args:
+      split: ``"train"`` or ``"test"``.
+      seq_len: tokens per example.
+      test_fraction: share of windows held out (the end of the corpus).
+      expected_sha256: if given, a different corpus raises ``ValueError``; if ``None``, a
+        corpus other than :data:`PYDOC_TOPICS_SHA256` (another Python version) logs a warning.
+
+    Returns:
+      An :class:`ArraySource` with ``x`` and ``label`` of shape ``[seq_len]`` (int32).
+    """
+    _check_split(split)
+    text, sha = pydoc_corpus()
+    if expected_sha256 is not None and sha != expected_sha256:
+        raise ValueError(
+            f"pydoc_text corpus has sha256 {sha}, expected {expected_sha256} "
+            f"(Python {sys.version.split()[0]} ships different documentation)."
+        )
+    if expected_sha256 is None and sha != PYDOC_TOPICS_SHA256:
+        logging.getLogger(__name__).warning(
+            "pydoc_text: corpus sha256 %s differs from the pinned Python 3.11.7 corpus; "
+            "results are not comparable across Python versions.",
+            sha[:12],
+        )
+    windows = token_windows(np.frombuffer(text, np.uint8), seq_len)
+    n_test = max(1, int(len(windows) * test_fraction))
+    return lm_source(windows[:-n_test] if split == "train" else windows[-n_test:])
+
+
+def describe(source: Any) -> str:
+    """One line naming a source's size."""
+    return f"{type(source).__name__} with {len(source)} examples"

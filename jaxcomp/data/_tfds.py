@@ -1,0 +1,110 @@
+"""Real datasets through tensorflow-datasets' random-access ``data_source`` (no TensorFlow).
+
+``tfds.data_source`` reads ``array_record`` files directly; ``tfds.load`` would need
+TensorFlow. Datasets must already be prepared in ``data_dir`` in the ``array_record`` format
+(``tfds build --file_format=array_record``, or a builder's
+``download_and_prepare(file_format="array_record")``); nothing is downloaded unless
+``download=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxcomp.data import _sources
+
+#: per-channel mean and std used to normalise CIFAR images (kuangliu/pytorch-cifar)
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2023, 0.1994, 0.2010)
+
+
+class TfdsImageSource:
+    """Images scaled to [0, 1] and normalised per channel, with integer labels.
+
+    Wraps a ``tfds`` data source; rows come back as ``{"x": float32 [H, W, C], "label": int32}``.
+    """
+
+    def __init__(self, source, *, image_key="image", label_key="label", mean=None, std=None):
+        self.source = source
+        self.image_key, self.label_key = image_key, label_key
+        self.mean = None if mean is None else np.asarray(mean, np.float32)
+        self.std = None if std is None else np.asarray(std, np.float32)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitems__(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
+        rows = self.source.__getitems__([int(i) for i in indices])
+        x = np.stack([np.asarray(r[self.image_key]) for r in rows])
+        if np.issubdtype(x.dtype, np.integer):
+            x = x.astype(np.float32) / 255.0
+        x = x.astype(np.float32)
+        if self.mean is not None:
+            x = (x - self.mean) / self.std
+        labels = np.asarray([r[self.label_key] for r in rows], np.int32)
+        return {"x": x, "label": labels}
+
+
+def _open(name: str, split: str, data_dir: str | None, download: bool):
+    import tensorflow_datasets as tfds
+
+    try:
+        return tfds.data_source(name, split=split, data_dir=data_dir, download=download)
+    except Exception as e:  # tfds raises several types for "not prepared here"
+        raise ValueError(
+            f"tfds dataset {name!r} split {split!r} is not available in data_dir={data_dir!r} "
+            f"in array_record format ({type(e).__name__}: {str(e)[:200]}). Prepare it with "
+            f"`tfds build {name} --file_format=array_record --data_dir=DIR` first."
+        ) from e
+
+
+def tfds_images(
+    name: str,
+    split: str = "train",
+    *,
+    data_dir: str | None = None,
+    image_key: str = "image",
+    label_key: str = "label",
+    normalize: str | None = None,
+    download: bool = False,
+) -> TfdsImageSource:
+    """An image-classification split (cifar10, mnist, ...) read from array_record files.
+
+    Args:
+      name: tfds dataset name.
+      split: tfds split (``"train"``, ``"test"``, ``"train[:10%]"``...).
+      data_dir: where the prepared dataset lives.
+      image_key, label_key: feature names.
+      normalize: ``"cifar"`` for the CIFAR mean/std, or ``None``.
+      download: allow tfds to download and prepare (off by default: nothing downloads).
+    """
+    if normalize not in (None, "cifar"):
+        raise ValueError(f"normalize must be None or 'cifar'; got {normalize!r}.")
+    src = _open(name, split, data_dir, download)
+    mean, std = (CIFAR_MEAN, CIFAR_STD) if normalize == "cifar" else (None, None)
+    return TfdsImageSource(src, image_key=image_key, label_key=label_key, mean=mean, std=std)
+
+
+def tfds_text(
+    name: str,
+    split: str = "train",
+    *,
+    data_dir: str | None = None,
+    text_key: str = "text",
+    seq_len: int = 128,
+    download: bool = False,
+) -> _sources.ArraySource:
+    """A text split (tiny_shakespeare, wikitext, ...) as byte-level LM windows.
+
+    Every record's ``text_key`` feature is UTF-8 encoded and the records are joined with
+    newlines, then cut as :func:`~jaxcomp.data.pydoc_text` does.
+    """
+    src = _open(name, split, data_dir, download)
+    parts = []
+    for row in src.__getitems__(list(range(len(src)))):
+        t = row[text_key]
+        parts.append(t if isinstance(t, bytes) else str(t).encode("utf-8"))
+    tokens = np.frombuffer(b"\n".join(parts), np.uint8)
+    return _sources.lm_source(_sources.token_windows(tokens, seq_len))

@@ -1,0 +1,38 @@
+"""Flax models cut into pipeline stages at named points.
+
+Every model is a :class:`StagedModel`: an ordered list of named segments cut after the names in
+``cuts``. ``stage_fns()`` gives the pure ``stage_fn(params, x) -> y`` per stage that the
+pipeline runs; ``apply`` runs the whole model (with BatchNorm statistics, for data-parallel
+modes).
+
+=============  =========================================  ==================================
+model          segments                                   default cuts (stages)
+=============  =========================================  ==================================
+``mlp``        ``fc1 fc2 fc3 head``                        every hidden layer (4)
+``small_cnn``  ``conv1 conv2 fc head``                     every segment but the head (4)
+``resnet18``   ``stem layer1 layer2 layer3 layer4 head``   ``layer1 layer2 layer3`` (4)
+``vgg16``      ``block1 ... block5 head``                  none (1)
+``gpt``        ``embed block0 ... block11 head``           ``block2 block5 block8`` (4)
+=============  =========================================  ==================================
+"""
+
+from jaxcomp.models._gpt import gpt
+from jaxcomp.models._mlp import mlp, small_cnn
+from jaxcomp.models._registry import MODELS, get_model
+from jaxcomp.models._resnet import resnet18
+from jaxcomp.models._staged import Chain, StagedModel, accuracy, cross_entropy
+from jaxcomp.models._vgg import vgg16
+
+__all__ = (
+    "MODELS",
+    "Chain",
+    "StagedModel",
+    "accuracy",
+    "cross_entropy",
+    "get_model",
+    "gpt",
+    "mlp",
+    "resnet18",
+    "small_cnn",
+    "vgg16",
+)

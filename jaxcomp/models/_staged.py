@@ -1,0 +1,185 @@
+"""A model as a chain of named segments, cut into pipeline stages at named points.
+
+Every model in :mod:`jaxcomp.models` is built as an ordered list of named *segments* (``stem``,
+``layer1``, ``block0``, ``head``, ...). Cutting after some of them gives the stages::
+
+  model = models.resnet18(cuts=("layer1", "layer2", "layer3"))   # paper 1's four stages
+  variables = model.init(jax.random.key(0))                       # one dict per stage
+  fns = model.stage_fns()                                          # pure stage_fn(params, x) -> y
+  y = model.apply(variables, x)                                    # the whole model, in order
+
+The pipeline only ever sees ``stage_fns()`` and ``[v["params"] for v in variables]``: pure
+functions of per-stage parameter pytrees, which may differ in structure from stage to stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+TASKS = ("classification", "language_model")
+
+
+class Chain(nn.Module):
+    """Applies named segments in order; each segment is called as ``segment(x, train)``."""
+
+    segments: tuple[tuple[str, nn.Module], ...]
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        for name, segment in self.segments:
+            x = segment.clone(parent=self, name=name)(x, train)
+        return x
+
+
+class StagedModel(NamedTuple):
+    """A model cut into pipeline stages at named points.
+
+    Attributes:
+      name: e.g. ``"resnet18"``.
+      segments: ``((name, module), ...)`` in order; each module maps ``(x, train) -> y``.
+      cuts: names of the segments after which the model is cut (empty: one stage).
+      input_shape: shape of one sample (without the batch axis).
+      input_dtype: dtype of the input (``float32`` images, ``int32`` tokens).
+      num_outputs: classes, or vocabulary size for a language model.
+      task: ``"classification"`` or ``"language_model"``.
+    """
+
+    name: str
+    segments: tuple[tuple[str, nn.Module], ...]
+    cuts: tuple[str, ...]
+    input_shape: tuple[int, ...]
+    input_dtype: Any
+    num_outputs: int
+    task: str
+
+    @property
+    def segment_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.segments)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.cuts) + 1
+
+    @property
+    def stages(self) -> tuple[Chain, ...]:
+        """One :class:`Chain` module per stage."""
+        names = self.segment_names
+        bounds = [0] + [names.index(c) + 1 for c in self.cuts] + [len(names)]
+        return tuple(Chain(self.segments[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
+
+    def dummy_input(self, batch_size: int = 2) -> jax.Array:
+        return jnp.zeros((batch_size, *self.input_shape), self.input_dtype)
+
+    def init(self, key: jax.Array, batch_size: int = 2) -> tuple[dict, ...]:
+        """Initialises every stage in order; returns one Flax variables dict per stage."""
+        x = self.dummy_input(batch_size)
+        out = []
+        for i, stage in enumerate(self.stages):
+            variables = stage.init(jax.random.fold_in(key, i), x, False)
+            x = stage.apply(variables, x, False)
+            out.append(dict(variables))
+        return tuple(out)
+
+    def boundary_shapes(self, batch_size: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Shapes of the activations crossing each cut, for a batch of ``batch_size``."""
+        variables = jax.eval_shape(lambda k: self.init(k, batch_size), jax.random.key(0))
+        x = jax.ShapeDtypeStruct((batch_size, *self.input_shape), self.input_dtype)
+        shapes = []
+        for stage, v in zip(self.stages[:-1], variables[:-1]):
+            x = jax.eval_shape(lambda v, x, stage=stage: stage.apply(v, x, False), v, x)
+            shapes.append(x)
+        return tuple(shapes)
+
+    @property
+    def has_batch_stats(self) -> bool:
+        variables = jax.eval_shape(lambda k: self.init(k), jax.random.key(0))
+        return any("batch_stats" in v for v in variables)
+
+    def stage_fns(self, train: bool = True) -> tuple[Callable[[Any, jax.Array], jax.Array], ...]:
+        """Pure ``stage_fn(params, x) -> y`` per stage (the pipeline contract).
+
+        Raises:
+          ValueError: if the model keeps BatchNorm statistics (pipeline stages hold no mutable
+            state; build the model with ``norm="layer"`` or ``norm="group"``).
+        """
+        if self.has_batch_stats:
+            raise ValueError(
+                f"{self.name}: pipeline stages cannot carry BatchNorm statistics; "
+                "build the model with norm='group' or norm='layer'."
+            )
+
+        def make(stage):
+            def stage_fn(params, x):
+                return stage.apply({"params": params}, x, train)
+
+            return stage_fn
+
+        return tuple(make(s) for s in self.stages)
+
+    def apply(
+        self, variables: Sequence[dict], x: jax.Array, *, train: bool = False
+    ) -> tuple[jax.Array, tuple[dict, ...]]:
+        """Runs all stages in order.
+
+        Returns:
+          ``(y, new_variables)``: the output and the variables with updated BatchNorm
+          statistics when ``train`` (unchanged otherwise).
+        """
+        new = []
+        for stage, v in zip(self.stages, variables):
+            if train and "batch_stats" in v:
+                x, updates = stage.apply(v, x, True, mutable=["batch_stats"])
+                new.append({**v, **updates})
+            else:
+                x = stage.apply(v, x, train)
+                new.append(v)
+        return x, tuple(new)
+
+    def loss_fn(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
+        """Mean cross-entropy (per token for a language model)."""
+        return cross_entropy(logits, labels)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy with integer labels, computed in float32."""
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), labels
+    ).mean()
+
+
+def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Fraction of argmax predictions equal to the labels (per token for an LM)."""
+    return (jnp.argmax(logits, -1) == labels).mean()
+
+
+def make_staged(
+    name: str,
+    segments: Sequence[tuple[str, nn.Module]],
+    cuts: Sequence[str] | None,
+    default_cuts: Sequence[str],
+    *,
+    input_shape: tuple[int, ...],
+    input_dtype: Any,
+    num_outputs: int,
+    task: str,
+) -> StagedModel:
+    """Validates ``cuts`` against the segment names and builds a :class:`StagedModel`."""
+    segments = tuple(segments)
+    names = [n for n, _ in segments]
+    cuts = tuple(default_cuts if cuts is None else cuts)
+    allowed = names[:-1]
+    for c in cuts:
+        if c not in allowed:
+            raise ValueError(f"{name}: unknown cut point {c!r}; allowed cut points are {allowed}.")
+    positions = [names.index(c) for c in cuts]
+    if positions != sorted(set(positions)):
+        raise ValueError(f"{name}: cut points must be distinct and in model order; got {cuts}.")
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}; got {task!r}.")
+    return StagedModel(name, segments, cuts, tuple(input_shape), input_dtype, num_outputs, task)
