@@ -1,10 +1,8 @@
 """jaxcomp: communication-compressed distributed training in JAX."""
 
-from jaxcomp import comm
-from jaxcomp import compressors
-from jaxcomp import feedback
-from jaxcomp.compressors import wire_bytes
+from jaxcomp import comm, compressors, feedback
 from jaxcomp.comm import measure_collectives
+from jaxcomp.compressors import wire_bytes
 
 __version__ = "0.1.0"
 

@@ -75,6 +75,7 @@ def write_json(path: str | None, benchmark: str, results: list[dict[str, Any]], 
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"benchmark": benchmark, "env": env_info(), "results": results, **extra}, f,
-                  indent=2)
+        json.dump(
+            {"benchmark": benchmark, "env": env_info(), "results": results, **extra}, f, indent=2
+        )
     print(f"wrote {path}")

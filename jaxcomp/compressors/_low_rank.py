@@ -157,6 +157,4 @@ def power_sgd(
             return payload.astype(like.dtype)
         return (payload.p @ payload.q.T).reshape(like.shape).astype(like.dtype)
 
-    return _base.Codec(
-        init, compress, decompress, name, _base.Reduction.LOW_RANK, not warm_start
-    )
+    return _base.Codec(init, compress, decompress, name, _base.Reduction.LOW_RANK, not warm_start)

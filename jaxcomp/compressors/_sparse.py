@@ -249,8 +249,10 @@ def rand_k(
         n = math.prod(like.shape)
         k = payload.values.shape[0]
         pos, _ = positions(payload.seed, n, k)
-        dense = jnp.zeros((n,), like.dtype).at[pos].set(
-            payload.values.astype(like.dtype), unique_indices=True
+        dense = (
+            jnp.zeros((n,), like.dtype)
+            .at[pos]
+            .set(payload.values.astype(like.dtype), unique_indices=True)
         )
         return dense.reshape(like.shape)
 

@@ -1,0 +1,193 @@
+"""Quantization and sign codecs: hand-worked outputs, error bounds, packing, bad input."""
+
+import math
+
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxcomp import compressors
+
+KEY = jax.random.key(0)
+
+
+def roundtrip(codec, x, key=KEY):
+    payload, _ = codec.compress(x, codec.init(x), key)
+    return payload, codec.decompress(payload, x)
+
+
+def test_two_bit_tensor_scale_by_hand():
+    x = jnp.array([1.0, -0.5, 0.25, 0.0])
+    payload, y = roundtrip(compressors.quantize(2), x)
+    # h = 2: q = clip(round(x / 1 * 2), -2, 1) = [1, -1, 0, 0]; codes q + 2 = [3, 1, 2, 2]
+    np.testing.assert_array_equal(payload.codes, np.array([3 | 1 << 2 | 2 << 4 | 2 << 6], np.uint8))
+    np.testing.assert_allclose(y, [0.5, -0.5, 0.0, 0.0])
+    assert payload.scale.dtype == jnp.float32 and float(payload.scale) == 1.0
+
+
+def test_two_bit_minmax_by_hand():
+    x = jnp.array([0.0, 1.0, 2.0, 3.0])
+    payload, y = roundtrip(compressors.quantize(2, scale="minmax"), x)
+    np.testing.assert_array_equal(payload.codes, [0 | 1 << 2 | 2 << 4 | 3 << 6])
+    np.testing.assert_array_equal(payload.scale, [0.0, 3.0])
+    np.testing.assert_array_equal(y, x)
+
+
+def test_feature_scale_by_hand_acsgd():
+    x = jnp.array([[1.0, -2.0, 0.5], [-4.0, 1.0, 0.25]])
+    payload, y = roundtrip(compressors.quantize(8, scale="feature", axes=(0,)), x)
+    assert payload.scale.dtype == jnp.float16
+    np.testing.assert_array_equal(payload.scale, [4.0, 2.0, 0.5])
+    # the top level clips to h - 1 = 127: 0.5 -> 127/128 * 0.5
+    np.testing.assert_allclose(y, [[1.0, -2.0, 127 / 128 * 0.5], [-4.0, 1.0, 0.25]], rtol=1e-6)
+
+
+def test_feature_scale_over_batch_and_sequence():
+    x = jax.random.normal(KEY, (2, 3, 5))
+    payload, y = roundtrip(compressors.quantize(8, scale="feature", axes=(0, 1)), x)
+    assert payload.scale.shape == (5,)
+    s = np.asarray(payload.scale, np.float32)
+    assert np.all(np.abs(np.asarray(y) - np.asarray(x)) <= s / 128 + 1e-3)
+
+
+def test_sign_by_hand():
+    x = jnp.array([2.0, -1.0, 3.0, -2.0])
+    payload, y = roundtrip(compressors.sign(), x)
+    np.testing.assert_array_equal(payload.codes, [0b0101])
+    np.testing.assert_array_equal(y, [2.0, -2.0, 2.0, -2.0])
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n", [1, 7, 8, 37])
+def test_bitpack_roundtrip_and_size(bits, n):
+    codes = jax.random.randint(KEY, (n,), 0, 2**bits).astype(jnp.uint8)
+    packed = compressors.pack(codes, bits)
+    assert packed.dtype == jnp.uint8
+    assert packed.shape == (compressors.packed_size(n, bits),)
+    assert packed.shape[0] <= math.ceil(n * bits / 8) + 3  # at most one pad byte per part
+    np.testing.assert_array_equal(compressors.unpack(packed, n, bits), codes)
+
+
+def test_packed_size_is_exact_for_aligned_lengths():
+    for bits in range(1, 9):
+        assert compressors.packed_size(64, bits) == 64 * bits // 8
+
+
+FLOATS = hnp.arrays(
+    np.float32, (6, 5), elements=st.floats(-1e4, 1e4, width=32, allow_subnormal=False)
+)
+
+
+def _jitted(codec):
+    return jax.jit(lambda x, k: roundtrip(codec, x, k))
+
+
+QUANTIZERS = {
+    (bits, scale, rounding): _jitted(compressors.quantize(bits, scale=scale, rounding=rounding))
+    for bits in (1, 3, 4, 8)
+    for scale in ("tensor", "feature", "minmax")
+    for rounding in ("nearest", "stochastic")
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    x=FLOATS,
+    bits=st.sampled_from([1, 3, 4, 8]),
+    scale=st.sampled_from(["tensor", "minmax"]),
+    rounding=st.sampled_from(["nearest", "stochastic"]),
+    seed=st.integers(0, 2**16),
+)
+def test_quantization_error_bound(x, bits, scale, rounding, seed):
+    payload, y = QUANTIZERS[(bits, scale, rounding)](jnp.asarray(x), jax.random.key(seed))
+    err = np.abs(np.asarray(y, np.float64) - x)
+    if scale == "minmax":
+        step = (x.max() - x.min()) / (2**bits - 1)
+        bound = step / 2 if rounding == "nearest" else step
+    else:
+        # one step of s / h (the clipped top level costs a full step even when rounding to nearest)
+        bound = float(payload.scale) / 2 ** (bits - 1)
+    assert np.all(err <= bound * (1 + 1e-5) + 1e-6 * np.abs(x).max() + 1e-30)
+
+
+@settings(max_examples=20, deadline=None)
+@given(x=FLOATS, bits=st.sampled_from([1, 3, 4, 8]))
+def test_feature_quantization_error_bound(x, bits):
+    payload, y = QUANTIZERS[(bits, "feature", "nearest")](jnp.asarray(x), KEY)
+    s = np.asarray(payload.scale, np.float64)  # the float16 scale that travelled
+    err = np.abs(np.asarray(y, np.float64) - x)
+    # the float16 rounding of the scale moves every level by at most a relative 2^-11
+    assert np.all(err <= s / 2 ** (bits - 1) + np.abs(x) * 2.0**-10 + 1e-6)
+
+
+def test_stochastic_rounding_is_unbiased():
+    codec = compressors.quantize(2, rounding="stochastic")
+    x = jnp.linspace(-0.9, 0.4, 64)
+    f = jax.jit(jax.vmap(lambda k: roundtrip(codec, x, k)[1]))
+    mean = f(jax.random.split(KEY, 4000)).mean(0)
+    np.testing.assert_allclose(mean, x, atol=0.03)
+
+
+def test_stochastic_needs_key():
+    codec = compressors.quantize(4, rounding="stochastic")
+    with pytest.raises(ValueError, match="key"):
+        codec.compress(jnp.ones(4), codec.init(jnp.ones(4)), None)
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [compressors.quantize(b, scale=s) for b in (1, 4) for s in ("tensor", "feature", "minmax")]
+    + [compressors.sign()],
+    ids=lambda c: c.name,
+)
+def test_zeros_decode_to_exact_zeros(codec):
+    x = jnp.zeros((4, 3))
+    np.testing.assert_array_equal(roundtrip(codec, x)[1], np.zeros((4, 3)))
+
+
+def test_constant_tensor_minmax_is_exact():
+    x = jnp.full((5,), 2.5)
+    np.testing.assert_array_equal(roundtrip(compressors.quantize(3, scale="minmax"), x)[1], x)
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [compressors.quantize(4), compressors.quantize(4, scale="minmax"), compressors.sign()],
+    ids=lambda c: c.name,
+)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_input_is_never_made_finite(codec, bad):
+    x = jnp.array([1.0, bad, -2.0, 0.5])
+    y = np.asarray(roundtrip(codec, x)[1])
+    assert not np.all(np.isfinite(y))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(bits=0), "bits"),
+        (dict(bits=9), "bits"),
+        (dict(bits=2.5), "bits"),
+        (dict(scale="row"), "scale"),
+        (dict(rounding="up"), "rounding"),
+        (dict(scale_dtype=jnp.int8), "scale_dtype"),
+    ],
+)
+def test_bad_parameters_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        compressors.quantize(**kwargs)
+
+
+def test_sign_bad_scale():
+    with pytest.raises(ValueError, match="scale"):
+        compressors.sign(scale="max")
+
+
+@pytest.mark.parametrize("codec", [compressors.quantize(4), compressors.sign()], ids=str)
+def test_integer_input_is_a_type_error(codec):
+    with pytest.raises(TypeError, match="floating"):
+        codec.compress(jnp.arange(4), codec.init(jnp.zeros(4)), None)

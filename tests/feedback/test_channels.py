@@ -1,0 +1,167 @@
+"""Error-feedback channels: telescoping identity, EF21/AQ-SGD mirrors, per-sample buffers."""
+
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxcomp import compressors, feedback
+
+KEY = jax.random.key(0)
+TOPK = compressors.top_k(0.25)
+Q4 = compressors.quantize(4, scale="feature")
+
+
+def _ef_step(channel):
+    @jax.jit
+    def step(x, send_state, recv_state, key):
+        payload, new_send = channel.send(x, send_state, key)
+        x_hat, new_recv = channel.receive(payload, recv_state, x)
+        return x_hat, new_send, new_recv
+
+    return step
+
+
+EF_STEPS = {
+    name: _ef_step(feedback.error_feedback(codec))
+    for name, codec in [("topk", TOPK), ("q4", Q4), ("sign", compressors.sign())]
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    x=hnp.arrays(np.float32, (8, 6), elements=st.floats(-50, 50, width=32)),
+    e=hnp.arrays(np.float32, (8, 6), elements=st.floats(-5, 5, width=32)),
+    codec=st.sampled_from(sorted(EF_STEPS)),
+)
+def test_error_feedback_telescopes(x, e, codec):
+    state = feedback.ErrorFeedbackState(jnp.asarray(e), compressors.EmptyState())
+    x_hat, new_state, _ = EF_STEPS[codec](jnp.asarray(x), state, compressors.EmptyState(), KEY)
+    # x + e_old == x_hat + e_new
+    np.testing.assert_allclose(
+        x + e, np.asarray(x_hat) + np.asarray(new_state.residual), rtol=1e-6, atol=1e-4
+    )
+
+
+def test_error_feedback_sum_of_received_tracks_sum_of_sent():
+    channel = feedback.error_feedback(TOPK)
+    step = EF_STEPS["topk"]
+    xs = jax.random.normal(KEY, (50, 8, 6))
+    send, recv = channel.init(xs[0])
+    received = jnp.zeros((8, 6))
+    for x in xs:
+        x_hat, send, recv = step(x, send, recv, KEY)
+        received = received + x_hat
+    np.testing.assert_allclose(received + send.residual, xs.sum(0), rtol=1e-5, atol=1e-4)
+
+
+def test_error_feedback_per_sample_buffers_follow_ids():
+    channel = feedback.error_feedback(compressors.top_k(count=1, per_sample=True), num_samples=5)
+    x = jnp.array([[1.0, 0.5], [2.0, -0.25]])
+    send, _ = channel.init(x)
+    assert send.residual.shape == (5, 2)
+    _, send = channel.send(x, send, ids=jnp.array([3, 1]))
+    np.testing.assert_array_equal(send.residual[3], [0.0, 0.5])
+    np.testing.assert_array_equal(send.residual[1], [0.0, -0.25])
+    np.testing.assert_array_equal(send.residual[jnp.array([0, 2, 4])], 0.0)
+    with pytest.raises(ValueError, match="sample ids"):
+        channel.send(x, send)
+
+
+def test_error_feedback_decay():
+    channel = feedback.error_feedback(compressors.top_k(count=1), decay=0.5)
+    send, _ = channel.init(jnp.zeros(2))
+    _, send = channel.send(jnp.array([1.0, 0.5]), send)
+    np.testing.assert_array_equal(send.residual, [0.0, 0.25])
+
+
+@pytest.mark.parametrize("codec", [TOPK, Q4, compressors.rand_k(0.25)], ids=lambda c: c.name)
+def test_ef21_mirrors_stay_identical_and_track_the_signal(codec):
+    channel = feedback.ef21(codec)
+    xs = jnp.cumsum(0.05 * jax.random.normal(KEY, (80, 8, 6)), axis=0) + 1.0  # slowly drifting
+
+    def body(carry, inp):
+        send, recv = carry
+        x, key = inp
+        payload, send = channel.send(x, send, key)
+        x_hat, recv = channel.receive(payload, recv, x)
+        return (send, recv), (x_hat, send.estimate, recv.estimate)
+
+    keys = jax.random.split(KEY, xs.shape[0])
+    _, (x_hat, est_send, est_recv) = jax.jit(lambda c, i: jax.lax.scan(body, c, i))(
+        channel.init(xs[0]), (xs, keys)
+    )
+    np.testing.assert_array_equal(est_send, est_recv)  # bit-identical mirrors at every step
+    np.testing.assert_array_equal(x_hat, est_recv)
+    err = np.linalg.norm(np.asarray(x_hat[-10:] - xs[-10:])) / np.linalg.norm(np.asarray(xs[-10:]))
+    assert err < 0.1
+
+
+def test_aq_sgd_warm_up_fills_both_caches_then_deltas_travel():
+    num_samples, batch = 10, 4
+    channel = feedback.aq_sgd(compressors.quantize(4, scale="feature"), num_samples)
+    data = jax.random.normal(KEY, (num_samples, 3, 5))
+    send, recv = channel.init(data[:batch])
+    assert send.estimate.dtype == jnp.float16 and send.estimate.shape == (num_samples, 3, 5)
+    ids = jnp.arange(num_samples).reshape(-1, 2)  # warm-up "epoch" in micro-batches of 2
+    for i in ids:
+        send = channel.dense_send(data[i], send, i)
+        recv = channel.dense_receive(data[i], recv, i)
+    np.testing.assert_array_equal(send.estimate, data.astype(jnp.float16))
+    np.testing.assert_array_equal(recv.estimate, send.estimate)
+
+    drift = data + 0.01 * jax.random.normal(jax.random.key(1), data.shape)
+    step = jax.jit(lambda x, s, r, i: _aq_step(channel, x, s, r, i))
+    for _ in range(3):
+        for i in ids[::-1]:
+            x_hat, send, recv = step(drift[i], send, recv, i)
+            np.testing.assert_array_equal(send.estimate, recv.estimate)
+    np.testing.assert_allclose(recv.estimate.astype(jnp.float32), drift, atol=2e-3)
+    with pytest.raises(ValueError, match="sample ids"):
+        channel.send(data[:2], send)
+
+
+def _aq_step(channel, x, send, recv, ids):
+    payload, send = channel.send(x, send, None, ids)
+    x_hat, recv = channel.receive(payload, recv, x, ids)
+    return x_hat, send, recv
+
+
+def test_aq_sgd_ids_shape_is_checked():
+    channel = feedback.aq_sgd(TOPK, 8)
+    x = jnp.ones((2, 4))
+    send, _ = channel.init(x)
+    with pytest.raises(ValueError, match="shape"):
+        channel.send(x, send, ids=jnp.arange(3))
+
+
+def test_plain_channel_and_as_channel():
+    channel = feedback.as_channel(compressors.power_sgd(1))
+    assert feedback.as_channel(channel) is channel
+    x = jnp.outer(jnp.arange(3.0), jnp.arange(4.0))
+    send, recv = channel.init(x)
+    payload, send = channel.send(x, send)
+    x_hat, recv = channel.receive(payload, recv, x)
+    np.testing.assert_allclose(x_hat, x, atol=1e-5)
+    assert isinstance(send, compressors.PowerSGDState)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: feedback.error_feedback(TOPK, decay=0.0),
+        lambda: feedback.error_feedback(TOPK, num_samples=0),
+        lambda: feedback.aq_sgd(TOPK, 0),
+    ],
+)
+def test_bad_parameters_raise(make):
+    with pytest.raises(ValueError):
+        make()
+
+
+def test_channels_need_a_codec():
+    with pytest.raises(TypeError):
+        feedback.ef21("top_k")
