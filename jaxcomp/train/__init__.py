@@ -1,0 +1,49 @@
+"""The training harness: modes, trainer, checkpoints, metrics and progress.
+
+``train_and_evaluate(config, workdir)`` runs one experiment config (see ``configs/``) in a
+mode (``dense``, ``pipeline``, ``data_parallel``, ``ab``), resuming from the workdir's latest
+checkpoint, and writes metrics, a plot and a summary table.
+"""
+
+from jaxcomp.train._checkpoint import Checkpointer
+from jaxcomp.train._config import (
+    DEFAULTS,
+    MODES,
+    build_channel,
+    build_codec,
+    optimizer,
+    with_defaults,
+)
+from jaxcomp.train._metrics import MetricWriter, plot_metrics, read_metrics, summary_table
+from jaxcomp.train._mode import Mode
+from jaxcomp.train._progress import Progress
+from jaxcomp.train._trainer import (
+    NonFiniteError,
+    Setup,
+    TrainState,
+    evaluate,
+    setup,
+    train_and_evaluate,
+)
+
+__all__ = (
+    "DEFAULTS",
+    "MODES",
+    "Checkpointer",
+    "MetricWriter",
+    "Mode",
+    "NonFiniteError",
+    "Progress",
+    "Setup",
+    "TrainState",
+    "build_channel",
+    "build_codec",
+    "evaluate",
+    "optimizer",
+    "plot_metrics",
+    "read_metrics",
+    "setup",
+    "summary_table",
+    "train_and_evaluate",
+    "with_defaults",
+)

@@ -1,0 +1,218 @@
+"""Experiment configs: the allowed keys, their defaults, and what they resolve to.
+
+A config is an ``ml_collections.ConfigDict`` whose parts are chosen by name against public
+modules (big_vision's habit): ``model_name`` in :data:`jaxcomp.models.MODELS`, ``data_name`` in
+:func:`jaxcomp.data.get_dataset`, ``optax_name`` an ``optax`` optimizer. :func:`validate` checks
+every key before anything is built, so a typo is a one-line error rather than a silent default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import ml_collections
+import optax
+
+MODES = ("dense", "pipeline", "data_parallel", "ab")
+SCHEDULES = ("constant", "cosine", "warmup_cosine", "step")
+
+REQUIRED = "<required>"
+#: top-level keys and their defaults
+DEFAULTS: dict[str, Any] = {
+    "seed": 0,
+    "mode": REQUIRED,
+    "mesh": REQUIRED,
+    "model_name": REQUIRED,
+    "model": {},
+    "data_name": REQUIRED,
+    "data": {},
+    "eval_data": {},
+    "augment": None,
+    "batch_size": REQUIRED,
+    "eval_batch_size": None,
+    "total_steps": REQUIRED,
+    "optax_name": "sgd",
+    "optax": {},
+    "lr": 0.1,
+    "schedule": "constant",
+    "warmup_steps": 0,
+    "lr_decay_steps": [],
+    "grad_clip_norm": None,
+    "weight_decay": 0.0,
+    "log_every": 50,
+    "eval_every": 0,
+    "checkpoint_every": 0,
+    "keep_checkpoints": 2,
+    "max_nonfinite_in_a_row": 10,
+    "pipeline": {},
+    "data_parallel": {},
+    "ab": {},
+}
+#: keys that do not change what is computed (a workdir may be resumed with other values)
+RUN_ONLY_KEYS = (
+    "total_steps",
+    "log_every",
+    "eval_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "max_nonfinite_in_a_row",
+    "eval_batch_size",
+    "eval_data",
+)
+
+
+def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Validates the keys of ``config`` and fills in defaults (returns a new, unlocked copy).
+
+    Raises:
+      ValueError: for an unknown key, a missing required key, or an unknown mode or schedule.
+    """
+    given = dict(config.to_dict() if hasattr(config, "to_dict") else config)
+    unknown = sorted(set(given) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown config key(s) {unknown}; allowed keys are {sorted(DEFAULTS)}.")
+    missing = sorted(k for k, v in DEFAULTS.items() if v is REQUIRED and given.get(k) is None)
+    if missing:
+        raise ValueError(f"config is missing required key(s) {missing}.")
+    full = {**DEFAULTS, **given}
+    if full["mode"] not in MODES:
+        raise ValueError(f"config.mode must be one of {MODES}; got {full['mode']!r}.")
+    if full["schedule"] not in SCHEDULES:
+        raise ValueError(f"config.schedule must be one of {SCHEDULES}; got {full['schedule']!r}.")
+    if not isinstance(full["batch_size"], int) or full["batch_size"] < 1:
+        raise ValueError(f"config.batch_size must be a positive int; got {full['batch_size']!r}.")
+    if not isinstance(full["total_steps"], int) or full["total_steps"] < 1:
+        raise ValueError(f"config.total_steps must be a positive int; got {full['total_steps']!r}.")
+    if full["eval_batch_size"] is None:
+        full["eval_batch_size"] = full["batch_size"]
+    try:
+        mesh = [(str(n), int(s)) for n, s in full["mesh"]]
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"config.mesh must be a list of (axis_name, size); got {full['mesh']!r}."
+        ) from e
+    full["mesh"] = mesh
+    return ml_collections.ConfigDict(full)
+
+
+def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The part of the config that identifies an experiment (everything but run-length and
+    logging keys), as plain JSON-able data."""
+    d = json.loads(config.to_json_best_effort())
+    return {k: v for k, v in sorted(d.items()) if k not in RUN_ONLY_KEYS}
+
+
+def fingerprint_hash(fp: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def diff_keys(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested dicts."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k, "<missing>"), b.get(k, "<missing>")
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += diff_keys(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
+    """The schedule named by ``config.schedule`` with peak ``config.lr``.
+
+    ``constant``; ``cosine`` (to 0 over ``total_steps``); ``warmup_cosine`` (linear warm-up for
+    ``warmup_steps``, then cosine); ``step`` (divided by 10 at each of ``lr_decay_steps``).
+    """
+    lr, total = float(config.lr), int(config.total_steps)
+    if config.schedule == "constant":
+        return optax.constant_schedule(lr)
+    if config.schedule == "cosine":
+        return optax.cosine_decay_schedule(lr, total)
+    if config.schedule == "warmup_cosine":
+        warm = int(config.warmup_steps)
+        return optax.warmup_cosine_decay_schedule(0.0, lr, max(warm, 1), max(total, warm + 1))
+    boundaries = {int(s): 0.1 for s in config.lr_decay_steps}
+    return optax.piecewise_constant_schedule(lr, boundaries)
+
+
+def optimizer(config: ml_collections.ConfigDict, schedule=None) -> optax.GradientTransformation:
+    """``optax.<optax_name>(learning_rate, **optax)``, with optional clipping and weight decay.
+
+    Raises:
+      ValueError: for an optimizer name that ``optax`` does not have, or bad keyword arguments.
+    """
+    name = config.optax_name
+    factory = getattr(optax, name, None)
+    if factory is None or not callable(factory):
+        raise ValueError(
+            f"unknown optimizer optax.{name}; use an optax optimizer name (sgd, adam, adamw, ...)."
+        )
+    schedule = learning_rate(config) if schedule is None else schedule
+    try:
+        opt = factory(learning_rate=schedule, **dict(config.optax))
+    except TypeError as e:
+        raise ValueError(f"config.optax does not fit optax.{name}: {e}") from e
+    parts = []
+    if config.grad_clip_norm:
+        parts.append(optax.clip_by_global_norm(float(config.grad_clip_norm)))
+    if config.weight_decay and name not in ("adamw", "lamb", "lion"):
+        parts.append(optax.add_decayed_weights(float(config.weight_decay)))
+    return optax.chain(*parts, opt) if parts else opt
+
+
+def check_sub_config(section: str, given: Any, allowed: dict[str, Any]) -> dict[str, Any]:
+    """Checks the keys of a mode's sub-config (``config.pipeline`` ...) and fills defaults."""
+    given = dict(given.to_dict() if hasattr(given, "to_dict") else given or {})
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) {unknown} in config.{section}; allowed are {sorted(allowed)}."
+        )
+    return {**allowed, **given}
+
+
+CODECS = ("identity", "cast", "quantize", "sign", "top_k", "rand_k", "power_sgd")
+FEEDBACKS = (None, "ef", "ef21", "aq_sgd")
+
+
+def build_codec(spec: Any):
+    """A codec from ``{"name": ..., **kwargs}`` (or a bare name), e.g.
+    ``{"name": "top_k", "fraction": 0.1, "per_sample": True}``.
+
+    Raises:
+      ValueError: naming an unknown codec or a keyword the codec does not take.
+    """
+    from jaxcomp import compressors
+
+    spec = {"name": spec} if isinstance(spec, str) else dict(spec)
+    name = spec.pop("name", None)
+    if name not in CODECS:
+        raise ValueError(f"unknown codec {name!r}; allowed codecs are {list(CODECS)}.")
+    try:
+        return getattr(compressors, name)(**spec)
+    except TypeError as e:
+        raise ValueError(f"bad arguments for codec {name!r}: {e}") from e
+
+
+def build_channel(spec: Any, num_samples: int | None = None):
+    """A channel from ``{"name": codec, "feedback": None | "ef" | "ef21" | "aq_sgd",
+    "per_sample": bool, **codec kwargs}``; ``num_samples`` sizes per-sample buffers."""
+    from jaxcomp import feedback
+
+    spec = {"name": spec} if isinstance(spec, str) else dict(spec)
+    kind = spec.pop("feedback", None)
+    per_sample_buffers = spec.pop("per_sample_buffers", False)
+    if kind not in FEEDBACKS:
+        raise ValueError(f"unknown feedback {kind!r}; allowed are {list(FEEDBACKS)}.")
+    codec = build_codec(spec)
+    if kind is None:
+        return feedback.plain(codec)
+    if kind == "aq_sgd":
+        if num_samples is None:
+            raise ValueError("aq_sgd needs the number of training samples.")
+        return feedback.aq_sgd(codec, num_samples)
+    n = num_samples if per_sample_buffers else None
+    return (feedback.error_feedback if kind == "ef" else feedback.ef21)(codec, num_samples=n)

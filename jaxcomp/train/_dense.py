@@ -1,0 +1,142 @@
+"""Dense data parallelism: the uncompressed baseline every compressed mode is compared with.
+
+Parameters are replicated, the batch is split over every mesh axis, and XLA inserts the
+gradient all-reduce (float32, the full parameter size). BatchNorm statistics are computed over
+the global batch (a synchronised BatchNorm).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp.models import _staged
+from jaxcomp.train import _config, _mode
+
+
+class DenseState(NamedTuple):
+    """Training state of the dense and data-parallel modes."""
+
+    params: tuple  # per stage
+    model_state: tuple  # per stage: BatchNorm statistics, or {}
+    opt_state: Any
+
+
+def make_loss(model: _staged.StagedModel):
+    """``loss(params, model_state, batch) -> (loss, (accuracy, model_state))`` for training."""
+
+    def loss_fn(params, model_state, batch):
+        variables = _mode.join_variables(params, model_state)
+        logits, new_vars = model.apply(variables, batch["x"], train=True)
+        _, new_state = _mode.split_variables(new_vars)
+        loss = model.loss_fn(logits, batch["label"])
+        return loss, (_staged.accuracy(logits, batch["label"]), new_state)
+
+    return loss_fn
+
+
+def make_eval(model: _staged.StagedModel):
+    def eval_fn(params, model_state, batch):
+        logits, _ = model.apply(_mode.join_variables(params, model_state), batch["x"])
+        return _mode.eval_sums(model, logits, batch)
+
+    return eval_fn
+
+
+def build_dense(
+    config: ml_collections.ConfigDict,
+    model: _staged.StagedModel,
+    mesh: jax.sharding.Mesh,
+    num_train_samples: int,
+) -> _mode.Mode:
+    """Builds the dense data-parallel mode (``config.mode = "dense"``)."""
+    del num_train_samples
+    _config.check_sub_config("data_parallel", config.data_parallel, {})
+    opt = _config.optimizer(config)
+    replicated = NamedSharding(mesh, P())
+    batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    n_dev = mesh.size
+    if config.batch_size % n_dev:
+        raise ValueError(f"batch_size {config.batch_size} is not divisible by the {n_dev} devices.")
+
+    def init(key):
+        params, model_state = _mode.split_variables(model.init(key))
+        return DenseState(params, model_state, opt.init(params))
+
+    loss_fn = make_loss(model)
+    eval_fn = make_eval(model)
+
+    def train_step(state, batch, key):
+        del key
+        (loss, (acc, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.params, state.model_state, batch
+        )
+        updates, opt_state = opt.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        finite = _mode.all_finite(loss, grads)
+        new = _mode.keep_if_finite(finite, DenseState(params, model_state, opt_state), state)
+        metrics = {
+            "loss": loss,
+            "accuracy": acc,
+            "finite": finite.astype(jnp.int32),
+            "grad_norm": optax.global_norm(grads),
+        }
+        return new, metrics
+
+    def eval_step(state, batch):
+        return eval_fn(state.params, state.model_state, batch)
+
+    with jax.set_mesh(mesh):
+        init_jit = jax.jit(init, out_shardings=replicated)
+        abstract = jax.eval_shape(init, jax.random.key(0))
+        abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract
+        )
+        batch_abs = abstract_batch(model, config.batch_size, batch_sharding)
+        key_abs = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+        train_c = (
+            jax.jit(train_step, donate_argnums=0).lower(abstract, batch_abs, key_abs).compile()
+        )
+        eval_jit = jax.jit(eval_step)
+    wire = _hlo_bytes(train_c)
+    params_abs = abstract.params
+    dense = 4.0 * _mode.param_count(params_abs)
+    return _mode.Mode(
+        name="dense",
+        mesh=mesh,
+        init=init_jit,
+        train_step=train_c,
+        eval_step=lambda s, b, compressed=False: eval_jit(s, b),
+        batch_sharding=batch_sharding,
+        wire_bytes=wire,
+        dense_bytes=max(dense, wire),
+        description=f"dense data parallel over {n_dev} device(s), optax.{config.optax_name}",
+    )
+
+
+def abstract_batch(model, batch_size, sharding, with_mask=False) -> dict:
+    """ShapeDtypeStructs of a training batch (``x``, ``label``, ``ids``)."""
+    x = jax.ShapeDtypeStruct((batch_size, *model.input_shape), model.input_dtype, sharding=sharding)
+    label_shape = (
+        (batch_size, *model.input_shape) if model.task == "language_model" else (batch_size,)
+    )
+    out = {
+        "x": x,
+        "label": jax.ShapeDtypeStruct(label_shape, jnp.int32, sharding=sharding),
+        "ids": jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=sharding),
+    }
+    if with_mask:
+        out["mask"] = jax.ShapeDtypeStruct((batch_size,), jnp.float32, sharding=sharding)
+    return out
+
+
+def _hlo_bytes(compiled) -> float:
+    from jaxcomp import comm
+
+    return float(comm.collective_report(compiled.as_text()).total_bytes)

@@ -1,0 +1,155 @@
+"""Metrics on disk (JSON lines and CSV), a PNG of the curves, and the final summary table."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def _plain(v: Any) -> Any:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return v
+    if math.isfinite(f) and f == int(f) and abs(f) < 2**53 and not isinstance(v, float):
+        return int(f)
+    return f
+
+
+class MetricWriter:
+    """Appends one record per call to ``metrics.jsonl`` and per split to ``<split>.csv``.
+
+    Records are ``{"step": int, "split": "train" | "eval", **scalars}``. Resuming a run appends;
+    records of steps after the resume point are dropped first, so the files never hold
+    duplicated steps.
+    """
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self.workdir, self.enabled = workdir, enabled
+        self.jsonl = os.path.join(workdir, "metrics.jsonl")
+
+    def truncate_after(self, step: int) -> None:
+        """Drops records with ``step > step`` (from a run that went on past its last checkpoint)."""
+        if not self.enabled:
+            return
+        keep = [r for r in read_metrics(self.workdir) if r["step"] <= step]
+        with open(self.jsonl, "w") as f:
+            for r in keep:
+                f.write(json.dumps(r) + "\n")
+        for split in {r["split"] for r in keep} | {"train", "eval"}:
+            path = os.path.join(self.workdir, f"{split}.csv")
+            if os.path.exists(path):
+                os.remove(path)
+            for r in (r for r in keep if r["split"] == split):
+                self._csv(r)
+
+    def write(self, step: int, split: str, scalars: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step), "split": split, **{k: _plain(v) for k, v in scalars.items()}}
+        with open(self.jsonl, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self._csv(record)
+
+    def _csv(self, record: dict) -> None:
+        path = os.path.join(self.workdir, f"{record['split']}.csv")
+        fields = [k for k in record if k != "split"]
+        new = not os.path.exists(path)
+        if not new:
+            with open(path) as f:
+                header = f.readline().strip().split(",")
+            if header != fields:  # columns changed (e.g. a metric appeared): keep the header
+                fields = header
+        with open(path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            if new:
+                w.writeheader()
+            w.writerow(record)
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """All records of ``workdir/metrics.jsonl`` (empty if none)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_metrics(workdir: str, path: str | None = None) -> str | None:
+    """Draws loss and accuracy curves (train, and eval with compression on/off) to a PNG.
+
+    Returns:
+      The PNG path, or ``None`` if there is nothing to plot.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(workdir)
+    train = [r for r in records if r["split"] == "train"]
+    evals = [r for r in records if r["split"] == "eval"]
+    if not train and not evals:
+        return None
+    path = path or os.path.join(workdir, "metrics.png")
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label, style in (("loss", "train loss", "-"),):
+        pts = [(r["step"], r[key]) for r in train if key in r]
+        if pts:
+            ax_loss.plot(*zip(*pts), style, label=label, alpha=0.8)
+    for suffix, label in (("", "eval"), ("_uncompressed", "eval, compression off")):
+        pts = [(r["step"], r[f"loss{suffix}"]) for r in evals if f"loss{suffix}" in r]
+        if pts:
+            ax_loss.plot(*zip(*pts), "o-", label=f"{label} loss")
+        pts = [(r["step"], r[f"accuracy{suffix}"]) for r in evals if f"accuracy{suffix}" in r]
+        if pts:
+            ax_acc.plot(*zip(*pts), "o-", label=f"{label} accuracy")
+    pts = [(r["step"], r["accuracy"]) for r in train if "accuracy" in r]
+    if pts:
+        ax_acc.plot(*zip(*pts), "-", label="train accuracy", alpha=0.6)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_yscale("log")
+    ax_acc.set_xlabel("step")
+    ax_acc.set_ylabel("accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(os.path.basename(os.path.abspath(workdir)))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.50 KiB'``."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def summary_table(rows: Sequence[tuple[str, Any]], title: str = "summary") -> str:
+    """A two-column text table."""
+    rows = [(str(k), v if isinstance(v, str) else _fmt(v)) for k, v in rows]
+    w = max(len(k) for k, _ in rows)
+    v = max(len(x) for _, x in rows)
+    line = "+" + "-" * (w + 2) + "+" + "-" * (v + 2) + "+"
+    out = [line, f"| {title:<{w + v + 3}} |", line]
+    out += [f"| {k:<{w}} | {x:>{v}} |" for k, x in rows]
+    out.append(line)
+    return "\n".join(out)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4f}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)

@@ -1,0 +1,109 @@
+"""The contract between the trainer and a training mode, and what modes share.
+
+A *mode* (``dense``, ``pipeline``, ``data_parallel``, ``ab``) turns a model, an optimizer and a
+mesh into jitted pure functions over one state pytree::
+
+  state = mode.init(key)                                    # sharded on the mode's mesh
+  state, metrics = mode.train_step(state, batch, key)       # metrics: loss, accuracy, finite, ...
+  sums = mode.eval_step(state, batch, compressed)           # loss_sum, correct_sum, count
+
+The trainer owns everything else (data, checkpoints, metrics, progress), so every mode is
+checkpointed, resumed and reported the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxcomp.models import _staged
+
+
+class Mode(NamedTuple):
+    """A training mode, built by ``build_<mode>(config, model, mesh, num_train_samples)``.
+
+    Attributes:
+      name: ``"dense"``, ``"pipeline"``, ...
+      mesh: the device mesh the state and batches live on.
+      init: ``init(key) -> state``.
+      train_step: ``train_step(state, batch, key) -> (state, metrics)``; a non-finite loss or
+        gradient leaves ``state`` unchanged and reports ``finite == 0``.
+      eval_step: ``eval_step(state, batch, compressed: bool) -> {"loss_sum", "correct_sum",
+        "count"}`` over the batch rows whose ``mask`` is 1.
+      batch_sharding: how to place batch arrays (sharded along their leading axis).
+      wire_bytes: bytes one device sends per training step, read from the compiled HLO.
+      dense_bytes: bytes the same step would send uncompressed.
+      description: one line for the log.
+      has_compressed_eval: whether evaluation with compression on differs from off.
+      extra: mode-specific facts for the summary table.
+    """
+
+    name: str
+    mesh: jax.sharding.Mesh
+    init: Callable[[jax.Array], Any]
+    train_step: Callable[[Any, dict, jax.Array], tuple[Any, dict]]
+    eval_step: Callable[[Any, dict, bool], dict]
+    batch_sharding: jax.sharding.NamedSharding
+    wire_bytes: float
+    dense_bytes: float
+    description: str
+    has_compressed_eval: bool = False
+    extra: dict | None = None
+
+
+def all_finite(*trees: Any) -> jax.Array:
+    """True iff every leaf of every tree is finite (a scalar bool)."""
+    leaves = [x for t in trees for x in jax.tree.leaves(t) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return jnp.array(True)
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+
+
+def keep_if_finite(finite: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``finite`` else ``old``, leaf by leaf: a bad step changes nothing."""
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def eval_sums(model: _staged.StagedModel, logits: jax.Array, batch: dict) -> dict:
+    """Masked sums of per-example loss and accuracy (per-token means for a language model)."""
+    labels = batch["label"]
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    if ce.ndim > 1:
+        ce = ce.reshape(ce.shape[0], -1).mean(-1)
+        correct = correct.reshape(correct.shape[0], -1).mean(-1)
+    mask = batch.get("mask")
+    mask = jnp.ones_like(ce) if mask is None else mask.astype(jnp.float32)
+    return {
+        "loss_sum": (ce * mask).sum(),
+        "correct_sum": (correct * mask).sum(),
+        "count": mask.sum(),
+    }
+
+
+def param_count(tree: Any) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def split_variables(variables: tuple[dict, ...]) -> tuple[tuple, tuple]:
+    """``(params per stage, other collections per stage)`` from Flax variables."""
+    params = tuple(v["params"] for v in variables)
+    rest = tuple({k: c for k, c in v.items() if k != "params"} for v in variables)
+    return params, rest
+
+
+def join_variables(params: tuple, rest: tuple) -> tuple[dict, ...]:
+    return tuple({"params": p, **r} for p, r in zip(params, rest))
+
+
+def compiled_bytes(jitted: Callable, *args) -> float:
+    """Per-device collective bytes of one call of ``jitted(*args)``, from compiled HLO."""
+    from jaxcomp import comm
+
+    text = jitted.lower(*args).compile().as_text()
+    return float(comm.collective_report(text).total_bytes)
