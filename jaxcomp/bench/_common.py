@@ -7,7 +7,8 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -43,6 +44,29 @@ def time_fn(fn: Callable[..., Any], *args: Any, repeats: int = 20, warmup: int =
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+def time_interleaved(
+    calls: Sequence[tuple[Callable[..., Any], tuple]], repeats: int = 20, warmup: int = 2
+) -> list[float]:
+    """Median wall times of several ``(fn, args)`` calls measured round-robin.
+
+    Interleaving makes the ratios between them robust to load that comes and goes on a shared
+    machine, which a back-to-back measurement is not.
+    """
+    import jax
+    import numpy as np
+
+    for fn, args in calls:
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for i, (fn, args) in enumerate(calls):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[i].append(time.perf_counter() - t0)
+    return [float(np.median(t)) for t in times]
 
 
 def env_info() -> dict[str, Any]:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import collections
 import re
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 

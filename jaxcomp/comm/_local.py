@@ -8,7 +8,8 @@ gradients local, so a compressed reduction can follow.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax

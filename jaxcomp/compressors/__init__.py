@@ -9,28 +9,36 @@ Every codec is a :class:`Codec` of three pure functions::
 See :mod:`jaxcomp.feedback` for error-feedback channels built on top of them.
 """
 
-from jaxcomp.compressors._base import (
-    Codec,
-    CodecState,
-    EmptyState,
-    Reduction,
-    dense_bytes,
-    payload_shape,
-    wire_bytes,
-)
-from jaxcomp.compressors._bitpack import pack, packed_size, unpack
-from jaxcomp.compressors._cast import cast, identity
-from jaxcomp.compressors._compose import ComposedState, compose
-from jaxcomp.compressors._low_rank import (
-    LowRankPayload,
-    PowerSGDState,
-    effective_rank,
-    matrix_shape,
-    orthogonalize,
-    power_sgd,
-)
-from jaxcomp.compressors._quantize import QuantizedPayload, quantize, sign
-from jaxcomp.compressors._sparse import RandKPayload, SparsePayload, kept_count, rand_k, top_k
+from jaxcomp.compressors._base import Codec
+from jaxcomp.compressors._base import CodecState
+from jaxcomp.compressors._base import EmptyState
+from jaxcomp.compressors._base import Reduction
+from jaxcomp.compressors._base import compress_and_decode
+from jaxcomp.compressors._base import dense_bytes
+from jaxcomp.compressors._base import payload_shape
+from jaxcomp.compressors._base import wire_bytes
+from jaxcomp.compressors._bitpack import pack
+from jaxcomp.compressors._bitpack import packed_size
+from jaxcomp.compressors._bitpack import unpack
+from jaxcomp.compressors._cast import cast
+from jaxcomp.compressors._cast import identity
+from jaxcomp.compressors._compose import ComposedState
+from jaxcomp.compressors._compose import compose
+from jaxcomp.compressors._low_rank import LowRankPayload
+from jaxcomp.compressors._low_rank import PowerSGDState
+from jaxcomp.compressors._low_rank import effective_rank
+from jaxcomp.compressors._low_rank import matrix_shape
+from jaxcomp.compressors._low_rank import orthogonalize
+from jaxcomp.compressors._low_rank import power_sgd
+from jaxcomp.compressors._low_rank import transposed_matmul
+from jaxcomp.compressors._quantize import QuantizedPayload
+from jaxcomp.compressors._quantize import quantize
+from jaxcomp.compressors._quantize import sign
+from jaxcomp.compressors._sparse import RandKPayload
+from jaxcomp.compressors._sparse import SparsePayload
+from jaxcomp.compressors._sparse import kept_count
+from jaxcomp.compressors._sparse import rand_k
+from jaxcomp.compressors._sparse import top_k
 
 __all__ = (
     "Codec",
@@ -45,6 +53,7 @@ __all__ = (
     "SparsePayload",
     "cast",
     "compose",
+    "compress_and_decode",
     "dense_bytes",
     "effective_rank",
     "identity",
@@ -59,6 +68,7 @@ __all__ = (
     "rand_k",
     "sign",
     "top_k",
+    "transposed_matmul",
     "unpack",
     "wire_bytes",
 )

@@ -35,7 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.compressors import _base, _bitpack, _noise
+from jaxcomp.compressors import _base
+from jaxcomp.compressors import _bitpack
+from jaxcomp.compressors import _noise
 
 SCALE_MODES = ("tensor", "feature", "minmax")
 ROUNDING_MODES = ("nearest", "stochastic")
@@ -131,7 +133,8 @@ def quantize(
         _base.check_float(x, name)
         return _base.EmptyState()
 
-    def compress(x, state, key=None):
+    def codes_and_scale(x, key):
+        """Unsigned codes (float-valued) and the scale that travels."""
         _base.check_float(x, name)
         if stochastic:
             _base.check_key(key, name)
@@ -140,35 +143,46 @@ def quantize(
             lo, hi = jnp.min(xf), jnp.max(xf)
             span = hi - lo
             v = (xf - lo) / jnp.where(span > 0, span, 1.0) * levels
-            q = jnp.clip(_rounded(v, key, stochastic), 0.0, levels)
-            s = jnp.stack([lo, hi]).astype(scale_dtype)
+            return jnp.clip(_rounded(v, key, stochastic), 0.0, levels), jnp.stack([lo, hi])
+        if scale == "tensor":
+            s = jnp.max(jnp.abs(xf)).astype(scale_dtype)
+            s32 = s.astype(jnp.float32)
         else:
-            if scale == "tensor":
-                s = jnp.max(jnp.abs(xf)).astype(scale_dtype)
-                s32 = s.astype(jnp.float32)
-            else:
-                red = feature_axes(x.ndim)
-                s = jnp.max(jnp.abs(xf), axis=red).astype(scale_dtype)
-                s32 = jnp.expand_dims(s.astype(jnp.float32), red)
-            v = xf / (s32 + _EPS) * half
-            q = jnp.clip(_rounded(v, key, stochastic), -half, half - 1.0) + half
+            red = feature_axes(x.ndim)
+            s = jnp.max(jnp.abs(xf), axis=red).astype(scale_dtype)
+            s32 = jnp.expand_dims(s.astype(jnp.float32), red)
+        v = xf / (s32 + _EPS) * half
+        return jnp.clip(_rounded(v, key, stochastic), -half, half - 1.0) + half, s
+
+    def decode(q, s, shape, dtype):
+        s = s.astype(jnp.float32)
+        if scale == "minmax":
+            x_hat = q / levels * (s[1] - s[0]) + s[0]
+        else:
+            if scale == "feature":
+                s = jnp.expand_dims(s, feature_axes(len(shape)))
+            x_hat = (q - half) / half * s
+        return x_hat.astype(dtype)
+
+    def compress(x, state, key=None):
+        q, s = codes_and_scale(x, key)
         codes = _bitpack.pack(q.astype(jnp.uint8).reshape(-1), bits)
-        return QuantizedPayload(codes, s), state
+        return QuantizedPayload(codes, s.astype(scale_dtype)), state
 
     def decompress(payload, like):
         n = math.prod(like.shape)
         q = _bitpack.unpack(payload.codes, n, bits).astype(jnp.float32).reshape(like.shape)
-        s = payload.scale.astype(jnp.float32)
-        if scale == "minmax":
-            lo, hi = s[0], s[1]
-            x_hat = q / levels * (hi - lo) + lo
-        else:
-            if scale == "feature":
-                s = jnp.expand_dims(s, feature_axes(len(like.shape)))
-            x_hat = (q - half) / half * s
-        return x_hat.astype(like.dtype)
+        return decode(q, payload.scale, like.shape, like.dtype)
 
-    return _base.Codec(init, compress, decompress, name, _base.Reduction.GATHER, stochastic)
+    def roundtrip(x, state, key=None):
+        q, s = codes_and_scale(x, key)
+        s = s.astype(scale_dtype)
+        codes = _bitpack.pack(q.astype(jnp.uint8).reshape(-1), bits)
+        return QuantizedPayload(codes, s), state, decode(q, s, x.shape, x.dtype)
+
+    return _base.Codec(
+        init, compress, decompress, name, _base.Reduction.GATHER, stochastic, None, roundtrip
+    )
 
 
 def sign(*, scale: str = "mean_abs") -> _base.Codec:
@@ -208,21 +222,29 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
         _base.check_float(x, name)
         return _base.EmptyState()
 
-    def compress(x, state, key=None):
-        del key
+    def signs_and_scale(x):
         _base.check_float(x, name)
         xf = x.astype(jnp.float32)
-        if scale == "mean_abs":
-            s = jnp.mean(jnp.abs(xf))
-        else:
-            s = jnp.sqrt(jnp.mean(xf * xf))
-        bits = (xf.reshape(-1) >= 0).astype(jnp.uint8)
+        s = jnp.mean(jnp.abs(xf)) if scale == "mean_abs" else jnp.sqrt(jnp.mean(xf * xf))
         # a NaN entry makes the scale NaN so the decoded tensor is NaN, never finite garbage
-        return QuantizedPayload(_bitpack.pack(bits, 1), s), state
+        return (xf >= 0).astype(jnp.uint8), s
+
+    def compress(x, state, key=None):
+        del key
+        bits, s = signs_and_scale(x)
+        return QuantizedPayload(_bitpack.pack(bits.reshape(-1), 1), s), state
 
     def decompress(payload, like):
         n = math.prod(like.shape)
         bits = _bitpack.unpack(payload.codes, n, 1).astype(jnp.float32)
         return ((2.0 * bits - 1.0) * payload.scale).reshape(like.shape).astype(like.dtype)
 
-    return _base.Codec(init, compress, decompress, name, _base.Reduction.GATHER, False)
+    def roundtrip(x, state, key=None):
+        del key
+        bits, s = signs_and_scale(x)
+        x_hat = ((2.0 * bits.astype(jnp.float32) - 1.0) * s).astype(x.dtype)
+        return QuantizedPayload(_bitpack.pack(bits.reshape(-1), 1), s), state, x_hat
+
+    return _base.Codec(
+        init, compress, decompress, name, _base.Reduction.GATHER, False, None, roundtrip
+    )

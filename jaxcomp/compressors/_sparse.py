@@ -72,7 +72,7 @@ def top_k(
     count: int | None = None,
     per_sample: bool = False,
     method: str = "exact",
-    block_size: int = 4096,
+    block_size: int | None = None,
 ) -> _base.Codec:
     r"""Keeps the K entries of largest magnitude and sends (values, indices).
 
@@ -80,11 +80,15 @@ def top_k(
       C(x)_i = x_i \ \text{if}\ |x_i| \ \text{is among the K largest, else}\ 0
 
     ``method="exact"`` uses ``lax.top_k`` over the whole selection range and keeps exactly K.
-    ``method="blockwise"`` cuts the range into blocks of ``block_size`` and keeps the top
-    ``ceil(K * block_size / n)`` of each block: the total is at least K (up to one extra per
-    block), the kept set is the largest entries *of each block* rather than globally, indices
-    are block-local (``uint16`` for blocks up to 65536) and it runs several times faster on CPU
-    and GPU. With one kept entry per block it reduces to a blockwise ``argmax``, the fastest form.
+    ``method="blockwise"`` is the fast mode. By default (``block_size=None``) the range is cut
+    into blocks of ``ceil(n / K)`` entries and the largest entry of each block is kept: one
+    ``argmax`` pass, no sort, about 8x a copy on CPU instead of ~50-100x for the exact mode, and
+    ``uint8`` block-local indices for K >= 0.4% of n. It keeps ``ceil(n / ceil(n / K))`` <= K
+    entries. With an explicit ``block_size`` the top ``ceil(K * block_size / n)`` entries of
+    each block are kept (``lax.top_k`` per block, at least K in total). Either way the kept set
+    is the largest entries *of each block* rather than the global top K: an entry is dropped if
+    a larger one shares its block. For the smooth, dense tensors these codecs see (activations,
+    gradients) the captured energy is within a few percent of the exact top K.
 
     Ties are broken by position (lower index first); Rudakov et al.'s ``kthvalue`` rule
     instead drops every entry tied with the pivot, so it may keep fewer than K. Non-finite
@@ -95,7 +99,7 @@ def top_k(
       count: number of entries kept (instead of ``fraction``).
       per_sample: select K per sample along the leading axis (paper 1), not per tensor.
       method: ``"exact"`` or ``"blockwise"``.
-      block_size: block length for ``"blockwise"``.
+      block_size: block length for ``"blockwise"`` (default: ``ceil(n / K)``, one per block).
 
     Returns:
       A :class:`~jaxcomp.compressors.Codec` with :class:`SparsePayload` payloads.
@@ -116,7 +120,8 @@ def top_k(
     """
     _check_k_args(fraction, count)
     _base.check_choice("method", method, TOPK_METHODS)
-    _base.check_int_range("block_size", block_size, 2)
+    if block_size is not None:
+        _base.check_int_range("block_size", block_size, 2)
     what = f"{fraction:g}" if fraction is not None else f"count={count}"
     name = f"top_k({what}{', per_sample' if per_sample else ''}, {method})"
 
@@ -132,11 +137,15 @@ def top_k(
         """(rows, row length, kept per row, blocks per row, block len, kept per block)."""
         b, d = rows(like)
         k = kept_count(d, fraction, count)
-        if method == "exact" or block_size >= d:
+        if method == "exact" or k == d:
+            return b, d, k, 1, d, k
+        if block_size is None:
+            blk = -(-d // k)
+            return b, d, k, -(-d // blk), blk, 1
+        if block_size >= d:
             return b, d, k, 1, d, k
         nb = -(-d // block_size)
-        kb = min(block_size, -(-k // nb))
-        return b, d, k, nb, block_size, kb
+        return b, d, k, nb, block_size, min(block_size, -(-k // nb))
 
     def init(x):
         _base.check_float(x, name)

@@ -18,7 +18,8 @@ EF21 and AQ-SGD copy ``x`` into their estimates, residual EF leaves its residual
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

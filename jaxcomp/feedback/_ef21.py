@@ -128,8 +128,10 @@ def _markov_channel(codec, num_samples, buffer_dtype, kind) -> _channel.Channel:
         if per_sample:
             _channel.check_ids(ids, x, name)
         old = _channel.read_rows(send_state.estimate, ids, per_sample).astype(x.dtype)
-        payload, codec_state = codec.compress(x - old, send_state.codec, key)
-        estimate, _ = advance(send_state.estimate, ids, codec.decompress(payload, x), x)
+        payload, codec_state, delta_hat = _base.compress_and_decode(
+            codec, x - old, send_state.codec, key
+        )
+        estimate, _ = advance(send_state.estimate, ids, delta_hat, x)
         return payload, EF21SendState(estimate, codec_state)
 
     def receive(payload, recv_state, like, ids=None):

@@ -85,8 +85,10 @@ def error_feedback(
             _channel.check_ids(ids, x, name)
         e = _channel.read_rows(send_state.residual, ids, per_sample)
         corrected = x + e.astype(x.dtype)
-        payload, codec_state = codec.compress(corrected, send_state.codec, key)
-        new_e = corrected - codec.decompress(payload, corrected)
+        payload, codec_state, x_hat = _base.compress_and_decode(
+            codec, corrected, send_state.codec, key
+        )
+        new_e = corrected - x_hat
         if decay != 1.0:
             new_e = decay * new_e
         residual = _channel.write_rows(send_state.residual, ids, new_e, per_sample)

@@ -9,7 +9,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp import comm, compressors
+from jaxcomp import comm
+from jaxcomp import compressors
 
 CODECS = [
     compressors.identity(),
@@ -82,3 +83,18 @@ def test_jit_payload_shapes_and_zeros(codec):
 def test_non_float_input_is_a_type_error(codec):
     with pytest.raises(TypeError, match="floating"):
         codec.init(jnp.zeros(SHAPE, jnp.int32))
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_compress_and_decode_equals_decompress_of_compress(codec):
+    x = jax.random.normal(jax.random.key(2), SHAPE)
+    state = codec.init(x)
+    key = jax.random.key(3)
+    payload, new_state, x_hat = jax.jit(
+        lambda x, s, k: compressors.compress_and_decode(codec, x, s, k)
+    )(x, state, key)
+    # as in practice: compress on one side, decompress (separately compiled) on the other
+    ref_payload, ref_state = jax.jit(codec.compress)(x, state, key)
+    jax.tree.map(np.testing.assert_array_equal, payload, ref_payload)
+    jax.tree.map(np.testing.assert_array_equal, new_state, ref_state)
+    np.testing.assert_array_equal(x_hat, jax.jit(codec.decompress)(ref_payload, x))

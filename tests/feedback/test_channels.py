@@ -5,10 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
-from jaxcomp import compressors, feedback
+from jaxcomp import compressors
+from jaxcomp import feedback
 
 KEY = jax.random.key(0)
 TOPK = compressors.top_k(0.25)

@@ -1,0 +1,159 @@
+"""Codec benchmark: encode+decode time against a plain copy, payload bytes, HLO-measured bytes.
+
+``python -m jaxcomp.bench compressors [--json PATH] [--n N] [--repeats R]``
+
+Every codec runs on the same 4M-element ``float32`` vector (PowerSGD on a 2048x2048 matrix,
+feature-scaled quantization and per-sample TopK on the vector viewed as ``[1024, 4096]``).
+``time_s = encode_s + decode_s``: the medians of a jitted ``compress`` and a jitted
+``decompress``, compiled separately as they run in practice (a collective lies between them; in
+one jit XLA would fuse unpacking into packing). ``copy_time_s`` is the median of a jitted
+``x * 1.0001`` of the same input, measured round-robin with the codec in the same run, so
+``ratio_to_copy`` is comparable across noisy machines. ``hlo_bytes`` is read from the compiled
+HLO of a ``ppermute`` of the payload under ``shard_map`` on two devices and must equal
+``payload_bytes``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jaxcomp.bench import _common
+
+_common.request_cpu_devices(8)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxcomp import comm  # noqa: E402
+from jaxcomp import compressors  # noqa: E402
+
+
+def codec_table(n: int) -> list[tuple[str, compressors.Codec, tuple[int, ...]]]:
+    """(label, codec, input shape) for every benchmarked codec."""
+    vec = (n,)
+    rows = (1024, n // 1024)
+    side = int(math.isqrt(n))
+    q = compressors.quantize
+    return [
+        ("identity", compressors.identity(), vec),
+        ("cast_fp16", compressors.cast("float16"), vec),
+        ("cast_bf16", compressors.cast("bfloat16"), vec),
+        ("quant8", q(8), vec),
+        ("quant4", q(4), vec),
+        ("quant2", q(2), vec),
+        ("quant1", q(1), vec),
+        ("quant3", q(3), vec),
+        ("quant4_feature", q(4, scale="feature", axes=(0,)), rows),
+        ("quant2_minmax", q(2, scale="minmax"), vec),
+        ("quant8_stochastic", q(8, rounding="stochastic"), vec),
+        ("quant4_stochastic", q(4, rounding="stochastic"), vec),
+        ("sign", compressors.sign(), vec),
+        ("topk1%_exact", compressors.top_k(0.01), vec),
+        ("topk1%_blockwise", compressors.top_k(0.01, method="blockwise"), vec),
+        (
+            "topk1%_blockwise_4096",
+            compressors.top_k(0.01, method="blockwise", block_size=4096),
+            vec,
+        ),
+        ("topk10%_per_sample", compressors.top_k(0.1, per_sample=True), rows),
+        (
+            "topk10%_per_sample_blockwise",
+            compressors.top_k(0.1, per_sample=True, method="blockwise"),
+            rows,
+        ),
+        ("randk1%", compressors.rand_k(0.01), vec),
+        ("powersgd_r4", compressors.power_sgd(4), (side, side)),
+        (
+            "topk1%_blockwise+quant8",
+            compressors.compose(compressors.top_k(0.01, method="blockwise"), q(8)),
+            vec,
+        ),
+    ]
+
+
+def hlo_payload_bytes(codec: compressors.Codec, shape: tuple[int, ...]) -> float:
+    """Per-device bytes of a ``ppermute`` of the payload under ``shard_map`` on 2 devices."""
+    mesh = comm.make_mesh([("x", 2)], devices=jax.devices()[:2])
+
+    def send(x):
+        payload, _ = codec.compress(x, codec.init(x), jax.random.key(0))
+        payload = jax.tree.map(lambda a: lax.ppermute(a, "x", [(0, 1), (1, 0)]), payload)
+        return codec.decompress(payload, x)
+
+    glob = jax.ShapeDtypeStruct(
+        (2 * shape[0], *shape[1:]), jnp.float32, sharding=NamedSharding(mesh, P("x"))
+    )
+    f = jax.shard_map(send, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    return comm.measure_collectives(f, glob).total_bytes
+
+
+def run(n: int = 4 * 1024 * 1024, repeats: int = 20) -> list[dict]:
+    """Benchmarks every codec; returns one record per codec."""
+    copy = jax.jit(lambda x: x * 1.0001)
+    results = []
+    for label, codec, shape in codec_table(n):
+        x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
+        state = codec.init(x)
+        key = jax.random.key(1)
+        encode = jax.jit(lambda x, state, key, codec=codec: codec.compress(x, state, key)[0])
+        decode = jax.jit(lambda payload, x, codec=codec: codec.decompress(payload, x))
+        payload = encode(x, state, key)
+        t_enc, t_dec, t_copy = _common.time_interleaved(
+            [(encode, (x, state, key)), (decode, (payload, x)), (copy, (x,))], repeats
+        )
+        t = t_enc + t_dec
+        like = jax.ShapeDtypeStruct(shape, jnp.float32)
+        payload_bytes = compressors.wire_bytes(compressors.payload_shape(codec, like))
+        y = decode(payload, x)
+        rel_err = float(jnp.linalg.norm(y - x) / jnp.linalg.norm(x))
+        results.append(
+            dict(
+                name=label,
+                codec=codec.name,
+                n=math.prod(shape),
+                shape=list(shape),
+                dense_bytes=compressors.dense_bytes(like),
+                payload_bytes=payload_bytes,
+                hlo_bytes=hlo_payload_bytes(codec, shape),
+                compression=compressors.dense_bytes(like) / payload_bytes,
+                time_s=t,
+                encode_s=t_enc,
+                decode_s=t_dec,
+                copy_time_s=t_copy,
+                ratio_to_copy=t / t_copy,
+                rel_error=rel_err,
+            )
+        )
+        r = results[-1]
+        print(f"  {label:26s} {r['time_s'] * 1e3:8.2f} ms  ({r['ratio_to_copy']:5.1f}x copy)")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _common.parser(__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=4 * 1024 * 1024, help="elements per input")
+    args = p.parse_args(argv)
+    results = run(args.n, args.repeats)
+    print()
+    _common.print_table(
+        results,
+        [
+            ("name", "s"),
+            ("payload_bytes", "d"),
+            ("hlo_bytes", ".0f"),
+            ("compression", ".1f"),
+            ("encode_s", ".5f"),
+            ("decode_s", ".5f"),
+            ("copy_time_s", ".5f"),
+            ("ratio_to_copy", ".2f"),
+            ("rel_error", ".3f"),
+        ],
+    )
+    bad = [r["name"] for r in results if r["hlo_bytes"] != r["payload_bytes"]]
+    if bad:
+        print(f"HLO bytes differ from payload bytes for: {bad}")
+    _common.write_json(args.json, "compressors", results)
+    return 1 if bad else 0
