@@ -1,0 +1,84 @@
+"""Staged models: cut points, stage functions == the whole model, sizes, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcomp import models
+
+TINY = {
+    "mlp": lambda: models.mlp(hidden=(16, 16, 16)),
+    "small_cnn": lambda: models.small_cnn(channels=(4, 8), hidden=16),
+    "resnet18": lambda: models.resnet18(width=8, blocks=(1, 1, 1, 1), norm="group"),
+    "vgg16": lambda: models.vgg16(width_divisor=16, cuts=("block2", "block4")),
+    "gpt": lambda: models.gpt(seq_len=8, dim=16, num_heads=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_stage_fns_compose_to_the_whole_model(name):
+    model = TINY[name]()
+    variables = jax.jit(model.init)(jax.random.key(0))
+    if model.input_dtype == jnp.int32:
+        x = jax.random.randint(jax.random.key(1), (3, *model.input_shape), 0, model.num_outputs)
+    else:
+        x = jax.random.normal(jax.random.key(1), (3, *model.input_shape))
+    y_whole = jax.jit(lambda v, x: model.apply(v, x)[0])(variables, x)
+
+    @jax.jit
+    def staged(variables, h):
+        for fn, v in zip(model.stage_fns(train=False), variables):
+            h = fn(v["params"], h)
+        return h
+
+    h = staged(variables, x)
+    np.testing.assert_allclose(h, y_whole, rtol=1e-6, atol=1e-6)
+    expected = (3, 8, 256) if name == "gpt" else (3, 10)
+    assert y_whole.shape == expected
+    assert len(variables) == model.num_stages == len(model.cuts) + 1
+
+
+def test_paper_cut_points_and_boundary_shapes():
+    resnet = models.resnet18(norm="group")
+    assert resnet.cuts == ("layer1", "layer2", "layer3")
+    shapes = [s.shape for s in resnet.boundary_shapes(2)]
+    assert shapes == [(2, 32, 32, 64), (2, 16, 16, 128), (2, 8, 8, 256)]
+    lm = models.gpt(seq_len=16, dim=32, num_heads=4)
+    assert lm.cuts == ("block2", "block5", "block8") and lm.num_stages == 4
+    assert [s.shape for s in lm.boundary_shapes(2)] == [(2, 16, 32)] * 3
+    assert models.mlp().num_stages == 4 and models.small_cnn().num_stages == 4
+
+
+def test_reference_parameter_counts():
+    def count(model):
+        shapes = jax.eval_shape(model.init, jax.random.key(0))
+        return sum(int(np.prod(x.shape)) for v in shapes for x in jax.tree.leaves(v["params"]))
+
+    assert count(models.resnet18()) == 11_173_962  # kuangliu/pytorch-cifar ResNet18
+    assert count(models.vgg16()) == 14_719_818  # 13 convs + Linear(512, 10), no BN
+
+
+def test_batchnorm_statistics_update_in_training_and_block_pipelining():
+    model = models.resnet18(width=8, blocks=(1, 1, 1, 1), norm="batch", cuts=())
+    variables = jax.jit(model.init)(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (4, 32, 32, 3))
+    _, new = jax.jit(lambda v, x: model.apply(v, x, train=True))(variables, x)
+    before = jax.tree.leaves(variables[0]["batch_stats"])
+    after = jax.tree.leaves(new[0]["batch_stats"])
+    assert any(not np.allclose(a, b) for a, b in zip(before, after))
+    with pytest.raises(ValueError, match="norm='group'"):
+        model.stage_fns()
+
+
+def test_bad_names_raise_clear_errors():
+    with pytest.raises(ValueError, match="unknown model 'resnet50'"):
+        models.get_model("resnet50")
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['depth'\]"):
+        models.get_model("mlp", depth=3)
+    with pytest.raises(ValueError, match="unknown cut point 'layer9'"):
+        models.resnet18(cuts=("layer9",))
+    with pytest.raises(ValueError, match="in model order"):
+        models.resnet18(cuts=("layer3", "layer1"))
+    with pytest.raises(ValueError, match="norm must be one of"):
+        models.resnet18(norm="instance")
