@@ -201,6 +201,9 @@ def rand_k(
       C(x)_i = w_i x_i \ \text{for the K drawn}\ i, \quad w_i = |\mathrm{stratum}(i)|\
       \text{if unbiased else}\ 1
 
+    A NaN or Inf anywhere in ``x`` makes every kept value NaN, so a non-finite input is never
+    silently turned into a finite one by not being drawn.
+
     Args:
       fraction: fraction of entries kept, in (0, 1].
       count: number kept (instead of ``fraction``).
@@ -250,6 +253,8 @@ def rand_k(
         seed = jax.random.bits(key, (2,), jnp.uint32)
         pos, sizes = positions(seed, n, k)
         vals = x.reshape(-1)[pos]
+        # a non-finite entry anywhere poisons every kept value: never silently finite
+        vals = vals + jnp.where(jnp.all(jnp.isfinite(x)), 0.0, jnp.nan).astype(vals.dtype)
         if unbiased:
             vals = vals * sizes.astype(vals.dtype)
         return RandKPayload(vals, seed), state

@@ -157,3 +157,9 @@ def test_rand_k_needs_a_key():
     codec = compressors.rand_k(0.5)
     with pytest.raises(ValueError, match="key"):
         codec.compress(jnp.ones(4), codec.init(jnp.ones(4)), None)
+
+
+def test_rand_k_non_finite_input_poisons_the_payload():
+    codec = compressors.rand_k(count=2)
+    x = jnp.zeros(100).at[57].set(jnp.inf)
+    assert np.all(np.isnan(roundtrip(codec, x)[0].values))

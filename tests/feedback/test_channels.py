@@ -102,6 +102,49 @@ def test_ef21_mirrors_stay_identical_and_track_the_signal(codec):
     assert err < 0.1
 
 
+MIRROR_CODECS = {
+    "topk": compressors.top_k(0.25, per_sample=True),
+    "q2_feature": compressors.quantize(2, scale="feature"),
+    "q4_minmax_stochastic": compressors.quantize(4, scale="minmax", rounding="stochastic"),
+}
+
+
+def _mirror_run(codec, num_samples):
+    channel = feedback.ef21(codec, num_samples=num_samples) if num_samples else feedback.ef21(codec)
+
+    @jax.jit
+    def run(xs, ids, keys):
+        def body(carry, inp):
+            send, recv = carry
+            x, i, k = inp
+            payload, send = channel.send(x, send, k, i)
+            _, recv = channel.receive(payload, recv, x, i)
+            return (send, recv), jnp.max(jnp.abs(send.estimate - recv.estimate))
+
+        _, gaps = jax.lax.scan(body, channel.init(xs[0]), (xs, ids, keys))
+        return gaps
+
+    return run
+
+
+MIRRORS = {(c, n): _mirror_run(MIRROR_CODECS[c], n) for c in MIRROR_CODECS for n in (None, 6)}
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    codec=st.sampled_from(sorted(MIRROR_CODECS)),
+    num_samples=st.sampled_from([None, 6]),
+    scale=st.floats(1e-3, 1e3),
+)
+def test_ef21_and_aq_sgd_mirrors_stay_equal_over_many_steps(seed, codec, num_samples, scale):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    xs = scale * jnp.cumsum(jax.random.normal(k1, (40, 3, 8)), axis=0)
+    ids = jax.random.randint(k2, (40, 3), 0, 6)
+    gaps = MIRRORS[(codec, num_samples)](xs, ids, jax.random.split(k3, 40))
+    assert float(gaps.max()) == 0.0
+
+
 def test_aq_sgd_warm_up_fills_both_caches_then_deltas_travel():
     num_samples, batch = 10, 4
     channel = feedback.aq_sgd(compressors.quantize(4, scale="feature"), num_samples)
