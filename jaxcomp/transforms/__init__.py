@@ -1,0 +1,71 @@
+"""Optax gradient transformations for communication-compressed data-parallel training.
+
+* :func:`compressed_mean`: average per-worker gradients over the data axis through a codec or
+  error-feedback channel (the collective follows the codec).
+* :func:`accordion`: per-parameter switching between a low- and a high-compression codec in
+  and out of critical learning regimes (Agarwal et al., 2021);
+  :func:`accordion_batch_size`: the same detector choosing the batch size.
+* :func:`data_parallel`: a jitted train step built on :func:`jaxcomp.comm.local_value_and_grad`.
+* :func:`ab_training`: AB-Training, group-local training of low-rank factors ``W = A·B`` with
+  periodic syncs (Coquelin et al., 2024), run by :func:`ab_data_parallel` on an :func:`ab_mesh`.
+"""
+
+from jaxcomp.transforms._ab_metrics import ab_metrics
+from jaxcomp.transforms._ab_metrics import ab_step_bytes
+from jaxcomp.transforms._ab_parallel import ab_data_parallel
+from jaxcomp.transforms._ab_parallel import ab_mesh
+from jaxcomp.transforms._ab_parallel import fit_rank_capacity
+from jaxcomp.transforms._ab_parallel import group_entry
+from jaxcomp.transforms._ab_parallel import per_group
+from jaxcomp.transforms._ab_schedule import ABPhase
+from jaxcomp.transforms._ab_schedule import ABSchedule
+from jaxcomp.transforms._ab_step import ABTrainingState
+from jaxcomp.transforms._ab_training import ab_training
+from jaxcomp.transforms._accordion import HIGH_COMPRESSION
+from jaxcomp.transforms._accordion import LOW_COMPRESSION
+from jaxcomp.transforms._accordion import UNCOMPRESSED
+from jaxcomp.transforms._accordion import AccordionLeaf
+from jaxcomp.transforms._accordion import AccordionState
+from jaxcomp.transforms._accordion import accordion
+from jaxcomp.transforms._accordion import accordion_metrics
+from jaxcomp.transforms._accordion import critical_regime
+from jaxcomp.transforms._batch_size import AccordionBatchState
+from jaxcomp.transforms._batch_size import accordion_batch_size
+from jaxcomp.transforms._batch_size import batch_size_metrics
+from jaxcomp.transforms._compressed_mean import CompressedMeanState
+from jaxcomp.transforms._compressed_mean import compressed_mean
+from jaxcomp.transforms._data_parallel import DataParallel
+from jaxcomp.transforms._data_parallel import TrainState
+from jaxcomp.transforms._data_parallel import data_parallel
+from jaxcomp.transforms._data_parallel import state_specs
+
+__all__ = (
+    "ABPhase",
+    "ABSchedule",
+    "ABTrainingState",
+    "ab_data_parallel",
+    "ab_mesh",
+    "ab_metrics",
+    "ab_step_bytes",
+    "ab_training",
+    "fit_rank_capacity",
+    "group_entry",
+    "per_group",
+    "HIGH_COMPRESSION",
+    "LOW_COMPRESSION",
+    "UNCOMPRESSED",
+    "AccordionBatchState",
+    "AccordionLeaf",
+    "AccordionState",
+    "CompressedMeanState",
+    "DataParallel",
+    "TrainState",
+    "accordion",
+    "accordion_batch_size",
+    "accordion_metrics",
+    "batch_size_metrics",
+    "compressed_mean",
+    "critical_regime",
+    "data_parallel",
+    "state_specs",
+)
