@@ -1,0 +1,170 @@
+"""What a pipeline is made of: a staged model, per-boundary links, and the schedule's sizes.
+
+**Stages.** A stage is a pure function ``stage_fn(params, x) -> y`` on a *microbatch*: ``x`` and
+``y`` are arrays whose leading axis is the microbatch axis (it must be kept). ``params`` is any
+pytree; stages may differ in parameter structure and in boundary shapes. Stages have **no
+mutable state**: use LayerNorm/GroupNorm, not BatchNorm running statistics (a Flax stage is
+``lambda p, x: module.apply({"params": p}, x)``). Dropout or other randomness is not supported
+inside stages yet.
+
+**Loss.** ``loss_fn(y, labels) -> loss`` or ``-> (loss, metrics)`` on the last stage's output for
+one microbatch: a scalar mean over the microbatch (and a dict of scalar means, e.g. accuracy).
+The pipeline's loss and metrics are their means over the ``M`` microbatches, which for equal
+microbatches equals the full-batch mean.
+
+**Links.** Boundary ``b`` (between stages ``b`` and ``b + 1``) has a :class:`Link`: a forward
+channel for activations, a backward channel for activation-gradients and the backward mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
+
+import jax
+
+from jaxcomp.comm import _mesh
+from jaxcomp.comm import _send
+from jaxcomp.compressors import _base
+from jaxcomp.compressors import _cast
+from jaxcomp.feedback import _channel
+
+
+class StagedModel(NamedTuple):
+    """A model cut into sequential stages.
+
+    Attributes:
+      stages: ``S`` pure functions ``stage_fn(params, x) -> y`` (leading microbatch axis kept).
+      loss_fn: ``loss_fn(y, labels) -> loss`` or ``(loss, metrics)``, microbatch means.
+    """
+
+    stages: tuple[Callable[[Any, jax.Array], jax.Array], ...]
+    loss_fn: Callable[..., Any]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+
+class Link(NamedTuple):
+    """One boundary's compression: forward channel, backward channel, backward mode.
+
+    Attributes:
+      forward: :class:`~jaxcomp.feedback.Channel` for activations.
+      backward: channel for activation-gradients (``None`` in ``"shared_mask"`` mode).
+      mode: ``"independent"`` (the gradient is compressed on its own, Rudakov et al.'s ResNet
+        runs) or ``"shared_mask"`` (only the gradient entries at the forward's kept positions
+        travel, their GPT-2 runs).
+    """
+
+    forward: _channel.Channel
+    backward: _channel.Channel | None
+    mode: str = "independent"
+
+
+def link(
+    forward: _channel.Channel | _base.Codec | None = None,
+    backward: _channel.Channel | _base.Codec | None = None,
+    *,
+    mode: str = "independent",
+) -> Link:
+    """Builds a :class:`Link`; codecs are lifted to channels with ``feedback.plain``.
+
+    Args:
+      forward: channel or codec for activations (default: identity).
+      backward: channel or codec for gradients (default: identity in ``"independent"`` mode;
+        must be omitted in ``"shared_mask"`` mode).
+      mode: ``"independent"`` or ``"shared_mask"``.
+
+    Returns:
+      A :class:`Link`.
+
+    Example:
+      >>> from jaxcomp import compressors, feedback, pipeline
+      >>> ef = feedback.error_feedback(compressors.top_k(0.1, per_sample=True))
+      >>> lk = pipeline.link(ef, compressors.quantize(8))
+      >>> lk.backward.name
+      'quantize(8, tensor)'
+    """
+    _base.check_choice("mode", mode, _send.BACKWARD_MODES)
+    forward = _channel.as_channel(_cast.identity() if forward is None else forward)
+    if mode == "independent" and backward is None:
+        backward = _cast.identity()
+    backward = None if backward is None else _channel.as_channel(backward)
+    _send.check_link(forward, backward, mode)
+    return Link(forward, backward, mode)
+
+
+class PipelineConfig(NamedTuple):
+    """Static sizes and per-boundary links of a pipeline.
+
+    Attributes:
+      num_microbatches: ``M``, the microbatches per step (GPipe needs ``M >= S``).
+      links: one :class:`Link` per boundary (``S - 1``), or a single link used everywhere.
+    """
+
+    num_microbatches: int
+    links: Link | tuple[Link, ...] = link()
+
+
+def resolve_links(config: PipelineConfig, num_stages: int) -> tuple[Link, ...]:
+    """Validates ``config`` for ``num_stages`` stages and returns one link per boundary."""
+    _base.check_int_range("num_stages", num_stages, 2)
+    m = config.num_microbatches
+    _base.check_int_range("num_microbatches", m, 1)
+    if m < num_stages:
+        raise ValueError(
+            f"num_microbatches must be >= the number of stages for a GPipe schedule; got "
+            f"num_microbatches={m} with {num_stages} stages."
+        )
+    links = config.links
+    if isinstance(links, Link):
+        links = (links,) * (num_stages - 1)
+    links = tuple(links)
+    if len(links) != num_stages - 1:
+        raise ValueError(
+            f"links must hold one Link per boundary ({num_stages - 1} for {num_stages} stages); "
+            f"got {len(links)}."
+        )
+    for b, lk in enumerate(links):
+        if not isinstance(lk, Link):
+            raise TypeError(f"links[{b}] must be a pipeline.Link; got {type(lk).__name__}.")
+    return links
+
+
+def check_model(model: StagedModel) -> None:
+    """Raises unless ``model`` has at least two callable stages and a callable loss."""
+    if not isinstance(model, StagedModel):
+        raise TypeError(f"model must be a pipeline.StagedModel; got {type(model).__name__}.")
+    if len(model.stages) < 2:
+        raise ValueError(f"a pipeline needs at least 2 stages; got {len(model.stages)}.")
+    if not all(callable(f) for f in model.stages) or not callable(model.loss_fn):
+        raise TypeError("model.stages and model.loss_fn must be callables.")
+
+
+def pipeline_mesh(
+    num_stages: int, devices: Sequence[jax.Device] | None = None
+) -> jax.sharding.Mesh:
+    """A ``(data, stage)`` mesh: ``num_stages`` consecutive devices per pipeline replica.
+
+    Args:
+      num_stages: ``S``; must divide the number of devices.
+      devices: devices to use (default: all). With ``len(devices) == S`` the mesh has a data
+        axis of size 1.
+
+    Returns:
+      A mesh with axes ``("data", "stage")``.
+
+    Raises:
+      ValueError: if ``num_stages`` does not divide the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    _base.check_int_range("num_stages", num_stages, 2)
+    if len(devices) % num_stages:
+        raise ValueError(
+            f"num_stages={num_stages} does not divide the {len(devices)} devices; use a "
+            f"divisor of {len(devices)} or pass devices=jax.devices()[:k * {num_stages}]."
+        )
+    return _mesh.make_mesh([(_mesh.DATA, -1), (_mesh.STAGE, num_stages)], devices)

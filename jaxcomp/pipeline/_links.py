@@ -1,0 +1,197 @@
+"""Boundary shapes, link states and the theoretical bytes per step.
+
+**Link-state layout.** Every leaf of a link's states has leading axis ``S`` (one slot per stage
+device; ``(S, D)`` with ``D`` data replicas), sharded over ``stage`` (and ``data``). For boundary
+``b`` the live slots are those of the devices at its ends:
+
+=====================  ===========  ==============================================
+state                  live slot    who holds it
+=====================  ===========  ==============================================
+``forward.send``       ``b``        stage ``b``, sender of activations
+``forward.recv``       ``b + 1``    stage ``b + 1``, receiver of activations
+``backward.send``      ``b + 1``    stage ``b + 1``, sender of gradients
+``backward.recv``      ``b``        stage ``b``, receiver of gradients
+=====================  ===========  ==============================================
+
+The other slots stay at their initial values. Distributed and simulated pipelines use the same
+layout, so their states compare slot for slot and a run can switch between them. (The dead
+slots cost memory: each device stores a slot of every boundary's states, which matters only
+for large per-sample AQ-SGD buffers.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomp.comm import _send
+from jaxcomp.compressors import _base
+from jaxcomp.pipeline import _config
+
+
+class LinkState(NamedTuple):
+    """States of one boundary: forward and backward channel, both ends, one slot per stage."""
+
+    forward: _send.ChannelStates
+    backward: _send.ChannelStates
+
+
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(jnp.shape(x)), x.dtype)
+
+
+def boundary_shapes(
+    model: _config.StagedModel, stage_params: Sequence[Any], x_mb: Any, labels_mb: Any
+) -> tuple[tuple[jax.ShapeDtypeStruct, ...], Any]:
+    """Traces the stages on one microbatch (no FLOPs) and returns the ``S - 1`` boundary
+    shapes and the ``loss_fn`` output structure, checking every hand-over.
+
+    Raises:
+      ValueError: naming the stage whose input does not fit, a stage that drops the microbatch
+        axis or returns something other than one array, or a loss that is not a scalar.
+    """
+    params = [jax.tree.map(_struct, p) for p in stage_params]
+    h = _struct(x_mb)
+    mb = h.shape[0]
+    shapes = []
+    for s, fn in enumerate(model.stages):
+        source = "the microbatch inputs" if s == 0 else f"stage {s - 1}'s output"
+        try:
+            out = jax.eval_shape(fn, params[s], h)
+        except Exception as e:  # noqa: BLE001 - re-raised with the boundary named
+            raise ValueError(
+                f"boundary shape mismatch: stage {s} cannot take {source} "
+                f"{h.dtype}{list(h.shape)}: {type(e).__name__}: {e}"
+            ) from e
+        if not isinstance(out, jax.ShapeDtypeStruct):
+            raise ValueError(f"stage {s} must return one array; got {jax.tree.structure(out)}.")
+        if not out.shape or out.shape[0] != mb:
+            raise ValueError(
+                f"stage {s} must keep the leading microbatch axis of size {mb}; it returned "
+                f"shape {out.shape}."
+            )
+        if s < len(model.stages) - 1:
+            if not jnp.issubdtype(out.dtype, jnp.floating):
+                raise ValueError(f"stage {s} must return floating activations; got {out.dtype}.")
+            shapes.append(out)
+        h = out
+    labels = jax.tree.map(_struct, labels_mb)
+    try:
+        loss_out = jax.eval_shape(model.loss_fn, h, labels)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(
+            f"loss_fn cannot take the last stage's output {h.dtype}{list(h.shape)} and the "
+            f"labels: {type(e).__name__}: {e}"
+        ) from e
+    loss, metrics = loss_out if isinstance(loss_out, tuple) else (loss_out, {})
+    if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
+        raise ValueError(f"loss_fn must return a scalar loss (or (loss, metrics)); got {loss}.")
+    if not isinstance(metrics, dict) or any(m.shape != () for m in jax.tree.leaves(metrics)):
+        raise ValueError("loss_fn's metrics must be a dict of scalars.")
+    return tuple(shapes), h
+
+
+def needs_ids(links: Sequence[_config.Link]) -> bool:
+    """Whether any channel keeps per-sample buffers (and so needs sample ids)."""
+    return any(ch is not None and ch.per_sample for lk in links for ch in (lk.forward, lk.backward))
+
+
+def check_links(links: Sequence[_config.Link], shapes: Sequence[Any]) -> None:
+    """Shape-dependent link checks (shared-mask payloads, floating backward states)."""
+    for b, (lk, shape) in enumerate(zip(links, shapes)):
+        try:
+            _send.check_link(lk.forward, lk.backward, lk.mode, shape)
+            bwd = jax.eval_shape(lambda ch=lk.backward, x=shape: _send.init_channel_states(ch, x))
+            _send.check_backward_state(bwd)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"links[{b}]: {e}") from e
+
+
+def init_link_states(
+    links: Sequence[_config.Link], shapes: Sequence[Any], lead: tuple[int, ...]
+) -> tuple[LinkState, ...]:
+    """Initial states of every link, each leaf broadcast to leading axes ``lead``."""
+
+    def expand(tree):
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (*lead, *jnp.shape(a))), tree)
+
+    return tuple(
+        LinkState(
+            expand(_send.init_channel_states(lk.forward, shape)),
+            expand(_send.init_channel_states(lk.backward, shape)),
+        )
+        for lk, shape in zip(links, shapes)
+    )
+
+
+def check_link_states(got: Any, expected: Any) -> None:
+    """Raises ``ValueError`` unless ``got`` has ``expected``'s structure, shapes and dtypes."""
+    g_leaves, g_def = jax.tree.flatten(got)
+    e_leaves, e_def = jax.tree.flatten(expected)
+    if g_def != e_def:
+        raise ValueError(
+            "link_states do not match this pipeline's links (use pipe.init(params, batch)); "
+            f"expected structure {e_def}, got {g_def}."
+        )
+    for path_leaf, g, e in zip(jax.tree_util.tree_leaves_with_path(expected), g_leaves, e_leaves):
+        if tuple(jnp.shape(g)) != tuple(e.shape) or g.dtype != e.dtype:
+            path = jax.tree_util.keystr(path_leaf[0])
+            raise ValueError(
+                f"link_states{path} has {g.dtype}{list(jnp.shape(g))}; this pipeline expects "
+                f"{e.dtype}{list(e.shape)} (initialise them for the same batch and microbatches)."
+            )
+
+
+def link_key(key: jax.Array | None, boundary: int, microbatch: Any) -> jax.Array | None:
+    """The key of one send: ``fold_in(fold_in(key, boundary), microbatch)`` (``None`` stays)."""
+    if key is None:
+        return None
+    return jax.random.fold_in(jax.random.fold_in(key, boundary), microbatch)
+
+
+def link_bytes(lk: _config.Link, shape: Any, compress: bool) -> tuple[int, int]:
+    """Bytes one microbatch puts on the wire at this link: ``(forward, backward)``."""
+    dense = _base.dense_bytes(shape)
+    if not compress:
+        return dense, dense
+    fwd = _base.wire_bytes(_base.payload_shape(lk.forward.codec, shape))
+    if lk.mode == "shared_mask":
+        bwd = _base.wire_bytes(_base.payload_shape(lk.forward.codec, shape).values)
+    elif lk.backward is None:
+        bwd = dense
+    else:
+        bwd = _base.wire_bytes(_base.payload_shape(lk.backward.codec, shape))
+    return fwd, bwd
+
+
+def step_bytes(
+    links: Sequence[_config.Link],
+    shapes: Sequence[Any],
+    num_microbatches: int,
+    compress: bool,
+    train: bool = True,
+) -> dict[str, int]:
+    """Theoretical bytes per step and pipeline replica (see :func:`jaxcomp.pipeline.gpipe`).
+
+    Returns:
+      ``{"wire_bytes", "forward_bytes", "backward_bytes", "dense_bytes"}``: ``M`` times the sum
+      over boundaries of each microbatch's payload bytes (``wire_bytes = forward + backward``;
+      backward is 0 when ``train=False``), and what the same sends cost uncompressed.
+    """
+    fwd = bwd = dense = 0
+    for lk, shape in zip(links, shapes):
+        f, b = link_bytes(lk, shape, compress)
+        fwd += f
+        bwd += b if train else 0
+        dense += _base.dense_bytes(shape) * (2 if train else 1)
+    m = num_microbatches
+    return {
+        "wire_bytes": m * (fwd + bwd),
+        "forward_bytes": m * fwd,
+        "backward_bytes": m * bwd,
+        "dense_bytes": m * dense,
+    }

@@ -1,0 +1,187 @@
+"""Heterogeneous per-stage parameters packed into one ``(num_stages, length)`` buffer per dtype.
+
+Stages of a real model have different parameter structures (a ResNet stage that changes
+channels, an embedding stage, a head), so they cannot be stacked leaf by leaf. Instead every
+stage's leaves are flattened into one vector per dtype, padded to the longest stage, and the
+stages are stacked: buffer ``[s]`` is stage ``s``'s parameters. Sharded ``P("stage")``, each
+device holds exactly its own stage's parameters (plus padding up to the largest stage).
+
+The packed form is a pytree (:class:`PackedParams`), so optax optimizers apply to it directly:
+elementwise updates (SGD, momentum, Adam, weight decay) are the same on the packed vector as on
+the per-leaf arrays, the padding gets zero gradients, and global norms are unchanged. Per-leaf
+masks (e.g. no weight decay on biases) can be packed into the same layout with
+:meth:`ParamLayout.pack`, which casts every leaf to its buffer's dtype (``True`` -> ``1.0``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    group: str  # buffer (dtype) name
+    offset: int
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """Where each stage's leaves live in the packed buffers (static and hashable).
+
+    Attributes:
+      treedefs: one pytree structure per stage.
+      slots: per stage, per leaf: buffer name, offset and shape.
+      lengths: ``((buffer name, length), ...)``; buffer names are dtype names (``"float32"``).
+    """
+
+    treedefs: tuple[Any, ...]
+    slots: tuple[tuple[_Slot, ...], ...]
+    lengths: tuple[tuple[str, int], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.treedefs)
+
+    def pack(self, stage_trees: Sequence[Any]) -> dict[str, jax.Array]:
+        """Packs per-stage pytrees with this layout's structure into ``(S, length)`` buffers."""
+        if len(stage_trees) != self.num_stages:
+            raise ValueError(
+                f"expected {self.num_stages} per-stage pytrees; got {len(stage_trees)}."
+            )
+        parts: dict[str, list[list[jax.Array]]] = {g: [] for g, _ in self.lengths}
+        for s, (tree, treedef, slots) in enumerate(zip(stage_trees, self.treedefs, self.slots)):
+            leaves, got = jax.tree.flatten(tree)
+            if got != treedef:
+                raise ValueError(f"stage {s}'s pytree structure differs from the layout's.")
+            rows = {g: [] for g, _ in self.lengths}
+            for leaf, slot in zip(leaves, slots):
+                if tuple(jnp.shape(leaf)) != slot.shape:
+                    raise ValueError(
+                        f"stage {s}: leaf of shape {jnp.shape(leaf)} where the layout has "
+                        f"{slot.shape}."
+                    )
+                rows[slot.group].append(jnp.ravel(jnp.asarray(leaf)).astype(slot.group))
+            for g, length in self.lengths:
+                used = sum(math.prod(sl.shape) for sl in slots if sl.group == g)
+                pad = [jnp.zeros((length - used,), g)] if length > used else []
+                parts[g].append(rows[g] + pad)
+        return {
+            g: jnp.stack([jnp.concatenate(r) if r else jnp.zeros((0,), g) for r in parts[g]])
+            for g, _ in self.lengths
+        }
+
+    def unpack_stage(self, stage: int, local: dict[str, jax.Array]) -> Any:
+        """Stage ``stage``'s pytree from its packed vectors ``{name: [length]}``."""
+        leaves = [
+            jax.lax.slice_in_dim(
+                local[sl.group], sl.offset, sl.offset + math.prod(sl.shape)
+            ).reshape(sl.shape)
+            for sl in self.slots[stage]
+        ]
+        return jax.tree.unflatten(self.treedefs[stage], leaves)
+
+    def structs(self) -> tuple[Any, ...]:
+        """Per-stage pytrees of ``jax.ShapeDtypeStruct`` (no data)."""
+        return tuple(
+            jax.tree.unflatten(td, [jax.ShapeDtypeStruct(sl.shape, sl.group) for sl in slots])
+            for td, slots in zip(self.treedefs, self.slots)
+        )
+
+    def unpack(self, buffers: dict[str, jax.Array]) -> tuple[Any, ...]:
+        """All stages' pytrees from the ``(S, length)`` buffers."""
+        return tuple(
+            self.unpack_stage(s, {g: b[s] for g, b in buffers.items()})
+            for s in range(self.num_stages)
+        )
+
+
+@jax.tree_util.register_pytree_node_class
+class PackedParams:
+    """Per-stage parameters packed as ``{dtype name: (S, length)}`` buffers plus their layout.
+
+    A pytree whose leaves are the buffers (the layout is static auxiliary data), so it passes
+    through ``jax.jit``, optax and orbax like any parameter tree. Build it with
+    :func:`pack_params`; get the per-stage pytrees back with :meth:`unpack`.
+    """
+
+    def __init__(self, buffers: dict[str, jax.Array], layout: ParamLayout):
+        self.buffers = dict(buffers)
+        self.layout = layout
+
+    def tree_flatten(self):
+        names = tuple(sorted(self.buffers))
+        return tuple(self.buffers[n] for n in names), (names, self.layout)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        names, layout = aux
+        return cls(dict(zip(names, children)), layout)
+
+    def unpack(self) -> tuple[Any, ...]:
+        """The per-stage pytrees."""
+        return self.layout.unpack(self.buffers)
+
+    def __repr__(self) -> str:
+        shapes = {n: tuple(b.shape) for n, b in self.buffers.items()}
+        return f"PackedParams({shapes}, num_stages={self.layout.num_stages})"
+
+
+def param_layout(stage_params: Sequence[Any]) -> ParamLayout:
+    """The packing layout of a sequence of per-stage parameter pytrees (arrays or structs)."""
+    if isinstance(stage_params, PackedParams):
+        return stage_params.layout
+    if not isinstance(stage_params, (list, tuple)) or not stage_params:
+        raise ValueError("params must be a non-empty sequence of per-stage pytrees.")
+    treedefs, slots, lengths = [], [], {}
+    for tree in stage_params:
+        leaves, treedef = jax.tree.flatten(tree)
+        used: dict[str, int] = {}
+        stage_slots = []
+        for leaf in leaves:
+            group = np.dtype(leaf.dtype).name
+            shape = tuple(int(d) for d in jnp.shape(leaf))
+            stage_slots.append(_Slot(group, used.get(group, 0), shape))
+            used[group] = used.get(group, 0) + math.prod(shape)
+        for g, n in used.items():
+            lengths[g] = max(lengths.get(g, 0), n)
+        treedefs.append(treedef)
+        slots.append(tuple(stage_slots))
+    return ParamLayout(tuple(treedefs), tuple(slots), tuple(sorted(lengths.items())))
+
+
+def pack_params(stage_params: Sequence[Any], sharding: Any = None) -> PackedParams:
+    """Packs per-stage parameter pytrees into :class:`PackedParams`.
+
+    Args:
+      stage_params: one parameter pytree per stage (structures may differ).
+      sharding: optional ``jax.sharding.Sharding`` for the buffers, e.g.
+        ``NamedSharding(mesh, P("stage"))`` (what :func:`jaxcomp.pipeline.gpipe` expects).
+
+    Returns:
+      The packed parameters.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp import pipeline
+      >>> packed = pipeline.pack_params([{"w": jnp.ones((2, 3))}, {"b": jnp.zeros(4)}])
+      >>> packed.buffers["float32"].shape
+      (2, 6)
+      >>> packed.unpack()[1]["b"].shape
+      (4,)
+    """
+    if isinstance(stage_params, PackedParams):
+        buffers, layout = stage_params.buffers, stage_params.layout
+    else:
+        layout = param_layout(stage_params)
+        buffers = layout.pack(stage_params)
+    if sharding is not None:
+        buffers = jax.device_put(buffers, sharding)
+    return PackedParams(buffers, layout)

@@ -1,0 +1,99 @@
+"""What the distributed and the simulated pipeline share: the :class:`Pipeline` interface and
+the trace-time checks that run before anything is compiled."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+
+from jaxcomp.pipeline import _batch
+from jaxcomp.pipeline import _config
+from jaxcomp.pipeline import _links
+from jaxcomp.pipeline import _params
+
+
+class Pipeline(NamedTuple):
+    """A pipeline's pure functions (from :func:`~jaxcomp.pipeline.gpipe` or
+    :func:`~jaxcomp.pipeline.simulate`; both have the same signatures and numbers).
+
+    Attributes:
+      init: ``init(params, batch) -> link_states``: every link's initial states.
+      step: ``step(params, batch, link_states, key, compress=True) ->
+        (loss, grads, link_states, metrics)``: one training step's loss, gradients (in the form
+        of ``params``: a per-stage sequence or :class:`PackedParams`) and new link states.
+        ``compress=False`` sends dense (AQ-SGD warm-up); mark it static under ``jax.jit``.
+      evaluate: ``evaluate(params, batch, key=None, compress=False) -> (loss, metrics,
+        outputs)``: forward only, link states untouched; ``compress=True`` applies each forward
+        codec without feedback (the paper's "compressed inference"); ``outputs`` is the last
+        stage's output for the whole batch (e.g. logits, for accuracy).
+      bytes_per_step: ``bytes_per_step(params, batch, compress=True, train=True) -> dict`` with
+        the theoretical ``wire_bytes`` (payload bytes per step and pipeline replica, forward and
+        backward) and ``dense_bytes`` (the same sends uncompressed).
+      num_stages: ``S``.
+      num_microbatches: ``M``.
+      links: one :class:`Link` per boundary.
+    """
+
+    init: Callable[..., Any]
+    step: Callable[..., Any]
+    evaluate: Callable[..., Any]
+    bytes_per_step: Callable[..., dict[str, int]]
+    num_stages: int
+    num_microbatches: int
+    links: tuple[_config.Link, ...]
+
+
+class Prepared(NamedTuple):
+    """Everything derived from (params, batch) at trace time."""
+
+    layout: _params.ParamLayout
+    batch: _batch.Batch
+    microbatch_size: int
+    shapes: tuple[jax.ShapeDtypeStruct, ...]  # the S - 1 boundary activations (one microbatch)
+    final: jax.ShapeDtypeStruct  # last stage output (one microbatch)
+    metrics: Any  # loss_fn metrics structure
+
+
+def prepare(
+    model: _config.StagedModel,
+    links: tuple[_config.Link, ...],
+    num_microbatches: int,
+    params: Any,
+    batch: Any,
+    replicas: int = 1,
+    need_ids: bool | None = None,
+) -> Prepared:
+    """Validates params and batch against the model and links (no FLOPs, nothing compiled)."""
+    layout = _params.param_layout(params)
+    if layout.num_stages != model.num_stages:
+        raise ValueError(
+            f"params hold {layout.num_stages} stages; the model has {model.num_stages}."
+        )
+    need = _links.needs_ids(links) if need_ids is None else need_ids
+    parsed = _batch.parse_batch(batch, need)
+    mb = _batch.check_batch(parsed, num_microbatches, replicas)
+    x_mb = jax.ShapeDtypeStruct((mb, *parsed.inputs.shape[1:]), parsed.inputs.dtype)
+    labels_mb = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((mb, *a.shape[1:]), a.dtype), parsed.labels
+    )
+    shapes, final = _links.boundary_shapes(model, layout.structs(), x_mb, labels_mb)
+    _links.check_links(links, shapes)
+    metrics = jax.eval_shape(lambda y, lab: split_loss(model.loss_fn(y, lab))[1], final, labels_mb)
+    return Prepared(layout, parsed, mb, shapes, final, metrics)
+
+
+def split_loss(out: Any) -> tuple[jax.Array, dict]:
+    """``loss_fn`` output as ``(loss, metrics)``."""
+    if isinstance(out, tuple):
+        loss, metrics = out
+        return loss, dict(metrics)
+    return out, {}
+
+
+def bytes_metrics(prep: Prepared, links, num_microbatches: int, compress: bool, train: bool):
+    """The static byte counts as metrics (float32 scalars)."""
+    counts = _links.step_bytes(links, prep.shapes, num_microbatches, compress, train)
+    return {k: jax.numpy.asarray(v, jax.numpy.float32) for k, v in counts.items()}
