@@ -6,7 +6,9 @@
   (:func:`local_value_and_grad`);
 * the wire-byte meter that reads compiled HLO (:func:`measure_collectives`);
 * compressed means over a data axis, the collective chosen by the codec
-  (:func:`compressed_pmean`, :func:`init_reduce`).
+  (:func:`compressed_pmean`, :func:`init_reduce`);
+* compressed point-to-point sends whose backward is compressed too (:func:`compressed_ppermute`,
+  and :func:`compressed_transfer`, its single-device simulation).
 """
 
 from jaxcomp.comm._hlo import (
@@ -27,12 +29,19 @@ from jaxcomp.comm._reduce import dense_round
 from jaxcomp.comm._reduce import init_reduce
 from jaxcomp.comm._reduce import plan_path
 from jaxcomp.comm._reduce import reduce_bytes
+from jaxcomp.comm._send import ChannelStates
+from jaxcomp.comm._send import backward_token
+from jaxcomp.comm._send import compressed_ppermute
+from jaxcomp.comm._send import compressed_transfer
+from jaxcomp.comm._send import init_channel_states
+from jaxcomp.comm._send import seed_backward_state
 
 __all__ = (
     "DATA",
     "GROUP",
     "MEMBER",
     "STAGE",
+    "ChannelStates",
     "CollectiveRecord",
     "CollectiveReport",
     "DenseReduce",
@@ -40,15 +49,20 @@ __all__ = (
     "LowRankReduce",
     "PsumReduce",
     "TwoPhaseReduce",
+    "backward_token",
     "collective_report",
     "compressed_pmean",
+    "compressed_ppermute",
+    "compressed_transfer",
     "dense_round",
+    "init_channel_states",
     "init_reduce",
     "local_value_and_grad",
     "make_mesh",
     "measure_collectives",
     "plan_path",
     "reduce_bytes",
+    "seed_backward_state",
     "to_varying",
     "varying_axes",
 )
