@@ -71,7 +71,11 @@ def apply_overrides(config, overrides) -> None:
         target = config
         for part in reversed(path):
             target = target[part]
-        target[node] = value
+        try:
+            target[node] = value
+        except TypeError:  # another type than the config's (e.g. a codec name -> a dict)
+            del target[node]
+            target[node] = value
 
 
 def setup_devices(args) -> None:

@@ -2,24 +2,32 @@
 
 * :func:`digits`: scikit-learn's bundled 8x8 handwritten digits.
 * :func:`pydoc_text`: byte-level LM windows of Python's bundled documentation (hash-pinned).
+* :func:`synthetic_images`: class-dependent random images for smoke runs.
 * :func:`tfds_images`, :func:`tfds_text`: tensorflow-datasets ``data_source`` (array_record,
   no TensorFlow) for cifar10, mnist, tiny_shakespeare, wikitext, ... prepared beforehand.
 * :class:`Loader`: batches in a seeded per-epoch order, each carrying ``ids``; its
   :class:`LoaderState` goes into the checkpoint.
 """
 
-from jaxcomp.data._loader import AUGMENTATIONS, Loader, LoaderState, crop_flip, get_dataset
-from jaxcomp.data._sources import (
-    PYDOC_TOPICS_SHA256,
-    ArraySource,
-    Source,
-    digits,
-    lm_source,
-    pydoc_corpus,
-    pydoc_text,
-    token_windows,
-)
-from jaxcomp.data._tfds import CIFAR_MEAN, CIFAR_STD, TfdsImageSource, tfds_images, tfds_text
+from jaxcomp.data._loader import AUGMENTATIONS
+from jaxcomp.data._loader import Loader
+from jaxcomp.data._loader import LoaderState
+from jaxcomp.data._loader import crop_flip
+from jaxcomp.data._loader import get_dataset
+from jaxcomp.data._sources import PYDOC_TOPICS_SHA256
+from jaxcomp.data._sources import ArraySource
+from jaxcomp.data._sources import Source
+from jaxcomp.data._sources import digits
+from jaxcomp.data._sources import lm_source
+from jaxcomp.data._sources import pydoc_corpus
+from jaxcomp.data._sources import pydoc_text
+from jaxcomp.data._sources import synthetic_images
+from jaxcomp.data._sources import token_windows
+from jaxcomp.data._tfds import CIFAR_MEAN
+from jaxcomp.data._tfds import CIFAR_STD
+from jaxcomp.data._tfds import TfdsImageSource
+from jaxcomp.data._tfds import tfds_images
+from jaxcomp.data._tfds import tfds_text
 
 __all__ = (
     "AUGMENTATIONS",
@@ -39,5 +47,6 @@ __all__ = (
     "pydoc_text",
     "tfds_images",
     "tfds_text",
+    "synthetic_images",
     "token_windows",
 )

@@ -120,9 +120,8 @@ def crop_flip(x: np.ndarray, ids: np.ndarray, seed: int, epoch: int, pad: int = 
 
 
 def get_dataset(name: str, split: str, **kwargs) -> _sources.Source:
-    """A split of a dataset by name: ``"digits"``, ``"pydoc_text"``, ``"tfds_images"`` or
-    ``"tfds_text"`` (keyword arguments go to :func:`digits`, :func:`pydoc_text`,
-    :func:`tfds_images`, :func:`tfds_text`).
+    """A split of a dataset by name: ``"digits"``, ``"pydoc_text"``, ``"synthetic_images"``,
+    ``"tfds_images"`` or ``"tfds_text"`` (keyword arguments go to the function of that name).
 
     Raises:
       ValueError: for an unknown dataset name or keyword.
@@ -134,6 +133,7 @@ def get_dataset(name: str, split: str, **kwargs) -> _sources.Source:
     table = {
         "digits": _sources.digits,
         "pydoc_text": _sources.pydoc_text,
+        "synthetic_images": _sources.synthetic_images,
         "tfds_images": _tfds.tfds_images,
         "tfds_text": _tfds.tfds_text,
     }

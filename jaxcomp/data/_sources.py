@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import sys
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+from typing import Protocol
 
 import numpy as np
 
@@ -164,3 +166,23 @@ def pydoc_text(
 def describe(source: Any) -> str:
     """One line naming a source's size."""
     return f"{type(source).__name__} with {len(source)} examples"
+
+
+def synthetic_images(
+    split: str = "train",
+    *,
+    shape: Sequence[int] = (32, 32, 3),
+    num_classes: int = 10,
+    num_examples: int = 512,
+) -> ArraySource:
+    """Random images whose class shifts their mean: learnable, offline, instant.
+
+    For smoke runs and benchmarks of image models when the real dataset is not prepared (the
+    Flax examples' fake-data configs). Train and test draw from different seeds.
+    """
+    _check_split(split)
+    rng = np.random.default_rng(0 if split == "train" else 1)
+    labels = rng.integers(0, num_classes, num_examples).astype(np.int32)
+    centers = np.random.default_rng(42).normal(0, 1, (num_classes, *shape)).astype(np.float32)
+    x = centers[labels] + rng.normal(0, 1, (num_examples, *shape)).astype(np.float32)
+    return ArraySource({"x": x.astype(np.float32), "label": labels})

@@ -6,25 +6,24 @@ checkpoint, and writes metrics, a plot and a summary table.
 """
 
 from jaxcomp.train._checkpoint import Checkpointer
-from jaxcomp.train._config import (
-    DEFAULTS,
-    MODES,
-    build_channel,
-    build_codec,
-    optimizer,
-    with_defaults,
-)
-from jaxcomp.train._metrics import MetricWriter, plot_metrics, read_metrics, summary_table
+from jaxcomp.train._config import DEFAULTS
+from jaxcomp.train._config import MODES
+from jaxcomp.train._config import build_channel
+from jaxcomp.train._config import build_codec
+from jaxcomp.train._config import optimizer
+from jaxcomp.train._config import with_defaults
+from jaxcomp.train._metrics import MetricWriter
+from jaxcomp.train._metrics import plot_metrics
+from jaxcomp.train._metrics import read_metrics
+from jaxcomp.train._metrics import summary_table
 from jaxcomp.train._mode import Mode
 from jaxcomp.train._progress import Progress
-from jaxcomp.train._trainer import (
-    NonFiniteError,
-    Setup,
-    TrainState,
-    evaluate,
-    setup,
-    train_and_evaluate,
-)
+from jaxcomp.train._trainer import NonFiniteError
+from jaxcomp.train._trainer import Setup
+from jaxcomp.train._trainer import TrainState
+from jaxcomp.train._trainer import evaluate
+from jaxcomp.train._trainer import setup
+from jaxcomp.train._trainer import train_and_evaluate
 
 __all__ = (
     "DEFAULTS",

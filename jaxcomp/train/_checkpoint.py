@@ -75,6 +75,8 @@ class Checkpointer:
                         state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
                     ),
                 )
+                for bad, _ in errors:  # newer, unreadable: drop them so the run can re-save
+                    self.manager.delete(bad)
                 if errors:
                     log.warning("resumed from older checkpoint step %d instead.", step)
                 return step, out["state"], dict(out["meta"])

@@ -7,7 +7,8 @@ the global batch (a synchronised BatchNorm).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.models import _staged
-from jaxcomp.train import _config, _mode
+from jaxcomp.train import _config
+from jaxcomp.train import _mode
 
 
 class DenseState(NamedTuple):
@@ -104,14 +106,14 @@ def build_dense(
             jax.jit(train_step, donate_argnums=0).lower(abstract, batch_abs, key_abs).compile()
         )
         eval_jit = jax.jit(eval_step)
-    wire = _hlo_bytes(train_c)
+    wire = _mode.compiled_text_bytes(train_c)
     params_abs = abstract.params
     dense = 4.0 * _mode.param_count(params_abs)
     return _mode.Mode(
         name="dense",
         mesh=mesh,
         init=init_jit,
-        train_step=train_c,
+        train_step=lambda state, batch, key, step: train_c(state, batch, key),
         eval_step=lambda s, b, compressed=False: eval_jit(s, b),
         batch_sharding=batch_sharding,
         wire_bytes=wire,
@@ -134,9 +136,3 @@ def abstract_batch(model, batch_size, sharding, with_mask=False) -> dict:
     if with_mask:
         out["mask"] = jax.ShapeDtypeStruct((batch_size,), jnp.float32, sharding=sharding)
     return out
-
-
-def _hlo_bytes(compiled) -> float:
-    from jaxcomp import comm
-
-    return float(comm.collective_report(compiled.as_text()).total_bytes)

@@ -6,7 +6,8 @@ import csv
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 

@@ -4,7 +4,7 @@ A *mode* (``dense``, ``pipeline``, ``data_parallel``, ``ab``) turns a model, an 
 mesh into jitted pure functions over one state pytree::
 
   state = mode.init(key)                                    # sharded on the mode's mesh
-  state, metrics = mode.train_step(state, batch, key)       # metrics: loss, accuracy, finite, ...
+  state, metrics = mode.train_step(state, batch, key, step) # metrics: loss, accuracy, finite...
   sums = mode.eval_step(state, batch, compressed)           # loss_sum, correct_sum, count
 
 The trainer owns everything else (data, checkpoints, metrics, progress), so every mode is
@@ -14,7 +14,8 @@ checkpointed, resumed and reported the same way.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,8 @@ class Mode(NamedTuple):
       name: ``"dense"``, ``"pipeline"``, ...
       mesh: the device mesh the state and batches live on.
       init: ``init(key) -> state``.
-      train_step: ``train_step(state, batch, key) -> (state, metrics)``; a non-finite loss or
+      train_step: ``train_step(state, batch, key_data, step) -> (state, metrics)``; ``step``
+        is the host's step count (a Python int, e.g. to end a warm-up); a non-finite loss or
         gradient leaves ``state`` unchanged and reports ``finite == 0``.
       eval_step: ``eval_step(state, batch, compressed: bool) -> {"loss_sum", "correct_sum",
         "count"}`` over the batch rows whose ``mask`` is 1.
@@ -46,7 +48,7 @@ class Mode(NamedTuple):
     name: str
     mesh: jax.sharding.Mesh
     init: Callable[[jax.Array], Any]
-    train_step: Callable[[Any, dict, jax.Array], tuple[Any, dict]]
+    train_step: Callable[[Any, dict, jax.Array, int], tuple[Any, dict]]
     eval_step: Callable[[Any, dict, bool], dict]
     batch_sharding: jax.sharding.NamedSharding
     wire_bytes: float
@@ -101,9 +103,8 @@ def join_variables(params: tuple, rest: tuple) -> tuple[dict, ...]:
     return tuple({"params": p, **r} for p, r in zip(params, rest))
 
 
-def compiled_bytes(jitted: Callable, *args) -> float:
-    """Per-device collective bytes of one call of ``jitted(*args)``, from compiled HLO."""
+def compiled_text_bytes(compiled) -> float:
+    """Per-device collective bytes of one call of an AOT-compiled function, from its HLO."""
     from jaxcomp import comm
 
-    text = jitted.lower(*args).compile().as_text()
-    return float(comm.collective_report(text).total_bytes)
+    return float(comm.collective_report(compiled.as_text()).total_bytes)

@@ -12,14 +12,21 @@ import logging
 import math
 import os
 import time
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import ml_collections
 import numpy as np
 
-from jaxcomp import comm, data, models
-from jaxcomp.train import _checkpoint, _config, _metrics, _mode, _progress
+from jaxcomp import comm
+from jaxcomp import data
+from jaxcomp import models
+from jaxcomp.train import _checkpoint
+from jaxcomp.train import _config
+from jaxcomp.train import _metrics
+from jaxcomp.train import _mode
+from jaxcomp.train import _progress
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +241,10 @@ def train_and_evaluate(
         key = np.asarray(jax.random.key_data(jax.random.fold_in(base_key, step)))
         with jax.set_mesh(s.mesh):
             state_ms, metrics = mode.train_step(
-                state.mode_state, place(batch, mode.batch_sharding), _replicated(key, s.mesh)
+                state.mode_state,
+                place(batch, mode.batch_sharding),
+                _replicated(key, s.mesh),
+                step,
             )
         state = state._replace(mode_state=state_ms)
         step += 1
