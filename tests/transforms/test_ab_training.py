@@ -1,0 +1,219 @@
+"""AB-Training end to end vs an explicit single-device reference of the algorithm.
+
+The reference below is written independently of the transform: a Python loop over steps on
+the full batch, the SPEC §3.5 state machine, ``jax.grad`` of the explicitly factored model
+``W = A @ B`` for the AB steps, and plain optax data-parallel steps otherwise.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxcomp import transforms
+from jaxcomp.transforms import ABPhase
+from jaxcomp.transforms import ABSchedule
+
+WARMUP, EVERY, FULL, REBOUND = 3, 4, 1, 2
+BASE_LR = optax.cosine_decay_schedule(0.05, 20, alpha=0.2)
+FACTORED = ("l1", "l2")  # l1: (6, 5) tall; l2: (5, 8) wide, so its tall view is transposed
+
+
+def init_params(key):
+    k = jax.random.split(key, 3)
+    return {
+        "l1": {"kernel": jax.random.normal(k[0], (6, 5)) / 2.5, "bias": jnp.zeros(5)},
+        "l2": {"kernel": jax.random.normal(k[1], (5, 8)) / 2.2, "bias": jnp.full(8, 0.1)},
+        "head": {"kernel": jax.random.normal(k[2], (8, 3)) / 2.8, "bias": jnp.zeros(3)},
+    }
+
+
+def loss_fn(params, batch):
+    x, y = batch
+    h = jnp.tanh(x @ params["l1"]["kernel"] + params["l1"]["bias"])
+    h = jnp.tanh(h @ params["l2"]["kernel"] + params["l2"]["bias"])
+    return jnp.mean((h @ params["head"]["kernel"] + params["head"]["bias"] - y) ** 2)
+
+
+def make_batches(steps, n=16):
+    k = jax.random.split(jax.random.key(7), 2 * steps)
+    return [(jax.random.normal(k[2 * i], (n, 6)), jax.random.normal(k[2 * i + 1], (n, 3)))
+            for i in range(steps)]  # fmt: skip
+
+
+SHAPES = {"l1": (6, 5), "l2": (5, 8)}
+INNER = optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(1e-2))
+
+
+def tall(w):
+    return w.T if w.shape[0] < w.shape[1] else w
+
+
+def untall(w2, shape):
+    return w2.T if shape[0] < shape[1] else w2
+
+
+def split(w, sigma_on=None):
+    """SVD split of a weight (``sigma_on=None``: sqrt on both; "a"/"b": Sigma on that factor)."""
+    u, s, vh = np.linalg.svd(np.asarray(tall(w), np.float64), full_matrices=False)
+    if sigma_on is None:
+        a, b = u * np.sqrt(s), np.sqrt(s)[:, None] * vh
+    else:
+        a, b = (u * s, vh) if sigma_on == "a" else (u, s[:, None] * vh)
+    return jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+
+
+def clip(grads, max_norm=1.0):
+    norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
+    return jax.tree.map(lambda g: g * jnp.minimum(1.0, max_norm / (norm + 1e-6)), grads)
+
+
+def assemble(weights, other):
+    p = {"head": other["head"]}
+    for n in FACTORED:
+        p[n] = {"kernel": weights[n], "bias": other[n]}
+    return p
+
+
+def products(a, b):
+    return {n: untall(a[n] @ b[n], SHAPES[n]) for n in FACTORED}
+
+
+@jax.jit
+def dense_grads(params, batch):
+    return clip(jax.grad(loss_fn)(params, batch))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def factored_grads(role, a, b, other, batch):
+    """``jax.grad`` of the explicitly factored model w.r.t. the trained factor and the rest."""
+
+    def factored_loss(factor, other):
+        w = products(factor, b) if role == "a" else products(a, factor)
+        return loss_fn(assemble(w, other), batch)
+
+    return clip(jax.grad(factored_loss, (0, 1))(a if role == "a" else b, other))
+
+
+@jax.jit
+def adamw(grads, state, params, lr):
+    updates, state = INNER.update(grads, state, params)
+    return jax.tree.map(lambda p, u: p - lr * u, params, updates), state
+
+
+class Reference:
+    """One group's AB-Training, written out step by step (per-role AdamW states)."""
+
+    def __init__(self, params, role, sigma_on=None, every=EVERY):
+        self.params, self.role, self.sigma_on = params, role, sigma_on
+        self.sched = ABSchedule(WARMUP, every, FULL)
+        self.lr = self.sched.learning_rate(BASE_LR, REBOUND)
+        fac = {n: params[n]["kernel"] for n in FACTORED}
+        self.other = {
+            "l1": params["l1"]["bias"],
+            "l2": params["l2"]["bias"],
+            "head": params["head"],
+        }
+        self.st_dense, self.st_other = INNER.init(fac), INNER.init(self.other)
+        self.a = {n: jnp.zeros((max(SHAPES[n]), 5)) for n in FACTORED}
+        self.b = {n: jnp.zeros((5, 5)) for n in FACTORED}
+        self.st_a, self.st_b = INNER.init(self.a), INNER.init(self.b)
+
+    def factorise(self):
+        for n in FACTORED:
+            self.a[n], self.b[n] = split(self.params[n]["kernel"], self.sigma_on)
+
+    def step(self, t, batch):
+        lr, phase = self.lr(t), int(self.sched.phase(t))
+        if phase == ABPhase.AB:
+            if t == WARMUP:
+                self.factorise()
+            g_factor, g_other = factored_grads(self.role, self.a, self.b, self.other, batch)
+            if self.role == "a":
+                self.a, self.st_a = adamw(g_factor, self.st_a, self.a, lr)
+            else:
+                self.b, self.st_b = adamw(g_factor, self.st_b, self.b, lr)
+            self.other, self.st_other = adamw(g_other, self.st_other, self.other, lr)
+            self.params = assemble(products(self.a, self.b), self.other)
+        else:
+            grads = dense_grads(self.params, batch)
+            fac = {n: self.params[n]["kernel"] for n in FACTORED}
+            g_fac = {n: grads[n]["kernel"] for n in FACTORED}
+            g_other = {"l1": grads["l1"]["bias"], "l2": grads["l2"]["bias"], "head": grads["head"]}
+            fac, self.st_dense = adamw(g_fac, self.st_dense, fac, lr)
+            self.other, self.st_other = adamw(g_other, self.st_other, self.other, lr)
+            self.params = assemble(fac, self.other)
+            if phase == ABPhase.FULL and int(self.sched.phase(t + 1)) == ABPhase.AB:
+                self.factorise()  # cutoff 1e-6 keeps every singular value here
+                self.params = assemble(products(self.a, self.b), self.other)
+
+
+def make_tx(every=EVERY, **kwargs):
+    return transforms.ab_training(
+        BASE_LR, warmup_steps=WARMUP, sync_every=every, full_rank_steps=FULL, inner=INNER,
+        low_rank_cutoff=1e-6, exclude=("head",), lr_rebound_steps=REBOUND, max_grad_norm=1.0,
+        **kwargs,
+    )  # fmt: skip
+
+
+def assert_params_close(got, want, rtol=2e-4, atol=2e-5):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
+
+
+def test_one_group_without_truncation_is_plain_data_parallel_training():
+    """G = 1: warm-up/full-rank steps are plain DP, AB steps train B of the exact factorisation.
+
+    Covers every phase and transition: warm-up, first (exact) factorisation, AB, sync,
+    full-rank rebound, re-factorisation; with AdamW, clipping and the LR rebound.
+    """
+    mesh = transforms.ab_mesh(1, jax.devices()[:4])
+    dp = transforms.ab_data_parallel(loss_fn, make_tx(), mesh)
+    params = init_params(jax.random.key(0))
+    state, ref = dp.init(params), Reference(params, role="b")
+    phases = []
+    for t, batch in enumerate(make_batches(13)):
+        want_loss = loss_fn(ref.params, batch)
+        state, metrics = dp.step(state, batch)
+        ref.step(t, batch)
+        assert_params_close(transforms.group_entry(state.params), ref.params)
+        np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-5)
+        phases.append(int(transforms.ab_metrics(state.opt_state, state.params)["phase"]))
+    assert phases == [int(ref.sched.phase(t + 1)) for t in range(13)]
+    assert set(phases) == {ABPhase.WARMUP, ABPhase.AB, ABPhase.FULL}
+
+
+@pytest.fixture(scope="module")
+def two_groups():
+    """G = 2 groups of 2, ``split_sigma=False``: group 0 trains A, group 1 trains B.
+
+    First AB phase: steps 3 to 7; the groups sync at the end of step 7.
+    """
+    mesh = transforms.ab_mesh(2, jax.devices()[:4])
+    dp = transforms.ab_data_parallel(loss_fn, make_tx(every=8, split_sigma=False), mesh)
+    return mesh, dp
+
+
+def test_each_group_trains_its_factor_on_its_own_data(two_groups):
+    _, dp = two_groups
+    params = init_params(jax.random.key(1))
+    state = dp.init(params)
+    refs = [Reference(params, r, sigma_on=r, every=8) for r in ("a", "b")]
+    for t, (x, y) in enumerate(make_batches(WARMUP + 3)):
+        state, _ = dp.step(state, (x, y))
+        for g, ref in enumerate(refs):
+            # warm-up steps see the whole batch; AB steps only the group's half
+            batch = (x, y) if t < WARMUP else (x[8 * g : 8 * g + 8], y[8 * g : 8 * g + 8])
+            ref.step(t, batch)
+    groups = [transforms.group_entry(state.params, g) for g in range(2)]
+    for got, ref in zip(groups, refs):
+        assert_params_close(got, ref.params)
+    assert not np.allclose(groups[0]["l1"]["kernel"], groups[1]["l1"]["kernel"])
+    for g, ref in enumerate(refs):  # the factors too (SVD columns are defined up to sign)
+        opt = transforms.group_entry(state.opt_state, g)
+        for i, n in enumerate(FACTORED):
+            np.testing.assert_allclose(abs(opt.a[i]), abs(ref.a[n]), rtol=2e-4, atol=2e-5)
+            np.testing.assert_allclose(abs(opt.b[i]), abs(ref.b[n]), rtol=2e-4, atol=2e-5)
