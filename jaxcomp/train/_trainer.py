@@ -234,6 +234,7 @@ def train_and_evaluate(
 
     progress = _progress.Progress(cfg.total_steps, step, enabled=lead)
     window: list[dict] = []
+    measured: list[float] = []  # wire bytes of this call's steps
     ran = 0
     # --- Loop ----------------------------------------------------------------------------
     while step < cfg.total_steps:
@@ -264,11 +265,11 @@ def train_and_evaluate(
         else:
             streak = 0
             window.append(m)
+            measured.append(m.get("wire_bytes", mode.wire_bytes))
         if step % cfg.log_every == 0 or step == cfg.total_steps:
             avg = {k: float(np.mean([w[k] for w in window])) for k in window[0]} if window else {}
-            avg.update(
-                wire_bytes=mode.wire_bytes, nonfinite_steps=nonfinite_total, epoch=data_state.epoch
-            )
+            avg.setdefault("wire_bytes", mode.wire_bytes)  # a mode may report it per step
+            avg.update(nonfinite_steps=nonfinite_total, epoch=data_state.epoch)
             writer.write(step, "train", {k: v for k, v in avg.items() if k != "finite"})
             progress.update(step, avg, final=step == cfg.total_steps)
             window = []
@@ -284,7 +285,8 @@ def train_and_evaluate(
     final = _log_eval(s, state, step, writer, progress)
     save(step)
     ckpt.close()
-    summary = _summary(s, final, step, nonfinite_total, time.perf_counter() - t_start)
+    wire = float(np.mean(measured)) if measured else mode.wire_bytes
+    summary = _summary(s, final, step, nonfinite_total, time.perf_counter() - t_start, wire)
     if lead:
         _write_summary(workdir, summary, s)
     return summary
@@ -308,7 +310,9 @@ def _log_eval(s: Setup, state, step, writer, progress) -> dict:
     return out
 
 
-def _summary(s: Setup, final: dict, step: int, nonfinite: int, wall: float) -> dict[str, Any]:
+def _summary(
+    s: Setup, final: dict, step: int, nonfinite: int, wall: float, wire: float
+) -> dict[str, Any]:
     mode = s.mode
     out = {
         "mode": s.config.mode,
@@ -317,9 +321,9 @@ def _summary(s: Setup, final: dict, step: int, nonfinite: int, wall: float) -> d
         "steps": step,
         "final_loss": final["loss"],
         "final_accuracy": final["accuracy"],
-        "wire_bytes_per_step": mode.wire_bytes,
+        "wire_bytes_per_step": wire,
         "dense_bytes_per_step": mode.dense_bytes,
-        "compression_ratio": mode.dense_bytes / mode.wire_bytes if mode.wire_bytes else math.inf,
+        "compression_ratio": mode.dense_bytes / wire if wire else math.inf,
         "nonfinite_steps": nonfinite,
         "wall_time_s": wall,
     }
@@ -335,7 +339,7 @@ def _summary(s: Setup, final: dict, step: int, nonfinite: int, wall: float) -> d
 def _write_summary(workdir: str, summary: dict, s: Setup) -> None:
     rows = []
     for k, v in summary.items():
-        if k.endswith("bytes_per_step"):
+        if "bytes" in k and isinstance(v, (int, float)):
             v = _metrics.format_bytes(v)
         elif k == "wall_time_s":
             v = f"{v:.1f}"
