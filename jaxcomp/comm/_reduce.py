@@ -297,7 +297,9 @@ def init_reduce(
         residual = per_worker(send.residual, axis_name)
     else:
         residual = compressors.EmptyState()
-    return LowRankReduce(codec.init(like), residual)
+    with jax.ensure_compile_time_eval():  # a constant: Accordion re-initialises Q on switches
+        q = codec.init(like)
+    return LowRankReduce(q, residual)
 
 
 def reduce_bytes(

@@ -258,17 +258,18 @@ def accordion(
     _cm.check_axis_name(axis_name)
     _cm._check_number("min_compression_rate", min_compression_rate, 0)
     _cm._check_number("seed", seed, 0)
-    _base.check_int_range("min_ndim", min_ndim, 0)
+    _cm.check_static_int("min_ndim", min_ndim, 0)
     codecs = {LOW_COMPRESSION: low, HIGH_COMPRESSION: high}
 
     def policy(rate):
-        return {"path": path, "min_compression_rate": rate, "min_ndim": min_ndim}
+        ndim = _cm.static_option("min_ndim", min_ndim, int)
+        return {"path": path, "min_compression_rate": rate, "min_ndim": ndim}
 
     def fresh(mode, like, rate):
         return _reduce.init_reduce(codecs[mode], like, axis_name, quiet=True, **policy(rate))
 
     def init_fn(params):
-        rate = _cm.static_float("min_compression_rate", min_compression_rate)
+        rate = _cm.static_option("min_compression_rate", min_compression_rate)
         flat, treedef = jax.tree.flatten(params)
         leaves = []
         for p, name in zip(flat, _cm.leaf_names(params)):
@@ -365,7 +366,7 @@ def accordion(
     def update_fn(updates, state, params=None, **extra_args):
         del params
         _cm.check_tree(updates, state.leaves, _is_leaf_state, "accordion")
-        rate = _cm.static_float("min_compression_rate", min_compression_rate)
+        rate = _cm.static_option("min_compression_rate", min_compression_rate)
         flat, treedef = jax.tree.flatten(updates)
         leaf_states = treedef.flatten_up_to(state.leaves)
         count = state.count

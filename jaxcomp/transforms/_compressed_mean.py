@@ -42,15 +42,21 @@ def _check_number(name: str, value: Any, lo: float) -> None:
         raise ValueError(f"{name} must be >= {lo}; got {value!r}.")
 
 
-def static_float(name: str, value: Any) -> float:
-    """``float(value)``, with a clear error when a traced value arrives for a static option."""
+def static_option(name: str, value: Any, kind: type = float) -> Any:
+    """``kind(value)``, with a clear error when a traced value arrives for a static option."""
     try:
-        return float(value)
+        return kind(value)
     except jax.errors.ConcretizationTypeError:
         raise ValueError(
             f"{name} decides which arrays are compressed, so it must be a Python number. Under "
-            f"optax.inject_hyperparams pass static_args=({name!r},)."
+            f"optax.inject_hyperparams pass it in static_args (e.g. static_args=({name!r},))."
         ) from None
+
+
+def check_static_int(name: str, value: Any, lo: int) -> None:
+    """Validates a Python int option; arrays (from ``inject_hyperparams``) are checked later."""
+    if not isinstance(value, jax.Array):
+        _base.check_int_range(name, value, lo)
 
 
 def check_axis_name(axis_name: Any) -> None:
@@ -151,13 +157,14 @@ def compressed_mean(
     _reduce.check_channel(channel)
     check_axis_name(axis_name)
     _check_number("min_compression_rate", min_compression_rate, 0)
-    _base.check_int_range("min_ndim", min_ndim, 0)
+    check_static_int("min_ndim", min_ndim, 0)
     _check_number("warmup_steps", warmup_steps, 0)
     _check_number("seed", seed, 0)
     no_warmup = isinstance(warmup_steps, int) and warmup_steps == 0
 
     def init_fn(params):
-        rate = static_float("min_compression_rate", min_compression_rate)
+        rate = static_option("min_compression_rate", min_compression_rate)
+        ndim = static_option("min_ndim", min_ndim, int)
         flat, treedef = jax.tree.flatten(params)
         leaves = [
             _reduce.init_reduce(
@@ -166,7 +173,7 @@ def compressed_mean(
                 axis_name,
                 path=path,
                 min_compression_rate=rate,
-                min_ndim=min_ndim,
+                min_ndim=ndim,
                 name=name,
             )
             for p, name in zip(flat, leaf_names(params))

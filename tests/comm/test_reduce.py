@@ -1,0 +1,164 @@
+"""compressed_pmean: every path's mean, its HLO bytes against reduce_bytes, and the policy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp import comm
+from jaxcomp import compressors
+from jaxcomp import feedback
+
+W = 4
+SHAPE = (64, 32)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return comm.make_mesh([(comm.DATA, W)], devices=jax.devices()[:W])
+
+
+@pytest.fixture(scope="module")
+def grads(mesh):
+    g = np.random.default_rng(0).standard_normal((W, *SHAPE)).astype(np.float32)
+    return g, jax.device_put(g, NamedSharding(mesh, P(comm.DATA)))
+
+
+def reducer(channel, path, mesh, axis=comm.DATA):
+    """Jitted ``g[W, ...] -> (mean, echo[W, ...], bytes)`` for one fresh state."""
+
+    def body(x):
+        x = x[0]
+        state = comm.init_reduce(channel, x, axis, path=path, min_compression_rate=0)
+        mean, echo, _ = comm.compressed_pmean(x, channel, state, jax.random.key(1), axis)
+        sent = comm.reduce_bytes(state, channel, x, axis)
+        return mean, echo[None], jnp.float32(sent)
+
+    out = (P(), P(comm.DATA), P())
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(comm.DATA), out_specs=out))
+
+
+CASES = [
+    (compressors.rand_k(0.25), "psum"),
+    (compressors.top_k(0.1), "all_gather"),
+    (compressors.quantize(8), "all_gather"),
+    (compressors.sign(), "all_gather"),
+    (compressors.compose(compressors.top_k(0.1), compressors.quantize(8)), "all_gather"),
+    (compressors.quantize(8), "two_phase"),
+    (compressors.top_k(0.1), "two_phase"),
+    (compressors.cast("bfloat16"), "two_phase"),
+    (compressors.power_sgd(2), "low_rank"),
+    (feedback.error_feedback(compressors.power_sgd(2)), "low_rank"),
+]
+
+
+@pytest.mark.parametrize(("channel", "path"), CASES, ids=lambda c: getattr(c, "name", c))
+def test_hlo_bytes_equal_reduce_bytes_and_no_dense_all_reduce(mesh, grads, channel, path):
+    _, g = grads
+    fn = reducer(channel, path, mesh)
+    report = comm.measure_collectives(fn, g)
+    _, _, sent = fn(g)
+    assert report.total_bytes == float(sent)
+    assert report.total_bytes < np.prod(SHAPE) * 4 * 0.65
+    assert all("f32[64,32]" not in r.shape for r in report.records), report.table()
+
+
+@pytest.mark.parametrize("path", ["psum", "all_gather", "two_phase"])
+def test_identity_codec_gives_the_exact_mean_on_every_path(mesh, grads, path):
+    g_np, g = grads
+    mean, echo, _ = reducer(compressors.identity(), path, mesh)(g)
+    np.testing.assert_allclose(np.asarray(mean), g_np.mean(0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(echo), g_np)
+
+
+@pytest.mark.parametrize("path", ["all_gather", "two_phase"])
+def test_quantized_mean_is_within_the_quantization_error(mesh, grads, path):
+    g_np, g = grads
+    mean, echo, _ = reducer(compressors.quantize(8), path, mesh)(g)
+    step = np.abs(g_np).max() / 128  # one 8-bit level of the largest scale
+    hops = 2 if path == "two_phase" else 1  # the server re-quantizes once more
+    assert np.abs(np.asarray(mean) - g_np.mean(0)).max() <= hops * step
+    assert np.abs(np.asarray(echo) - g_np).max() <= step
+
+
+def test_rand_k_workers_share_positions_and_psum_values(mesh, grads):
+    g_np, g = grads
+    codec = compressors.rand_k(count=100)
+    mean, echo, _ = reducer(codec, "psum", mesh)(g)
+    echo = np.asarray(echo)
+    kept = echo[0] != 0
+    assert kept.sum() == 100
+    assert all(np.array_equal(e != 0, kept) for e in echo)  # one shared seed
+    np.testing.assert_allclose(np.asarray(mean), echo.mean(0), rtol=1e-6)
+
+
+def test_cast_psum_is_widened_by_the_cpu_backend(mesh, grads):
+    """Documents JAX-NOTES §2: a 16-bit psum travels as f32 in CPU HLO; two_phase stays u16."""
+    _, g = grads
+    psum = comm.measure_collectives(reducer(compressors.cast(), "psum", mesh), g)
+    two = comm.measure_collectives(reducer(compressors.cast(), "two_phase", mesh), g)
+    if jax.default_backend() == "cpu":
+        assert psum.dtypes("all-reduce") == {"f32"}
+        assert psum.total_bytes == np.prod(SHAPE) * 4
+    else:
+        assert psum.total_bytes == np.prod(SHAPE) * 2
+    assert two.dtypes() == {"u16"}
+
+
+def test_low_rank_on_one_worker_equals_the_codec(grads):
+    x = jnp.asarray(grads[0][0])
+    codec = compressors.power_sgd(2)
+    state = comm.init_reduce(codec, x, None)
+    mean, _, state = comm.compressed_pmean(x, codec, state, None, None)
+    payload, codec_state = codec.compress(x, codec.init(x), None)
+    np.testing.assert_allclose(mean, codec.decompress(payload, x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.q.q, codec_state.q, rtol=1e-5, atol=1e-6)
+
+
+def test_two_phase_bytes_per_worker_do_not_grow_with_workers():
+    like = jax.ShapeDtypeStruct((4096,), jnp.float32)
+    sent = {}
+    for workers in (2, 4, 8):
+        mesh = comm.make_mesh([(comm.DATA, workers)], devices=jax.devices()[:workers])
+        codec = compressors.quantize(8)
+
+        def body(x, codec=codec):
+            state = comm.init_reduce(codec, x, comm.DATA, path="two_phase", min_ndim=1)
+            return jnp.float32(comm.reduce_bytes(state, codec, x, comm.DATA))
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())
+        sent[workers] = float(jax.jit(fn)(jnp.zeros(like.shape)))
+    # (W + 1) chunks of n / W bytes (+ a scale each): n (1 + 1/W), at most 1.5 n
+    assert sent[2] >= sent[4] >= sent[8] > 4096
+    assert sent[2] <= 1.5 * 4096 + 3 * 4
+
+
+def test_policy_falls_back_to_dense_with_reasons(caplog):
+    f32 = jnp.float32
+    cases = [
+        (compressors.power_sgd(2), (16,), 2, "1-D"),
+        (compressors.top_k(0.99), (64, 64), 2, "compresses"),
+        (compressors.quantize(8, scale="feature", axes=(4,)), (8, 8), 2, "cannot compress"),
+    ]
+    for codec, shape, ndim, reason in cases:
+        path, why = comm.plan_path(codec, jax.ShapeDtypeStruct(shape, f32), min_ndim=ndim)
+        assert path == "dense" and reason in why
+    with caplog.at_level("INFO", logger="jaxcomp.comm._reduce"):
+        state = comm.init_reduce(compressors.top_k(0.99), jnp.zeros((64, 64)), None, name="w")
+    assert isinstance(state, comm.DenseReduce)
+    assert "w: averaged uncompressed" in caplog.text
+    path, _ = comm.plan_path(compressors.top_k(0.99), jax.ShapeDtypeStruct((64, 64), f32),
+                             min_compression_rate=0)  # fmt: skip
+    assert path == "all_gather"
+
+
+def test_stochastic_codec_needs_a_key_and_ef21_needs_a_gather_path():
+    x = jnp.ones((8, 8))
+    codec = compressors.rand_k(0.5)
+    state = comm.init_reduce(codec, x, None, min_compression_rate=0)
+    with pytest.raises(ValueError, match="PRNG key"):
+        comm.compressed_pmean(x, codec, state, None, None)
+    with pytest.raises(ValueError, match="EF21"):
+        comm.init_reduce(feedback.ef21(compressors.quantize(8)), x, None, path="two_phase")

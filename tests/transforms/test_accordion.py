@@ -1,0 +1,364 @@
+"""accordion: the detector against the reference rule, switching, HLO bytes per mode, orbax."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp import comm
+from jaxcomp import compressors
+from jaxcomp import feedback
+from jaxcomp import transforms
+from jaxcomp.comm import _hlo
+from jaxcomp.transforms import HIGH_COMPRESSION as HIGH
+from jaxcomp.transforms import LOW_COMPRESSION as LOW
+
+W = 4
+PARAMS = {"a": jnp.zeros((16, 16)), "b": jnp.zeros((16, 8)), "bias": jnp.zeros((8,))}
+DIRECTIONS = {
+    k: np.random.default_rng(i).standard_normal(v.shape).astype(np.float32)
+    for i, (k, v) in enumerate(PARAMS.items())
+}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return comm.make_mesh([(comm.DATA, W)], devices=jax.devices()[:W])
+
+
+def reference_modes(norms, lrs, check_every):
+    """Modes used in each epoch, transcribed from Accordion's main.py + auto_scale.py."""
+    num_leaves = len(norms[0])
+    mode = [LOW] * num_leaves  # start_k: the first epoch at low compression
+    grad_calc, used = {}, []
+    for epoch, current in enumerate(norms):
+        used.append(list(mode))
+        grad_calc[epoch] = current
+        if epoch % check_every == 0:  # run_auto_scale_gng
+            old = None if epoch == 0 else grad_calc[epoch - check_every]
+            new_mode = []
+            for i, new in enumerate(current):
+                if epoch == 0:
+                    new_mode.append(LOW)
+                    continue
+                ratio = abs(old[i] - new) / old[i] if old[i] != 0.0 else 9
+                new_mode.append(HIGH if ratio < 0.5 else LOW)
+            mode = new_mode
+        if epoch + 1 < len(lrs) and lrs[epoch + 1] < lrs[epoch]:  # decay: all high rank
+            mode = [LOW] * num_leaves
+    return used
+
+
+def test_switches_exactly_as_the_reference_on_scripted_norms_and_lrs():
+    steps = 2
+    scale_a = [1.0, 5.0, 1.2, 0.1, 0.5, 0.2, 0.55, 0.6, 0.59, 3.0, 0.1, 0.1]
+    scale_b = [2.0, 2.0, 0.9, 0.9, 0.0, 1.0, 0.25, 0.2, 0.26, 0.26, 0.27, 0.5]
+    lrs = [0.1] * 5 + [0.01] * 4 + [0.001] * 3
+    schedule = lambda count: jnp.asarray(lrs)[jnp.minimum(count // steps, len(lrs) - 1)]
+    tx = transforms.accordion(
+        interval_steps=steps, check_every=2, learning_rate=schedule, axis_name=None
+    )
+    state = tx.init(PARAMS)
+    update = jax.jit(tx.update)
+    used = []
+    for epoch in range(len(lrs)):
+        for step in range(steps):
+            grads = {
+                "a": scale_a[epoch] * DIRECTIONS["a"],
+                "b": scale_b[epoch] * DIRECTIONS["b"],
+                "bias": DIRECTIONS["bias"],
+            }
+            _, state = update(grads, state)
+            modes = transforms.accordion_metrics(state)["modes"]
+            if step == 0:  # after the first step of an epoch: the mode that epoch uses
+                used.append([int(modes["a"]), int(modes["b"])])
+            assert int(modes["bias"]) == transforms.UNCOMPRESSED
+    norms = [
+        [steps * a * np.linalg.norm(DIRECTIONS["a"]), steps * b * np.linalg.norm(DIRECTIONS["b"])]
+        for a, b in zip(scale_a, scale_b)
+    ]
+    expected = reference_modes(norms, lrs, check_every=2)
+    assert used == expected
+    assert {HIGH, LOW} <= {m for row in expected for m in row}  # the script exercises both
+
+
+def sharded(tx, mesh, params=PARAMS):
+    specs = transforms.state_specs(tx, params, mesh)
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+    def body(state, grads):
+        updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
+        return updates, state, transforms.accordion_metrics(state)
+
+    update = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(specs, P(comm.DATA)), out_specs=(P(), specs, P()))
+    )
+    return init(params), update
+
+
+@pytest.mark.parametrize(("statistic", "mode"), [("worker0", HIGH), ("mean", LOW)])
+def test_decisions_are_replicated_from_the_chosen_statistic(mesh, statistic, mode):
+    tx = transforms.accordion(interval_steps=2, check_every=1, statistic=statistic)
+    state, update = sharded(tx, mesh)
+    # worker 0's norm barely moves between intervals; the other workers' triple
+    scales = [[1.0] * W, [1.1] + [3.0] * (W - 1)]
+    for epoch in range(2):
+        for _ in range(2):
+            g = {k: np.stack([s * d for s in scales[epoch]]) for k, d in DIRECTIONS.items()}
+            g = jax.device_put(g, NamedSharding(mesh, P(comm.DATA)))
+            _, state, metrics = update(state, g)
+    assert int(metrics["modes"]["a"]) == mode and int(metrics["modes"]["b"]) == mode
+
+
+def test_switch_resets_the_incoming_q_and_keeps_the_error_memory():
+    tx_keep = transforms.accordion(interval_steps=1, check_every=1, axis_name=None)
+    tx_zero = transforms.accordion(
+        interval_steps=1, check_every=1, axis_name=None, reset_memory_on_switch=True
+    )
+    g = {k: jnp.asarray(d) for k, d in DIRECTIONS.items()}
+    for tx in (tx_keep, tx_zero):
+        state = tx.init(PARAMS)
+        update = jax.jit(tx.update)
+        _, state = update(g, state)  # epoch 0: low compression, stays low
+        leaf = state.leaves["a"]
+        assert int(leaf.mode) == LOW
+        q_used = np.asarray(leaf.low.q.q)
+        _, state = update(g, state)  # same norm: not critical -> switch to high
+        leaf = state.leaves["a"]
+        assert int(leaf.mode) == HIGH
+        fresh = compressors.power_sgd(1).init(PARAMS["a"]).q
+        np.testing.assert_array_equal(np.asarray(leaf.high.q.q), fresh)
+        assert not np.array_equal(np.asarray(leaf.low.q.q), q_used)  # low kept warm-starting
+        memory = np.abs(np.asarray(leaf.residual)).max()
+        assert (memory > 0) == (tx is tx_keep)
+
+
+def test_low_compression_mode_equals_compressed_mean_with_power_sgd(mesh):
+    def loss_fn(params, batch):
+        x, y = batch
+        h = jnp.tanh(x @ params["a"]) @ params["b"]
+        return jnp.mean((h - y) ** 2) + jnp.sum(params["bias"] ** 2)
+
+    params = {k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()}
+    batch = (
+        np.random.default_rng(7).standard_normal((16, 16)).astype(np.float32),
+        np.random.default_rng(8).standard_normal((16, 8)).astype(np.float32),
+    )
+    runs = []
+    for reducer in (
+        transforms.accordion(interval_steps=100),
+        transforms.compressed_mean(feedback.error_feedback(compressors.power_sgd(2))),
+    ):
+        dp = transforms.data_parallel(loss_fn, optax.chain(reducer, optax.sgd(0.1)), mesh)
+        state = dp.init(params)
+        for _ in range(3):
+            state, _ = dp.step(state, batch)
+        runs.append(state.params)
+    for k in params:
+        np.testing.assert_allclose(runs[0][k], runs[1][k], rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wire bytes per mode, from the HLO of a data-parallel step
+
+
+def conditional_branch_bytes(hlo_text):
+    """For every ``conditional``: the collective bytes of each branch (with its callees)."""
+    comps, current = {}, None
+    for line in hlo_text.splitlines():
+        h = _hlo._HEADER.match(line)
+        if h:
+            current = h.group(2)
+            comps[current] = []
+        elif current is not None:
+            comps[current].append(line)
+    report = _hlo.collective_report(hlo_text)
+    direct = {}
+    for r in report.records:
+        direct[r.computation] = direct.get(r.computation, 0.0) + r.bytes_per_execution
+
+    def total(comp, depth=0):
+        callees = [
+            name
+            for line in comps.get(comp, ())
+            for _, target in _hlo._CALLEE.findall(line)
+            for name in re.findall(r"%?([\w.\-]+)", target)
+        ]
+        return direct.get(comp, 0.0) + sum(total(c, depth + 1) for c in callees if depth < 32)
+
+    out = []
+    for lines in comps.values():
+        for line in lines:
+            m = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if m and " conditional(" in line:
+                names = re.findall(r"%?([\w.\-]+)", m.group(1))
+                out.append(tuple(total(n) for n in names))
+    return out
+
+
+def mlp_loss(params, batch):
+    x, y = batch
+    return jnp.mean((jnp.tanh(x @ params["a"]) @ params["b"] - y) ** 2) + jnp.sum(params["bias"])
+
+
+BATCH = (
+    np.random.default_rng(3).standard_normal((16, 16)).astype(np.float32),
+    np.random.default_rng(4).standard_normal((16, 8)).astype(np.float32),
+)
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [
+        (compressors.power_sgd(2), compressors.power_sgd(1)),
+        (compressors.top_k(0.99), compressors.top_k(0.1)),
+    ],
+    ids=["power_sgd", "top_k"],
+)
+def test_each_mode_sends_exactly_its_payload(mesh, pair):
+    low, high = pair
+    tx = optax.chain(
+        transforms.accordion(low, high, interval_steps=2, check_every=1),
+        optax.sgd(0.1, momentum=0.9),
+    )
+    dp = transforms.data_parallel(mlp_loss, tx, mesh, donate=False)
+    state = dp.init(PARAMS)
+    text = dp.step.lower(state, BATCH).compile().as_text()
+    report = comm.collective_report(text)
+    gradient_shape = re.compile(r"f32\[16,(16|8)\]")
+    dense = [r for r in report.records if gradient_shape.search(r.shape)]
+    if low.name.startswith("power_sgd"):  # no uncompressed gradient all-reduce anywhere
+        assert not dense, report.table()
+
+    def payload(codec, like):
+        state = comm.init_reduce(codec, like, None)
+        return comm.reduce_bytes(state, codec, like, "unused")
+
+    expected = {
+        (float(payload(high, PARAMS[k])), float(payload(low, PARAMS[k]))) for k in ("a", "b")
+    }
+    expected.add((0.0, 4.0 * 2))  # the regime statistic, at interval ends only
+    assert set(conditional_branch_bytes(text)) == expected
+    if low.name.startswith("top_k"):  # 99% TopK is not smaller than dense: dense pmean
+        assert (4.0 * 16 * 16) in {lo for _, lo in expected}
+
+    # the bytes_sent metric follows the mode actually used
+    seen = set()
+    for _ in range(6):
+        state, _ = dp.step(state, BATCH)
+        metrics = transforms.accordion_metrics(state.opt_state)
+        modes = metrics["modes"]
+        end = int(metrics["count"]) % 2 == 0
+        want = 4.0 * 8 + (8.0 if end else 0.0)  # bias pmean (+ statistic)
+        for k in ("a", "b"):
+            hi, lo = payload(high, PARAMS[k]), payload(low, PARAMS[k])
+            want += lo if int(modes[k]) == LOW else hi
+        seen.update(int(m) for m in jax.tree.leaves(modes))
+        if not end:  # at an interval end the mode may have changed after sending
+            assert float(metrics["bytes_sent"]) == want
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpointing and composition
+
+
+def test_state_survives_orbax_and_the_run_continues_identically(mesh, tmp_path):
+    tx = optax.chain(
+        transforms.accordion(interval_steps=2, check_every=1), optax.sgd(0.05, momentum=0.9)
+    )
+    dp = transforms.data_parallel(mlp_loss, tx, mesh)
+    state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})
+    for _ in range(3):
+        state, _ = dp.step(state, BATCH)
+    options = ocp.CheckpointManagerOptions(max_to_keep=1, create=True)
+    with ocp.CheckpointManager(tmp_path, options=options) as manager:
+        manager.save(3, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
+    accordion_state = state.opt_state[0]
+    assert accordion_state.leaves["a"].accum.sharding.spec == P(comm.DATA)
+
+    def run(state, n=4):
+        for _ in range(n):
+            state, _ = dp.step(state, BATCH)
+        return state
+
+    continued = run(state)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        continued,
+        dp.state_sharding(PARAMS),
+    )
+    with ocp.CheckpointManager(tmp_path, options=options) as manager:
+        restored = manager.restore(3, args=ocp.args.StandardRestore(abstract))
+    assert jax.tree.structure(restored) == jax.tree.structure(continued)
+    resumed = run(restored)
+    for a, b in zip(jax.tree.leaves(continued), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_composes_with_adamw(mesh):
+    tx = optax.chain(
+        transforms.accordion(compressors.top_k(0.5), compressors.top_k(0.1), interval_steps=2),
+        optax.adamw(1e-2, weight_decay=1e-4),
+    )
+    dp = transforms.data_parallel(mlp_loss, tx, mesh)
+    state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})
+    losses = []
+    for _ in range(6):
+        state, metrics = dp.step(state, BATCH)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+
+
+def test_inject_hyperparams_learning_rate_drop_switches_everything_low():
+    tx = optax.inject_hyperparams(
+        transforms.accordion, static_args=("min_compression_rate", "min_ndim")
+    )(interval_steps=4, check_every=1, learning_rate=0.1, axis_name=None)
+    state = tx.init(PARAMS)
+    g = {k: jnp.asarray(d) for k, d in DIRECTIONS.items()}
+    update = jax.jit(tx.update)
+    for _ in range(8):  # identical norms: the second check goes to high compression
+        _, state = update(g, state)
+    assert int(transforms.accordion_metrics(state)["modes"]["a"]) == HIGH
+    lr = state.hyperparams["learning_rate"]
+    state.hyperparams["learning_rate"] = jnp.asarray(0.01, lr.dtype)  # a manual decay
+    _, state = update(g, state)
+    assert int(transforms.accordion_metrics(state)["modes"]["a"]) == LOW
+    assert float(state.inner_state.last_lr) == pytest.approx(0.01)
+
+
+def test_learning_rate_from_extra_args_overrides_the_schedule():
+    tx = transforms.accordion(interval_steps=4, check_every=1, axis_name=None, learning_rate=0.1)
+    state = tx.init(PARAMS)
+    g = {k: jnp.asarray(d) for k, d in DIRECTIONS.items()}
+    update = jax.jit(tx.update)
+    for _ in range(8):  # two intervals of equal norms: the second check goes high
+        _, state = update(g, state)
+    assert int(state.leaves["a"].mode) == HIGH
+    _, state = update(g, state, learning_rate=0.05)
+    assert int(state.leaves["a"].mode) == LOW
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(TypeError, match="Codec"):
+        transforms.accordion(feedback.error_feedback(compressors.top_k(0.1)), interval_steps=2)
+    with pytest.raises(ValueError, match="interval_steps"):
+        transforms.accordion(interval_steps=0)
+    with pytest.raises(ValueError, match="check_every"):
+        transforms.accordion(interval_steps=2, check_every=-1)
+    with pytest.raises(ValueError, match="eta"):
+        transforms.accordion(interval_steps=2, eta=0)
+    with pytest.raises(ValueError, match="statistic"):
+        transforms.accordion(interval_steps=2, statistic="median")
+    with pytest.raises(ValueError, match="learning_rate"):
+        transforms.accordion(interval_steps=2, learning_rate="0.1")
+    tx = transforms.accordion(interval_steps=2, axis_name=None)
+    state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match="does not match"):
+        tx.update({"a": PARAMS["a"]}, state)
