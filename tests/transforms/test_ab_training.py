@@ -57,16 +57,19 @@ def untall(w2, shape):
 
 
 def split(w, sigma_on=None):
-    """SVD split of a weight (``sigma_on=None``: sqrt on both; "a"/"b": Sigma on that factor)."""
-    u, s, vh = np.linalg.svd(np.asarray(tall(w), np.float64), full_matrices=False)
+    """SVD split of a weight (``sigma_on=None``: sqrt on both; "a"/"b": Sigma on that factor).
+
+    The same float32 LAPACK SVD as the transform: moments carry over re-factorisations by
+    position (as the reference), so a singular vector with the opposite sign would meet the
+    old moment with the opposite sign and the runs would differ (by design, not by error).
+    """
+    u, s, vh = jnp.linalg.svd(tall(w), full_matrices=False)
     if sigma_on is None:
-        a, b = u * np.sqrt(s), np.sqrt(s)[:, None] * vh
-    else:
-        a, b = (u * s, vh) if sigma_on == "a" else (u, s[:, None] * vh)
-    return jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+        return u * jnp.sqrt(s), jnp.sqrt(s)[:, None] * vh
+    return (u * s, vh) if sigma_on == "a" else (u, s[:, None] * vh)
 
 
-def clip(grads, max_norm=1.0):
+def clip(grads, max_norm=0.05):  # small enough to act on these gradients
     norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
     return jax.tree.map(lambda g: g * jnp.minimum(1.0, max_norm / (norm + 1e-6)), grads)
 
@@ -154,7 +157,7 @@ class Reference:
 def make_tx(every=EVERY, **kwargs):
     return transforms.ab_training(
         BASE_LR, warmup_steps=WARMUP, sync_every=every, full_rank_steps=FULL, inner=INNER,
-        low_rank_cutoff=1e-6, exclude=("head",), lr_rebound_steps=REBOUND, max_grad_norm=1.0,
+        low_rank_cutoff=1e-6, exclude=("head",), lr_rebound_steps=REBOUND, max_grad_norm=0.05,
         **kwargs,
     )  # fmt: skip
 

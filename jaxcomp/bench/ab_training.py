@@ -1,0 +1,230 @@
+"""AB-Training traffic: HLO bytes per step by phase vs plain data parallelism, on VGG-16.
+
+``python -m jaxcomp.bench ab_training [--json PATH] [--models ...] [--rank-fractions ...]``
+
+Nothing is trained: every step kind of :func:`jaxcomp.transforms.ab_training` is compiled on
+its own for the parameter shapes of a VGG-16 (``vgg16_cifar``: 13 convolutions and a 512 -> 10
+classifier, 15M parameters; ``vgg16_timm``: the paper's timm ``vgg16`` with its 7x7 and 1x1
+``pre_logits`` convolutions, 134M), on 8 workers in 2 groups of 4 (the paper's CIFAR-10 VGG-16
+run: 8 GPUs, ``group_size`` 4), and the collectives are read from the compiled HLO. The first
+convolution and the classifier stay full-rank (``features.0``, ``head.fc`` in the reference).
+
+Per worker and step: ``dp_hlo_bytes_per_step`` is a plain data-parallel step (``pmean`` of all
+gradients over the 8 workers, then Adam). AB steps are averaged over the group roles (half the
+groups train A, half B; ``only-b``: all train B). Ranks after a truncated re-factorisation
+depend on the trained weights, which are not available here, so the truncated AB phase is
+reported for *assumed* ranks, a fraction of ``min(m, n)`` per layer (``rank_fraction``), with
+the factors cut to that capacity (:func:`~jaxcomp.transforms.fit_rank_capacity`).
+
+Phases: ``warmup`` and ``full`` (dense), ``refactor`` (the last full-rank step of a cycle, plus
+the rank agreement), ``ab_untruncated`` (the first AB phase, full-rank factors), ``ab``
+(truncated), ``sync`` (the last AB step of a cycle, with the sync), and ``cycle``: the mean over
+one steady-state cycle of ``S`` steps (``D`` full-rank steps, ``S - D`` AB steps; the paper's
+``S = 759, D = 60``), whose ``traffic_reduction`` is ``1 - cycle / dp``; ``run``: the mean over
+the whole 15000-step run of that config, warm-up (4330 steps) and first AB phase included.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jaxcomp.bench import _common
+
+_common.request_cpu_devices(8)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxcomp import comm  # noqa: E402
+from jaxcomp import transforms  # noqa: E402
+from jaxcomp.transforms._ab_layout import build_layout  # noqa: E402
+from jaxcomp.transforms._ab_schedule import STEP_KINDS  # noqa: E402
+
+VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+EXCLUDE = ("features_0", "head")  # the reference's features.0.* and head.fc.*
+CYCLE, FULL_RANK_STEPS, WARMUP = 759, 60, 4330  # CIFAR-10 VGG-16 config (SPEC §3.6)
+RUN_STEPS = 15000  # its common.yaml: 150 "epochs" of iterations_per_train = 100 steps
+
+
+def vgg16_params(variant: str) -> dict:
+    """``ShapeDtypeStruct`` parameters of a Flax-layout VGG-16 (``HWIO`` kernels)."""
+    params, c_in, i = {}, 3, 0
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    for v in VGG16:
+        if v == "M":
+            continue
+        params[f"features_{i}"] = {"kernel": sds(3, 3, c_in, v), "bias": sds(v)}
+        c_in, i = v, i + 1
+    if variant == "vgg16_timm":
+        params["pre_logits_fc1"] = {"kernel": sds(7, 7, 512, 4096), "bias": sds(4096)}
+        params["pre_logits_fc2"] = {"kernel": sds(1, 1, 4096, 4096), "bias": sds(4096)}
+        params["head"] = {"kernel": sds(4096, 10), "bias": sds(10)}
+    elif variant == "vgg16_cifar":
+        params["head"] = {"kernel": sds(512, 10), "bias": sds(10)}
+    else:
+        raise ValueError(f"model must be vgg16_cifar or vgg16_timm; got {variant!r}.")
+    return params
+
+
+def dp_step_bytes(params: dict, mesh: jax.sharding.Mesh) -> float:
+    """Per-worker HLO bytes of a plain data-parallel step: ``pmean`` over all workers + Adam."""
+    axes = (comm.GROUP, comm.MEMBER)
+    workers = NamedSharding(mesh, P(axes))
+    tx = optax.adam(1e-3)
+
+    def body(grads, params):
+        grads = lax.pmean(jax.tree.map(lambda g: g[0], grads), axes)
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return optax.apply_updates(params, updates)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P()), out_specs=P())
+    n = mesh.size
+    grads = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=workers), params
+    )
+    return comm.measure_collectives(jax.jit(fn), grads, params).total_bytes
+
+
+def compression_ratio(params: dict, fraction: float | None) -> float:
+    """Full-rank parameter count over the count trained in AB phases at ``fraction`` ranks."""
+    layout = build_layout(params, EXCLUDE)
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    if fraction is None:
+        low = sum(s.cols * (s.rows + s.cols) for s in layout.specs)
+    else:
+        low = sum(capacity(s.cols, fraction) * (s.rows + s.cols) for s in layout.specs)
+    return total / (total - sum(s.rows * s.cols for s in layout.specs) + low)
+
+
+def capacity(cols: int, fraction: float) -> int:
+    return max(1, min(cols, round(fraction * cols)))
+
+
+def measure(model: str, sync_mode: str, fractions: list[float], groups: int) -> list[dict]:
+    params = vgg16_params(model)
+    mesh = transforms.ab_mesh(groups, jax.devices()[:8])
+    kwargs = dict(
+        learning_rate=1e-3, warmup_steps=WARMUP, sync_every=CYCLE,
+        full_rank_steps=FULL_RANK_STEPS, exclude=EXCLUDE, sync_mode=sync_mode,
+    )  # fmt: skip
+    tx = transforms.ab_training(**kwargs)
+    state = jax.eval_shape(tx.init, params)
+    dp = dp_step_bytes(params, mesh)
+
+    def mean(reports):  # average over the workers' roles
+        num_a = 0 if sync_mode == "only-b" else groups // 2
+        weights = {"a": num_a, "b": groups - num_a, "all": groups}
+        return sum(weights[r] * rep.total_bytes for r, rep in reports.items()) / groups
+
+    full = transforms.ab_step_bytes(params, mesh, state=state, **kwargs)
+    base = dict(model=model, sync_mode=sync_mode, dp_hlo_bytes_per_step=dp, groups=groups)
+
+    def record(phase, nbytes, fraction=None, **extra):
+        return {**base, "phase": phase, "rank_fraction": fraction, "hlo_bytes_per_step": nbytes,
+                "ratio_to_dp": nbytes / dp, **extra}  # fmt: skip
+
+    rows = [
+        record("warmup", mean(full["dense"]), steps=WARMUP),
+        record(
+            "ab_untruncated",
+            mean(full["ab"]),
+            **_roles(full["ab"]),
+            compression_ratio=compression_ratio(params, None),
+        ),  # fmt: skip
+    ]
+    dense, refactor = mean(full["dense"]), mean(full["dense_then_refactor"])
+    for fraction in fractions:
+        caps = [capacity(x.shape[-1], fraction) for x in state.a]
+        cut = jax.eval_shape(lambda s, c=caps: transforms.fit_rank_capacity(s, c), state)
+        low = transforms.ab_step_bytes(params, mesh, state=cut, kinds=("ab", "ab_then_sync"),
+                                       **kwargs)  # fmt: skip
+        ab, sync = mean(low["ab"]), mean(low["ab_then_sync"])
+        cycle = (
+            (FULL_RANK_STEPS - 1) * dense + refactor + (CYCLE - FULL_RANK_STEPS - 1) * ab + sync
+        ) / CYCLE
+        ratio = compression_ratio(params, fraction)
+        at_full = {k: mean(v) for k, v in full.items()}
+        run = run_mean(at_full, {**at_full, "ab": ab, "ab_then_sync": sync})
+        rows += [
+            record("full", dense, fraction, steps=FULL_RANK_STEPS - 1),
+            record("refactor", refactor, fraction, steps=1),
+            record(
+                "ab",
+                ab,
+                fraction,
+                steps=CYCLE - FULL_RANK_STEPS - 1,
+                compression_ratio=ratio,
+                **_roles(low["ab"]),
+            ),  # fmt: skip
+            record("sync", sync, fraction, steps=1),
+            record(
+                "cycle",
+                cycle,
+                fraction,
+                steps=CYCLE,
+                compression_ratio=ratio,
+                traffic_reduction=1 - cycle / dp,
+            ),  # fmt: skip
+            record("run", run, fraction, steps=RUN_STEPS, traffic_reduction=1 - run / dp),
+        ]
+    return rows
+
+
+def _roles(reports) -> dict:
+    return {f"hlo_bytes_role_{r}": rep.total_bytes for r, rep in reports.items()}
+
+
+def run_mean(kind_bytes_first: dict, kind_bytes: dict) -> float:
+    """Mean bytes per step over the ``RUN_STEPS`` of the CIFAR-10 VGG-16 schedule.
+
+    ``kind_bytes_first``: bytes per step kind at full capacity (before the first sync);
+    ``kind_bytes``: after it (truncated capacity).
+    """
+    schedule = transforms.ABSchedule(WARMUP, CYCLE, FULL_RANK_STEPS)
+    phase = np.asarray(schedule.phase(np.arange(RUN_STEPS + 1)))
+    now, nxt = phase[:-1], phase[1:]
+    ab = now == transforms.ABPhase.AB
+    kinds = np.where(ab, np.where(nxt == transforms.ABPhase.FULL, 3, 2),
+                     np.where((now == transforms.ABPhase.FULL) & (nxt == 1), 1, 0))  # fmt: skip
+    first = np.arange(RUN_STEPS) < schedule.first_sync
+    total = 0.0
+    for i, kind in enumerate(STEP_KINDS):
+        total += np.sum((kinds == i) & first) * kind_bytes_first[kind]
+        total += np.sum((kinds == i) & ~first) * kind_bytes[kind]
+    return total / RUN_STEPS
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _common.parser(__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["vgg16_cifar", "vgg16_timm"])
+    p.add_argument("--sync-modes", nargs="+", default=["only-b", "with-stale"])
+    p.add_argument("--rank-fractions", nargs="+", type=float, default=[0.05, 0.1, 0.25])
+    p.add_argument("--groups", type=int, default=2)
+    args = p.parse_args(argv)
+    results = []
+    for model in args.models:
+        for mode in args.sync_modes:
+            results += measure(model, mode, args.rank_fractions, args.groups)
+    print()
+    _common.print_table(
+        results,
+        [
+            ("model", "s"),
+            ("sync_mode", "s"),
+            ("phase", "s"),
+            ("rank_fraction", ".2f"),
+            ("hlo_bytes_per_step", ".4g"),
+            ("dp_hlo_bytes_per_step", ".4g"),
+            ("ratio_to_dp", ".3f"),
+            ("compression_ratio", ".2f"),
+            ("traffic_reduction", ".3f"),
+        ],
+    )
+    _common.write_json(args.json, "ab_training", results, cycle=CYCLE,
+                       full_rank_steps=FULL_RANK_STEPS)  # fmt: skip
+    return 0

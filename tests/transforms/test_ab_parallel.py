@@ -1,0 +1,159 @@
+"""AB-Training in a grouped data-parallel loop: truncation, capacity, checkpoints, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxcomp import compressors
+from jaxcomp import transforms
+
+SPECTRUM = np.array([2.0, 1.0, 0.1, 0.05, 0.02, 0.01], np.float32)  # cutoff 0.15 keeps 2
+
+
+def init_params():
+    q1, _ = np.linalg.qr(np.random.default_rng(0).standard_normal((8, 6)))
+    q2, _ = np.linalg.qr(np.random.default_rng(1).standard_normal((6, 6)))
+    kernel = (q1 * SPECTRUM) @ q2.T
+    return {
+        "l1": {"kernel": jnp.asarray(kernel, jnp.float32), "bias": jnp.zeros(6)},
+        "head": {"kernel": jnp.full((6, 2), 0.3), "bias": jnp.zeros(2)},
+    }
+
+
+def loss_fn(params, batch):
+    x, y = batch
+    h = jnp.tanh(x @ params["l1"]["kernel"] + params["l1"]["bias"])
+    return jnp.mean((h @ params["head"]["kernel"] + params["head"]["bias"] - y) ** 2)
+
+
+def batches(steps):
+    rng = np.random.default_rng(2)
+    return [(rng.standard_normal((8, 8), np.float32), rng.standard_normal((8, 2), np.float32))
+            for _ in range(steps)]  # fmt: skip
+
+
+# phases: steps 0-1 warm-up, 2-3 AB (untruncated), 4 full rank + re-factorisation, 5-7 AB, ...
+TX_KWARGS = dict(warmup_steps=2, sync_every=4, full_rank_steps=1, exclude=("head",))
+
+
+@pytest.fixture(scope="module")
+def grouped():
+    mesh = transforms.ab_mesh(2, jax.devices()[:4])
+    tx = transforms.ab_training(1e-3, **TX_KWARGS)
+    return tx, transforms.ab_data_parallel(loss_fn, tx, mesh, donate=False)
+
+
+def test_truncation_cuts_the_rank_and_capacity_can_follow(grouped):
+    tx, dp = grouped
+    params, data = init_params(), batches(8)
+    state = dp.init(params)
+    for batch in data[:5]:
+        state, _ = dp.step(state, batch)
+    metrics = transforms.ab_metrics(state.opt_state, state.params)
+    assert int(metrics["phase"]) == transforms.ABPhase.AB
+    np.testing.assert_array_equal(metrics["rank"], [2])
+    # 68 parameters, the (8, 6) kernel now trains as 2 * (8 + 6) = 28: 68 / 48
+    np.testing.assert_allclose(metrics["compression_ratio"], 68 / 48, rtol=1e-6)
+    kernel = transforms.group_entry(state.params)["l1"]["kernel"]
+    assert np.sum(np.linalg.svd(kernel, compute_uv=False) > 1e-5) == 2
+    opt = state.opt_state  # factors and their moments beyond the rank are zero
+    for x in (opt.a[0], opt.a_state.mu[0], opt.a_state.nu[0]):
+        np.testing.assert_array_equal(np.asarray(x)[..., 2:], 0.0)
+    for x in (opt.b[0], opt.b_state.mu[0], opt.b_state.nu[0]):
+        np.testing.assert_array_equal(np.asarray(x)[:, 2:], 0.0)
+
+    fitted = state._replace(opt_state=transforms.fit_rank_capacity(state.opt_state))
+    assert [x.shape for x in fitted.opt_state.a] == [(2, 8, 2)]
+    assert [x.shape for x in fitted.opt_state.a_state.mu] == [(2, 8, 2)]
+    for batch in data[5:8]:  # the same AB steps at capacity 6 and at capacity 2
+        state, _ = dp.step(state, batch)
+        fitted, _ = dp.step(fitted, batch)
+    for got, want in zip(jax.tree.leaves(fitted.params), jax.tree.leaves(state.params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+    full = transforms.fit_rank_capacity(fitted.opt_state, "full")
+    assert [x.shape for x in full.b] == [(2, 6, 6)]
+    np.testing.assert_array_equal(np.asarray(full.b[0])[:, 2:], 0.0)
+
+
+def test_capacity_sets_the_bytes_on_the_wire(grouped):
+    tx, dp = grouped
+    params = init_params()
+    mesh = dp.mesh
+    small = transforms.fit_rank_capacity(tx.init(params), [2])
+    full, cut = (
+        transforms.ab_step_bytes(
+            params, mesh, state=s, kinds=("ab",), learning_rate=1e-3, **TX_KWARGS
+        )["ab"]["a"].total_bytes  # fmt: skip
+        for s in (None, small)
+    )
+    assert full - cut == compressors.wire_bytes(jnp.zeros((8, 6 - 2)))
+
+
+def test_a_checkpoint_mid_ab_phase_restores_and_continues_identically(grouped, tmp_path):
+    _, dp = grouped
+    params, data = init_params(), batches(8)
+    state = dp.init(params)
+    for batch in data[:3]:  # stop after the first AB step
+        state, _ = dp.step(state, batch)
+    assert int(transforms.ab_metrics(state.opt_state, state.params)["phase"]) == 1
+    options = ocp.CheckpointManagerOptions(max_to_keep=1, create=True)
+    with ocp.CheckpointManager(tmp_path, options=options) as mngr:
+        mngr.save(3, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+    target = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        state, dp.state_sharding(params),
+    )  # fmt: skip
+    with ocp.CheckpointManager(tmp_path, options=options) as mngr:
+        restored = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(target))
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for batch in data[3:8]:  # AB, sync, full rank + re-factorisation, AB
+        state, m1 = dp.step(state, batch)
+        restored, m2 = dp.step(restored, batch)
+        assert float(m1["loss"]) == float(m2["loss"])
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(low_rank_cutoff=0.0), "low_rank_cutoff must be in"),
+        (dict(low_rank_cutoff=1.0), "low_rank_cutoff must be in"),
+        (dict(low_rank_cutoff=1.5), "low_rank_cutoff must be in"),
+        (dict(sync_mode="stale"), "sync_mode must be one of"),
+        (dict(max_rank=0), "max_rank"),
+        (dict(max_rank=1.5), "max_rank"),
+        (dict(step_kind="sync"), "step_kind"),
+        (dict(full_rank_steps=4), "full_rank_steps must be <"),
+        (dict(exclude="head"), "exclude must be a sequence"),
+    ],
+)
+def test_bad_arguments_raise_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        transforms.ab_training(1e-3, **{**TX_KWARGS, **kwargs})
+
+
+def test_group_count_must_divide_the_data_axis():
+    with pytest.raises(ValueError, match="num_groups=3 does not divide the data axis of 8"):
+        transforms.ab_mesh(3, jax.devices()[:8])
+    with pytest.raises(ValueError, match="num_groups must be a positive int"):
+        transforms.ab_mesh(0, jax.devices()[:8])
+
+
+def test_excluded_name_matching_nothing_raises_at_init():
+    tx = transforms.ab_training(1e-3, **{**TX_KWARGS, "exclude": ("classifier",)})
+    with pytest.raises(ValueError, match=r"exclude: \['classifier'\] match no parameter"):
+        tx.init(init_params())
+
+
+def test_update_outside_a_group_member_shard_map_raises():
+    tx = transforms.ab_training(1e-3, **TX_KWARGS)
+    params = init_params()
+    with pytest.raises(ValueError, match="inside shard_map"):
+        tx.update(params, tx.init(params), params)
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(params, tx.init(params))

@@ -1,0 +1,149 @@
+"""AB-Training syncs (averages worked out by hand) and the bytes each step kind puts on the wire."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp import compressors
+from jaxcomp import transforms
+from jaxcomp.comm import GROUP
+from jaxcomp.comm import MEMBER
+
+GROUPS, MEMBERS = 4, 2
+
+
+def synced(sync_mode, count=3):
+    """One ``ab_then_sync`` step with learning rate 0, from hand-made per-group factors.
+
+    Group g (0..3) holds ``A = (g + 1) * ones(4, 2)`` (``ones`` in only-b, where A = U is
+    shared), ``B = 10 (g + 1) * I`` and ``bias = g``; groups 0 and 1 are the A-groups.
+    """
+    mesh = transforms.ab_mesh(GROUPS, jax.devices()[: GROUPS * MEMBERS])
+    tx = transforms.ab_training(
+        0.0, warmup_steps=1, sync_every=4, full_rank_steps=1, sync_mode=sync_mode,
+        step_kind="ab_then_sync",
+    )  # fmt: skip
+    params = {"w": jnp.zeros((4, 2)), "bias": jnp.zeros(3)}
+    g = np.arange(GROUPS, dtype=np.float32)[:, None, None]
+    a = np.ones((GROUPS, 4, 2), np.float32) * (1 if sync_mode == "only-b" else g + 1)
+    b = 10 * (g + 1) * np.eye(2, dtype=np.float32)
+    state, stacked = transforms.per_group((tx.init(params), params), mesh)
+    group = NamedSharding(mesh, P(GROUP))
+    state = state._replace(
+        count=jax.device_put(np.full(GROUPS, count, np.int32), group),  # step 3: sync at its end
+        a=(jax.device_put(a, group),),
+        b=(jax.device_put(b, group),),
+    )
+    stacked["bias"] = jax.device_put(np.repeat(g[:, 0], 3, axis=1), group)
+    stacked["w"] = jax.device_put(a @ b, group)
+
+    def body(state, params):
+        state, params = jax.tree.map(lambda x: x[0], (state, params))
+        grads = jax.tree.map(jnp.zeros_like, params)
+        updates, state = tx.update(grads, state, params)
+        new = jax.tree.map(lambda p, u: p + u, params, updates)
+        return jax.tree.map(lambda x: x[None], (new, state))
+
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(GROUP), out_specs=(P(GROUP), P(GROUP))))
+    new, state = run(state, stacked)
+    return np.asarray(new["w"]), np.asarray(new["bias"]), state
+
+
+# W after the sync, by hand (A-groups 0, 1; B-groups 2, 3):
+#   with-stale:   mean(1, 2, 3, 4) * mean(10, 20, 30, 40) = 2.5 * 25 = 62.5
+#   only-learned: mean(1, 2) * mean(30, 40) = 1.5 * 35 = 52.5
+#   full:         mean(1*10, 2*20, 3*30, 4*40) = 300 / 4 = 75
+#   only-b:       1 * mean(10, 20, 30, 40) = 25
+@pytest.mark.parametrize(
+    "sync_mode,weight,a_after,b_after",
+    [("with-stale", 62.5, 2.5, 25.0), ("only-learned", 52.5, 1.5, 35.0), ("full", 75.0, None, None),
+     ("only-b", 25.0, 1.0, 25.0)],
+)  # fmt: skip
+def test_sync_modes_give_the_hand_computed_averages(sync_mode, weight, a_after, b_after):
+    w, bias, state = synced(sync_mode)
+    np.testing.assert_allclose(w, np.full((GROUPS, 4, 2), weight), rtol=1e-6)
+    # dense parameters are averaged over the groups at every sync (only-b too: see ab_training)
+    np.testing.assert_allclose(bias, np.full((GROUPS, 3), 1.5), rtol=1e-6)
+    if a_after is not None:
+        np.testing.assert_allclose(
+            np.asarray(state.a[0]), np.full((GROUPS, 4, 2), a_after), rtol=1e-6
+        )
+        want_b = np.broadcast_to(b_after * np.eye(2), (GROUPS, 2, 2))
+        np.testing.assert_allclose(np.asarray(state.b[0]), want_b, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(state.phase), transforms.ABPhase.FULL)
+
+
+def test_a_static_step_kind_at_the_wrong_step_poisons_the_update():
+    w, bias, _ = synced("with-stale", count=2)  # step 2 is an "ab" step, not "ab_then_sync"
+    assert np.isnan(w).all() and np.isnan(bias).all()
+
+
+PARAMS = {
+    "conv": {"kernel": jnp.zeros((3, 3, 4, 8)), "bias": jnp.zeros(8)},  # tall view (36, 8)
+    "dense": {"kernel": jnp.zeros((8, 16))},  # wide: tall view (16, 8)
+    "head": {"kernel": jnp.zeros((16, 3))},  # excluded
+}
+KWARGS = dict(
+    learning_rate=1e-3, warmup_steps=2, sync_every=8, full_rank_steps=2, exclude=("head",),
+    max_rank=3,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def step_bytes():
+    mesh = transforms.ab_mesh(2, jax.devices()[:8])
+    return transforms.ab_step_bytes(PARAMS, mesh, **KWARGS)
+
+
+def _groups_and_bytes(report):
+    return {(r.kind, r.group_size) for r in report.records}, report.total_bytes
+
+
+def test_ab_steps_send_only_the_trained_factor_within_the_group(step_bytes):
+    state = jax.eval_shape(transforms.ab_training(**KWARGS).init, PARAMS)
+    assert [x.shape for x in state.a] == [(36, 3), (16, 3)]
+    assert [x.shape for x in state.b] == [(3, 8), (3, 8)]
+    other = [PARAMS["conv"]["bias"], PARAMS["head"]["kernel"]]
+    for role, factor in (("a", state.a), ("b", state.b)):
+        kinds, total = _groups_and_bytes(step_bytes["ab"][role])
+        assert kinds == {("all-reduce", MEMBERS * 2)}  # the 4 members of a group only
+        assert total == compressors.wire_bytes(factor) + compressors.wire_bytes(other)
+    dense_bytes = compressors.wire_bytes(PARAMS)
+    assert step_bytes["ab"]["a"].total_bytes < dense_bytes / 2
+
+
+def test_full_rank_steps_and_transitions_send_what_they_should(step_bytes):
+    state = jax.eval_shape(transforms.ab_training(**KWARGS).init, PARAMS)
+    dense = compressors.wire_bytes(PARAMS)
+    kinds, total = _groups_and_bytes(step_bytes["dense"]["all"])
+    assert kinds == {("all-reduce", 8)} and total == dense
+    # + the agreed ranks (pmax of one int32 per factorised weight)
+    _, total = _groups_and_bytes(step_bytes["dense_then_refactor"]["all"])
+    assert total == dense + 4 * len(state.a)
+    # with-stale sync: A, B and the dense parameters, averaged over the 2 groups
+    other = [PARAMS["conv"]["bias"], PARAMS["head"]["kernel"]]
+    sync = compressors.wire_bytes((state.a, state.b, other))
+    for role in ("a", "b"):
+        kinds, total = _groups_and_bytes(step_bytes["ab_then_sync"][role])
+        assert kinds == {("all-reduce", 4), ("all-reduce", 2)}
+        assert total == step_bytes["ab"][role].total_bytes + sync
+
+
+def test_group_and_member_axes_are_the_mesh_axes():
+    mesh = transforms.ab_mesh(2, jax.devices()[:8])
+    assert dict(mesh.shape) == {GROUP: 2, MEMBER: 4}
+
+
+def test_reduce_dense_globally_averages_dense_parameters_over_all_workers():
+    mesh = transforms.ab_mesh(2, jax.devices()[:8])
+    kwargs = {**KWARGS, "reduce_dense_globally": True}
+    report = transforms.ab_step_bytes(PARAMS, mesh, kinds=("ab",), **kwargs)["ab"]["b"]
+    state = jax.eval_shape(transforms.ab_training(**kwargs).init, PARAMS)
+    by_group = {}
+    for r in report.records:
+        by_group[r.group_size] = by_group.get(r.group_size, 0) + r.total_bytes
+    other = [PARAMS["conv"]["bias"], PARAMS["head"]["kernel"]]
+    assert by_group == {4: compressors.wire_bytes(state.b), 8: compressors.wire_bytes(other)}
