@@ -170,6 +170,7 @@ def gpipe(
         return loss, {g: v[None] for g, v in grads.items()}, stacked_view(new_states), metrics
 
     def step(params, batch, link_states, key=None, compress=True):
+        compress = _prepare.check_compress(compress)
         prep = prepare(params, batch)
         _links.check_link_states(link_states, expected_states(prep))
         ctx = _ticks.TickContext(
@@ -201,6 +202,7 @@ def gpipe(
         return loss, grads, new_states, metrics
 
     def evaluate(params, batch, key=None, compress=False):
+        compress = _prepare.check_compress(compress)
         prep = prepare(params, batch, need_ids=False)
         elinks = eval_links(links)
         ctx = _ticks.TickContext(

@@ -85,6 +85,16 @@ def prepare(
     return Prepared(layout, parsed, mb, shapes, final, metrics)
 
 
+def check_compress(compress: Any) -> bool:
+    """``compress`` must be a Python bool (it selects the program); returns it."""
+    if not isinstance(compress, bool):
+        raise TypeError(
+            f"compress must be a Python bool (under jax.jit mark it static: "
+            f"jax.jit(pipe.step, static_argnames='compress')); got {type(compress).__name__}."
+        )
+    return compress
+
+
 def split_loss(out: Any) -> tuple[jax.Array, dict]:
     """``loss_fn`` output as ``(loss, metrics)``."""
     if isinstance(out, tuple):

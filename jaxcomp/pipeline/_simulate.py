@@ -121,6 +121,7 @@ def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> _pre
         return jax.jit(lambda: _links.init_link_states(links, prep.shapes, lead))()
 
     def step(params, batch, link_states, key=None, compress=True):
+        compress = _prepare.check_compress(compress)
         prep = prepare(params, batch)
         expected = jax.eval_shape(lambda: _links.init_link_states(links, prep.shapes, lead))
         _links.check_link_states(link_states, expected)
@@ -165,6 +166,7 @@ def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> _pre
         return loss, grads, new_states, metrics
 
     def evaluate(params, batch, key=None, compress=False):
+        compress = _prepare.check_compress(compress)
         prep = prepare(params, batch, need_ids=False)
         elinks = _gpipe.eval_links(links)
         x = _batch.microbatches(prep.batch.inputs, m_)

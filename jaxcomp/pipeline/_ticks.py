@@ -62,8 +62,9 @@ def _zeros(struct: Any, axes: tuple[str, ...]) -> Any:
     return _local.to_varying(zeros, axes)
 
 
-def _branches(ctx: TickContext):
-    """``S`` stage branches plus a final idle branch, all with the same output type."""
+def _branches(ctx: TickContext, active: tuple[bool, ...]):
+    """A branch per active stage plus a final idle branch, all with the same output type (only
+    the stages active in a tick are compiled into it)."""
     stages, num = ctx.model.stages, len(ctx.model.stages)
     final = ctx.final if ctx.collect_outputs else None
 
@@ -92,7 +93,7 @@ def _branches(ctx: TickContext):
 
         return branch
 
-    return [make(s) for s in range(num)] + [idle]
+    return [make(s) for s in range(num) if active[s]] + [idle]
 
 
 def run_ticks(
@@ -121,7 +122,6 @@ def run_ticks(
     """
     num, m_ = len(ctx.model.stages), ctx.num_microbatches
     stage = lax.axis_index(_mesh.STAGE)
-    branches = _branches(ctx)
     outputs = None
     if ctx.collect_outputs:
         outputs = _zeros(jax.ShapeDtypeStruct((m_, *ctx.final.shape), ctx.final.dtype), ctx.axes)
@@ -137,7 +137,11 @@ def run_ticks(
     def tick(carry, t, active):
         recv, fwd, tok, loss_sum, metrics_sum, outputs = carry
         recv, fwd, tok = list(recv), list(fwd), list(tok)
-        index = jnp.where(jnp.asarray(active)[stage], stage, num)
+        slots, position = [], 0
+        for is_active in active:  # stage -> its branch, idle stages -> the last branch
+            slots.append(position if is_active else sum(active))
+            position += is_active
+        index = jnp.asarray(slots, jnp.int32)[stage]
         x_t = _take(x, jnp.minimum(t, m_ - 1) if not isinstance(t, int) else min(t, m_ - 1))
         last_m = t - (num - 1)
         labels_t = _take(
@@ -145,7 +149,7 @@ def run_ticks(
             jnp.clip(last_m, 0, m_ - 1) if not isinstance(t, int) else min(max(last_m, 0), m_ - 1),
         )
         outs, loss_t, metrics_t, final = lax.switch(
-            index, branches, local, x_t, tuple(recv), labels_t
+            index, _branches(ctx, active), local, x_t, tuple(recv), labels_t
         )
         for b, lk in enumerate(ctx.links):
             if not active[b]:

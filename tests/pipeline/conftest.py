@@ -1,0 +1,168 @@
+"""Small staged models shared by the pipeline tests (built once per session)."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp import pipeline
+
+NUM_STAGES = 4
+
+
+def _mlp_stage(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def _mse(y, labels):
+    return jnp.mean((y - labels) ** 2)
+
+
+def make_mlp(num_microbatches=4, microbatch=2, width=16, seed=0, num_stages=NUM_STAGES):
+    """A homogeneous stack of tanh(x W + b) stages with an MSE loss."""
+    rng = np.random.default_rng(seed)  # numpy: no per-op compiles in test setup
+    params = [
+        {
+            "w": jnp.asarray(rng.normal(size=(width, width)) / np.sqrt(width), jnp.float32),
+            "b": jnp.asarray(0.1 * rng.normal(size=(width,)), jnp.float32),
+        }
+        for _ in range(num_stages)
+    ]
+    n = num_microbatches * microbatch
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(n, width)), jnp.float32),
+        "label": jnp.asarray(rng.normal(size=(n, width)), jnp.float32),
+        "ids": jnp.arange(n, dtype=jnp.int32),
+    }
+    model = pipeline.StagedModel((_mlp_stage,) * num_stages, _mse)
+    return types.SimpleNamespace(model=model, params=params, batch=batch, M=num_microbatches)
+
+
+def _conv(p, x, stride=1):
+    y = jax.lax.conv_general_dilated(
+        x, p["kernel"], (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    return y + p["bias"]
+
+
+def _group_norm(x, groups=2, eps=1e-5):
+    n, h, w, c = x.shape
+    g = x.reshape(n, h, w, groups, c // groups)
+    mean = g.mean(axis=(1, 2, 4), keepdims=True)
+    var = g.var(axis=(1, 2, 4), keepdims=True)
+    return ((g - mean) / jnp.sqrt(var + eps)).reshape(x.shape)
+
+
+def _stem(p, x):  # [mb, 8, 8, 1] -> [mb, 8, 8, 4]
+    return jax.nn.relu(_conv(p["conv"], x))
+
+
+def _down(p, x):  # halves the resolution, changes the channels, GroupNorm
+    return _group_norm(jax.nn.relu(_conv(p["conv"], x, stride=2))) * p["scale"]
+
+
+def _head(p, x):  # [mb, 2, 2, 16] -> [mb, 10]
+    return x.mean(axis=(1, 2)) @ p["w"] + p["b"]
+
+
+def _cross_entropy(logits, labels):
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == labels)}
+
+
+def make_cnn(num_microbatches=4, microbatch=2, seed=0):
+    """A heterogeneous CNN: channels 1 -> 4 -> 8 -> 16 -> 10 classes, resolution 8 -> 4 -> 2,
+    every stage with a different parameter structure."""
+    rng = np.random.default_rng(seed)
+
+    def f32(a):
+        return jnp.asarray(a, jnp.float32)
+
+    def conv(cin, cout):
+        w = rng.normal(size=(3, 3, cin, cout)) / np.sqrt(9 * cin)
+        return {"kernel": f32(w), "bias": jnp.full((cout,), 0.01)}
+
+    params = [
+        {"conv": conv(1, 4)},
+        {"conv": conv(4, 8), "scale": jnp.ones((8,))},
+        {"conv": conv(8, 16), "scale": jnp.ones((16,))},
+        {"w": f32(rng.normal(size=(16, 10)) / 4.0), "b": jnp.zeros((10,))},
+    ]
+    n = num_microbatches * microbatch
+    batch = {
+        "x": f32(rng.normal(size=(n, 8, 8, 1))),
+        "label": jnp.asarray(rng.integers(0, 10, size=(n,)), jnp.int32),
+        "ids": jnp.arange(n, dtype=jnp.int32),
+    }
+    model = pipeline.StagedModel((_stem, _down, _down, _head), _cross_entropy)
+    return types.SimpleNamespace(model=model, params=params, batch=batch, M=num_microbatches)
+
+
+def unpipelined_value_and_grad(model, params, batch):
+    """The reference: the stages composed on the whole batch, no pipeline, no compression."""
+
+    def loss(params):
+        h = batch["x"]
+        for f, p in zip(model.stages, params):
+            h = f(p, h)
+        out = model.loss_fn(h, batch["label"])
+        return out[0] if isinstance(out, tuple) else out
+
+    return jax.value_and_grad(loss)(params)
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert len(la) == len(lb), (ta, tb)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+@pytest.fixture(autouse=True, scope="package")
+def _fast_compiles():
+    """These tests compile many small programs; XLA's optimisation passes would dominate."""
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
+@pytest.fixture(scope="session")
+def stage_mesh():
+    """4 of the 8 fake devices, one per stage."""
+    return pipeline.pipeline_mesh(NUM_STAGES, jax.devices()[:NUM_STAGES])
+
+
+@pytest.fixture(scope="session")
+def pack(stage_mesh):
+    def pack_fn(params, mesh=stage_mesh):
+        return pipeline.pack_params(params, NamedSharding(mesh, P("stage")))
+
+    return pack_fn
+
+
+@pytest.fixture(scope="session")
+def mlp():
+    return make_mlp()
+
+
+@pytest.fixture(scope="session")
+def cnn():
+    return make_cnn()
+
+
+@pytest.fixture(scope="session")
+def tools():
+    """Helpers for test modules (conftest functions are not importable with importlib mode)."""
+    return types.SimpleNamespace(
+        make_mlp=make_mlp,
+        make_cnn=make_cnn,
+        reference=unpipelined_value_and_grad,
+        close=assert_trees_close,
+    )

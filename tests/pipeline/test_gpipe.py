@@ -1,0 +1,58 @@
+"""Identity links: the pipeline equals the unpipelined model (value, gradient, outputs)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcomp import comm
+from jaxcomp import pipeline
+
+
+@pytest.mark.parametrize("form", ["packed", "list"])
+def test_identity_mlp_matches_unpipelined(mlp, stage_mesh, pack, tools, form):
+    pipe = pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M), stage_mesh)
+    params = pack(mlp.params) if form == "packed" else mlp.params
+    states = pipe.init(params, mlp.batch)
+    loss, grads, _, metrics = jax.jit(pipe.step)(params, mlp.batch, states, jax.random.key(0))
+    ref_loss, ref_grads = tools.reference(mlp.model, mlp.params, mlp.batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
+    if form == "packed":
+        assert isinstance(grads, pipeline.PackedParams)
+        grads = grads.unpack()
+    assert isinstance(grads, (list, tuple)) and len(grads) == 4
+    tools.close(list(grads), ref_grads)
+
+
+def test_identity_heterogeneous_cnn_matches_unpipelined(cnn, stage_mesh, pack, tools):
+    pipe = pipeline.gpipe(cnn.model, pipeline.PipelineConfig(cnn.M), stage_mesh)
+    params = pack(cnn.params)
+    states = pipe.init(params, cnn.batch)
+    loss, grads, _, metrics = jax.jit(pipe.step)(params, cnn.batch, states, jax.random.key(0))
+    ref_loss, ref_grads = tools.reference(cnn.model, cnn.params, cnn.batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    tools.close(grads.unpack(), ref_grads)
+    # evaluation: the last stage's outputs for the whole batch, and the loss_fn metrics
+    e_loss, e_metrics, logits = jax.jit(pipe.evaluate)(params, cnn.batch)
+    h = cnn.batch["x"]
+    for f, p in zip(cnn.model.stages, cnn.params):
+        h = f(p, h)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(h), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(e_loss, ref_loss, rtol=1e-5)
+    accuracy = np.mean(np.argmax(np.asarray(h), -1) == np.asarray(cnn.batch["label"]))
+    np.testing.assert_allclose(e_metrics["accuracy"], accuracy, rtol=1e-6)
+    np.testing.assert_allclose(metrics["accuracy"], accuracy, rtol=1e-6)
+
+
+def test_identity_with_data_axis_matches_unpipelined(tools):
+    mlp = tools.make_mlp(microbatch=2)
+    mesh = pipeline.pipeline_mesh(4)  # 2 replicas x 4 stages on the 8 devices
+    assert dict(mesh.shape) == {comm.DATA: 2, comm.STAGE: 4}
+    batch = {k: jnp.concatenate([v, v[::-1]]) for k, v in mlp.batch.items()}  # 2 x 8 rows
+    pipe = pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M), mesh)
+    states = pipe.init(mlp.params, batch)
+    loss, grads, _, _ = jax.jit(pipe.step)(mlp.params, batch, states, jax.random.key(0))
+    ref_loss, ref_grads = tools.reference(mlp.model, mlp.params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    tools.close(list(grads), ref_grads)
