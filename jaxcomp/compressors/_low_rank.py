@@ -105,7 +105,8 @@ def power_sgd(
     for an all-zero input) the previous column is kept so the iteration can recover.
 
     For the multi-worker protocol (all-reduce of P, then of Q) see
-    :func:`jaxcomp.comm.compressed_mean`; it reuses :func:`orthogonalize` and the same state.
+    :func:`jaxcomp.comm.compressed_pmean`; it reuses :func:`orthogonalize` and the same state
+    (the protocol uses the default ``epsilon``).
 
     Args:
       rank: target rank r >= 1 (capped at ``min(rows, cols)``).
