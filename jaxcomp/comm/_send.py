@@ -54,13 +54,17 @@ class ChannelStates(NamedTuple):
     recv: Any
 
 
-def init_channel_states(channel: _channel.Channel | None, like: Any) -> ChannelStates:
+def init_channel_states(
+    channel: _channel.Channel | _base.Codec | None, like: Any
+) -> ChannelStates:
     """Both ends' initial states for ``channel`` carrying arrays shaped like ``like``.
 
-    ``None`` (no channel, e.g. the backward of a shared-mask link) gives empty states.
+    A codec is lifted with :func:`~jaxcomp.feedback.plain`; ``None`` (no channel, e.g. the
+    backward of a shared-mask link) gives empty states.
     """
     if channel is None:
         return ChannelStates(_base.EmptyState(), _base.EmptyState())
+    channel = _channel.as_channel(channel)
     return ChannelStates(*channel.init(jax.ShapeDtypeStruct(like.shape, like.dtype)))
 
 

@@ -51,7 +51,11 @@ class ParamLayout:
         return len(self.treedefs)
 
     def pack(self, stage_trees: Sequence[Any]) -> dict[str, jax.Array]:
-        """Packs per-stage pytrees with this layout's structure into ``(S, length)`` buffers."""
+        """Packs per-stage pytrees with this layout's structure into ``(S, length)`` buffers.
+
+        Leaves are cast to their buffer's dtype; a scalar leaf fills its whole slot, so a
+        per-leaf mask (``True`` for matrices, ``False`` for biases) packs to a 0/1 vector.
+        """
         if len(stage_trees) != self.num_stages:
             raise ValueError(
                 f"expected {self.num_stages} per-stage pytrees; got {len(stage_trees)}."
@@ -63,6 +67,8 @@ class ParamLayout:
                 raise ValueError(f"stage {s}'s pytree structure differs from the layout's.")
             rows = {g: [] for g, _ in self.lengths}
             for leaf, slot in zip(leaves, slots):
+                if jnp.ndim(leaf) == 0:  # a per-leaf scalar (e.g. an optax-style mask)
+                    leaf = jnp.broadcast_to(jnp.asarray(leaf), slot.shape)
                 if tuple(jnp.shape(leaf)) != slot.shape:
                     raise ValueError(
                         f"stage {s}: leaf of shape {jnp.shape(leaf)} where the layout has "

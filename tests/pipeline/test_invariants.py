@@ -1,0 +1,106 @@
+"""Error-feedback invariants across steps, in both directions; bubble ticks touch no state.
+
+A probe pipeline whose gradients reveal what crossed each boundary: stages 0-2 add a parameter
+(``y = x + v_b``), stage 3 multiplies (``y = x * w``), loss ``mean_m sum(y_m)``. Then
+``dL/dv_b = sum_m g_hat_b,m`` (the gradient stage ``b`` received over backward link ``b``) and
+``dL/dw = sum_m x_hat_2,m / M``, so the EF telescoping identity ``sum_m sent + e = sum_m
+received + e'`` can be checked per backward link and, summed over the links, forward.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcomp import compressors as C
+from jaxcomp import feedback as F
+from jaxcomp import pipeline
+
+M, MB, D, STEPS = 4, 2, 8, 3
+
+
+def _add(p, x):
+    return x + p["v"]
+
+
+def _mul(p, x):
+    return x * p["w"]
+
+
+def _total(y, labels):
+    del labels
+    return jnp.sum(y)  # the pipeline takes the mean over the M microbatches
+
+
+@pytest.fixture(scope="module")
+def probe(stage_mesh, pack):
+    rng = np.random.default_rng(0)
+    params = [{"v": jnp.asarray(rng.normal(size=(MB, D)), jnp.float32)} for _ in range(3)]
+    params.append({"w": jnp.asarray(rng.normal(size=(MB, D)), jnp.float32)})
+    batches = [
+        {"x": jnp.asarray(rng.normal(size=(M * MB, D)), jnp.float32), "y": jnp.zeros(M * MB)}
+        for _ in range(STEPS)
+    ]
+    link = pipeline.link(
+        F.error_feedback(C.top_k(count=3, per_sample=True)), F.error_feedback(C.quantize(3))
+    )
+    model = pipeline.StagedModel((_add, _add, _add, _mul), _total)
+    pipe = pipeline.gpipe(model, pipeline.PipelineConfig(M, link), stage_mesh)
+    packed = pack(params)
+    states = [pipe.init(packed, batches[0])]
+    grads = []
+    step = jax.jit(pipe.step)
+    for i, batch in enumerate(batches):
+        _, g, new, _ = step(packed, batch, states[-1], jax.random.key(i))
+        grads.append(g.unpack())
+        states.append(new)
+    return params, batches, grads, states
+
+
+def _np(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def test_backward_error_feedback_telescopes_per_link(probe):
+    params, _, grads, states = probe
+    w = np.asarray(params[3]["w"])
+    for i in range(STEPS):
+        g = _np(grads[i])
+        old, new = _np(states[i]), _np(states[i + 1])
+        # what each backward link sent, summed over microbatches: w / M per microbatch from
+        # stage 3, then what the stage above received
+        sent = [g[1]["v"], g[2]["v"], M * (w / M)]
+        for b in range(3):
+            e_old = old[b].backward.send.residual[b + 1]
+            e_new = new[b].backward.send.residual[b + 1]
+            assert np.any(e_new != e_old)
+            np.testing.assert_allclose(sent[b] + e_old, g[b]["v"] + e_new, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_error_feedback_telescopes_over_the_links(probe):
+    params, batches, grads, states = probe
+    v = sum(np.asarray(p["v"]) for p in params[:3])
+    for i in range(STEPS):
+        x = np.asarray(batches[i]["x"]).reshape(M, MB, D).sum(axis=0)
+        old, new = _np(states[i]), _np(states[i + 1])
+        e_old = sum(old[b].forward.send.residual[b] for b in range(3))
+        e_new = sum(new[b].forward.send.residual[b] for b in range(3))
+        received_last = M * np.asarray(grads[i][3]["w"])  # sum_m x_hat_2,m
+        np.testing.assert_allclose(x + M * v + e_old, received_last + e_new, rtol=1e-5, atol=1e-5)
+
+
+def test_only_the_live_slots_ever_change(probe):
+    """Bubble ticks send nothing, and devices not at a boundary never touch its state."""
+    *_, states = probe
+    initial, final = _np(states[0]), _np(states[-1])
+    for b in range(3):
+        live = {"forward": {"send": b, "recv": b + 1}, "backward": {"send": b + 1, "recv": b}}
+        for direction, ends in live.items():
+            for end, slot in ends.items():
+                for a0, a1 in zip(
+                    jax.tree.leaves(getattr(getattr(initial[b], direction), end)),
+                    jax.tree.leaves(getattr(getattr(final[b], direction), end)),
+                ):
+                    np.testing.assert_array_equal(np.delete(a0, slot, 0), np.delete(a1, slot, 0))
+                    if end == "send":
+                        assert np.any(a0[slot] != a1[slot])
