@@ -188,21 +188,23 @@ def train_and_evaluate(
         f"{s.train_loader.num_examples} train / {s.eval_loader.num_examples} test, "
         f"batch {cfg.batch_size}, {cfg.total_steps} steps, mesh {dict(s.mesh.shape)}"
     )
-    say(
-        f"  wire bytes/step {_metrics.format_bytes(mode.wire_bytes)} "
-        f"(dense {_metrics.format_bytes(mode.dense_bytes)})"
+    wire0 = (
+        "reported each step"
+        if math.isnan(mode.wire_bytes)
+        else _metrics.format_bytes(mode.wire_bytes)
     )
+    say(f"  wire bytes/step {wire0} (dense {_metrics.format_bytes(mode.dense_bytes)})")
     if lead:
         with open(os.path.join(workdir, "experiment.json"), "w") as f:
             json.dump(fp, f, indent=1, sort_keys=True)
     # --- Workdir & checkpoint ----------------------------------------------------------------
     ckpt = _checkpoint.Checkpointer(workdir, cfg.keep_checkpoints)
     writer = _metrics.MetricWriter(workdir, enabled=lead)
-    with jax.set_mesh(s.mesh):
-        state = TrainState(
-            mode.init(jax.random.key(cfg.seed)),
-            _replicated(np.asarray(jax.random.key_data(jax.random.key(cfg.seed))), s.mesh),
-        )
+    # modes place their own state; no ambient mesh (shard_map bodies may seed PRNGs)
+    state = TrainState(
+        mode.init(jax.random.key(cfg.seed)),
+        _replicated(np.asarray(jax.random.key_data(jax.random.key(cfg.seed))), s.mesh),
+    )
     meta = {"step": 0, "epoch": 0, "index": 0, "nonfinite_total": 0, "nonfinite_streak": 0}
     restored = ckpt.restore_latest(state)
     if restored is not None:
@@ -240,13 +242,9 @@ def train_and_evaluate(
     while step < cfg.total_steps:
         batch, data_state = s.train_loader.next(data_state)
         key = np.asarray(jax.random.key_data(jax.random.fold_in(base_key, step)))
-        with jax.set_mesh(s.mesh):
-            state_ms, metrics = mode.train_step(
-                state.mode_state,
-                place(batch, mode.batch_sharding),
-                _replicated(key, s.mesh),
-                step,
-            )
+        state_ms, metrics = mode.train_step(
+            state.mode_state, place(batch, mode.batch_sharding), _replicated(key, s.mesh), step
+        )
         state = state._replace(mode_state=state_ms)
         step += 1
         ran += 1

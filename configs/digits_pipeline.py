@@ -1,0 +1,44 @@
+r"""The main job: handwritten digits through a 4-stage compressed pipeline on 8 (fake) devices.
+
+An MLP (64 -> 256 -> 256 -> 256 -> 10) is cut after every hidden layer into 4 stages on the
+``stage`` mesh axis, with 2 data-parallel pipeline replicas (``data`` axis) filling 8 devices.
+Every boundary sends its activations as 4-bit codes with one fp16 scale per feature (AC-SGD's
+quantizer) and its activation-gradients as 8-bit codes, as Rudakov et al. find gradients more
+sensitive than activations. Evaluation reports accuracy with boundary compression on and off.
+
+  python -m jaxcomp.main --config configs/digits_pipeline.py --workdir runs/digits
+  python -m jaxcomp.main --config configs/digits_pipeline.py:smoke --workdir runs/smoke
+
+Expected: ~1-2 min on 2 CPU cores; test accuracy ~97-98% with compression on and off;
+boundary traffic 5.3x smaller than dense float32 (72 KiB instead of 384 KiB per step and
+replica). ``--set pipeline.forward='"identity"' --set pipeline.backward='"identity"'`` runs the
+uncompressed baseline.
+"""
+
+import ml_collections
+
+
+def get_config(arg=None):
+    smoke = arg == "smoke"
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.mode = "pipeline"
+    c.mesh = [("data", 2), ("stage", 4)]
+    c.model_name = "mlp"
+    c.model = dict(hidden=(256, 256, 256))
+    c.data_name = "digits"
+    c.data = dict(flat=True)
+    c.batch_size = 128
+    c.eval_batch_size = 128
+    c.optax_name = "adam"
+    c.lr = 1e-3
+    c.total_steps = 2 if smoke else 600
+    c.log_every = 1 if smoke else 25
+    c.eval_every = 0 if smoke else 200
+    c.checkpoint_every = 0 if smoke else 200
+    c.pipeline = dict(
+        num_microbatches=4,
+        forward=dict(name="quantize", bits=4, scale="feature"),
+        backward=dict(name="quantize", bits=8),
+    )
+    return c
