@@ -56,8 +56,8 @@ config.batch_size = 64
 config.eval_batch_size = 64
 config.optax_name = "adam"
 config.lr = 2e-3
-config.total_steps = 60 if SMOKE else 600
-config.log_every = 20
+config.total_steps = 30 if SMOKE else 600
+config.log_every = 10
 config.pipeline = dict(
     num_microbatches=4,
     forward=dict(name="quantize", bits=4, scale="feature"),

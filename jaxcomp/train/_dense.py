@@ -87,7 +87,7 @@ def build_dense(
             "loss": loss,
             "accuracy": acc,
             "finite": finite.astype(jnp.int32),
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
         }
         return new, metrics
 

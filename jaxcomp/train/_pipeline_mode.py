@@ -167,7 +167,7 @@ def build_pipeline(
             "loss": loss,
             "accuracy": metrics["accuracy"],
             "finite": finite.astype(jnp.int32),
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
         }
         return new, out
 

@@ -1,0 +1,149 @@
+"""The CLI: one-line errors, kill-and-resume bit-identical, two processes == one process."""
+
+import contextlib
+import io
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxcomp import main
+
+ROOT = pathlib.Path(__file__).parents[1]
+CONFIG = str(ROOT / "configs" / "digits_pipeline.py")
+
+
+def _run_main(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main.main(argv)
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--set", "mesh=[('data', 3), ('stage', 4)]"], "needs 12 devices; only 8 available"),
+        (["--set", "model_name='mlpp'"], "unknown model 'mlpp'"),
+        (["--set", "pipeline.forward={'name': 'top_j'}"], "unknown codec 'top_j'"),
+        (["--set", "epochs=3"], r"unknown config key\(s\) \['epochs'\]"),
+        (["--set", "pipeline.num_microbatches=3"], "must be divisible by num_microbatches"),
+    ],
+)
+def test_bad_input_is_a_one_line_error_before_training(tmp_path, extra, match):
+    import re
+
+    code, err = _run_main(["--config", f"{CONFIG}:smoke", "--workdir", str(tmp_path), *extra])
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(match, lines[0]), err
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_workdir_of_another_experiment_is_a_one_line_error(tmp_path):
+    args = ["--config", f"{CONFIG}:smoke", "--workdir", str(tmp_path)]
+    assert _run_main(args)[0] == 0
+    code, err = _run_main([*args, "--set", "lr=0.5"])
+    assert code == 2 and "holds a checkpoint of another experiment" in err
+
+
+def _env(devices):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _cmd(workdir, *extra):
+    return [sys.executable, "-m", "jaxcomp.main", "--config", f"{CONFIG}:smoke",
+            "--workdir", str(workdir), "--set", "total_steps=24", "--set", "checkpoint_every=4",
+            *extra]  # fmt: skip
+
+
+def _state_leaves(workdir):
+    import orbax.checkpoint as ocp
+
+    path = pathlib.Path(workdir) / "checkpoints"
+    step = max(int(p.name) for p in path.iterdir() if p.name.isdigit())
+    with ocp.StandardCheckpointer() as ckpt:
+        state = ckpt.restore(path / str(step) / "state")
+    return step, [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def test_killed_run_resumes_bit_identical(tmp_path):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    subprocess.run(_cmd(full), check=True, env=_env(8), cwd=ROOT, capture_output=True, timeout=600)
+    proc = subprocess.Popen(_cmd(killed), env=_env(8), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    seen = []
+    for line in proc.stdout:  # progress prints one line per step when not on a terminal
+        seen.append(line)
+        if line.startswith("step 10/"):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "".join(seen)[-2000:]
+    resumed = subprocess.run(_cmd(killed), env=_env(8), cwd=ROOT, capture_output=True,
+                             text=True, timeout=600)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "resumed from step 8" in resumed.stdout
+    (s1, a), (s2, b) = _state_leaves(full), _state_leaves(killed)
+    assert s1 == s2 == 24 and len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    j1 = json.loads((full / "summary.json").read_text())
+    j2 = json.loads((killed / "summary.json").read_text())
+    assert j1["final_loss"] == j2["final_loss"] and j1["final_accuracy"] == j2["final_accuracy"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one_process(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ["--set", "total_steps=6"]
+    subprocess.run(_cmd(one, *extra), check=True, env=_env(8), cwd=ROOT, capture_output=True,
+                   timeout=600)  # fmt: skip
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            _cmd(
+                two,
+                *extra,
+                "--cpu_devices",
+                "4",
+                "--num_processes",
+                "2",
+                "--process_id",
+                str(i),
+                "--coordinator_address",
+                f"127.0.0.1:{port}",
+            ),
+            env=_env(4),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    j1 = json.loads((one / "summary.json").read_text())
+    j2 = json.loads((two / "summary.json").read_text())
+    np.testing.assert_allclose(j2["final_loss"], j1["final_loss"], rtol=1e-5)
+    assert j1["final_accuracy"] == j2["final_accuracy"]
+    np.testing.assert_allclose(
+        j2["final_loss_uncompressed"], j1["final_loss_uncompressed"], rtol=1e-5
+    )
