@@ -54,9 +54,7 @@ class ChannelStates(NamedTuple):
     recv: Any
 
 
-def init_channel_states(
-    channel: _channel.Channel | _base.Codec | None, like: Any
-) -> ChannelStates:
+def init_channel_states(channel: _channel.Channel | _base.Codec | None, like: Any) -> ChannelStates:
     """Both ends' initial states for ``channel`` carrying arrays shaped like ``like``.
 
     A codec is lifted with :func:`~jaxcomp.feedback.plain`; ``None`` (no channel, e.g. the

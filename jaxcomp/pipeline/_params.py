@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +104,28 @@ class ParamLayout:
         )
 
     def unpack(self, buffers: dict[str, jax.Array]) -> tuple[Any, ...]:
-        """All stages' pytrees from the ``(S, length)`` buffers."""
+        """All stages' pytrees from the ``(S, length)`` buffers.
+
+        Buffers sharded over ``stage`` on an Explicit mesh are first gathered (indexing a sharded
+        axis needs a declared output sharding there), so the stages come back replicated.
+        """
+        buffers = {g: _gathered(b) for g, b in buffers.items()}
         return tuple(
             self.unpack_stage(s, {g: b[s] for g, b in buffers.items()})
             for s in range(self.num_stages)
         )
+
+
+def _gathered(buffer: jax.Array) -> jax.Array:
+    sharding = getattr(jax.typeof(buffer), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if not spec or spec[0] is None:
+        return buffer
+    names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+    if not any(types.get(n) == jax.sharding.AxisType.Explicit for n in names):
+        return buffer
+    return jax.sharding.reshard(buffer, NamedSharding(sharding.mesh, PartitionSpec()))
 
 
 @jax.tree_util.register_pytree_node_class

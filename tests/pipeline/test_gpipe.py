@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcomp import comm
 from jaxcomp import pipeline
@@ -45,14 +47,14 @@ def test_identity_heterogeneous_cnn_matches_unpipelined(cnn, stage_mesh, pack, t
     np.testing.assert_allclose(metrics["accuracy"], accuracy, rtol=1e-6)
 
 
-def test_identity_with_data_axis_matches_unpipelined(tools):
+def test_identity_with_data_axis_on_an_explicit_mesh_matches_unpipelined(tools):
     mlp = tools.make_mlp(microbatch=2)
-    mesh = pipeline.pipeline_mesh(4)  # 2 replicas x 4 stages on the 8 devices
-    assert dict(mesh.shape) == {comm.DATA: 2, comm.STAGE: 4}
-    batch = {k: jnp.concatenate([v, v[::-1]]) for k, v in mlp.batch.items()}  # 2 x 8 rows
+    mesh = jax.make_mesh((2, 4), (comm.DATA, comm.STAGE))  # Explicit axes, 2 replicas
+    local = {k: jnp.concatenate([v, v[::-1]]) for k, v in mlp.batch.items()}  # 2 x 8 rows
+    batch = jax.device_put(local, NamedSharding(mesh, P(comm.DATA)))
     pipe = pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M), mesh)
     states = pipe.init(mlp.params, batch)
     loss, grads, _, _ = jax.jit(pipe.step)(mlp.params, batch, states, jax.random.key(0))
-    ref_loss, ref_grads = tools.reference(mlp.model, mlp.params, batch)
+    ref_loss, ref_grads = tools.reference(mlp.model, mlp.params, local)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     tools.close(list(grads), ref_grads)
