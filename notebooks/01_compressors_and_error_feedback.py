@@ -63,16 +63,16 @@ assert rows[0][1] == 4 * n and rows[3][1] < 4 * n // 5
 # %% [markdown]
 # ## Error feedback: the dropped mass comes back
 #
-# Send the *same* vector `g` for `T` steps through TopK(1%). Without feedback the receiver
-# sees the same 41 coordinates every time; with residual error feedback
+# Send the *same* vector `g` for `T` steps through TopK(10%). Without feedback the receiver
+# sees the same 102 coordinates every time; with residual error feedback
 # (`feedback.error_feedback`), the residual `e` grows on the unsent coordinates until they win a
 # place, so the running average of what arrived converges to `g`. The telescoping identity
 # `x + e_old == x_hat + e_new` holds at every step.
 
 # %%
-T = 40 if SMOKE else 400
-g = jax.random.normal(jax.random.key(2), (n,))
-codec = compressors.top_k(0.01)
+T = 100 if SMOKE else 1000
+g = jax.random.normal(jax.random.key(2), (1024,))
+codec = compressors.top_k(0.1)
 plain = feedback.plain(codec)
 ef = feedback.error_feedback(codec)
 
@@ -106,8 +106,8 @@ assert err_ef[-1] < 0.5 * err_plain[-1]
 assert float(telescoping.max()) < 1e-4
 
 fig, ax = plt.subplots(figsize=(6, 3.5))
-ax.plot(np.asarray(err_plain), label="TopK 1%, no feedback")
-ax.plot(np.asarray(err_ef), label="TopK 1% + error feedback")
+ax.plot(np.asarray(err_plain), label="TopK 10%, no feedback")
+ax.plot(np.asarray(err_ef), label="TopK 10% + error feedback")
 ax.set_xlabel("step")
 ax.set_ylabel("relative error of the mean received")
 ax.set_yscale("log")
