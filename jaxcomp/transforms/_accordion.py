@@ -190,7 +190,10 @@ def accordion(
     ``lax.cond`` on its (replicated) mode runs exactly one branch, so only the selected codec's
     payload crosses the wire. Error-feedback memory is shared by the two modes and kept across
     switches (unless ``reset_memory_on_switch``); the incoming codec's state (PowerSGD's Q)
-    restarts from its initial value on a switch, as the reference builds a new reducer.
+    restarts from its initial value on a switch, as the reference builds a new reducer. The
+    memory is always updated as ``e = g + e - echo`` with ``echo`` this worker's reconstruction
+    (PowerSGD: the averaged one, as the reference), so a mode averaged densely sends the
+    memory along and clears it.
 
     Deliberate differences from the reference (SPEC.md §2.9), all documented fixes:
 
