@@ -50,8 +50,10 @@ def _check_config(cfg: _Config) -> None:
     cutoff = cfg.low_rank_cutoff
     if isinstance(cutoff, bool) or not isinstance(cutoff, (int, float)) or not 0 < cutoff < 1:
         raise ValueError(f"low_rank_cutoff must be in (0, 1); got {cfg.low_rank_cutoff!r}.")
-    if isinstance(cfg.exclude, str):
-        raise ValueError(f"exclude must be a sequence of names, not the string {cfg.exclude!r}.")
+    if isinstance(cfg.exclude, str) or not all(isinstance(n, str) for n in cfg.exclude):
+        raise ValueError(f"exclude must be a sequence of layer names; got {cfg.exclude!r}.")
+    if not (hasattr(cfg.inner, "init") and hasattr(cfg.inner, "update")):
+        raise ValueError(f"inner must be an optax GradientTransformation; got {cfg.inner!r}.")
     mr = cfg.max_rank
     if mr is not None and (
         isinstance(mr, bool)
@@ -267,6 +269,14 @@ def ab_training(
       Low-Rank Learning <https://arxiv.org/abs/2405.01067>`_, 2024; reference code
       ``Helmholtz-AI-Energy/AB-Training`` (``madonna/trainers/ab_lowrank.py``).
 
+    .. warning::
+      ``inner`` must not apply a learning rate: ``optax.adam(1e-3)`` as ``inner`` would scale
+      the step twice and flip its sign. Factor moments carry over re-factorisations by
+      position, as in the reference, so a singular vector whose sign flipped meets its old
+      moment with the opposite sign (the rebound's small rate limits the harm). The A/B role
+      is a ``lax.cond`` whose branches hold group-local collectives; that runs on the CPU
+      backend and has not been checked on multi-GPU NCCL here.
+
     .. note::
       Where the reference code is wrong this does the right thing (SPEC §3.8): dense
       parameters are averaged over the groups at every sync (the reference skips this in
@@ -277,6 +287,9 @@ def ab_training(
     """
     if step_kind is not None and step_kind not in STEP_KINDS:
         raise ValueError(f"step_kind must be None or one of {STEP_KINDS}; got {step_kind!r}.")
+    lr = learning_rate
+    if not callable(lr) and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr < 0):
+        raise ValueError(f"learning_rate must be a float >= 0 or a schedule; got {lr!r}.")
     schedule = ABSchedule(warmup_steps, sync_every, full_rank_steps)
     cfg = _Config(
         schedule=schedule,

@@ -130,11 +130,14 @@ def test_a_checkpoint_mid_ab_phase_restores_and_continues_identically(grouped, t
         (dict(step_kind="sync"), "step_kind"),
         (dict(full_rank_steps=4), "full_rank_steps must be <"),
         (dict(exclude="head"), "exclude must be a sequence"),
+        (dict(inner=0.9), "inner must be an optax GradientTransformation"),
+        (dict(learning_rate=-1.0), "learning_rate must be"),
+        (dict(lr_rebound_steps=-2), "rebound_steps"),
     ],
 )
 def test_bad_arguments_raise_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        transforms.ab_training(1e-3, **{**TX_KWARGS, **kwargs})
+        transforms.ab_training(**{"learning_rate": 1e-3, **TX_KWARGS, **kwargs})
 
 
 def test_group_count_must_divide_the_data_axis():
