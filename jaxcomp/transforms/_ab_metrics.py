@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ from jaxcomp.comm import GROUP
 from jaxcomp.comm import MEMBER
 from jaxcomp.comm import CollectiveReport
 from jaxcomp.comm import measure_collectives
+from jaxcomp.transforms._ab_layout import build_layout
 from jaxcomp.transforms._ab_schedule import STEP_KINDS
 from jaxcomp.transforms._ab_schedule import ABPhase
 from jaxcomp.transforms._ab_step import ABTrainingState
@@ -23,7 +25,9 @@ from jaxcomp.transforms._ab_training import ab_training
 from jaxcomp.transforms._ab_training import config_of
 
 
-def ab_metrics(state: ABTrainingState, params: Any) -> dict[str, jax.Array]:
+def ab_metrics(
+    state: ABTrainingState, params: Any, *, exclude: Sequence[str] | None = None
+) -> dict[str, Any]:
     """Phase, step, per-layer rank and parameter-level compression of an AB-Training state.
 
     Works on a per-group state (:func:`~jaxcomp.transforms.per_group`; all groups share these
@@ -33,6 +37,8 @@ def ab_metrics(state: ABTrainingState, params: Any) -> dict[str, jax.Array]:
     Args:
       state: the :class:`~jaxcomp.transforms.ABTrainingState`.
       params: the dense parameters (per group or not, like ``state``); only shapes are used.
+      exclude: the ``exclude`` given to :func:`~jaxcomp.transforms.ab_training`; with it the
+        result also has ``rank_by_layer``, ``{parameter path: rank}``.
 
     Returns:
       ``phase`` (:class:`~jaxcomp.transforms.ABPhase` of the next step), ``step``, ``rank``
@@ -40,6 +46,9 @@ def ab_metrics(state: ABTrainingState, params: Any) -> dict[str, jax.Array]:
       parameter count over the count the model trains now: ``r (m + n)`` per factorised weight
       in AB phases, dense otherwise; the paper's 44.14:1 for VGG-16) and ``param_fraction``
       (its inverse, the reference's ``get_network_compression`` / 100).
+
+    Raises:
+      ValueError: if ``exclude`` does not give the factorised parameters of ``state``.
     """
     stacked = state.count.ndim == 1
     groups = state.count.shape[0] if stacked else 1
@@ -52,13 +61,22 @@ def ab_metrics(state: ABTrainingState, params: Any) -> dict[str, jax.Array]:
     low_rank = sum((rank[i] * (m + n) for i, (m, n) in enumerate(mn)), jnp.zeros([], jnp.int32))
     current = jnp.where(phase == ABPhase.AB, total - dense_factored + low_rank, total)
     current = current.astype(jnp.float32)
-    return {
+    metrics = {
         "phase": phase,
         "step": count,
         "rank": rank,
         "compression_ratio": total / current,
         "param_fraction": current / total,
     }
+    if exclude is not None:
+        unstacked = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[int(stacked) :], x.dtype), params
+        )
+        specs = build_layout(unstacked, exclude).specs
+        if [(s.rows, s.cols) for s in specs] != mn:
+            raise ValueError(f"exclude={exclude!r} does not give this state's factorised layers.")
+        metrics["rank_by_layer"] = {s.path: rank[i] for i, s in enumerate(specs)}
+    return metrics
 
 
 def _abstract(tree: Any, mesh: jax.sharding.Mesh, lead: tuple[int, ...], spec: P) -> Any:

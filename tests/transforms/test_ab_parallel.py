@@ -54,6 +54,10 @@ def test_truncation_cuts_the_rank_and_capacity_can_follow(grouped):
     metrics = transforms.ab_metrics(state.opt_state, state.params)
     assert int(metrics["phase"]) == transforms.ABPhase.AB
     np.testing.assert_array_equal(metrics["rank"], [2])
+    by_layer = transforms.ab_metrics(state.opt_state, state.params, exclude=("head",))
+    assert {k: int(v) for k, v in by_layer["rank_by_layer"].items()} == {"l1/kernel": 2}
+    with pytest.raises(ValueError, match="does not give this state's factorised layers"):
+        transforms.ab_metrics(state.opt_state, state.params, exclude=())
     # 68 parameters, the (8, 6) kernel now trains as 2 * (8 + 6) = 28: 68 / 48
     np.testing.assert_allclose(metrics["compression_ratio"], 68 / 48, rtol=1e-6)
     kernel = transforms.group_entry(state.params)["l1"]["kernel"]
