@@ -11,7 +11,7 @@ wikitext-2-v1")`` prepared as array_record); AdamW with warm-up and cosine decay
 
 Expected: not measured to convergence here (CPU: ~1-2 s per step). The paper reports that TopK
 starts to hurt from 20% on GPT-2 and that 10% with a shared mask fine-tunes with a modest loss
-increase. ``:smoke`` runs a width-16 model for 2 steps.
+increase. ``:smoke`` runs a 4-block, width-16 model for 2 steps.
 """
 
 import ml_collections
@@ -45,7 +45,10 @@ def get_config(arg=None):
         backward_mode="shared_mask",
     )
     if smoke:
-        c.model = dict(vocab_size=256, seq_len=16, dim=16, num_blocks=12, num_heads=2)
+        c.model = dict(
+            vocab_size=256, seq_len=16, dim=16, num_blocks=4, num_heads=2,
+            cuts=("block0", "block1", "block2"),
+        )  # fmt: skip
         c.data = dict(seq_len=16)
         c.batch_size = c.eval_batch_size = 16
         c.eval_data = dict(seq_len=16, test_fraction=0.01)

@@ -1,0 +1,84 @@
+"""Mode-specific behaviour: AQ-SGD warm-up in the pipeline, non-finite skipping inside a mode,
+compressed_mean data parallelism."""
+
+import jax
+import numpy as np
+
+from jaxcomp import train
+from jaxcomp.train import _trainer
+
+
+def _pipeline_config(make_config, **pipeline):
+    return make_config(
+        mode="pipeline",
+        mesh=[("stage", 4)],
+        model={"hidden": (16, 16, 16)},
+        batch_size=32,
+        eval_batch_size=32,
+        pipeline={"num_microbatches": 4, **pipeline},
+    )
+
+
+def _place(s, batch):
+    return _trainer.place(batch, s.mode.batch_sharding)
+
+
+def _key(s, i):
+    return _trainer._replicated(np.asarray(jax.random.key_data(jax.random.key(i))), s.mesh)
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_aq_sgd_warm_up_fills_the_caches_then_compresses(make_config):
+    config = _pipeline_config(
+        make_config,
+        forward={"name": "quantize", "bits": 4, "scale": "feature", "feedback": "aq_sgd"},
+        backward={"name": "quantize", "bits": 8},
+        warmup_epochs=1,
+    )
+    s = train.setup(config)
+    steps_per_epoch = s.train_loader.steps_per_epoch
+    state = s.mode.init(jax.random.key(0))
+    batch, _ = s.train_loader.next(s.train_loader.initial_state())
+    state, m0 = s.mode.train_step(state, _place(s, batch), _key(s, 0), 0)  # warm-up: dense
+    cache = np.asarray(state.link_states[0].forward.send.estimate)  # [stage, samples, 16]
+    filled = np.flatnonzero(np.abs(cache).sum(axis=(0, 2)))
+    np.testing.assert_array_equal(np.sort(filled), np.sort(batch["ids"]))
+    state, m1 = s.mode.train_step(state, _place(s, batch), _key(s, 1), steps_per_epoch)
+    assert m0["finite"] == 1 and m1["finite"] == 1
+    assert s.mode.wire_bytes < s.mode.dense_bytes
+
+
+def test_non_finite_batch_leaves_the_pipeline_state_unchanged(make_config):
+    config = _pipeline_config(
+        make_config, forward={"name": "top_k", "fraction": 0.25, "feedback": "ef"}
+    )
+    s = train.setup(config)
+    state = s.mode.init(jax.random.key(0))
+    before = _leaves(state)
+    batch, _ = s.train_loader.next(s.train_loader.initial_state())
+    batch["x"] = batch["x"].copy()
+    batch["x"][3, 5] = np.nan
+    state, metrics = s.mode.train_step(state, _place(s, batch), _key(s, 0), 0)
+    assert int(metrics["finite"]) == 0
+    for a, b in zip(before, _leaves(state)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_compressed_mean_data_parallel_sends_less_than_dense(make_config, tmp_path):
+    config = make_config(
+        mode="data_parallel",
+        optax_name="sgd",
+        lr=0.1,
+        total_steps=3,
+        log_every=1,
+        data_parallel={
+            "transform": "compressed_mean",
+            "codec": {"name": "top_k", "fraction": 0.05, "feedback": "ef"},
+        },
+    )
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    assert 0 < summary["wire_bytes_per_step"] < summary["dense_bytes_per_step"] / 3
+    assert summary["reducer"].startswith("compressed_mean(error_feedback(top_k(0.05")
