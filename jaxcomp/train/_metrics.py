@@ -99,20 +99,15 @@ def plot_metrics(workdir: str, path: str | None = None) -> str | None:
         return None
     path = path or os.path.join(workdir, "metrics.png")
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, label, style in (("loss", "train loss", "-"),):
-        pts = [(r["step"], r[key]) for r in train if key in r]
-        if pts:
-            ax_loss.plot(*zip(*pts), style, label=label, alpha=0.8)
-    for suffix, label in (("", "eval"), ("_uncompressed", "eval, compression off")):
-        pts = [(r["step"], r[f"loss{suffix}"]) for r in evals if f"loss{suffix}" in r]
-        if pts:
-            ax_loss.plot(*zip(*pts), "o-", label=f"{label} loss")
-        pts = [(r["step"], r[f"accuracy{suffix}"]) for r in evals if f"accuracy{suffix}" in r]
-        if pts:
-            ax_acc.plot(*zip(*pts), "o-", label=f"{label} accuracy")
-    pts = [(r["step"], r["accuracy"]) for r in train if "accuracy" in r]
-    if pts:
-        ax_acc.plot(*zip(*pts), "-", label="train accuracy", alpha=0.6)
+    both = any("accuracy_uncompressed" in r for r in evals)
+    series = [(train, "", "train", "C0", "-")]
+    series.append((evals, "", "eval, compression on" if both else "eval", "C1", "o-"))
+    series.append((evals, "_uncompressed", "eval, compression off", "C2", "o-"))
+    for records, suffix, label, color, style in series:
+        for ax, key in ((ax_loss, "loss"), (ax_acc, "accuracy")):
+            pts = [(r["step"], r[key + suffix]) for r in records if key + suffix in r]
+            if pts:
+                ax.plot(*zip(*pts), style, color=color, label=label, alpha=0.85)
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")
     ax_loss.set_yscale("log")
