@@ -6,7 +6,7 @@ regimes, rank 1 otherwise, per layer, η = 0.5, checked every 10 epochs; 4 worke
 Deviations: GroupNorm instead of BatchNorm (worker-local statistics would need their own
 reduction); no 5-epoch linear LR warm-up to 4x.
 
-  tfds build cifar10 --file_format=array_record
+  tfds build cifar10 --file_format=array_record   # once; needs TensorFlow to encode PNGs
   python -m jaxcomp.main --config configs/resnet18_cifar10_accordion_powersgd.py \
       --workdir runs/acc_psgd
 

@@ -8,7 +8,7 @@ Deviation: GroupNorm instead of BatchNorm, because pipeline stages hold no mutab
 Evaluation runs with boundary compression on and off (the paper's two columns).
 
 Needs CIFAR-10 prepared as array_record (no download at run time):
-  tfds build cifar10 --file_format=array_record --data_dir=$HOME/tensorflow_datasets
+  tfds build cifar10 --file_format=array_record   # once; needs TensorFlow to encode PNGs
   python -m jaxcomp.main --config configs/resnet18_cifar10_pipeline.py --workdir runs/r18_pp
 
 Expected: not measured here (CPU only; ~39k steps need accelerators, hours on 4 GPUs). The paper

@@ -6,7 +6,7 @@ AdamW 3e-3 with weight decay 0.1 and cosine decay, gradient clipping at 1.0. The
 the classifier stay full-rank. Factors are stored and sent at a rank capacity of a quarter of
 full rank (``max_rank=0.25``), so the truncation shows on the wire.
 
-  tfds build cifar10 --file_format=array_record
+  tfds build cifar10 --file_format=array_record   # once; needs TensorFlow to encode PNGs
   python -m jaxcomp.main --config configs/vgg16_cifar10_ab.py --workdir runs/vgg_ab
 
 Expected: not measured here (CPU only). The paper reports a 44.14:1 parameter compression

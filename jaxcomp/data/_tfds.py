@@ -4,7 +4,8 @@
 TensorFlow. Datasets must already be prepared in ``data_dir`` in the ``array_record`` format
 (``tfds build --file_format=array_record``, or a builder's
 ``download_and_prepare(file_format="array_record")``); nothing is downloaded unless
-``download=True``.
+``download=True``. Preparing an image dataset encodes PNGs through TensorFlow (once, in any
+environment that has it); reading decodes them with Pillow, no TensorFlow.
 """
 
 from __future__ import annotations
