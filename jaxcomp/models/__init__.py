@@ -17,10 +17,15 @@ model          segments                                   default cuts (stages)
 """
 
 from jaxcomp.models._gpt import gpt
-from jaxcomp.models._mlp import mlp, small_cnn
-from jaxcomp.models._registry import MODELS, get_model
+from jaxcomp.models._mlp import mlp
+from jaxcomp.models._mlp import small_cnn
+from jaxcomp.models._registry import MODELS
+from jaxcomp.models._registry import get_model
 from jaxcomp.models._resnet import resnet18
-from jaxcomp.models._staged import Chain, StagedModel, accuracy, cross_entropy
+from jaxcomp.models._staged import Chain
+from jaxcomp.models._staged import StagedModel
+from jaxcomp.models._staged import accuracy
+from jaxcomp.models._staged import cross_entropy
 from jaxcomp.models._vgg import vgg16
 
 __all__ = (

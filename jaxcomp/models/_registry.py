@@ -5,7 +5,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from jaxcomp.models import _gpt, _mlp, _resnet, _staged, _vgg
+from jaxcomp.models import _gpt
+from jaxcomp.models import _mlp
+from jaxcomp.models import _resnet
+from jaxcomp.models import _staged
+from jaxcomp.models import _vgg
 
 MODELS = {
     "mlp": _mlp.mlp,

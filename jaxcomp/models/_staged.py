@@ -14,8 +14,10 @@ functions of per-stage parameter pytrees, which may differ in structure from sta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
