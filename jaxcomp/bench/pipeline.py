@@ -90,8 +90,10 @@ def run(
     microbatch_size: int = 32,
     width: int = 1024,
     repeats: int = 20,
+    only: tuple[str, ...] = (),
 ) -> list[dict]:
-    """Benchmarks every link configuration; returns one record per configuration."""
+    """Benchmarks every link configuration (or those labelled in ``only``); returns one record
+    per configuration."""
     rows = microbatches * microbatch_size
     model, params, batch = _model(stages, width, rows)
     mesh = pipeline.pipeline_mesh(stages, jax.devices()[:stages])
@@ -115,6 +117,8 @@ def run(
     _, identity_call, _ = compiled(pipeline.link())
     results = []
     for label, link in link_table(rows):
+        if only and label not in only:
+            continue
         pipe, call, sim_call = compiled(link)
         t_step, t_identity, t_sim = _common.time_interleaved(
             [call, identity_call, sim_call], repeats
@@ -158,8 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--microbatch-size", type=int, default=32)
     p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--only", default="", help="comma-separated labels to run (default: all)")
     args = p.parse_args(argv)
-    results = run(args.stages, args.microbatches, args.microbatch_size, args.width, args.repeats)
+    only = tuple(filter(None, args.only.split(",")))
+    results = run(
+        args.stages, args.microbatches, args.microbatch_size, args.width, args.repeats, only
+    )
     print()
     _common.print_table(
         results,

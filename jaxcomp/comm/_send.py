@@ -166,6 +166,38 @@ def _keys(key):
     return jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
 
 
+def _exchange(channel, x, state, key, ids, is_sender, is_receiver, move, compress):
+    """One channel's ``send -> move -> receive``, each end working only where it lives.
+
+    Returns ``(decoded, new ChannelStates, payload sent, payload received)``.
+    """
+    if not compress:  # dense: the channel only observes x (EF21/AQ-SGD copy it)
+        send_state = _gated(
+            is_sender, lambda: channel.dense_send(x, state.send, ids), lambda: state.send
+        )
+        received = move(x)
+        recv_state = _gated(
+            is_receiver,
+            lambda: channel.dense_receive(received, state.recv, ids),
+            lambda: state.recv,
+        )
+        return received, ChannelStates(send_state, recv_state), None, None
+
+    def send():
+        return channel.send(x, state.send, key, ids)
+
+    like = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    payload_struct = jax.eval_shape(send)[0]
+    payload, send_state = _gated(is_sender, send, lambda: (_zeros(payload_struct, x), state.send))
+    received = move(payload)
+    y, recv_state = _gated(
+        is_receiver,
+        lambda: channel.receive(received, state.recv, like, ids),
+        lambda: (jnp.zeros_like(x), state.recv),
+    )
+    return y, ChannelStates(send_state, recv_state), payload, received
+
+
 def _make_link(
     forward: _channel.Channel,
     backward: _channel.Channel | None,
@@ -178,38 +210,18 @@ def _make_link(
 
     def forward_pass(x, fwd, key, ids):
         is_source, is_target = roles()
-        k_fwd, _ = _keys(key)
-        like = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        if not compress:
-            send_state = _gated(
-                is_source, lambda: forward.dense_send(x, fwd.send, ids), lambda: fwd.send
-            )
-            received = transport(x, False)
-            recv_state = _gated(
-                is_target, lambda: forward.dense_receive(received, fwd.recv, ids), lambda: fwd.recv
-            )
-            return received, ChannelStates(send_state, recv_state), (None, None)
-
-        def send():
-            return forward.send(x, fwd.send, k_fwd, ids)
-
-        out_struct = jax.eval_shape(send)
-        payload, send_state = _gated(is_source, send, lambda: (_zeros(out_struct[0], x), fwd.send))
-        received = transport(payload, False)
-        y, recv_state = _gated(
-            is_target,
-            lambda: forward.receive(received, fwd.recv, like, ids),
-            lambda: (jnp.zeros_like(x), fwd.recv),
-        )
-        payloads = (payload, received) if mode == "shared_mask" else (None, None)
-        return y, ChannelStates(send_state, recv_state), payloads
+        y, states, sent, received = _exchange(
+            forward, x, fwd, _keys(key)[0], ids, is_source, is_target,
+            lambda tree: transport(tree, False), compress,
+        )  # fmt: skip
+        return y, states, (sent, received) if mode == "shared_mask" else (None, None)
 
     def backward_pass(payloads, g, state, key, ids):
         is_source, is_target = roles()
-        _, k_bwd = _keys(key)
-        like = jax.ShapeDtypeStruct(g.shape, g.dtype)
         if mode == "shared_mask" and compress:
+            # send g at the forward's kept positions: the transpose of decoding the values
             sent, received = payloads
+            like = jax.ShapeDtypeStruct(g.shape, g.dtype)
 
             def gather():
                 def decode(v):
@@ -225,37 +237,13 @@ def _make_link(
                 lambda: jnp.zeros_like(g),
             )
             return dx, state
-        if backward is None or not compress:
-            dense = backward is not None
-            send_state = state.send
-            if dense:
-                send_state = _gated(
-                    is_target, lambda: backward.dense_send(g, state.send, ids), lambda: state.send
-                )
-            dx = transport(g, True)
-            recv_state = state.recv
-            if dense:
-                recv_state = _gated(
-                    is_source,
-                    lambda: backward.dense_receive(dx, state.recv, ids),
-                    lambda: state.recv,
-                )
-            return dx, ChannelStates(send_state, recv_state)
-
-        def send():
-            return backward.send(g, state.send, k_bwd, ids)
-
-        out_struct = jax.eval_shape(send)
-        payload, send_state = _gated(
-            is_target, send, lambda: (_zeros(out_struct[0], g), state.send)
-        )
-        received = transport(payload, True)
-        dx, recv_state = _gated(
-            is_source,
-            lambda: backward.receive(received, state.recv, like, ids),
-            lambda: (jnp.zeros_like(g), state.recv),
-        )
-        return dx, ChannelStates(send_state, recv_state)
+        if backward is None:
+            return transport(g, True), state
+        dx, state, _, _ = _exchange(
+            backward, g, state, _keys(key)[1], ids, is_target, is_source,
+            lambda tree: transport(tree, True), compress,
+        )  # fmt: skip
+        return dx, state
 
     static = {}  # filled when link_fwd is traced, read when link_bwd is
 
@@ -340,14 +328,26 @@ def compressed_ppermute(
       elsewhere), ``fwd_states`` the updated forward states, ``bwd_token`` the token to pass on.
 
     Example:
-      >>> # inside shard_map over ("stage",), sending stage 0 -> 1 with 4-bit codes both ways:
-      >>> # fwd = comm.init_channel_states(ch, x); bwd = comm.init_channel_states(ch, x)
-      >>> # def loss(x, tok):
-      >>> #     y, fwd2, tok_out = comm.compressed_ppermute(
-      >>> #         x, fwd, tok, forward=ch, backward=ch, axis_name="stage", source=0, target=1)
-      >>> #     return f(y) + comm.seed_backward_state(tok_out, bwd), fwd2
-      >>> # (l, fwd), (dx, bwd) = jax.value_and_grad(loss, (0, 1), has_aux=True)(
-      >>> #     x, comm.backward_token(bwd))
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxcomp import comm, compressors
+      >>> mesh = comm.make_mesh([("stage", 2)], jax.devices()[:2])
+      >>> q8 = compressors.quantize(8)
+      >>> states = comm.init_channel_states(q8, jnp.zeros(4))  # stateless: empty
+      >>> def loss(x):  # device 0's x goes to device 1, which computes |x|^2
+      ...     y, _, _ = comm.compressed_ppermute(
+      ...         x, states, states, forward=q8, backward=q8,
+      ...         axis_name="stage", source=0, target=1)
+      ...     return jnp.sum(y ** 2)
+      >>> grad = jax.jit(jax.shard_map(
+      ...     jax.grad(loss), mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
+      >>> [round(float(g), 1) for g in grad(jnp.arange(8.0))]  # 2 x on device 0, 8-bit both ways
+      [0.0, 2.0, 4.0, 5.9, 0.0, 0.0, 0.0, 0.0]
+      >>> comm.measure_collectives(grad, jnp.arange(8.0)).bytes_by_kind()  # 4 codes + scale, x2
+      {'collective-permute': 16.0}
+
+      With stateful channels, thread ``bwd_token`` as described in the module docstring
+      (see :func:`jaxcomp.pipeline.gpipe` for a full pipeline).
 
     References:
       Rudakov et al., `Activations and Gradients Compression for Model-Parallel Training

@@ -2,14 +2,33 @@
 
 A model cut into ``S`` stages (:class:`StagedModel`) runs as a GPipe schedule over the ``stage``
 axis of a ``shard_map`` mesh (:func:`gpipe`), or on one device with the same compression at the
-cut points (:func:`simulate`). Each boundary has a :class:`Link`: a forward channel for the
-activations, a backward channel for their gradients (any codec or feedback channel from
-:mod:`jaxcomp.compressors` / :mod:`jaxcomp.feedback`), and the backward mode (independent or
-shared TopK mask). Every link state goes in and out of the pure step function::
+cut points (:func:`simulate`, same numbers for the same keys). Each boundary has a
+:class:`Link`: a forward channel for the activations, a backward channel for their gradients
+(any codec or feedback channel from :mod:`jaxcomp.compressors` / :mod:`jaxcomp.feedback`), and
+the backward mode (``"independent"`` or ``"shared_mask"``)::
 
   pipe = pipeline.gpipe(model, pipeline.PipelineConfig(num_microbatches=8, links=links), mesh)
+  params = pipeline.pack_params(stage_params, NamedSharding(mesh, P("stage")))
   link_states = pipe.init(params, batch)
   loss, grads, link_states, metrics = pipe.step(params, batch, link_states, key)
+  loss, metrics, logits = pipe.evaluate(params, batch, compress=False)
+
+Contracts:
+
+* **Stages** are pure ``stage_fn(params, x) -> y`` on a microbatch (leading axis kept), with
+  any parameter pytree and boundary shape per stage, and no mutable state (LayerNorm/GroupNorm,
+  not BatchNorm running statistics). ``loss_fn(y, labels) -> loss | (loss, metrics)`` on the
+  last stage, microbatch means.
+* **Batches** are dicts with inputs under ``"x"``/``"inputs"``, labels under
+  ``"label"``/``"labels"``/``"targets"``/``"y"`` and sample ids under ``"ids"`` (required by
+  per-sample channels such as AQ-SGD). The batch is cut into ``M`` equal microbatches.
+* **Link states** (:class:`LinkState` per boundary, from ``pipe.init``) go in and out of
+  every step: EF residuals and EF21 estimates in both directions, AQ-SGD caches at sender and
+  receiver. Leaves have a leading stage axis (``[S, ...]``, ``[S, D, ...]`` with ``D > 1``
+  data replicas); boundary ``b``'s sender lives in slot ``b``, its receiver in slot ``b + 1``.
+  ``compress=False`` sends dense and lets the channels observe it (AQ-SGD warm-up).
+* **Metrics**: ``loss``, the ``loss_fn`` metrics, and the theoretical ``wire_bytes`` (forward +
+  backward payloads per step) and ``dense_bytes``; exact counts from ``pipe.bytes_per_step``.
 """
 
 from jaxcomp.pipeline._config import Link

@@ -40,10 +40,10 @@ def gpipe(
 ) -> _prepare.Pipeline:
     r"""A GPipe pipeline of ``model``'s stages over ``mesh``'s ``stage`` axis, compressed links.
 
-    Stage ``s`` runs on the devices at index ``s`` of the ``stage`` axis; an optional ``data``
-    axis holds data-parallel replicas of the whole pipeline (the batch is split over it, link
-    states are per replica, and gradients are averaged over it with an uncompressed ``pmean``;
-    reduce them with a compressed transform instead by running the pipeline per replica).
+    Stage ``s`` runs on the devices at index ``s`` of the ``stage`` axis. An optional ``data``
+    axis holds data-parallel replicas of the whole pipeline: the batch is split over it, link
+    states are kept per replica (leaves ``[S, D, ...]``) and gradients are averaged over it with
+    a plain ``pmean`` (uncompressed; only the stage boundaries are compressed here).
 
     **Schedule.** ``M`` microbatches flow through ``S`` stages in ``M + S - 1`` forward ticks
     and the reverse backward (GPipe); bubble ticks run no stage, send nothing and leave every
@@ -74,16 +74,29 @@ def gpipe(
       mesh: a mesh with a ``stage`` axis (e.g. :func:`pipeline_mesh`) and optionally ``data``.
 
     Returns:
-      A :class:`Pipeline`. ``params`` may be a sequence of per-stage pytrees (packed inside the
-      step) or :class:`PackedParams` placed with ``pack_params(params, NamedSharding(mesh,
-      P("stage")))``, the fast path; gradients come back in the same form.
+      A :class:`Pipeline`. ``params`` may be :class:`PackedParams` placed on the stages with
+      ``pack_params(params, NamedSharding(mesh, P("stage")))`` (the fast path: every device
+      holds only its stage's parameters, and gradients come back the same way) or a sequence of
+      per-stage pytrees (convenient, but packed inside every step and unpacked to replicated
+      gradients, which costs collectives). Gradients come back in the form of ``params``.
 
     Example:
-      >>> # mesh = pipeline.pipeline_mesh(4, jax.devices()[:4])
-      >>> # pipe = pipeline.gpipe(model, pipeline.PipelineConfig(8, links), mesh)
-      >>> # states = pipe.init(params, batch)
-      >>> # step = jax.jit(pipe.step, static_argnames="compress")
-      >>> # loss, grads, states, metrics = step(params, batch, states, key)
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxcomp import compressors, feedback, pipeline
+      >>> def stage(w, x):
+      ...     return jnp.tanh(x @ w)
+      >>> model = pipeline.StagedModel((stage,) * 4, lambda y, t: jnp.mean((y - t) ** 2))
+      >>> params = [jnp.eye(8)] * 4
+      >>> batch = {"x": jnp.ones((16, 8)), "label": jnp.zeros((16, 8))}
+      >>> ef_topk = feedback.error_feedback(compressors.top_k(0.25, per_sample=True))
+      >>> link = pipeline.link(ef_topk, compressors.quantize(8))
+      >>> mesh = pipeline.pipeline_mesh(4, jax.devices()[:4])
+      >>> pipe = pipeline.gpipe(model, pipeline.PipelineConfig(4, link), mesh)
+      >>> states = pipe.init(params, batch)
+      >>> step = jax.jit(pipe.step, static_argnames="compress")
+      >>> loss, grads, states, metrics = step(params, batch, states, jax.random.key(0))
+      >>> int(metrics["wire_bytes"]), int(metrics["dense_bytes"])
+      (912, 3072)
 
     References:
       Huang et al., `GPipe: Efficient Training of Giant Neural Networks using Pipeline

@@ -100,9 +100,19 @@ def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> _pre
       counts are those the distributed pipeline would send.
 
     Example:
-      >>> # sim = pipeline.simulate(model, pipeline.PipelineConfig(8, links))
-      >>> # states = sim.init(params, batch)
-      >>> # loss, grads, states, metrics = jax.jit(sim.step)(params, batch, states, key)
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxcomp import compressors, pipeline
+      >>> def stage(w, x):
+      ...     return jnp.tanh(x @ w)
+      >>> model = pipeline.StagedModel((stage,) * 4, lambda y, t: jnp.mean((y - t) ** 2))
+      >>> params = [jnp.eye(8)] * 4
+      >>> batch = {"x": jnp.ones((16, 8)), "label": jnp.zeros((16, 8))}
+      >>> link = pipeline.link(compressors.top_k(0.25, per_sample=True), mode="shared_mask")
+      >>> sim = pipeline.simulate(model, pipeline.PipelineConfig(4, link))
+      >>> states = sim.init(params, batch)
+      >>> loss, grads, states, metrics = jax.jit(sim.step)(params, batch, states, None)
+      >>> round(float(loss), 4)
+      0.0657
     """
     _config.check_model(model)
     num = model.num_stages

@@ -57,6 +57,11 @@ def _take(tree: Any, i: Any) -> Any:
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
 
+def _clamp(i: Any, hi: int) -> Any:
+    """``i`` clipped to ``[0, hi]``; Python ints stay static (unrolled ticks)."""
+    return min(max(i, 0), hi) if isinstance(i, int) else jnp.clip(i, 0, hi)
+
+
 def _zeros(struct: Any, axes: tuple[str, ...]) -> Any:
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), struct)
     return _local.to_varying(zeros, axes)
@@ -142,12 +147,9 @@ def run_ticks(
             slots.append(position if is_active else sum(active))
             position += is_active
         index = jnp.asarray(slots, jnp.int32)[stage]
-        x_t = _take(x, jnp.minimum(t, m_ - 1) if not isinstance(t, int) else min(t, m_ - 1))
-        last_m = t - (num - 1)
-        labels_t = _take(
-            labels,
-            jnp.clip(last_m, 0, m_ - 1) if not isinstance(t, int) else min(max(last_m, 0), m_ - 1),
-        )
+        last_m = t - (num - 1)  # the microbatch the last stage works on (when active)
+        x_t = _take(x, _clamp(t, m_ - 1))
+        labels_t = _take(labels, _clamp(last_m, m_ - 1))
         outs, loss_t, metrics_t, final = lax.switch(
             index, _branches(ctx, active), local, x_t, tuple(recv), labels_t
         )
