@@ -56,10 +56,13 @@ def transposed_matmul(m: jax.Array, p: jax.Array) -> jax.Array:
     """``m.T @ p`` for a large ``m`` and a skinny ``p`` (``[rows, r]``, small r).
 
     The XLA CPU backend runs this dot (contraction over the rows of ``m``) about 10x slower
-    than ``m @ q``; as a fused multiply-and-reduce it runs at memory speed. Other backends use
-    the dot.
+    than ``m @ q``; as a fused multiply-and-reduce it runs at memory speed, except for r = 1
+    where that reduce is slow too and ``(pᵀ m)ᵀ``, a matrix-vector product, is ~20x faster.
+    Other backends use the dot.
     """
     if jax.default_backend() == "cpu":
+        if p.shape[1] == 1:
+            return (p.T @ m).T
         return jnp.sum(m[:, :, None] * p[:, None, :], axis=0)
     return m.T @ p
 
