@@ -160,10 +160,41 @@ def _gated(active: Any, fn: Callable[[], Any], fallback: Callable[[], Any]) -> A
     return lax.cond(active, fn, fallback)
 
 
+def _ids(ids, backward_ids):
+    return ids, ids if backward_ids is None else backward_ids
+
+
 def _keys(key):
     if key is None:
         return None, None
     return jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+
+
+def _end(active, fn, fallback, state, ids, x, per_sample):
+    """Runs one end of a channel, ``fn(state, ids) -> (out, state)``, where ``active``.
+
+    Per-sample buffers (leaves shaped ``[N, *x.shape[1:]]``, e.g. AQ-SGD's caches) stay out of
+    the ``lax.cond``: only this microbatch's rows enter it (with local ids ``0..mb-1``) and are
+    written back outside, unchanged where inactive. A cond that carried the whole buffer would
+    copy it at every send (XLA does not update a conditional's operand in place).
+    """
+    if active is True or not per_sample or ids is None:
+        return _gated(active, lambda: fn(state, ids), lambda: (fallback(), state))
+    flags = per_sample_leaves(per_sample, state, x)
+    rows = jax.tree.map(lambda a, f: a[ids] if f else a, state, flags)
+    local_ids = jnp.arange(x.shape[0], dtype=ids.dtype)
+    out, new_rows = _gated(active, lambda: fn(rows, local_ids), lambda: (fallback(), rows))
+    state = jax.tree.map(lambda a, f, r: a.at[ids].set(r) if f else r, state, flags, new_rows)
+    return out, state
+
+
+def per_sample_leaves(per_sample: bool, state: Any, like: Any, lead: int = 0) -> Any:
+    """Flags the leaves of a channel state that are per-sample buffers ``[N, *like.shape[1:]]``
+    (after ``lead`` leading axes), the ones indexed by sample ids."""
+    feature, ndim = tuple(like.shape[1:]), len(like.shape) + lead
+    return jax.tree.map(
+        lambda a: per_sample and a.ndim == ndim and tuple(a.shape[lead + 1 :]) == feature, state
+    )
 
 
 def _exchange(channel, x, state, key, ids, is_sender, is_receiver, move, compress):
@@ -171,30 +202,32 @@ def _exchange(channel, x, state, key, ids, is_sender, is_receiver, move, compres
 
     Returns ``(decoded, new ChannelStates, payload sent, payload received)``.
     """
+    per_sample = channel.per_sample
     if not compress:  # dense: the channel only observes x (EF21/AQ-SGD copy it)
-        send_state = _gated(
-            is_sender, lambda: channel.dense_send(x, state.send, ids), lambda: state.send
-        )
+        _, send_state = _end(
+            is_sender, lambda st, i: (None, channel.dense_send(x, st, i)), lambda: None,
+            state.send, ids, x, per_sample,
+        )  # fmt: skip
         received = move(x)
-        recv_state = _gated(
-            is_receiver,
-            lambda: channel.dense_receive(received, state.recv, ids),
-            lambda: state.recv,
-        )
+        _, recv_state = _end(
+            is_receiver, lambda st, i: (None, channel.dense_receive(received, st, i)),
+            lambda: None, state.recv, ids, x, per_sample,
+        )  # fmt: skip
         return received, ChannelStates(send_state, recv_state), None, None
 
-    def send():
-        return channel.send(x, state.send, key, ids)
+    def send(st, i):
+        return channel.send(x, st, key, i)
 
     like = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    payload_struct = jax.eval_shape(send)[0]
-    payload, send_state = _gated(is_sender, send, lambda: (_zeros(payload_struct, x), state.send))
-    received = move(payload)
-    y, recv_state = _gated(
-        is_receiver,
-        lambda: channel.receive(received, state.recv, like, ids),
-        lambda: (jnp.zeros_like(x), state.recv),
+    payload_struct = jax.eval_shape(send, state.send, ids)[0]
+    payload, send_state = _end(
+        is_sender, send, lambda: _zeros(payload_struct, x), state.send, ids, x, per_sample
     )
+    received = move(payload)
+    y, recv_state = _end(
+        is_receiver, lambda st, i: channel.receive(received, st, like, i),
+        lambda: jnp.zeros_like(x), state.recv, ids, x, per_sample,
+    )  # fmt: skip
     return y, ChannelStates(send_state, recv_state), payload, received
 
 
@@ -211,7 +244,7 @@ def _make_link(
     def forward_pass(x, fwd, key, ids):
         is_source, is_target = roles()
         y, states, sent, received = _exchange(
-            forward, x, fwd, _keys(key)[0], ids, is_source, is_target,
+            forward, x, fwd, _keys(key)[0], ids[0], is_source, is_target,
             lambda tree: transport(tree, False), compress,
         )  # fmt: skip
         return y, states, (sent, received) if mode == "shared_mask" else (None, None)
@@ -240,7 +273,7 @@ def _make_link(
         if backward is None:
             return transport(g, True), state
         dx, state, _, _ = _exchange(
-            backward, g, state, _keys(key)[1], ids, is_target, is_source,
+            backward, g, state, _keys(key)[1], ids[1], is_target, is_source,
             lambda tree: transport(tree, True), compress,
         )  # fmt: skip
         return dx, state
@@ -285,6 +318,7 @@ def compressed_ppermute(
     target: int,
     key: jax.Array | None = None,
     ids: jax.Array | None = None,
+    backward_ids: jax.Array | None = None,
     mode: str = "independent",
     compress: bool = True,
 ) -> tuple[jax.Array, ChannelStates, ChannelStates]:
@@ -320,6 +354,7 @@ def compressed_ppermute(
       target: receiving index along ``axis_name``.
       key: PRNG key; the forward uses ``fold_in(key, 0)``, the backward ``fold_in(key, 1)``.
       ids: sample ids of ``x``'s rows (for per-sample channels such as AQ-SGD).
+      backward_ids: ids for the backward channel, if they differ (default: ``ids``).
       mode: ``"independent"`` or ``"shared_mask"``.
       compress: ``False`` sends both directions uncompressed.
 
@@ -368,7 +403,8 @@ def compressed_ppermute(
         return index == source, index == target
 
     link = _make_link(forward, backward, mode, compress, transport, roles)
-    return link(x, fwd_states, bwd_token, key, ids)
+    y, fwd_states, bwd_token = link(x, fwd_states, bwd_token, key, _ids(ids, backward_ids))
+    return y, lax.stop_gradient(fwd_states), bwd_token
 
 
 def compressed_transfer(
@@ -380,6 +416,7 @@ def compressed_transfer(
     backward: _channel.Channel | _base.Codec | None = None,
     key: jax.Array | None = None,
     ids: jax.Array | None = None,
+    backward_ids: jax.Array | None = None,
     mode: str = "independent",
     compress: bool = True,
 ) -> tuple[jax.Array, ChannelStates, ChannelStates]:
@@ -396,4 +433,5 @@ def compressed_transfer(
     link = _make_link(
         forward, backward, mode, compress, lambda tree, reverse: tree, lambda: (True, True)
     )
-    return link(x, fwd_states, bwd_token, key, ids)
+    y, fwd_states, bwd_token = link(x, fwd_states, bwd_token, key, _ids(ids, backward_ids))
+    return y, lax.stop_gradient(fwd_states), bwd_token

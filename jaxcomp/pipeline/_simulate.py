@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -15,67 +18,110 @@ from jaxcomp.pipeline import _params
 from jaxcomp.pipeline import _prepare
 
 
-def _live(states: tuple[_links.LinkState, ...]):
-    """Per boundary, the forward and backward ends at their live slots (see ``_links``)."""
-    fwd, bwd = [], []
-    for b, st in enumerate(states):
-        at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
-        fwd.append(_send.ChannelStates(at(st.forward.send, b), at(st.forward.recv, b + 1)))
-        bwd.append(_send.ChannelStates(at(st.backward.send, b + 1), at(st.backward.recv, b)))
-    return tuple(fwd), tuple(bwd)
+class _Run(NamedTuple):
+    """The static inputs of :func:`_run`."""
+
+    model: _config.StagedModel
+    links: tuple[_config.Link, ...]
+    num_microbatches: int
+    shapes: tuple[jax.ShapeDtypeStruct, ...]  # boundary activations of one microbatch
+    metrics: Any
+    compress: bool
+    collect: bool
 
 
-def _write_live(states, fwd, bwd):
+def _slot(tree, flags, slot, ids):
+    """A live slot of ``[S, ...]`` state leaves; per-sample buffers only at rows ``ids``."""
+    return jax.tree.map(lambda a, f: a[slot, ids] if f else a[slot], tree, flags)
+
+
+def _set_slot(tree, flags, slot, ids, value):
+    return jax.tree.map(
+        lambda a, f, v: a.at[slot, ids].set(v) if f else a.at[slot].set(v), tree, flags, value
+    )
+
+
+def _backward_live(states):
+    """Per boundary, the backward channel's ends at their live slots (see ``_links``)."""
+    return tuple(
+        _send.ChannelStates(
+            jax.tree.map(lambda a, b=b: a[b + 1], st.backward.send),
+            jax.tree.map(lambda a, b=b: a[b], st.backward.recv),
+        )
+        for b, st in enumerate(states)
+    )
+
+
+def _with_backward(states, bwd):
     def put(tree, i, value):
         return jax.tree.map(lambda a, v: a.at[i].set(v), tree, value)
 
-    out = []
-    for b, (st, f, w) in enumerate(zip(states, fwd, bwd)):
-        forward = _send.ChannelStates(put(st.forward.send, b, f.send),
-                                      put(st.forward.recv, b + 1, f.recv))  # fmt: skip
-        backward = _send.ChannelStates(put(st.backward.send, b + 1, w.send),
-                                       put(st.backward.recv, b, w.recv))  # fmt: skip
-        out.append(_links.LinkState(forward, backward))
-    return tuple(out)
+    return tuple(
+        st._replace(
+            backward=_send.ChannelStates(
+                put(st.backward.send, b + 1, w.send), put(st.backward.recv, b, w.recv)
+            )
+        )  # fmt: skip
+        for b, (st, w) in enumerate(zip(states, bwd))
+    )
 
 
-def _run(
-    model, links, m_, params_seq, x, labels, ids, key, fwd, tokens, compress, collect, metrics
-):
+def _run(run: _Run, params_seq, x, labels, ids, key, fwd, tokens):
     """Scans the microbatches through all stages, links at the cut points.
 
     Microbatch ``m`` crosses boundary ``b`` with ``link_key(key, b, m)``, in the same order per
     boundary as the distributed schedule (forward ``m = 0..M-1``, backward reversed), so every
-    channel state sees the same sequence of updates.
+    channel state sees the same sequence of updates. ``fwd`` holds the forward states in their
+    ``[S, ...]`` layout; a per-sample buffer is read and written only at this microbatch's rows
+    (never copied whole), the rest at the live slot.
     """
-    num = model.num_stages
+    model, num = run.model, run.model.num_stages
+    flags = [
+        tuple(
+            _send.per_sample_leaves(lk.forward.per_sample and ids is not None, end, shape, 1)
+            for end in states
+        )
+        for lk, shape, states in zip(run.links, run.shapes, fwd)
+    ]
 
     def body(carry, m):
         fwd, tokens, loss_sum, metrics_sum = carry
         fwd, tokens = list(fwd), list(tokens)
+        ids_m = None if ids is None else ids[m]
         h = x[m]
-        for b, lk in enumerate(links):
+        for b, lk in enumerate(run.links):
             h = model.stages[b](params_seq[b], h)
-            h, fwd[b], tokens[b] = _send.compressed_transfer(
+            (fs, fr), compact = flags[b], ids_m is not None and lk.forward.per_sample
+            live = _send.ChannelStates(_slot(fwd[b].send, fs, b, ids_m),
+                                       _slot(fwd[b].recv, fr, b + 1, ids_m))  # fmt: skip
+            h, live, tokens[b] = _send.compressed_transfer(
                 h,
-                fwd[b],
+                live,
                 tokens[b],
                 forward=lk.forward,
                 backward=lk.backward,
                 key=_links.link_key(key, b, m),
-                ids=None if ids is None else ids[m],
+                ids=jnp.arange(h.shape[0], dtype=ids_m.dtype) if compact else ids_m,
+                backward_ids=ids_m,
                 mode=lk.mode,
-                compress=compress,
+                compress=run.compress,
+            )
+            fwd[b] = _send.ChannelStates(
+                _set_slot(fwd[b].send, fs, b, ids_m, live.send),
+                _set_slot(fwd[b].recv, fr, b + 1, ids_m, live.recv),
             )
         y = model.stages[num - 1](params_seq[num - 1], h)
         loss, metrics = _prepare.split_loss(model.loss_fn(y, jax.tree.map(lambda a: a[m], labels)))
         loss_sum = loss_sum + loss.astype(jnp.float32)
         metrics_sum = jax.tree.map(lambda s, v: s + v.astype(jnp.float32), metrics_sum, metrics)
-        return (tuple(fwd), tuple(tokens), loss_sum, metrics_sum), (y if collect else None)
+        return (tuple(fwd), tuple(tokens), loss_sum, metrics_sum), (y if run.collect else None)
 
-    carry = (fwd, tokens, jnp.zeros((), jnp.float32),
-             jax.tree.map(lambda s: jnp.zeros((), jnp.float32), metrics))  # fmt: skip
-    (fwd, tokens, loss_sum, metrics_sum), ys = lax.scan(body, carry, jnp.arange(m_))
+    zero = jnp.zeros((), jnp.float32)
+    carry = (tuple(fwd), tuple(tokens), zero, jax.tree.map(lambda _: zero, run.metrics))
+    (fwd, tokens, loss_sum, metrics_sum), ys = lax.scan(
+        body, carry, jnp.arange(run.num_microbatches)
+    )
+    m_ = run.num_microbatches
     return fwd, tokens, loss_sum / m_, jax.tree.map(lambda v: v / m_, metrics_sum), ys
 
 
@@ -138,24 +184,12 @@ def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> _pre
         x = _batch.microbatches(prep.batch.inputs, m_)
         labels = _batch.microbatches(prep.batch.labels, m_)
         ids = None if prep.batch.ids is None else _batch.microbatches(prep.batch.ids, m_)
-        fwd0, bwd0 = _live(link_states)
+        fwd0 = tuple(st.forward for st in link_states)
+        bwd0 = _backward_live(link_states)
+        run = _Run(model, links, m_, prep.shapes, prep.metrics, compress, False)
 
         def objective(params_seq, tokens):
-            fwd, tokens, loss, metrics, _ = _run(
-                model,
-                links,
-                m_,
-                params_seq,
-                x,
-                labels,
-                ids,
-                key,
-                fwd0,
-                tokens,
-                compress,
-                False,
-                prep.metrics,
-            )
+            fwd, tokens, loss, metrics, _ = _run(run, params_seq, x, labels, ids, key, fwd0, tokens)
             seed = sum(_send.seed_backward_state(t, b) for t, b in zip(tokens, bwd0))
             return loss + seed, (loss, metrics, fwd)
 
@@ -167,12 +201,11 @@ def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> _pre
             grads = _params.PackedParams(prep.layout.pack(grads), prep.layout)
         else:
             grads = type(params)(grads)
-        new_states = _write_live(link_states, fwd, bwd)
-        metrics = {
-            "loss": loss,
-            **metrics,
-            **_prepare.bytes_metrics(prep, links, m_, compress, True),
-        }
+        new_states = tuple(
+            st._replace(forward=f) for st, f in zip(_with_backward(link_states, bwd), fwd)
+        )
+        counts = _prepare.bytes_metrics(prep, links, m_, compress, True)
+        metrics = {"loss": loss, **metrics, **counts}
         return loss, grads, new_states, metrics
 
     def evaluate(params, batch, key=None, compress=False):
@@ -181,12 +214,10 @@ def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> _pre
         elinks = _gpipe.eval_links(links)
         x = _batch.microbatches(prep.batch.inputs, m_)
         labels = _batch.microbatches(prep.batch.labels, m_)
-        fwd = tuple(_send.init_channel_states(lk.forward, s) for lk, s in zip(elinks, prep.shapes))
+        fwd = tuple(st.forward for st in _links.init_link_states(elinks, prep.shapes, lead))
         tokens = tuple(_send.init_channel_states(None, s) for s in prep.shapes)
-        _, _, loss, metrics, ys = _run(
-            model, elinks, m_, stage_params(params), x, labels, None, key, fwd, tokens,
-            compress, True, prep.metrics,
-        )  # fmt: skip
+        run = _Run(model, elinks, m_, prep.shapes, prep.metrics, compress, True)
+        _, _, loss, metrics, ys = _run(run, stage_params(params), x, labels, None, key, fwd, tokens)
         metrics = {"loss": loss, **metrics,
                    **_prepare.bytes_metrics(prep, elinks, m_, compress, False)}  # fmt: skip
         return loss, metrics, _batch.unmicrobatch(ys)
