@@ -68,6 +68,12 @@ def gpipe(
     backward); with more than one data replica, replica ``r`` first folds in ``r``.
     :func:`~jaxcomp.pipeline.simulate` derives the same keys, so it reproduces the numbers.
 
+    **Placement.** Batches are replicated over ``stage`` (split over ``data``); on an Explicit
+    mesh place them with ``NamedSharding(mesh, P())`` (or ``P("data")``). Link states come from
+    ``init`` already sharded. Every device keeps a slot of *every* boundary's states (only the
+    slots at the boundary's two ends are live), so per-sample AQ-SGD caches cost ``S - 1``
+    times their live size in memory; their update touches only the microbatch's rows.
+
     Args:
       model: the :class:`StagedModel` (``S`` stages); ``S`` must equal the ``stage`` axis size.
       config: :class:`PipelineConfig` (microbatches, links).
