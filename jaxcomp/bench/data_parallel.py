@@ -1,6 +1,7 @@
 """Data-parallel gradient averaging on a ResNet-18-sized tree: bytes from HLO and step time.
 
-``python -m jaxcomp.bench data_parallel [--json PATH] [--repeats R] [--workers W]``
+``python -m jaxcomp.bench data_parallel [--json PATH] [--repeats R] [--workers W]
+[--scaling 2,4,8] [--only power_sgd,top_k]``
 
 The parameter tree has the shapes of kuangliu's CIFAR ResNet-18 in Flax layout (11,173,962
 parameters; conv kernels ``[kh, kw, in, out]``, BatchNorm scales and biases, a 512x10 head).
@@ -200,7 +201,9 @@ def _bytes_sent(opt_state) -> float:
     return float(state.bytes_sent)
 
 
-def run(workers: int, repeats: int, scaling: tuple[int, ...]) -> list[dict]:
+def run(
+    workers: int, repeats: int, scaling: tuple[int, ...], only: tuple[str, ...] = ()
+) -> list[dict]:
     params = resnet18_shapes()
     num = sum(math.prod(s.shape) for s in jax.tree.leaves(params))
     assert num == RESNET18_PARAMS, num
@@ -211,6 +214,8 @@ def run(workers: int, repeats: int, scaling: tuple[int, ...]) -> list[dict]:
     grads = worker_grads(params, mesh)
     dense = _Step(codec_table()[0][2](), params, mesh)
     for label, path, make in codec_table():
+        if only and label != "dense_pmean" and not any(label.startswith(o) for o in only):
+            continue
         step = dense if label == "dense_pmean" else _Step(make(), params, mesh)
         report = comm.measure_collectives(step.fn, *step.args(grads))
         _, new_state = step.fn(*step.args(grads))
@@ -271,9 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(repeats=5)
     p.add_argument("--workers", type=int, default=8, help="workers of the codec table")
     p.add_argument("--scaling", default="2,4,8", help="worker counts of the scaling table")
+    p.add_argument("--only", default="", help="comma-separated codec label prefixes to run")
     args = p.parse_args(argv)
     scaling = tuple(int(w) for w in args.scaling.split(",") if w)
-    results = run(args.workers, args.repeats, scaling)
+    only = tuple(o for o in args.only.split(",") if o)
+    results = run(args.workers, args.repeats, scaling, only)
     codecs = [r for r in results if r["table"] == "codecs"]
     print()
     _common.print_table(
@@ -290,9 +297,10 @@ def main(argv: list[str] | None = None) -> int:
             ("time_ratio_to_dense", ".2f"),
         ],
     )
+    scaled = [r for r in results if r["table"] == "scaling"]
     print()
     _common.print_table(
-        [r for r in results if r["table"] == "scaling"],
+        scaled or [{}],
         [
             ("codec", "s"),
             ("path", "s"),

@@ -399,10 +399,9 @@ def compressed_pmean(
     so the residual is taken against the *averaged* reconstruction, as in the reference
     (Vogels et al.; Accordion's ``RankKReducer``), and :math:`Q'` is the next warm start
     (the codec's initial Q, seed and ``warm_start`` are honoured; its ``epsilon`` is not
-    visible here and the default 1e-8 is used). On
-    the other paths the channel's own ``send`` runs per worker (so error feedback and EF21 keep
-    their exact semantics) and the mean of the decoded payloads is returned (EF21: added to
-    the replicated estimate of the mean).
+    visible here and the default 1e-8 is used). On the other paths the channel's own ``send``
+    runs per worker (so error feedback and EF21 keep their exact semantics) and the mean of the
+    decoded payloads is returned (EF21: added to the replicated estimate of the mean).
 
     Args:
       x: this worker's array.

@@ -12,7 +12,6 @@ import optax
 from jax import lax
 
 from jaxcomp import compressors
-from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _reduce
 from jaxcomp.compressors import _base
@@ -55,7 +54,7 @@ class AccordionState(NamedTuple):
       last_lr: ``float32[]``, the learning rate seen at the last step (NaN before any).
       bytes_sent: ``float32[]``, bytes this worker put into collectives at the last step.
       leaves: per parameter, an :class:`AccordionLeaf`, or a
-        :class:`jaxcomp.comm._reduce.DenseReduce` for parameters never compressed.
+        :class:`jaxcomp.comm.DenseReduce` for parameters never compressed.
     """
 
     count: jax.Array
@@ -259,8 +258,8 @@ def accordion(
         _reduce.check_path(codec, path)
     check_detector_args(interval_steps, check_every, eta, statistic, learning_rate)
     _cm.check_axis_name(axis_name)
-    _cm._check_number("min_compression_rate", min_compression_rate, 0)
-    _cm._check_number("seed", seed, 0)
+    _cm.check_number("min_compression_rate", min_compression_rate, 0)
+    _cm.check_number("seed", seed, 0)
     _cm.check_static_int("min_ndim", min_ndim, 0)
     codecs = {LOW_COMPRESSION: low, HIGH_COMPRESSION: high}
 
@@ -281,13 +280,15 @@ def accordion(
             if isinstance(lo, _reduce.DenseReduce) and isinstance(hi, _reduce.DenseReduce):
                 leaves.append(_reduce.DenseReduce())
                 continue
-            zeros = _reduce.per_worker(jnp.zeros(p.shape, p.dtype), axis_name)
+            wide = jnp.promote_types(p.dtype, jnp.float32)  # an epoch's sum, even of bf16
+            accum = _reduce.per_worker(jnp.zeros(p.shape, wide), axis_name)
+            residual = _reduce.per_worker(jnp.zeros(p.shape, p.dtype), axis_name)
             leaves.append(
                 AccordionLeaf(
                     mode=jnp.asarray(LOW_COMPRESSION, jnp.int32),
                     prev_norm=jnp.zeros((), jnp.float32),
-                    accum=zeros,
-                    residual=zeros if error_feedback else compressors.EmptyState(),
+                    accum=accum,
+                    residual=residual if error_feedback else compressors.EmptyState(),
                     low=lo,
                     high=hi,
                 )
@@ -349,22 +350,20 @@ def accordion(
         )
         return mean, leaf._replace(residual=residual, low=lo, high=hi)
 
-    def end_of_interval(leaves, likes, interval, rate):
-        """Statistic, periodic check and accumulator reset for the detecting leaves."""
-        norms = jnp.stack([local_norm(leaf.accum) for leaf in leaves])
-        stats = replicated_norms(norms, axis_name, statistic)
-        check = interval % check_every == 0
-        first = interval == 0
-        out = []
-        for j, (leaf, like) in enumerate(zip(leaves, likes)):
-            critical = critical_regime(leaf.prev_norm, stats[j], eta, first)
-            decided = jnp.where(critical, LOW_COMPRESSION, HIGH_COMPRESSION).astype(jnp.int32)
-            leaf = switch(leaf, jnp.where(check, decided, leaf.mode), like, rate)
-            zeros = _local.to_varying(jnp.zeros_like(leaf.accum), _local.varying_axes(leaf.accum))
-            out.append(
-                leaf._replace(prev_norm=jnp.where(check, stats[j], leaf.prev_norm), accum=zeros)
-            )
-        return out
+    def interval_statistics(accums):
+        """The replicated regime statistic of every detecting leaf (one tiny all-reduce)."""
+        return replicated_norms(jnp.stack([local_norm(a) for a in accums]), axis_name, statistic)
+
+    def end_of_interval(leaf, stat, like, end, interval, rate):
+        """Periodic check (at interval ends with ``interval % T == 0``), accumulator reset."""
+        check = jnp.logical_and(end, interval % check_every == 0)
+        critical = critical_regime(leaf.prev_norm, stat, eta, interval == 0)
+        decided = jnp.where(critical, LOW_COMPRESSION, HIGH_COMPRESSION).astype(jnp.int32)
+        leaf = switch(leaf, jnp.where(check, decided, leaf.mode), like, rate)
+        return leaf._replace(
+            prev_norm=jnp.where(check, stat, leaf.prev_norm),
+            accum=jnp.where(end, jnp.zeros((), leaf.accum.dtype), leaf.accum),
+        )
 
     def update_fn(updates, state, params=None, **extra_args):
         del params
@@ -399,15 +398,18 @@ def accordion(
         interval = count // interval_steps
         end = (count + 1) % interval_steps == 0
         if detect:
-            likes = [flat[i] for i in detect]
-            done = lax.cond(
+            accums = [new_leaves[i].accum for i in detect]
+            # only the small statistic crosses the cond: no param-sized buffer is copied
+            stats = lax.cond(
                 end,
-                lambda ls: end_of_interval(ls, likes, interval, rate),
-                lambda ls: list(ls),
-                [new_leaves[i] for i in detect],
+                interval_statistics,
+                lambda _: jnp.zeros((len(detect),), jnp.float32),
+                accums,
             )
-            for i, leaf in zip(detect, done):
-                new_leaves[i] = leaf
+            for j, i in enumerate(detect):
+                new_leaves[i] = end_of_interval(
+                    new_leaves[i], stats[j], flat[i], end, interval, rate
+                )
             if axis_name is not None:
                 sent += jnp.where(end, 4.0 * len(detect), 0.0)
         new_state = AccordionState(

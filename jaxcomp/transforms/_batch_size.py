@@ -129,10 +129,12 @@ def accordion_batch_size(
     _cm.check_axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
 
-    def zeros(params):
-        return jax.tree.map(
-            lambda p: _reduce.per_worker(jnp.zeros(p.shape, p.dtype), axis_name), params
-        )
+    def zeros(params, wide=False):
+        def one(p):
+            dtype = jnp.promote_types(p.dtype, jnp.float32) if wide else p.dtype
+            return _reduce.per_worker(jnp.zeros(p.shape, dtype), axis_name)
+
+        return jax.tree.map(one, params)
 
     def init_fn(params):
         _reduce.axis_size(axis_name)
@@ -143,7 +145,7 @@ def accordion_batch_size(
             next_k=jnp.asarray(small_steps, jnp.int32),
             prev_norm=jnp.zeros((), jnp.float32),
             last_lr=jnp.asarray(jnp.nan, jnp.float32),
-            accum=zeros(params),
+            accum=zeros(params, wide=True),  # an interval's sum, kept in float32 even for bf16
             grads=zeros(params),
             inner=inner.init(params),
         )

@@ -34,7 +34,7 @@ class CompressedMeanState(NamedTuple):
     bytes_sent: jax.Array
 
 
-def _check_number(name: str, value: Any, lo: float) -> None:
+def check_number(name: str, value: Any, lo: float) -> None:
     """Validates Python numbers; arrays (e.g. from ``inject_hyperparams``) pass through."""
     if isinstance(value, bool) or not isinstance(value, (int, float, jax.Array)):
         raise ValueError(f"{name} must be a number >= {lo}; got {value!r}.")
@@ -156,10 +156,10 @@ def compressed_mean(
     _reduce.check_path(channel.codec, path)
     _reduce.check_channel(channel)
     check_axis_name(axis_name)
-    _check_number("min_compression_rate", min_compression_rate, 0)
+    check_number("min_compression_rate", min_compression_rate, 0)
     check_static_int("min_ndim", min_ndim, 0)
-    _check_number("warmup_steps", warmup_steps, 0)
-    _check_number("seed", seed, 0)
+    check_number("warmup_steps", warmup_steps, 0)
+    check_number("seed", seed, 0)
     no_warmup = isinstance(warmup_steps, int) and warmup_steps == 0
 
     def init_fn(params):
