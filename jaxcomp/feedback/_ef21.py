@@ -115,8 +115,10 @@ def _markov_channel(codec, num_samples, buffer_dtype, kind) -> _channel.Channel:
 
     def init(x):
         dtype = buffer_dtype or x.dtype
-        estimate = _channel.buffer_like(x, num_samples, dtype)
-        return EF21SendState(estimate, codec.init(x)), EF21RecvState(estimate)
+        # two buffers, not one shared object: callers may donate both states
+        send = _channel.buffer_like(x, num_samples, dtype)
+        recv = _channel.buffer_like(x, num_samples, dtype)
+        return EF21SendState(send, codec.init(x)), EF21RecvState(recv)
 
     def advance(estimate, ids, delta_hat, like):
         # identical arithmetic at both ends keeps the mirrors bit-identical

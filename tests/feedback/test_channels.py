@@ -210,3 +210,10 @@ def test_bad_parameters_raise(make):
 def test_channels_need_a_codec():
     with pytest.raises(TypeError):
         feedback.ef21("top_k")
+
+
+def test_ef21_init_gives_distinct_buffers_that_can_be_donated():
+    channel = feedback.ef21(TOPK)
+    send, recv = channel.init(jnp.ones((8, 6)))
+    assert send.estimate is not recv.estimate
+    jax.jit(lambda s, r: (s, r), donate_argnums=(0, 1))(send, recv)
