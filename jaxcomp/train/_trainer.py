@@ -93,7 +93,13 @@ def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
             f"mode {config.mode!r} is not available; available modes: {sorted(builders)}."
         )
     # --- Mesh ----------------------------------------------------------------------------
-    mesh = comm.make_mesh([tuple(a) for a in config.mesh], devices=devices)
+    try:
+        mesh = comm.make_mesh([tuple(a) for a in config.mesh], devices=devices)
+    except ValueError as e:
+        hint = ""
+        if devices is None and jax.default_backend() != "cpu":
+            hint = " Set JAX_PLATFORMS=cpu to run on fake CPU devices instead."
+        raise ValueError(f"config.mesh: {e}{hint}") from e
     # --- Data ----------------------------------------------------------------------------
     train_src = data.get_dataset(config.data_name, "train", **dict(config.data))
     eval_kwargs = {**dict(config.data), **dict(config.eval_data)}
