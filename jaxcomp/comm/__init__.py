@@ -11,14 +11,18 @@
   and :func:`compressed_transfer`, its single-device simulation).
 """
 
-from jaxcomp.comm._hlo import (
-    CollectiveRecord,
-    CollectiveReport,
-    collective_report,
-    measure_collectives,
-)
-from jaxcomp.comm._local import local_value_and_grad, to_varying, varying_axes
-from jaxcomp.comm._mesh import DATA, GROUP, MEMBER, STAGE, make_mesh
+from jaxcomp.comm._hlo import CollectiveRecord
+from jaxcomp.comm._hlo import CollectiveReport
+from jaxcomp.comm._hlo import collective_report
+from jaxcomp.comm._hlo import measure_collectives
+from jaxcomp.comm._local import local_value_and_grad
+from jaxcomp.comm._local import to_varying
+from jaxcomp.comm._local import varying_axes
+from jaxcomp.comm._mesh import DATA
+from jaxcomp.comm._mesh import GROUP
+from jaxcomp.comm._mesh import MEMBER
+from jaxcomp.comm._mesh import STAGE
+from jaxcomp.comm._mesh import make_mesh
 from jaxcomp.comm._reduce import DenseReduce
 from jaxcomp.comm._reduce import GatherReduce
 from jaxcomp.comm._reduce import LowRankReduce

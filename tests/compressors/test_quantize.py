@@ -188,7 +188,9 @@ def test_sign_bad_scale():
         compressors.sign(scale="max")
 
 
-@pytest.mark.parametrize("codec", [compressors.quantize(4), compressors.sign()], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "codec", [compressors.quantize(4), compressors.sign()], ids=lambda c: c.name
+)
 def test_integer_input_is_a_type_error(codec):
     with pytest.raises(TypeError, match="floating"):
         codec.compress(jnp.arange(4), codec.init(jnp.zeros(4)), None)
