@@ -9,9 +9,13 @@
 * :mod:`jaxcomp.transforms`: optax transforms — ``compressed_mean``, ``accordion``,
   ``accordion_batch_size``, ``ab_training``.
 
-The training harness (``jaxcomp.models``, ``jaxcomp.data``, ``jaxcomp.train``, ``python -m
-jaxcomp.main``) and benchmarks (``python -m jaxcomp.bench``) are imported on demand.
+The training harness (:mod:`jaxcomp.models`, :mod:`jaxcomp.data`, :mod:`jaxcomp.train`,
+``python -m jaxcomp.main``) is imported on first attribute access, so ``import jaxcomp`` stays
+light (no Flax model zoo, scikit-learn, orbax or matplotlib); benchmarks run with
+``python -m jaxcomp.bench``.
 """
+
+import importlib
 
 from jaxcomp import comm
 from jaxcomp import compressors
@@ -23,12 +27,23 @@ from jaxcomp.compressors import wire_bytes
 
 __version__ = "0.1.0"
 
+_LAZY_SUBPACKAGES = ("data", "models", "train")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBPACKAGES:
+        return importlib.import_module(f"jaxcomp.{name}")
+    raise AttributeError(f"module 'jaxcomp' has no attribute {name!r}")
+
 __all__ = (
     "comm",
     "compressors",
+    "data",
     "feedback",
     "measure_collectives",
+    "models",
     "pipeline",
+    "train",
     "transforms",
     "wire_bytes",
 )
