@@ -1,0 +1,31 @@
+"""Every ``>>>`` example in the library's docstrings runs and prints what it says."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import jaxcomp
+
+MODULES = sorted(
+    m.name
+    for m in pkgutil.walk_packages(jaxcomp.__path__, "jaxcomp.")
+    if not m.name.endswith("__main__") and ".bench." not in m.name and m.name != "jaxcomp.main"
+)
+
+
+def test_the_library_has_examples():
+    finder = doctest.DocTestFinder()
+    count = sum(
+        len(t.examples) for name in MODULES for t in finder.find(importlib.import_module(name))
+    )
+    assert count > 100
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    result = doctest.testmod(module, optionflags=flags, report=True, verbose=False)
+    assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
