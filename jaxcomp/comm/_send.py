@@ -26,32 +26,18 @@ work. The receiver gets zeros from ``ppermute`` when it is not the target.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from jaxcomp.comm import _local
+from jaxcomp.comm import _send_vjp
+from jaxcomp.comm._send_vjp import ChannelStates
 from jaxcomp.compressors import _base
 from jaxcomp.feedback import _channel
 
 BACKWARD_MODES = ("independent", "shared_mask")
-
-
-class ChannelStates(NamedTuple):
-    """The two ends of one channel as one device (or one simulated link) holds them.
-
-    Attributes:
-      send: the sender's state (e.g. an EF residual, an EF21 estimate, AQ-SGD's ``m_com``).
-      recv: the receiver's state (e.g. AQ-SGD's ``m_dec``); ``EmptyState()`` for most channels.
-    """
-
-    send: Any
-    recv: Any
 
 
 def init_channel_states(channel: _channel.Channel | _base.Codec | None, like: Any) -> ChannelStates:
@@ -121,189 +107,17 @@ def check_link(
         raise TypeError(f"backward must be a Channel or None; got {type(backward).__name__}.")
 
 
-class _Leaf(NamedTuple):
-    shape: tuple[int, ...]
-    dtype: Any
-    varying: tuple[str, ...]
-
-
-def _describe(tree: Any) -> Any:
-    """Static shape, dtype and varying mesh axes of every leaf (kept instead of the values, so
-    that large states are not saved as residuals for the backward pass)."""
-    return jax.tree.map(
-        lambda x: _Leaf(tuple(x.shape), x.dtype, tuple(sorted(_local.varying_axes(x)))), tree
-    )
-
-
-def _zero_cotangent(described: Any) -> Any:
-    def zero(d):
-        if not jnp.issubdtype(d.dtype, jnp.inexact):
-            return np.zeros(d.shape, jax.dtypes.float0)
-        z = jnp.zeros(d.shape, d.dtype)
-        return _local.to_varying(z, d.varying) if d.varying else z
-
-    return jax.tree.map(zero, described, is_leaf=lambda v: isinstance(v, _Leaf))
-
-
-def _zeros(struct: Any, like: jax.Array) -> Any:
-    """Zeros shaped as ``struct``, varying over the same mesh axes as ``like`` (so that both
-    branches of a ``lax.cond`` inside ``shard_map`` have the same type)."""
-    axes = tuple(sorted(_local.varying_axes(like)))
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), struct)
-    return _local.to_varying(zeros, axes) if axes else zeros
-
-
-def _gated(active: Any, fn: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
-    """``fn()`` where ``active``; ``fallback()`` elsewhere (no work done on inactive devices)."""
-    if active is True:
-        return fn()
-    return lax.cond(active, fn, fallback)
-
-
-def _ids(ids, backward_ids):
-    return ids, ids if backward_ids is None else backward_ids
-
-
-def _keys(key):
-    if key is None:
-        return None, None
-    return jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
-
-
-def _end(active, fn, fallback, state, ids, x, per_sample):
-    """Runs one end of a channel, ``fn(state, ids) -> (out, state)``, where ``active``.
-
-    Per-sample buffers (leaves shaped ``[N, *x.shape[1:]]``, e.g. AQ-SGD's caches) stay out of
-    the ``lax.cond``: only this microbatch's rows enter it (with local ids ``0..mb-1``) and are
-    written back outside, unchanged where inactive. A cond that carried the whole buffer would
-    copy it at every send (XLA does not update a conditional's operand in place).
-    """
-    if active is True or not per_sample or ids is None:
-        return _gated(active, lambda: fn(state, ids), lambda: (fallback(), state))
-    flags = per_sample_leaves(per_sample, state, x)
-    rows = jax.tree.map(lambda a, f: a[ids] if f else a, state, flags)
-    local_ids = jnp.arange(x.shape[0], dtype=ids.dtype)
-    out, new_rows = _gated(active, lambda: fn(rows, local_ids), lambda: (fallback(), rows))
-    state = jax.tree.map(lambda a, f, r: a.at[ids].set(r) if f else r, state, flags, new_rows)
-    return out, state
-
-
-def per_sample_leaves(per_sample: bool, state: Any, like: Any, lead: int = 0) -> Any:
-    """Flags the leaves of a channel state that are per-sample buffers ``[N, *like.shape[1:]]``
-    (after ``lead`` leading axes), the ones indexed by sample ids."""
-    feature, ndim = tuple(like.shape[1:]), len(like.shape) + lead
-    return jax.tree.map(
-        lambda a: per_sample and a.ndim == ndim and tuple(a.shape[lead + 1 :]) == feature, state
-    )
-
-
-def _exchange(channel, x, state, key, ids, is_sender, is_receiver, move, compress):
-    """One channel's ``send -> move -> receive``, each end working only where it lives.
-
-    Returns ``(decoded, new ChannelStates, payload sent, payload received)``.
-    """
-    per_sample = channel.per_sample
-    if not compress:  # dense: the channel only observes x (EF21/AQ-SGD copy it)
-        _, send_state = _end(
-            is_sender, lambda st, i: (None, channel.dense_send(x, st, i)), lambda: None,
-            state.send, ids, x, per_sample,
-        )  # fmt: skip
-        received = move(x)
-        _, recv_state = _end(
-            is_receiver, lambda st, i: (None, channel.dense_receive(received, st, i)),
-            lambda: None, state.recv, ids, x, per_sample,
-        )  # fmt: skip
-        return received, ChannelStates(send_state, recv_state), None, None
-
-    def send(st, i):
-        return channel.send(x, st, key, i)
-
-    like = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    payload_struct = jax.eval_shape(send, state.send, ids)[0]
-    payload, send_state = _end(
-        is_sender, send, lambda: _zeros(payload_struct, x), state.send, ids, x, per_sample
-    )
-    received = move(payload)
-    y, recv_state = _end(
-        is_receiver, lambda st, i: channel.receive(received, st, like, i),
-        lambda: jnp.zeros_like(x), state.recv, ids, x, per_sample,
-    )  # fmt: skip
-    return y, ChannelStates(send_state, recv_state), payload, received
-
-
-def _make_link(
-    forward: _channel.Channel,
-    backward: _channel.Channel | None,
-    mode: str,
-    compress: bool,
-    transport: Callable[[Any, bool], Any],
-    roles: Callable[[], tuple[Any, Any]],
-):
-    """Builds the custom_vjp function ``(x, fwd, token, key, ids) -> (y, fwd, token)``."""
-
-    def forward_pass(x, fwd, key, ids):
-        is_source, is_target = roles()
-        y, states, sent, received = _exchange(
-            forward, x, fwd, _keys(key)[0], ids[0], is_source, is_target,
-            lambda tree: transport(tree, False), compress,
-        )  # fmt: skip
-        return y, states, (sent, received) if mode == "shared_mask" else (None, None)
-
-    def backward_pass(payloads, g, state, key, ids):
-        is_source, is_target = roles()
-        if mode == "shared_mask" and compress:
-            # send g at the forward's kept positions: the transpose of decoding the values
-            sent, received = payloads
-            like = jax.ShapeDtypeStruct(g.shape, g.dtype)
-
-            def gather():
-                def decode(v):
-                    return forward.codec.decompress(received._replace(values=v), like)
-
-                return jax.vjp(decode, received.values)[1](g)[0]
-
-            vals = _gated(is_target, gather, lambda: jnp.zeros_like(received.values))
-            vals = transport(vals, True)
-            dx = _gated(
-                is_source,
-                lambda: forward.codec.decompress(sent._replace(values=vals), like),
-                lambda: jnp.zeros_like(g),
-            )
-            return dx, state
-        if backward is None:
-            return transport(g, True), state
-        dx, state, _, _ = _exchange(
-            backward, g, state, _keys(key)[1], ids[1], is_target, is_source,
-            lambda tree: transport(tree, True), compress,
-        )  # fmt: skip
-        return dx, state
-
-    static = {}  # filled when link_fwd is traced, read when link_bwd is
-
-    @jax.custom_vjp
-    def link(x, fwd, token, key, ids):
-        y, fwd, _ = forward_pass(x, fwd, key, ids)
-        return y, fwd, token
-
-    def link_fwd(x, fwd, token, key, ids):
-        static["fwd"], static["token"] = _describe(fwd), _describe(token)
-        y, new_fwd, payloads = forward_pass(x, fwd, key, ids)
-        return (y, new_fwd, token), (payloads, key, ids)
-
-    def link_bwd(res, cts):
-        payloads, key, ids = res
-        g, _, state = cts
-        dx, new_state = backward_pass(payloads, g, state, key, ids)
-        new_state = jax.tree.map(
-            lambda n, d: n.astype(d.dtype),
-            new_state,
-            static["token"],
-            is_leaf=lambda v: isinstance(v, _Leaf),
-        )
-        return dx, _zero_cotangent(static["fwd"]), new_state, None, None
-
-    link.defvjp(link_fwd, link_bwd)
-    return link
+def _run_link(x, fwd_states, bwd_token, forward, backward, mode, compress, key, ids,
+              backward_ids, transport, roles, slots):  # fmt: skip
+    """What both public sends share: checks, the custom_vjp link, stop_gradient on the states."""
+    forward = _channel.as_channel(forward)
+    backward = None if backward is None else _channel.as_channel(backward)
+    check_link(forward, backward, mode, x if mode == "shared_mask" and compress else None)
+    check_backward_state(bwd_token)
+    link = _send_vjp.make_link(forward, backward, mode, compress, transport, roles, slots)
+    ids = (ids, ids if backward_ids is None else backward_ids)
+    y, fwd_states, bwd_token = link(x, fwd_states, bwd_token, key, ids)
+    return y, lax.stop_gradient(fwd_states), bwd_token
 
 
 def compressed_ppermute(
@@ -388,12 +202,7 @@ def compressed_ppermute(
       Rudakov et al., `Activations and Gradients Compression for Model-Parallel Training
       <https://arxiv.org/abs/2401.07788>`_, 2024.
     """
-    forward = _channel.as_channel(forward)
-    backward = None if backward is None else _channel.as_channel(backward)
-    check_link(forward, backward, mode, x if mode == "shared_mask" and compress else None)
-    check_backward_state(bwd_token)
-    perm = [(source, target)]
-    inverse = [(target, source)]
+    perm, inverse = [(source, target)], [(target, source)]
 
     def transport(tree, reverse):
         return lax.ppermute(tree, axis_name, inverse if reverse else perm)
@@ -402,9 +211,8 @@ def compressed_ppermute(
         index = lax.axis_index(axis_name)
         return index == source, index == target
 
-    link = _make_link(forward, backward, mode, compress, transport, roles)
-    y, fwd_states, bwd_token = link(x, fwd_states, bwd_token, key, _ids(ids, backward_ids))
-    return y, lax.stop_gradient(fwd_states), bwd_token
+    return _run_link(x, fwd_states, bwd_token, forward, backward, mode, compress, key, ids,
+                     backward_ids, transport, roles, (None, None))  # fmt: skip
 
 
 def compressed_transfer(
@@ -419,19 +227,46 @@ def compressed_transfer(
     backward_ids: jax.Array | None = None,
     mode: str = "independent",
     compress: bool = True,
+    slots: tuple[int, int] | None = None,
 ) -> tuple[jax.Array, ChannelStates, ChannelStates]:
     """:func:`compressed_ppermute` without the collective: sender and receiver in one program.
 
     The single-device simulation of a link: the same channel calls, keys and state updates as
     :func:`compressed_ppermute` with ``source``/``target`` both local, so a model with these at
     its cut points reproduces a distributed pipeline's numbers.
+
+    Args:
+      x, fwd_states, bwd_token, forward, backward, key, ids, backward_ids, mode, compress: as
+        for :func:`compressed_ppermute`.
+      slots: ``(source, target)`` when every state leaf stacks all stages' ends on a leading
+        axis (the layout of :func:`jaxcomp.pipeline.gpipe`'s link states): the forward's sender
+        end is row ``source`` and its receiver row ``target``, the backward's the other way
+        round. Only those rows are read and written, and of a per-sample buffer only the rows
+        at ``ids``, so a large AQ-SGD cache is never copied. ``None``: the states are the ends.
+
+    Returns:
+      ``(y, fwd_states, bwd_token)`` as for :func:`compressed_ppermute`.
     """
-    forward = _channel.as_channel(forward)
-    backward = None if backward is None else _channel.as_channel(backward)
-    check_link(forward, backward, mode, x if mode == "shared_mask" and compress else None)
-    check_backward_state(bwd_token)
-    link = _make_link(
-        forward, backward, mode, compress, lambda tree, reverse: tree, lambda: (True, True)
-    )
-    y, fwd_states, bwd_token = link(x, fwd_states, bwd_token, key, _ids(ids, backward_ids))
-    return y, lax.stop_gradient(fwd_states), bwd_token
+    if slots is not None:
+        _check_slots(slots, (fwd_states, bwd_token))
+    else:
+        slots = (None, None)
+    return _run_link(
+        x, fwd_states, bwd_token, forward, backward, mode, compress, key, ids, backward_ids,
+        lambda tree, reverse: tree, lambda: (True, True), slots,
+    )  # fmt: skip
+
+
+def _check_slots(slots: Any, states: Any) -> None:
+    ok = isinstance(slots, tuple) and len(slots) == 2
+    ok = ok and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in slots)
+    if not ok:
+        raise ValueError(
+            f"slots must be a pair of non-negative ints (source, target); got {slots!r}."
+        )
+    for leaf in jax.tree.leaves(states):
+        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] <= max(slots):
+            raise ValueError(
+                f"slots={slots} index the leading axis of every state leaf; got a leaf of shape "
+                f"{jnp.shape(leaf)}."
+            )

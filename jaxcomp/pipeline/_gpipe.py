@@ -13,7 +13,6 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _send
-from jaxcomp.feedback import _channel
 from jaxcomp.pipeline import _batch
 from jaxcomp.pipeline import _config
 from jaxcomp.pipeline import _links
@@ -28,11 +27,6 @@ def _place(tree: Any, sharding: NamedSharding) -> Any:
     if explicit:
         return jax.sharding.reshard(tree, sharding)
     return lax.with_sharding_constraint(tree, sharding)
-
-
-def eval_links(links: tuple[_config.Link, ...]) -> tuple[_config.Link, ...]:
-    """The links of compressed evaluation: each forward codec alone, no feedback, no backward."""
-    return tuple(_config.Link(_channel.plain(lk.forward.codec), None) for lk in links)
 
 
 def gpipe(
@@ -135,12 +129,10 @@ def gpipe(
     def prepare(params, batch, need_ids=None):
         return _prepare.prepare(model, links, m_, params, batch, replicas, need_ids)
 
-    def expected_states(prep):
-        return jax.eval_shape(lambda: _links.init_link_states(links, prep.shapes, lead))
-
     def init(params, batch):
         prep = prepare(params, batch, need_ids=False)
-        shardings = jax.tree.map(lambda _: NamedSharding(mesh, state_spec), expected_states(prep))
+        expected = _prepare.expected_states(links, prep, lead)
+        shardings = jax.tree.map(lambda _: NamedSharding(mesh, state_spec), expected)
         make = functools.partial(_links.init_link_states, links, prep.shapes, lead)
         return jax.jit(make, out_shardings=shardings)()
 
@@ -191,7 +183,8 @@ def gpipe(
     def step(params, batch, link_states, key=None, compress=True):
         compress = _prepare.check_compress(compress)
         prep = prepare(params, batch)
-        _links.check_link_states(link_states, expected_states(prep))
+        _links.check_key(links, key, compress)
+        _links.check_link_states(link_states, _prepare.expected_states(links, prep, lead))
         ctx = _ticks.TickContext(
             model, links, m_, prep.layout, prep.shapes, prep.final, prep.metrics, axes,
             bool(compress), False,
@@ -216,14 +209,14 @@ def gpipe(
             grads = _params.PackedParams(grads, prep.layout)
         else:
             grads = type(params)(prep.layout.unpack(grads))
-        counts = _prepare.bytes_metrics(prep, links, m_, compress, True)
-        metrics = {"loss": loss, **metrics, **counts}
+        metrics = _prepare.with_bytes({"loss": loss, **metrics}, prep, links, m_, compress, True)
         return loss, grads, new_states, metrics
 
     def evaluate(params, batch, key=None, compress=False):
         compress = _prepare.check_compress(compress)
         prep = prepare(params, batch, need_ids=False)
-        elinks = eval_links(links)
+        elinks = _links.eval_links(links)
+        key = _prepare.eval_key(links, key, compress)
         ctx = _ticks.TickContext(
             model, elinks, m_, prep.layout, prep.shapes, prep.final, prep.metrics, axes,
             bool(compress), True,
@@ -255,13 +248,8 @@ def gpipe(
         loss, metrics, outputs = fn(
             buffers_of(params, prep.layout), prep.batch.inputs, prep.batch.labels, key
         )
-        metrics = {"loss": loss, **metrics,
-                   **_prepare.bytes_metrics(prep, elinks, m_, compress, False)}  # fmt: skip
+        metrics = _prepare.with_bytes({"loss": loss, **metrics}, prep, elinks, m_, compress, False)
         return loss, metrics, outputs
 
-    def bytes_per_step(params, batch, compress=True, train=True):
-        prep = prepare(params, batch, need_ids=False)
-        use = links if train else eval_links(links)
-        return _links.step_bytes(use, prep.shapes, m_, compress, train)
-
+    bytes_per_step = _prepare.bytes_per_step_fn(prepare, links, m_)
     return _prepare.Pipeline(init, step, evaluate, bytes_per_step, num, m_, links)

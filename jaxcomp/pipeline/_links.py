@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from jaxcomp.comm import _send
 from jaxcomp.compressors import _base
+from jaxcomp.feedback import _channel
 from jaxcomp.pipeline import _config
 
 
@@ -144,6 +145,26 @@ def check_link_states(got: Any, expected: Any) -> None:
                 f"link_states{path} has {g.dtype}{list(jnp.shape(g))}; this pipeline expects "
                 f"{e.dtype}{list(e.shape)} (initialise them for the same batch and microbatches)."
             )
+
+
+def eval_links(links: Sequence[_config.Link]) -> tuple[_config.Link, ...]:
+    """The links of compressed evaluation: each forward codec alone, no feedback, no backward."""
+    return tuple(_config.Link(_channel.plain(lk.forward.codec), None) for lk in links)
+
+
+def check_key(links: Sequence[_config.Link], key: Any, compress: bool) -> None:
+    """Raises ``ValueError`` naming the first link with a stochastic codec when ``key`` is
+    ``None`` (and the step compresses)."""
+    if key is not None or not compress:
+        return
+    for b, lk in enumerate(links):
+        for direction in ("forward", "backward"):
+            channel = getattr(lk, direction)
+            if channel is not None and channel.codec.stochastic:
+                raise ValueError(
+                    f"links[{b}].{direction} uses the stochastic codec {channel.codec.name}: "
+                    "pass a PRNG key, step(params, batch, link_states, key)."
+                )
 
 
 def link_key(key: jax.Array | None, boundary: int, microbatch: Any) -> jax.Array | None:

@@ -103,7 +103,33 @@ def split_loss(out: Any) -> tuple[jax.Array, dict]:
     return out, {}
 
 
-def bytes_metrics(prep: Prepared, links, num_microbatches: int, compress: bool, train: bool):
-    """The static byte counts as metrics (float32 scalars)."""
+def with_bytes(
+    metrics: dict, prep: Prepared, links, num_microbatches: int, compress: bool, train: bool
+) -> dict:
+    """``metrics`` plus the static byte counts of the step (float32 scalars)."""
     counts = _links.step_bytes(links, prep.shapes, num_microbatches, compress, train)
-    return {k: jax.numpy.asarray(v, jax.numpy.float32) for k, v in counts.items()}
+    return {**metrics, **{k: jax.numpy.asarray(v, jax.numpy.float32) for k, v in counts.items()}}
+
+
+def eval_key(links: tuple[_config.Link, ...], key: Any, compress: bool) -> Any:
+    """The evaluation key: ``key``, or a fixed ``key(0)`` when a stochastic forward codec
+    compresses and none was given (compressed evaluation is then deterministic)."""
+    if key is None and compress and any(lk.forward.codec.stochastic for lk in links):
+        return jax.random.key(0)
+    return key
+
+
+def bytes_per_step_fn(prepare_fn: Callable[..., Prepared], links, num_microbatches: int):
+    """The ``Pipeline.bytes_per_step`` of a pipeline whose ``prepare`` is ``prepare_fn``."""
+
+    def bytes_per_step(params, batch, compress=True, train=True):
+        prep = prepare_fn(params, batch, need_ids=False)
+        use = links if train else _links.eval_links(links)
+        return _links.step_bytes(use, prep.shapes, num_microbatches, compress, train)
+
+    return bytes_per_step
+
+
+def expected_states(links, prep: Prepared, lead: tuple[int, ...]) -> Any:
+    """The structure, shapes and dtypes of the link states ``init`` returns (no FLOPs)."""
+    return jax.eval_shape(lambda: _links.init_link_states(links, prep.shapes, lead))

@@ -12,7 +12,6 @@ from jax import lax
 from jaxcomp.comm import _send
 from jaxcomp.pipeline import _batch
 from jaxcomp.pipeline import _config
-from jaxcomp.pipeline import _gpipe
 from jaxcomp.pipeline import _links
 from jaxcomp.pipeline import _params
 from jaxcomp.pipeline import _prepare
@@ -24,46 +23,9 @@ class _Run(NamedTuple):
     model: _config.StagedModel
     links: tuple[_config.Link, ...]
     num_microbatches: int
-    shapes: tuple[jax.ShapeDtypeStruct, ...]  # boundary activations of one microbatch
     metrics: Any
     compress: bool
     collect: bool
-
-
-def _slot(tree, flags, slot, ids):
-    """A live slot of ``[S, ...]`` state leaves; per-sample buffers only at rows ``ids``."""
-    return jax.tree.map(lambda a, f: a[slot, ids] if f else a[slot], tree, flags)
-
-
-def _set_slot(tree, flags, slot, ids, value):
-    return jax.tree.map(
-        lambda a, f, v: a.at[slot, ids].set(v) if f else a.at[slot].set(v), tree, flags, value
-    )
-
-
-def _backward_live(states):
-    """Per boundary, the backward channel's ends at their live slots (see ``_links``)."""
-    return tuple(
-        _send.ChannelStates(
-            jax.tree.map(lambda a, b=b: a[b + 1], st.backward.send),
-            jax.tree.map(lambda a, b=b: a[b], st.backward.recv),
-        )
-        for b, st in enumerate(states)
-    )
-
-
-def _with_backward(states, bwd):
-    def put(tree, i, value):
-        return jax.tree.map(lambda a, v: a.at[i].set(v), tree, value)
-
-    return tuple(
-        st._replace(
-            backward=_send.ChannelStates(
-                put(st.backward.send, b + 1, w.send), put(st.backward.recv, b, w.recv)
-            )
-        )  # fmt: skip
-        for b, (st, w) in enumerate(zip(states, bwd))
-    )
 
 
 def _run(run: _Run, params_seq, x, labels, ids, key, fwd, tokens):
@@ -71,44 +33,29 @@ def _run(run: _Run, params_seq, x, labels, ids, key, fwd, tokens):
 
     Microbatch ``m`` crosses boundary ``b`` with ``link_key(key, b, m)``, in the same order per
     boundary as the distributed schedule (forward ``m = 0..M-1``, backward reversed), so every
-    channel state sees the same sequence of updates. ``fwd`` holds the forward states in their
-    ``[S, ...]`` layout; a per-sample buffer is read and written only at this microbatch's rows
-    (never copied whole), the rest at the live slot.
+    channel state sees the same sequence of updates. States (and backward tokens) keep their
+    ``[S, ...]`` layout: boundary ``b``'s link reads and writes only rows ``b`` and ``b + 1``,
+    and of a per-sample buffer only the microbatch's rows (never a whole-buffer copy).
     """
     model, num = run.model, run.model.num_stages
-    flags = [
-        tuple(
-            _send.per_sample_leaves(lk.forward.per_sample and ids is not None, end, shape, 1)
-            for end in states
-        )
-        for lk, shape, states in zip(run.links, run.shapes, fwd)
-    ]
 
     def body(carry, m):
         fwd, tokens, loss_sum, metrics_sum = carry
         fwd, tokens = list(fwd), list(tokens)
-        ids_m = None if ids is None else ids[m]
         h = x[m]
         for b, lk in enumerate(run.links):
             h = model.stages[b](params_seq[b], h)
-            (fs, fr), compact = flags[b], ids_m is not None and lk.forward.per_sample
-            live = _send.ChannelStates(_slot(fwd[b].send, fs, b, ids_m),
-                                       _slot(fwd[b].recv, fr, b + 1, ids_m))  # fmt: skip
-            h, live, tokens[b] = _send.compressed_transfer(
+            h, fwd[b], tokens[b] = _send.compressed_transfer(
                 h,
-                live,
+                fwd[b],
                 tokens[b],
                 forward=lk.forward,
                 backward=lk.backward,
                 key=_links.link_key(key, b, m),
-                ids=jnp.arange(h.shape[0], dtype=ids_m.dtype) if compact else ids_m,
-                backward_ids=ids_m,
+                ids=None if ids is None else ids[m],
                 mode=lk.mode,
                 compress=run.compress,
-            )
-            fwd[b] = _send.ChannelStates(
-                _set_slot(fwd[b].send, fs, b, ids_m, live.send),
-                _set_slot(fwd[b].recv, fr, b + 1, ids_m, live.recv),
+                slots=(b, b + 1),
             )
         y = model.stages[num - 1](params_seq[num - 1], h)
         loss, metrics = _prepare.split_loss(model.loss_fn(y, jax.tree.map(lambda a: a[m], labels)))
@@ -179,14 +126,14 @@ def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> _pre
     def step(params, batch, link_states, key=None, compress=True):
         compress = _prepare.check_compress(compress)
         prep = prepare(params, batch)
-        expected = jax.eval_shape(lambda: _links.init_link_states(links, prep.shapes, lead))
-        _links.check_link_states(link_states, expected)
+        _links.check_key(links, key, compress)
+        _links.check_link_states(link_states, _prepare.expected_states(links, prep, lead))
         x = _batch.microbatches(prep.batch.inputs, m_)
         labels = _batch.microbatches(prep.batch.labels, m_)
         ids = None if prep.batch.ids is None else _batch.microbatches(prep.batch.ids, m_)
         fwd0 = tuple(st.forward for st in link_states)
-        bwd0 = _backward_live(link_states)
-        run = _Run(model, links, m_, prep.shapes, prep.metrics, compress, False)
+        bwd0 = tuple(st.backward for st in link_states)
+        run = _Run(model, links, m_, prep.metrics, compress, False)
 
         def objective(params_seq, tokens):
             fwd, tokens, loss, metrics, _ = _run(run, params_seq, x, labels, ids, key, fwd0, tokens)
@@ -201,30 +148,23 @@ def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> _pre
             grads = _params.PackedParams(prep.layout.pack(grads), prep.layout)
         else:
             grads = type(params)(grads)
-        new_states = tuple(
-            st._replace(forward=f) for st, f in zip(_with_backward(link_states, bwd), fwd)
-        )
-        counts = _prepare.bytes_metrics(prep, links, m_, compress, True)
-        metrics = {"loss": loss, **metrics, **counts}
+        new_states = tuple(_links.LinkState(f, b) for f, b in zip(fwd, bwd))
+        metrics = _prepare.with_bytes({"loss": loss, **metrics}, prep, links, m_, compress, True)
         return loss, grads, new_states, metrics
 
     def evaluate(params, batch, key=None, compress=False):
         compress = _prepare.check_compress(compress)
         prep = prepare(params, batch, need_ids=False)
-        elinks = _gpipe.eval_links(links)
+        elinks = _links.eval_links(links)
+        key = _prepare.eval_key(links, key, compress)
         x = _batch.microbatches(prep.batch.inputs, m_)
         labels = _batch.microbatches(prep.batch.labels, m_)
         fwd = tuple(st.forward for st in _links.init_link_states(elinks, prep.shapes, lead))
         tokens = tuple(_send.init_channel_states(None, s) for s in prep.shapes)
-        run = _Run(model, elinks, m_, prep.shapes, prep.metrics, compress, True)
+        run = _Run(model, elinks, m_, prep.metrics, compress, True)
         _, _, loss, metrics, ys = _run(run, stage_params(params), x, labels, None, key, fwd, tokens)
-        metrics = {"loss": loss, **metrics,
-                   **_prepare.bytes_metrics(prep, elinks, m_, compress, False)}  # fmt: skip
+        metrics = _prepare.with_bytes({"loss": loss, **metrics}, prep, elinks, m_, compress, False)
         return loss, metrics, _batch.unmicrobatch(ys)
 
-    def bytes_per_step(params, batch, compress=True, train=True):
-        prep = prepare(params, batch, need_ids=False)
-        use = links if train else _gpipe.eval_links(links)
-        return _links.step_bytes(use, prep.shapes, m_, compress, train)
-
+    bytes_per_step = _prepare.bytes_per_step_fn(prepare, links, m_)
     return _prepare.Pipeline(init, step, evaluate, bytes_per_step, num, m_, links)
