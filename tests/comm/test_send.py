@@ -166,11 +166,18 @@ def test_uncompressed_mode_sends_dense_and_fills_ef21_estimates():
     assert report.dtypes("collective-permute") == {"f32"}
 
 
-def test_transfer_is_the_single_device_link():
+@pytest.mark.parametrize("stacked", [False, True], ids=["ends", "stacked_slots"])
+def test_transfer_is_the_single_device_link(stacked):
+    """Without slots the states are the two ends; with ``slots=(SRC, DST)`` every leaf stacks
+    S stages' ends (the pipeline's layout) and only rows SRC/DST may change."""
     xs, ws = _data(3)
     fwd_ch, bwd_ch = F.error_feedback(C.top_k(count=5)), F.ef21(C.quantize(3))
     like = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
     fwd0, bwd0 = comm.init_channel_states(fwd_ch, like), comm.init_channel_states(bwd_ch, like)
+    slots = None
+    if stacked:
+        fwd0, bwd0 = jax.tree.map(lambda a: jnp.zeros((S, *a.shape), a.dtype), (fwd0, bwd0))
+        slots = (SRC, DST)
     key = jax.random.key(5)
 
     @jax.jit
@@ -180,7 +187,7 @@ def test_transfer_is_the_single_device_link():
             for m in range(2):
                 y, state, token = comm.compressed_transfer(
                     xs[m], state, token, forward=fwd_ch, backward=bwd_ch,
-                    key=jax.random.fold_in(key, m),
+                    key=jax.random.fold_in(key, m), slots=slots,
                 )  # fmt: skip
                 total = total + jnp.vdot(ws[m], y)
             return total + comm.seed_backward_state(token, bwd0), (total, state)
@@ -191,6 +198,13 @@ def test_transfer_is_the_single_device_link():
     r_loss, r_dx, r_fwd, r_bwd = _reference(fwd_ch, bwd_ch, xs, ws, key)
     np.testing.assert_allclose(loss, r_loss, rtol=1e-6)
     np.testing.assert_allclose(dx, r_dx, rtol=1e-6, atol=1e-7)
+    if stacked:  # forward ends at rows (SRC, DST), backward ends at (DST, SRC)
+        ends = [(fwd.send, SRC), (fwd.recv, DST), (bwd.send, DST), (bwd.recv, SRC)]
+        for end, row in ends:
+            for a in jax.tree.leaves(end):
+                assert not np.any(np.delete(np.asarray(a), row, axis=0))
+        live = [jax.tree.map(lambda a, r=row: a[r], end) for end, row in ends]
+        fwd, bwd = comm.ChannelStates(*live[:2]), comm.ChannelStates(*live[2:])
     for a, b in zip(jax.tree.leaves((fwd, bwd)), jax.tree.leaves((r_fwd, r_bwd))):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
@@ -206,6 +220,12 @@ def test_bad_links_raise_clear_errors():
         comm.compressed_transfer(x, tokens, tokens, forward=C.quantize(4), mode="shared_mask")
     with pytest.raises(ValueError, match="mode must be one of"):
         comm.compressed_ppermute(x, tokens, tokens, forward=C.identity(), mode="both", **kw)
+    with pytest.raises(ValueError, match="slots must be a pair"):
+        comm.compressed_transfer(x, tokens, tokens, forward=C.identity(), slots=(0,))
+    ef = comm.init_channel_states(F.error_feedback(C.top_k(0.5)), x)  # [2, 8]: 2 rows
+    with pytest.raises(ValueError, match=r"slots=\(1, 2\) index the leading axis"):
+        comm.compressed_transfer(x, ef, tokens, forward=F.error_feedback(C.top_k(0.5)),
+                                 slots=(1, 2))  # fmt: skip
     int_state = comm.ChannelStates(jnp.zeros(3, jnp.int32), C.EmptyState())
     with pytest.raises(ValueError, match="floating-point"):
         comm.compressed_transfer(x, tokens, int_state, forward=C.identity())

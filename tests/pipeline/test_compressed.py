@@ -21,7 +21,7 @@ LINKS = {
         C.quantize(4, scale="feature"), C.quantize(4, rounding="stochastic")
     ),
     "shared_mask": pipeline.link(C.top_k(0.25, per_sample=True), mode="shared_mask"),
-    "ef21_bf16": pipeline.link(F.ef21(C.top_k(0.25)), C.cast("bfloat16")),
+    "ef21_bf16": pipeline.link(F.ef21(C.top_k(0.25)), F.ef21(C.cast("bfloat16"))),
     "aq_sgd": pipeline.link(
         F.aq_sgd(C.quantize(4), N), F.error_feedback(C.top_k(0.5), num_samples=N)
     ),
@@ -48,34 +48,50 @@ def test_distributed_equals_simulated_and_sends_theory_bytes(name, mlp, stage_me
     params, packed = mlp.params, pack(mlp.params)
     states, sim_states = pipe.init(packed, mlp.batch), sim.init(params, mlp.batch)
     tools.close(states, sim_states, rtol=0, atol=0)
-    measured = set()
+    compiled = {}  # one compile per program, both run and metered
     for i, compress in enumerate(SCHEDULES.get(name, (True, True))):
         key = jax.random.key(i)
-        loss, grads, new_states, metrics = step(packed, mlp.batch, states, key, compress=compress)
+        if compress not in compiled:
+            compiled[compress] = step.lower(packed, mlp.batch, states, key, compress).compile()
+            _check_bytes(compiled[compress], pipe, sim, params, mlp.batch, compress)
+        loss, grads, new_states, metrics = compiled[compress](packed, mlp.batch, states, key)
         s_loss, s_grads, s_states, s_metrics = sim_step(
             params, mlp.batch, sim_states, key, compress=compress
         )
         np.testing.assert_allclose(loss, s_loss, rtol=1e-5)
         tools.close(grads.unpack(), s_grads)
         tools.close(new_states, s_states)
+        assert metrics["wire_bytes"] == s_metrics["wire_bytes"]
         if jax.tree.leaves(states):
             assert _max_diff(new_states, states) > 0
-
-        if compress not in measured:  # the program's sends, read from its compiled HLO
-            measured.add(compress)
-            counts = pipe.bytes_per_step(params, mlp.batch, compress=compress)
-            assert counts == sim.bytes_per_step(params, mlp.batch, compress=compress)
-            assert metrics["wire_bytes"] == counts["wire_bytes"] == s_metrics["wire_bytes"]
-            report = comm.measure_collectives(step, packed, mlp.batch, states, key, compress)
-            by_kind = report.bytes_by_kind()
-            assert by_kind.pop("collective-permute") == counts["wire_bytes"]
-            assert by_kind == {"all-reduce": 4.0}  # the loss: no dense fallback anywhere
-            if compress:
-                assert counts["wire_bytes"] < counts["dense_bytes"]
-            else:
-                assert counts["wire_bytes"] == counts["dense_bytes"]
-                assert report.dtypes("collective-permute") == {"f32"}
+        _assert_mirrors(new_states)
         states, sim_states = new_states, s_states
+
+
+def _check_bytes(compiled, pipe, sim, params, batch, compress):
+    """The program's sends, read from its compiled HLO, are the theoretical payload bytes."""
+    counts = pipe.bytes_per_step(params, batch, compress=compress)
+    assert counts == sim.bytes_per_step(params, batch, compress=compress)
+    report = comm.collective_report(compiled.as_text())
+    by_kind = report.bytes_by_kind()
+    assert by_kind.pop("collective-permute") == counts["wire_bytes"]
+    assert by_kind == {"all-reduce": 4.0}  # the loss: no dense fallback anywhere
+    if compress:
+        assert counts["wire_bytes"] < counts["dense_bytes"]
+    else:
+        assert counts["wire_bytes"] == counts["dense_bytes"]
+        assert report.dtypes("collective-permute") == {"f32"}
+
+
+def _assert_mirrors(states):
+    """EF21 / AQ-SGD: each receiver's estimate is bit-identical to its sender's, at the live
+    slots of both directions (forward: b -> b + 1, backward: b + 1 -> b)."""
+    for b, st in enumerate(states):
+        for ends, (send, recv) in ((st.forward, (b, b + 1)), (st.backward, (b + 1, b))):
+            if hasattr(ends.send, "estimate"):
+                np.testing.assert_array_equal(
+                    np.asarray(ends.send.estimate[send]), np.asarray(ends.recv.estimate[recv])
+                )
 
 
 def test_aq_sgd_warmup_fills_both_caches(mlp, stage_mesh, pack):
@@ -119,30 +135,62 @@ def test_data_replicas_equal_per_replica_simulations(tools):
         tools.close(jax.tree.map(lambda a, r=r: a[:, r], states), outs[r][2])
 
 
-def test_compressed_evaluation_matches_simulation(mlp, stage_mesh, pack, tools):
-    """Evaluation with compression applies each forward codec alone; link states untouched."""
-    config = pipeline.PipelineConfig(mlp.M, LINKS["topk_ef"])
+def test_compressed_evaluation_applies_each_forward_codec_with_the_documented_keys(
+    mlp, stage_mesh, pack, tools
+):
+    """Compressed evaluation = the stages with each boundary's forward codec alone (no
+    feedback), microbatch m crossing boundary b with fold_in(fold_in(fold_in(key, b), m), 0):
+    checked against that computation written out, for gpipe and simulate. Only the forward
+    payloads travel."""
+    codec = C.quantize(2, rounding="stochastic")
+    config = pipeline.PipelineConfig(mlp.M, pipeline.link(F.error_feedback(codec), C.quantize(8)))
     pipe, sim = pipeline.gpipe(mlp.model, config, stage_mesh), pipeline.simulate(mlp.model, config)
-    evaluate = jax.jit(pipe.evaluate, static_argnames="compress")
-    loss, metrics, out = evaluate(pack(mlp.params), mlp.batch, compress=True)
-    s_loss, _, s_out = jax.jit(sim.evaluate, static_argnames="compress")(
-        mlp.params, mlp.batch, compress=True
+    key = jax.random.key(11)
+    stages, params = mlp.model.stages, mlp.params
+    xs = np.asarray(mlp.batch["x"]).reshape(mlp.M, -1, mlp.batch["x"].shape[-1])
+    expected = []
+    for m, h in enumerate(xs):
+        for b in range(3):
+            h = stages[b](params[b], h)
+            k = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, b), m), 0)
+            h = codec.decompress(codec.compress(h, codec.init(h), k)[0], h)
+        expected.append(stages[3](params[3], h))
+    expected = np.concatenate(expected)
+
+    packed = pack(params)
+    compiled = (
+        jax.jit(pipe.evaluate, static_argnames="compress")
+        .lower(packed, mlp.batch, key, compress=True)
+        .compile()
     )
+    loss, metrics, out = compiled(packed, mlp.batch, key)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
+    s_loss, _, s_out = jax.jit(sim.evaluate, static_argnames="compress")(
+        params, mlp.batch, key, compress=True
+    )
+    np.testing.assert_allclose(np.asarray(s_out), expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, s_loss, rtol=1e-5)
-    tools.close(out, s_out)
-    dense_loss, _, dense_out = evaluate(pack(mlp.params), mlp.batch, compress=False)
+    forward_only = pipe.bytes_per_step(params, mlp.batch, compress=True, train=False)
+    assert metrics["wire_bytes"] == forward_only["wire_bytes"] < forward_only["dense_bytes"]
+    sent = comm.collective_report(compiled.as_text()).bytes_by_kind()["collective-permute"]
+    assert sent == forward_only["wire_bytes"] == forward_only["forward_bytes"]
+
+    dense_loss, _, dense_out = jax.jit(sim.evaluate)(params, mlp.batch)  # compress=False
     assert not np.allclose(np.asarray(out), np.asarray(dense_out))
-    assert metrics["wire_bytes"] < metrics["dense_bytes"]
     ref_loss, _ = tools.reference(mlp.model, mlp.params, mlp.batch)
     np.testing.assert_allclose(dense_loss, ref_loss, rtol=1e-5)
 
 
 def test_per_sample_buffers_are_updated_in_place(mlp, stage_mesh, pack):
-    """AQ-SGD caches hold one row per sample of the dataset; a step touches only its rows, so
-    its scratch memory must not scale with the cache (no whole-buffer copy per send)."""
+    """AQ-SGD caches (forward) and per-sample EF residuals (backward) hold one row per sample
+    of the dataset; a step touches only its rows, so its scratch memory must not scale with
+    them (no whole-buffer copy per send, nor per step)."""
     num_samples = 1 << 16
     cache_bytes = num_samples * 16 * 2  # [N, width] float16
-    link = pipeline.link(F.aq_sgd(C.quantize(4), num_samples), C.quantize(8))
+    link = pipeline.link(
+        F.aq_sgd(C.quantize(4), num_samples),
+        F.error_feedback(C.quantize(8), num_samples=num_samples),
+    )
     config = pipeline.PipelineConfig(mlp.M, link)
     for pipe, params in (
         (pipeline.gpipe(mlp.model, config, stage_mesh), pack(mlp.params)),

@@ -119,3 +119,11 @@ def test_compress_must_be_static(mlp):
     states = sim.init(mlp.params, mlp.batch)
     _raises(TypeError, "mark it static", jax.jit(sim.step), mlp.params, mlp.batch, states,
             None, True)  # fmt: skip
+
+
+def test_a_stochastic_link_needs_a_key(mlp):
+    link = pipeline.link(C.top_k(0.5), C.quantize(4, rounding="stochastic"))
+    sim = pipeline.simulate(mlp.model, pipeline.PipelineConfig(4, link))
+    states = sim.init(mlp.params, mlp.batch)
+    _raises(ValueError, r"links\[0\].backward uses the stochastic codec", jax.jit(sim.step),
+            mlp.params, mlp.batch, states)  # fmt: skip
