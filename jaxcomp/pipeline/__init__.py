@@ -25,7 +25,9 @@ Contracts:
 * **Link states** (:class:`LinkState` per boundary, from ``pipe.init``) go in and out of
   every step: EF residuals and EF21 estimates in both directions, AQ-SGD caches at sender and
   receiver. Leaves have a leading stage axis (``[S, ...]``, ``[S, D, ...]`` with ``D > 1``
-  data replicas); boundary ``b``'s sender lives in slot ``b``, its receiver in slot ``b + 1``.
+  data replicas); boundary ``b``'s ends live where its stages do: the activations' sender and
+  the gradients' receiver in slot ``b``, the activations' receiver and the gradients' sender in
+  slot ``b + 1``.
   ``compress=False`` sends dense and lets the channels observe it (AQ-SGD warm-up).
 * **Metrics**: ``loss``, the ``loss_fn`` metrics, and the theoretical ``wire_bytes`` (forward +
   backward payloads per step) and ``dense_bytes``; exact counts from ``pipe.bytes_per_step``.

@@ -66,7 +66,9 @@ def gpipe(
     mesh place them with ``NamedSharding(mesh, P())`` (or ``P("data")``). Link states come from
     ``init`` already sharded. Every device keeps a slot of *every* boundary's states (only the
     slots at the boundary's two ends are live), so per-sample AQ-SGD caches cost ``S - 1``
-    times their live size in memory; their update touches only the microbatch's rows.
+    times their live size in memory; their update touches only the microbatch's rows. With
+    data replicas each replica keeps its own caches: a sample's cache is only current on the
+    replica that last saw it, so feed each sample to the same replica every epoch.
 
     Args:
       model: the :class:`StagedModel` (``S`` stages); ``S`` must equal the ``stage`` axis size.

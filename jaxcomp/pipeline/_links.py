@@ -14,9 +14,12 @@ state                  live slot    who holds it
 =====================  ===========  ==============================================
 
 The other slots stay at their initial values. Distributed and simulated pipelines use the same
-layout, so their states compare slot for slot and a run can switch between them. (The dead
-slots cost memory: each device stores a slot of every boundary's states, which matters only
-for large per-sample AQ-SGD buffers.)
+layout, so their states compare slot for slot and a run can switch between them (the
+simulation reads and writes only the live rows, see ``compressed_transfer(slots=...)``). The
+dead slots cost memory: each device stores a slot of every boundary's states, which matters
+only for large per-sample buffers (AQ-SGD caches: ``S - 1`` times their live size; a leaf
+sharded over ``stage`` has the same block on every device, so a compact layout would have to
+stack the ends by role across boundaries instead of keeping one state per boundary).
 """
 
 from __future__ import annotations

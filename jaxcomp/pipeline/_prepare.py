@@ -19,16 +19,21 @@ class Pipeline(NamedTuple):
     """A pipeline's pure functions (from :func:`~jaxcomp.pipeline.gpipe` or
     :func:`~jaxcomp.pipeline.simulate`; both have the same signatures and numbers).
 
+    ``step`` and ``evaluate`` validate their inputs and build the program in Python: wrap them
+    in ``jax.jit`` once and reuse the jitted function (called bare they retrace every time).
+
     Attributes:
       init: ``init(params, batch) -> link_states``: every link's initial states.
-      step: ``step(params, batch, link_states, key, compress=True) ->
+      step: ``step(params, batch, link_states, key=None, compress=True) ->
         (loss, grads, link_states, metrics)``: one training step's loss, gradients (in the form
         of ``params``: a per-stage sequence or :class:`PackedParams`) and new link states.
-        ``compress=False`` sends dense (AQ-SGD warm-up); mark it static under ``jax.jit``.
+        ``key`` is required when a link's codec is stochastic. ``compress=False`` sends dense
+        (AQ-SGD warm-up); mark it static under ``jax.jit``.
       evaluate: ``evaluate(params, batch, key=None, compress=False) -> (loss, metrics,
         outputs)``: forward only, link states untouched; ``compress=True`` applies each forward
-        codec without feedback (the paper's "compressed inference"); ``outputs`` is the last
-        stage's output for the whole batch (e.g. logits, for accuracy).
+        codec without feedback (the paper's "compressed inference"; stochastic codecs use
+        ``key``, by default ``jax.random.key(0)``); ``outputs`` is the last stage's output for
+        the whole batch (e.g. logits, for accuracy).
       bytes_per_step: ``bytes_per_step(params, batch, compress=True, train=True) -> dict`` with
         the theoretical ``wire_bytes`` (payload bytes per step and pipeline replica, forward and
         backward) and ``dense_bytes`` (the same sends uncompressed).
