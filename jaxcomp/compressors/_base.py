@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
@@ -66,6 +67,13 @@ class Codec(NamedTuple):
         giving the payload and what the receiver will decode, without unpacking the payload
         (error-feedback senders need both). Must equal ``decompress(compress(...))`` exactly.
         Use :func:`compress_and_decode` rather than calling it directly.
+      decode_sum: optional fast path ``decode_sum(stacked, like) -> total`` for a receiver of
+        gathered payloads: ``stacked`` holds a few payloads stacked on a leading axis and
+        ``total`` is the sum of their ``decompress`` in (at least) ``float32``, equal to
+        summing them one by one up to float summation order. Use :func:`decode_sum`.
+      options: the factory's static arguments (e.g. ``{"rank": 2, "epsilon": 1e-8, ...}``
+        for :func:`~jaxcomp.compressors.power_sgd`), for layers that run a codec's
+        multi-worker protocol themselves; ``None`` where a codec exposes none. Read-only.
     """
 
     init: Callable[[Like], CodecState]
@@ -76,6 +84,8 @@ class Codec(NamedTuple):
     stochastic: bool = False
     psum: Callable[[Payload, str], Payload] | None = None
     roundtrip: Callable[..., tuple[Payload, CodecState, Array]] | None = None
+    decode_sum: Callable[[Payload, Like], Array] | None = None
+    options: Mapping[str, Any] | None = None
 
 
 def compress_and_decode(
@@ -92,6 +102,38 @@ def compress_and_decode(
         return codec.roundtrip(x, state, key)
     payload, new_state = codec.compress(x, state, key)
     return payload, new_state, codec.decompress(payload, x)
+
+
+def decode_sum(codec: Codec, stacked: Payload, like: Like) -> Array:
+    """Sum of ``decompress`` over payloads stacked on a leading axis, in (at least) ``float32``.
+
+    What a receiver of ``all_gather``-ed payloads needs. Codecs with a ``decode_sum`` fast path
+    decode all payloads in one fused pass (e.g. one scatter-add of every worker's TopK values,
+    or bit-plane unpacking without a concatenate); others are decoded one by one and summed.
+    Either way the loop over the leading axis is unrolled: pass a few payloads at a time.
+
+    Args:
+      codec: the codec that made the payloads.
+      stacked: payloads stacked on a new leading axis (e.g. ``lax.all_gather``'s result).
+      like: array or ``ShapeDtypeStruct`` of one decoded payload.
+
+    Returns:
+      ``sum_i decompress(stacked[i], like)``, shaped as ``like``, in
+      ``promote_types(like.dtype, float32)``.
+    """
+    if codec.decode_sum is not None:
+        return codec.decode_sum(stacked, like)
+    return sum_decoded(codec.decompress, stacked, like)
+
+
+def sum_decoded(decompress: Callable[[Payload, Like], Array], stacked: Payload, like: Like):
+    """``sum_i decompress(stacked[i], like)`` in ``float32`` or wider, unrolled over ``i``."""
+    acc_dtype = jnp.promote_types(like.dtype, jnp.float32)
+    total = None
+    for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+        x = decompress(jax.tree.map(lambda s, i=i: s[i], stacked), like).astype(acc_dtype)
+        total = x if total is None else total + x
+    return total
 
 
 def wire_bytes(payload: Payload) -> int:

@@ -87,3 +87,20 @@ def unpack(packed: jax.Array, n: int, bits: int) -> jax.Array:
         part = field << offset if offset else field
         codes = part if codes is None else codes | part
     return codes.astype(jnp.uint8)
+
+
+def unpack_planes(packed: jax.Array, bits: int) -> jax.Array:
+    """The codes of :func:`pack` as planes ``uint8[..., 8 // bits, m]``, for bits 1, 2, 4, 8.
+
+    ``unpack(p, n, bits) == unpack_planes(p, bits).reshape(-1)[:n]``; leading axes of
+    ``packed`` (several payloads) are kept. A broadcast shift instead of :func:`unpack`'s
+    concatenate: a fusion that decodes several payloads at once through concatenates runs
+    ~5x slower on XLA:CPU, through planes at memory speed.
+    """
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"unpack_planes needs bits in (1, 2, 4, 8); got {bits}.")
+    planes = packed[..., None, :]
+    if bits == 8:
+        return planes
+    shifts = (jnp.arange(8 // bits, dtype=jnp.uint8) * bits)[:, None]
+    return (planes >> shifts) & jnp.uint8((1 << bits) - 1)

@@ -108,8 +108,8 @@ def power_sgd(
     for an all-zero input) the previous column is kept so the iteration can recover.
 
     For the multi-worker protocol (all-reduce of P, then of Q) see
-    :func:`jaxcomp.comm.compressed_pmean`; it reuses :func:`orthogonalize` and the same state
-    (the protocol uses the default ``epsilon``).
+    :func:`jaxcomp.comm.compressed_pmean`; it reuses :func:`orthogonalize`, the same state and
+    the arguments below (from ``Codec.options``).
 
     Args:
       rank: target rank r >= 1 (capped at ``min(rows, cols)``).
@@ -173,4 +173,8 @@ def power_sgd(
             return payload.astype(like.dtype)
         return (payload.p @ payload.q.T).reshape(like.shape).astype(like.dtype)
 
-    return _base.Codec(init, compress, decompress, name, _base.Reduction.LOW_RANK, not warm_start)
+    options = {"rank": rank, "epsilon": epsilon, "seed": seed, "warm_start": warm_start}
+    return _base.Codec(
+        init, compress, decompress, name, _base.Reduction.LOW_RANK, not warm_start,
+        options=options,
+    )  # fmt: skip

@@ -180,9 +180,29 @@ def quantize(
         codes = _bitpack.pack(q.astype(jnp.uint8).reshape(-1), bits)
         return QuantizedPayload(codes, s), state, decode(q, s, x.shape, x.dtype)
 
+    def decode_sum(stacked, like):
+        if scale == "feature" or bits not in (1, 2, 4, 8):
+            return _base.sum_decoded(decompress, stacked, like)
+        # per-tensor scales: decode in bit-plane layout, every payload in one fused pass
+        planes = _bitpack.unpack_planes(stacked.codes, bits).astype(jnp.float32)
+        acc = jnp.promote_types(like.dtype, jnp.float32)
+        terms = [
+            decode(planes[i], stacked.scale[i], (), like.dtype).astype(acc)
+            for i in range(planes.shape[0])
+        ]
+        return _from_planes(sum(terms[1:], terms[0]), like)
+
+    options = {"bits": bits, "scale": scale, "axes": axes, "rounding": rounding,
+               "scale_dtype": scale_dtype}  # fmt: skip
     return _base.Codec(
-        init, compress, decompress, name, _base.Reduction.GATHER, stochastic, None, roundtrip
-    )
+        init, compress, decompress, name, _base.Reduction.GATHER, stochastic, None, roundtrip,
+        decode_sum, options,
+    )  # fmt: skip
+
+
+def _from_planes(planes: jax.Array, like) -> jax.Array:
+    """Values in bit-plane layout ``[planes, m]`` back in ``like``'s shape (drops the padding)."""
+    return planes.reshape(-1)[: math.prod(like.shape)].reshape(like.shape)
 
 
 def sign(*, scale: str = "mean_abs") -> _base.Codec:
@@ -245,6 +265,16 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
         x_hat = ((2.0 * bits.astype(jnp.float32) - 1.0) * s).astype(x.dtype)
         return QuantizedPayload(_bitpack.pack(bits.reshape(-1), 1), s), state, x_hat
 
+    def decode_sum(stacked, like):
+        planes = _bitpack.unpack_planes(stacked.codes, 1).astype(jnp.float32)
+        acc = jnp.promote_types(like.dtype, jnp.float32)
+        terms = [
+            ((2.0 * planes[i] - 1.0) * stacked.scale[i]).astype(like.dtype).astype(acc)
+            for i in range(planes.shape[0])
+        ]
+        return _from_planes(sum(terms[1:], terms[0]), like)
+
     return _base.Codec(
-        init, compress, decompress, name, _base.Reduction.GATHER, False, None, roundtrip
-    )
+        init, compress, decompress, name, _base.Reduction.GATHER, False, None, roundtrip,
+        decode_sum, {"scale": scale},
+    )  # fmt: skip

@@ -184,7 +184,24 @@ def top_k(
             dense = dense.at[bi, ni, idx].set(vals, unique_indices=True)
         return dense.reshape(b, nb * blk)[:, :d].reshape(like.shape)
 
-    return _base.Codec(init, compress, decompress, name, _base.Reduction.GATHER, False)
+    def decode_sum(stacked, like):
+        # one scatter-add of every payload's values, instead of one scatter (or mask) each
+        b, d, _, nb, blk, kb = layout(like)
+        acc = jnp.promote_types(like.dtype, jnp.float32)
+        num = stacked.values.shape[0]
+        vals = stacked.values.reshape(num, b, nb, kb).astype(like.dtype).astype(acc)
+        idx = stacked.indices.reshape(num, b, nb, kb).astype(jnp.int32)
+        block_start = jnp.arange(b * nb, dtype=jnp.int32).reshape(1, b, nb, 1) * blk
+        dense = jnp.zeros((b * nb * blk,), acc).at[(block_start + idx).reshape(-1)]
+        dense = dense.add(vals.reshape(-1))  # flat positions: ~2x faster than 3-D indices
+        return dense.reshape(b, nb * blk)[:, :d].reshape(like.shape)
+
+    options = {"fraction": fraction, "count": count, "per_sample": per_sample,
+               "method": method, "block_size": block_size}  # fmt: skip
+    return _base.Codec(
+        init, compress, decompress, name, _base.Reduction.GATHER, False, None, None, decode_sum,
+        options,
+    )  # fmt: skip
 
 
 def rand_k(
