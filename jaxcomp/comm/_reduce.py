@@ -19,23 +19,15 @@ low_rank      PowerSGD's two all-reduces: ``psum(M Q)``, orthogonalise,    ``Red
               ``psum(Mᵀ P) / W``
 ============  ==========================================================  =====================
 
-:func:`init_reduce` chooses the path once per array (falling back to ``dense`` with a logged
-reason when the codec cannot handle the shape, the array has fewer than ``min_ndim``
-dimensions, or the payload is not ``min_compression_rate`` times smaller than the array) and
-records the choice in the *type* of the state it returns, so the choice is saved with the state
-and the reduction needs no static configuration.
-
-State fields owned by one worker (error-feedback residuals, per-worker codec states) carry a
-leading axis of size 1 and are marked varying over the axis: outside ``shard_map`` they stack to
-``[W, ...]`` and are sharded over the data axis; the other fields are replicated.
+The path of each array is planned once, by :func:`init_reduce` (:mod:`._reduce_plan`), and
+recorded in the type of its state. Receivers decode gathered payloads with the codec's fused
+:func:`~jaxcomp.compressors.decode_sum` in passes of up to eight payloads.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,294 +36,51 @@ from jax import lax
 from jaxcomp import compressors
 from jaxcomp import feedback
 from jaxcomp.comm import _local
+from jaxcomp.comm._reduce_plan import PATHS
+from jaxcomp.comm._reduce_plan import REDUCE_STATES
+from jaxcomp.comm._reduce_plan import DenseReduce
+from jaxcomp.comm._reduce_plan import GatherReduce
+from jaxcomp.comm._reduce_plan import LowRankReduce
+from jaxcomp.comm._reduce_plan import PsumReduce
+from jaxcomp.comm._reduce_plan import TwoPhaseReduce
+from jaxcomp.comm._reduce_plan import axis_size
+from jaxcomp.comm._reduce_plan import check_channel
+from jaxcomp.comm._reduce_plan import check_path
+from jaxcomp.comm._reduce_plan import chunk_like
+from jaxcomp.comm._reduce_plan import init_reduce
+from jaxcomp.comm._reduce_plan import is_reduce_state
+from jaxcomp.comm._reduce_plan import local
+from jaxcomp.comm._reduce_plan import path_of
+from jaxcomp.comm._reduce_plan import per_worker
+from jaxcomp.comm._reduce_plan import plan_path
+from jaxcomp.comm._reduce_plan import reduce_bytes
+from jaxcomp.comm._reduce_plan import worker_key
 from jaxcomp.compressors import _base
 
-PATHS = ("auto", "dense", "psum", "all_gather", "two_phase", "low_rank")
-_AUTO = {
-    compressors.Reduction.SUM: "psum",
-    compressors.Reduction.GATHER: "all_gather",
-    compressors.Reduction.LOW_RANK: "low_rank",
-}
-_log = logging.getLogger(__name__)
+__all__ = (  # the planning names are re-exported: callers use this module alone
+    "PATHS",
+    "REDUCE_STATES",
+    "DenseReduce",
+    "GatherReduce",
+    "LowRankReduce",
+    "PsumReduce",
+    "TwoPhaseReduce",
+    "axis_size",
+    "check_channel",
+    "check_path",
+    "compressed_pmean",
+    "dense_round",
+    "init_reduce",
+    "is_reduce_state",
+    "local",
+    "path_of",
+    "per_worker",
+    "plan_path",
+    "reduce_bytes",
+    "worker_key",
+)
 
-
-class DenseReduce(NamedTuple):
-    """State of an array averaged uncompressed with ``lax.pmean`` (there is none)."""
-
-
-class PsumReduce(NamedTuple):
-    """State of the ``psum`` path.
-
-    Attributes:
-      send: the channel's sender state, per worker (leaves ``[1, ...]``).
-      recv: the channel's receiver state, replicated (EF21's estimate of the mean).
-    """
-
-    send: Any
-    recv: Any
-
-
-class GatherReduce(NamedTuple):
-    """State of the ``all_gather`` path (fields as :class:`PsumReduce`)."""
-
-    send: Any
-    recv: Any
-
-
-class TwoPhaseReduce(NamedTuple):
-    """State of the ``two_phase`` path.
-
-    Attributes:
-      send: sender states of this worker's W chunks (leaves ``[1, W, ...]``).
-      server: codec state of the chunk this worker reduces (leaves ``[1, ...]``).
-      server_residual: ``[1, chunk]``: what re-compressing the reduced chunk dropped so far.
-    """
-
-    send: Any
-    server: Any
-    server_residual: jax.Array
-
-
-class LowRankReduce(NamedTuple):
-    """State of the PowerSGD ``low_rank`` path.
-
-    Attributes:
-      q: :class:`~jaxcomp.compressors.PowerSGDState`, replicated (the warm start).
-      residual: ``[1, *shape]`` error-feedback memory ``M - P Qᵀ`` of this worker, or
-        :class:`~jaxcomp.compressors.EmptyState` without error feedback.
-    """
-
-    q: compressors.PowerSGDState
-    residual: Any
-
-
-REDUCE_STATES = (DenseReduce, PsumReduce, GatherReduce, TwoPhaseReduce, LowRankReduce)
-_PATH_OF = {
-    DenseReduce: "dense",
-    PsumReduce: "psum",
-    GatherReduce: "all_gather",
-    TwoPhaseReduce: "two_phase",
-    LowRankReduce: "low_rank",
-}
-
-
-def path_of(state: Any) -> str:
-    """The path a state returned by :func:`init_reduce` was built for."""
-    return _PATH_OF[type(state)]
-
-
-def is_reduce_state(node: Any) -> bool:
-    """Whether ``node`` is one of the per-array states of this module (for ``is_leaf``)."""
-    return isinstance(node, REDUCE_STATES)
-
-
-# ----------------------------------------------------------------------------------------------
-# Axis, worker-owned state and key helpers
-
-
-def axis_size(axis_name: str | None) -> int:
-    """Number of workers on ``axis_name`` inside ``shard_map`` (1 for ``None``).
-
-    Raises:
-      ValueError: if ``axis_name`` is not a manual axis of the enclosing ``shard_map``.
-    """
-    if axis_name is None:
-        return 1
-    if not isinstance(axis_name, str):
-        raise ValueError(f"axis_name must be a mesh axis name (str) or None; got {axis_name!r}.")
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = tuple(
-        n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual
-    )
-    if axis_name not in manual:
-        where = f"the manual axes here are {manual}" if manual else "not inside shard_map"
-        raise ValueError(
-            f"axis_name {axis_name!r} is not a mesh axis of the enclosing shard_map ({where}). "
-            f"Run this inside jax.shard_map over a mesh with an axis named {axis_name!r}, "
-            "or pass the right axis_name."
-        )
-    return lax.axis_size(axis_name)
-
-
-def per_worker(tree: Any, axis_name: str | None) -> Any:
-    """Adds the leading worker axis of size 1 and marks the leaves varying over ``axis_name``."""
-    tree = jax.tree.map(lambda leaf: leaf[None], tree)
-    return tree if axis_name is None else _local.to_varying(tree, axis_name)
-
-
-def local(tree: Any) -> Any:
-    """Drops the leading worker axis added by :func:`per_worker`."""
-    return jax.tree.map(lambda leaf: leaf[0], tree)
-
-
-def worker_key(key: jax.Array | None, axis_name: str | None) -> jax.Array | None:
-    """``key`` decorrelated per worker (``fold_in`` of the axis index)."""
-    if key is None or axis_name is None:
-        return key
-    return jax.random.fold_in(key, lax.axis_index(axis_name))
-
-
-def _chunk_like(like, num_workers: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((-(-math.prod(like.shape) // num_workers),), like.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Planning
-
-
-def check_path(codec: compressors.Codec, path: str) -> None:
-    """Raises ``ValueError`` if ``path`` is unknown or cannot carry ``codec``'s payloads."""
-    _base.check_choice("path", path, PATHS)
-    if path == "psum" and codec.reduction is not compressors.Reduction.SUM:
-        raise ValueError(
-            f"path='psum' needs a summable codec (Reduction.SUM: identity, cast, rand_k); "
-            f"{codec.name} is {codec.reduction.value}. Use 'all_gather' or 'two_phase'."
-        )
-    if path == "low_rank" and codec.reduction is not compressors.Reduction.LOW_RANK:
-        raise ValueError(f"path='low_rank' needs a power_sgd codec; got {codec.name}.")
-    if path == "two_phase" and codec.reduction is compressors.Reduction.LOW_RANK:
-        raise ValueError(
-            f"path='two_phase' compresses 1-D chunks, which {codec.name} leaves uncompressed; "
-            "use 'low_rank' (or 'auto')."
-        )
-
-
-def check_channel(channel: feedback.Channel) -> None:
-    """Raises ``ValueError`` for channels a gradient mean cannot drive (per-sample buffers)."""
-    if channel.per_sample:
-        raise ValueError(
-            f"{channel.name} keeps per-sample buffers (AQ-SGD); a gradient mean has no sample "
-            "ids. Use feedback.error_feedback or feedback.ef21 without num_samples."
-        )
-
-
-def plan_path(
-    codec: compressors.Codec,
-    like: Any,
-    *,
-    path: str = "auto",
-    min_compression_rate: float = 2.0,
-    min_ndim: int = 2,
-) -> tuple[str, str]:
-    """Chooses the path for one array; returns ``(path, reason)``.
-
-    ``reason`` explains a fallback to ``"dense"`` (empty otherwise).
-    """
-    like = _base.as_like(like)
-    if path == "dense":
-        return "dense", "path='dense'"
-    if len(like.shape) < min_ndim:
-        return "dense", f"{len(like.shape)}-D (< min_ndim={min_ndim})"
-    try:
-        payload = compressors.payload_shape(codec, like)
-    except (ValueError, TypeError) as err:
-        return "dense", f"{codec.name} cannot compress {like.shape} {like.dtype}: {err}"
-    chosen = _AUTO[codec.reduction] if path == "auto" else path
-    if chosen == "low_rank" and len(like.shape) < 2:
-        return "dense", f"{codec.name} leaves {len(like.shape)}-D arrays uncompressed"
-    rate = compressors.dense_bytes(like) / max(compressors.wire_bytes(payload), 1)
-    if rate < min_compression_rate:
-        return "dense", (
-            f"{codec.name} compresses {like.shape} only {rate:.2f}x "
-            f"(< min_compression_rate={min_compression_rate:g})"
-        )
-    return chosen, ""
-
-
-def init_reduce(
-    channel: compressors.Codec | feedback.Channel,
-    like: Any,
-    axis_name: str | None,
-    *,
-    path: str = "auto",
-    min_compression_rate: float = 2.0,
-    min_ndim: int = 2,
-    name: str = "",
-    quiet: bool = False,
-) -> Any:
-    """Plans the reduction of one array and returns its initial state (call inside shard_map).
-
-    Args:
-      channel: a codec, or a channel from :mod:`jaxcomp.feedback` (plain, error feedback, EF21).
-      like: the array (or ``ShapeDtypeStruct``) to be averaged.
-      axis_name: the data-parallel axis, or ``None`` for a single worker.
-      path: one of :data:`PATHS`; ``"auto"`` picks by ``codec.reduction``.
-      min_compression_rate: arrays whose payload is not this many times smaller go ``dense``.
-      min_ndim: arrays with fewer dimensions go ``dense`` (biases, norm scales: the
-        reference and PyTorch's PowerSGD hook never compress 1-D tensors).
-      name: the array's name in log messages.
-      quiet: do not log the fallback reason.
-
-    Returns:
-      One of :class:`DenseReduce`, :class:`PsumReduce`, :class:`GatherReduce`,
-      :class:`TwoPhaseReduce`, :class:`LowRankReduce`.
-    """
-    channel = feedback.as_channel(channel)
-    codec = channel.codec
-    like = _base.as_like(like)
-    num_workers = axis_size(axis_name)
-    chosen, reason = plan_path(
-        codec, like, path=path, min_compression_rate=min_compression_rate, min_ndim=min_ndim
-    )
-    if chosen == "dense":
-        if reason and not quiet:
-            _log.info("%s: averaged uncompressed: %s", name or str(like.shape), reason)
-        return DenseReduce()
-    check_channel(channel)
-    send, recv = channel.init(like)
-    if isinstance(recv, feedback.EF21RecvState) and chosen in ("two_phase", "low_rank"):
-        raise ValueError(f"{channel.name}: EF21 runs on the psum and all_gather paths only.")
-    if chosen in ("psum", "all_gather"):
-        cls = PsumReduce if chosen == "psum" else GatherReduce
-        return cls(per_worker(send, axis_name), recv)
-    if chosen == "two_phase":
-        chunk = _chunk_like(like, num_workers)
-        send, _ = channel.init(chunk)
-        send = jax.tree.map(lambda s: jnp.broadcast_to(s, (num_workers, *s.shape)), send)
-        return TwoPhaseReduce(
-            per_worker(send, axis_name),
-            per_worker(codec.init(chunk), axis_name),
-            per_worker(jnp.zeros(chunk.shape, chunk.dtype), axis_name),
-        )
-    if isinstance(send, feedback.ErrorFeedbackState):
-        residual = per_worker(send.residual, axis_name)
-    else:
-        residual = compressors.EmptyState()
-    with jax.ensure_compile_time_eval():  # a constant: Accordion re-initialises Q on switches
-        q = codec.init(like)
-    return LowRankReduce(q, residual)
-
-
-def reduce_bytes(
-    state: Any, channel: compressors.Codec | feedback.Channel, like: Any, axis_name: str | None
-) -> int:
-    """Bytes one worker puts into collectives per call (what the HLO meter reports).
-
-    ``dense``: the array; ``psum``/``all_gather``: the payload (RandK's shared seed never
-    travels); ``two_phase``: W chunk payloads into ``all_to_all`` plus one into ``all_gather``;
-    ``low_rank``: the factors P and Q in ``float32``. Zero without an axis. The CPU backend
-    widens 16-bit float all-reduces to ``float32`` (JAX-NOTES §2), so a cast's ``psum`` shows
-    twice these bytes in CPU HLO.
-    """
-    if axis_name is None:
-        return 0
-    codec = feedback.as_channel(channel).codec
-    like = _base.as_like(like)
-    if isinstance(state, DenseReduce):
-        return compressors.dense_bytes(like)
-    if isinstance(state, TwoPhaseReduce):
-        chunk = _chunk_like(like, axis_size(axis_name))
-        return (axis_size(axis_name) + 1) * compressors.wire_bytes(
-            compressors.payload_shape(codec, chunk)
-        )
-    payload = compressors.payload_shape(codec, like)
-    if isinstance(state, PsumReduce) and isinstance(payload, compressors.RandKPayload):
-        return compressors.wire_bytes(payload.values)
-    return compressors.wire_bytes(payload)
-
-
-# ----------------------------------------------------------------------------------------------
-# Reductions
+DECODE_CHUNK = 8  #: gathered payloads decoded per fused pass (unrolled inside the pass)
 
 
 def _psum(tree, axis_name):
@@ -350,17 +99,35 @@ def _all_to_all(tree, axis_name):
     return jax.tree.map(lambda x: lax.all_to_all(x, axis_name, 0, 0, tiled=True), tree)
 
 
-def _decode_mean(codec, stacked, like, num):
-    """Mean of ``decompress(stacked[i])`` over the leading axis, one payload at a time."""
-    acc_dtype = jnp.promote_types(like.dtype, jnp.float32)
-    vary = set().union(*(_local.varying_axes(x) for x in jax.tree.leaves(stacked)))
-    acc0 = _local.to_varying(jnp.zeros(like.shape, acc_dtype), tuple(vary))
+def decode_mean(codec: compressors.Codec, stacked: Any, like: Any) -> jax.Array:
+    """Mean of ``decompress(stacked[i], like)`` over the leading axis of ``stacked``.
 
-    def add(i, acc):
-        payload = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), stacked)
-        return acc + codec.decompress(payload, like).astype(acc_dtype)
+    Payloads are decoded and summed :data:`DECODE_CHUNK` at a time with the codec's fused
+    :func:`~jaxcomp.compressors.decode_sum` (e.g. one scatter-add of all TopK values), in a
+    loop over chunks for many workers, so memory stays one array whatever W. Sums in
+    ``float32`` (or wider); returns ``like``'s dtype.
+    """
+    like = _base.as_like(like)
+    num = jax.tree.leaves(stacked)[0].shape[0]
+    full, rest = divmod(num, DECODE_CHUNK)
 
-    return (lax.fori_loop(0, num, add, acc0) / num).astype(like.dtype)
+    def chunk(start, size):
+        part = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, start, size), stacked)
+        return compressors.decode_sum(codec, part, like)
+
+    total = chunk(full * DECODE_CHUNK, rest) if rest else None
+    if full == 1:
+        first = chunk(0, DECODE_CHUNK)
+        total = first if total is None else total + first
+    elif full > 1:
+        if total is None:
+            vary = set().union(*(_local.varying_axes(x) for x in jax.tree.leaves(stacked)))
+            acc_dtype = jnp.promote_types(like.dtype, jnp.float32)
+            total = _local.to_varying(jnp.zeros(like.shape, acc_dtype), tuple(vary))
+        total = lax.fori_loop(
+            0, full, lambda c, acc: acc + chunk(c * DECODE_CHUNK, DECODE_CHUNK), total
+        )
+    return (total / num).astype(like.dtype)
 
 
 def _receive(delta, recv):
@@ -394,14 +161,15 @@ def compressed_pmean(
     .. math::
       P = \mathrm{orth}\big(\textstyle\sum_w M_w Q\big), \quad
       Q' = \tfrac1W \textstyle\sum_w M_w^\top P, \quad \bar x = P Q'^\top, \quad
-      e' = M - \bar x
+      e' = \beta\,(M - \bar x)
 
     so the residual is taken against the *averaged* reconstruction, as in the reference
-    (Vogels et al.; Accordion's ``RankKReducer``), and :math:`Q'` is the next warm start
-    (the codec's initial Q, seed and ``warm_start`` are honoured; its ``epsilon`` is not
-    visible here and the default 1e-8 is used). On the other paths the channel's own ``send``
-    runs per worker (so error feedback and EF21 keep their exact semantics) and the mean of the
-    decoded payloads is returned (EF21: added to the replicated estimate of the mean).
+    (Vogels et al.; Accordion's ``RankKReducer``), and :math:`Q'` is the next warm start. The
+    codec's initial Q, seed, ``warm_start`` and ``epsilon`` and the channel's ``decay``
+    (:math:`\beta`) are honoured (read from their ``options``). On the other paths the
+    channel's own ``send`` runs per worker (so error feedback and EF21 keep their exact
+    semantics) and the mean of the decoded payloads is returned (EF21: added to the replicated
+    estimate of the mean).
 
     Args:
       x: this worker's array.
@@ -432,7 +200,7 @@ def compressed_pmean(
         return (x if axis_name is None else lax.pmean(x, axis_name)), x, state
 
     if isinstance(state, LowRankReduce):
-        return _low_rank(x, codec, state, key, axis_name, num)
+        return _low_rank(x, channel, state, key, axis_name, num)
 
     if isinstance(state, (PsumReduce, GatherReduce)):
         shared = isinstance(state, PsumReduce)
@@ -442,7 +210,7 @@ def compressed_pmean(
             total = payload if axis_name is None else codec.psum(payload, axis_name)
             delta = codec.decompress(total, like) / num
         else:
-            delta = _decode_mean(codec, _all_gather(payload, axis_name), like, num)
+            delta = decode_mean(codec, _all_gather(payload, axis_name), like)
         mean, recv = _receive(delta, state.recv)
         return mean, echo, type(state)(per_worker(send, axis_name), recv)
 
@@ -459,7 +227,12 @@ def _send(channel, plain, x, send_state, key):
     return payload, send_state, channel.codec.decompress(payload, x)  # dropped by XLA if unused
 
 
-def _low_rank(x, codec, state, key, axis_name, num):
+def _option(obj, name, default):
+    return (obj.options or {}).get(name, default)
+
+
+def _low_rank(x, channel, state, key, axis_name, num):
+    codec = channel.codec
     shape = tuple(x.shape)
     rows, cols = compressors.matrix_shape(shape)
     ef = not isinstance(state.residual, compressors.EmptyState)
@@ -468,14 +241,17 @@ def _low_rank(x, codec, state, key, axis_name, num):
     q_old = state.q.q
     if codec.stochastic:  # warm_start=False: a fresh Q ~ N(0, 1) from the shared key
         q_old = jax.random.normal(_codec_key(codec, key), q_old.shape, jnp.float32)
-    p = compressors.orthogonalize(_psum(mat @ q_old, axis_name))
+    epsilon = _option(codec, "epsilon", 1e-8)
+    p = compressors.orthogonalize(_psum(mat @ q_old, axis_name), epsilon)
     q = _psum(compressors.transposed_matmul(mat, p), axis_name) / num
     mean = (p @ q.T).reshape(shape).astype(x.dtype)
     alive = jnp.sum(q * q, axis=0, keepdims=True) > 0  # as the codec: keep a dead column's Q
     q_new = compressors.PowerSGDState(jnp.where(alive, q, q_old))
     residual = state.residual
     if ef:
-        residual = per_worker((m - mean).astype(state.residual.dtype), axis_name)
+        decay = _option(channel, "decay", 1.0)
+        new_e = m - mean if decay == 1.0 else decay * (m - mean)
+        residual = per_worker(new_e.astype(state.residual.dtype), axis_name)
     return mean, mean, LowRankReduce(q_new, residual)
 
 
@@ -483,7 +259,7 @@ def _two_phase(x, channel, plain, state, key, axis_name, num):
     codec = channel.codec
     like = _base.as_like(x)
     n = math.prod(like.shape)
-    chunk = _chunk_like(like, num)
+    chunk = chunk_like(like, num)
     flat = jnp.pad(x.reshape(-1), (0, num * chunk.shape[0] - n)).reshape(num, -1)
     k_send = k_server = None
     if codec.stochastic:
@@ -497,10 +273,12 @@ def _two_phase(x, channel, plain, state, key, axis_name, num):
     echo = echo.reshape(-1)[:n]
 
     # phase 1: worker j receives chunk j from everyone, decodes and averages it
-    mine = _decode_mean(codec, _all_to_all(payloads, axis_name), chunk, num)
+    mine = decode_mean(codec, _all_to_all(payloads, axis_name), chunk)
     corrected = mine + local(state.server_residual)
-    server_payload, server = codec.compress(corrected, local(state.server), k_server)
-    server_residual = corrected - codec.decompress(server_payload, chunk)
+    server_payload, server, decoded = compressors.compress_and_decode(
+        codec, corrected, local(state.server), k_server
+    )
+    server_residual = corrected - decoded
 
     # phase 2: everyone gathers every re-compressed chunk
     gathered = _all_gather(server_payload, axis_name)

@@ -14,6 +14,7 @@ from jaxcomp.compressors._base import CodecState
 from jaxcomp.compressors._base import EmptyState
 from jaxcomp.compressors._base import Reduction
 from jaxcomp.compressors._base import compress_and_decode
+from jaxcomp.compressors._base import decode_sum
 from jaxcomp.compressors._base import dense_bytes
 from jaxcomp.compressors._base import payload_shape
 from jaxcomp.compressors._base import wire_bytes
@@ -54,6 +55,7 @@ __all__ = (
     "cast",
     "compose",
     "compress_and_decode",
+    "decode_sum",
     "dense_bytes",
     "effective_rank",
     "identity",

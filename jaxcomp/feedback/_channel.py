@@ -18,6 +18,7 @@ EF21 and AQ-SGD copy ``x`` into their estimates, residual EF leaves its residual
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
@@ -44,6 +45,9 @@ class Channel(NamedTuple):
       codec: the underlying codec (its payload is what travels).
       name: description, e.g. ``"ef21(top_k(0.1, exact))"``.
       per_sample: whether ``ids`` are required.
+      options: the factory's static arguments (e.g. error feedback's ``{"decay": 0.9, ...}``),
+        for layers that run the feedback themselves (PowerSGD's multi-worker protocol keeps
+        its residual against the averaged reconstruction); ``None`` if none. Read-only.
     """
 
     init: Callable[[Any], tuple[SendState, RecvState]]
@@ -54,6 +58,7 @@ class Channel(NamedTuple):
     codec: _base.Codec
     name: str
     per_sample: bool = False
+    options: Mapping[str, Any] | None = None
 
 
 def _keep(x, state, ids=None):

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import feedback
+from jaxcomp.comm import _reduce
 
 W = 4
 SHAPE = (64, 32)
@@ -107,14 +108,62 @@ def test_cast_psum_is_widened_by_the_cpu_backend(mesh, grads):
     assert two.dtypes() == {"u16"}
 
 
-def test_low_rank_on_one_worker_equals_the_codec(grads):
+def test_low_rank_on_one_worker_equals_the_codec_with_its_epsilon_and_decay(grads):
     x = jnp.asarray(grads[0][0])
-    codec = compressors.power_sgd(2)
-    state = comm.init_reduce(codec, x, None)
-    mean, _, state = comm.compressed_pmean(x, codec, state, None, None)
-    payload, codec_state = codec.compress(x, codec.init(x), None)
-    np.testing.assert_allclose(mean, codec.decompress(payload, x), rtol=1e-5, atol=1e-6)
+    codec = compressors.power_sgd(2, epsilon=1.0)  # far from the default 1e-8: it shows
+    channel = feedback.error_feedback(codec, decay=0.5)
+    default = compressors.power_sgd(2)
+
+    @jax.jit
+    def run(x):
+        state = comm.init_reduce(channel, x, None)
+        mean, _, state = comm.compressed_pmean(x, channel, state, None, None)
+        payload, codec_state = codec.compress(x, codec.init(x), None)
+        other = default.decompress(default.compress(x, default.init(x), None)[0], x)
+        return mean, state, codec.decompress(payload, x), codec_state, other
+
+    mean, state, want, codec_state, other = run(x)
+    np.testing.assert_allclose(mean, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(state.q.q, codec_state.q, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.residual[0], 0.5 * (x - want), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(mean, other, rtol=1e-3)
+
+
+DECODE_CODECS = [
+    (compressors.top_k(0.1), (6, 10), jnp.float32),
+    (compressors.top_k(0.3, per_sample=True), (6, 10), jnp.bfloat16),
+    (compressors.top_k(0.2, method="blockwise"), (37, 3), jnp.float32),
+    (compressors.top_k(count=5, method="blockwise", block_size=8), (50,), jnp.float32),
+    (compressors.quantize(4), (5, 7), jnp.bfloat16),
+    (compressors.quantize(3), (5, 7), jnp.float32),
+    (compressors.quantize(2, scale="minmax"), (5, 7), jnp.float32),
+    (compressors.quantize(8, scale="feature"), (4, 6), jnp.float32),
+    (compressors.sign(), (13,), jnp.float32),
+    (compressors.compose(compressors.top_k(0.25), compressors.quantize(8)), (6, 10), jnp.float32),
+]
+
+
+@pytest.mark.parametrize(
+    ("codec", "shape", "dtype"),
+    DECODE_CODECS,
+    ids=[f"{c.name}-{np.dtype(d).name}" for c, _, d in DECODE_CODECS],
+)
+def test_fused_decode_mean_equals_the_mean_of_each_decoded_payload(codec, shape, dtype):
+    """19 payloads: two fused chunks of 8 in a loop and a rest of 3."""
+    xs = jnp.asarray(np.random.default_rng(1).standard_normal((19, *shape)), dtype)
+    like = jax.ShapeDtypeStruct(shape, dtype)
+
+    @jax.jit
+    def run(xs):
+        stacked = jax.vmap(lambda x: codec.compress(x, codec.init(x), None)[0])(xs)
+        each = jax.vmap(lambda p: codec.decompress(p, like))(stacked)  # one by one
+        return _reduce.decode_mean(codec, stacked, like), each
+
+    got, each = run(xs)
+    want = np.asarray(each, np.float32).mean(0)
+    assert got.dtype == dtype
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-6
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
 
 
 def test_two_phase_bytes_per_worker_do_not_grow_with_workers():
@@ -145,7 +194,7 @@ def test_policy_falls_back_to_dense_with_reasons(caplog):
     for codec, shape, ndim, reason in cases:
         path, why = comm.plan_path(codec, jax.ShapeDtypeStruct(shape, f32), min_ndim=ndim)
         assert path == "dense" and reason in why
-    with caplog.at_level("INFO", logger="jaxcomp.comm._reduce"):
+    with caplog.at_level("INFO", logger="jaxcomp.comm._reduce_plan"):
         state = comm.init_reduce(compressors.top_k(0.99), jnp.zeros((64, 64)), None, name="w")
     assert isinstance(state, comm.DenseReduce)
     assert "w: averaged uncompressed" in caplog.text

@@ -276,7 +276,7 @@ def test_mismatched_trees_raise(mesh):
 def test_unhandled_shape_falls_back_to_dense_with_a_logged_reason(mesh, caplog):
     codec = compressors.quantize(8, scale="feature", axes=(5,))  # no axis 5 in 2-D/4-D arrays
     tx = transforms.compressed_mean(codec, min_ndim=0)
-    with caplog.at_level("INFO", logger="jaxcomp.comm._reduce"):
+    with caplog.at_level("INFO", logger="jaxcomp.comm._reduce_plan"):
         state, update, put = sharded_update(tx, mesh)
     assert all(isinstance(s, comm.DenseReduce) for s in state.leaves.values())
     assert "cannot compress" in caplog.text and "['dense']" in caplog.text
