@@ -8,6 +8,7 @@ and the backward channel's state rides the cotangent of a token.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -39,22 +40,35 @@ class _Leaf(NamedTuple):
     varying: tuple[str, ...]
 
 
-def _describe(tree: Any) -> Any:
-    """Static shape, dtype and varying mesh axes of every leaf (kept instead of the values, so
-    that large states are not saved as residuals for the backward pass)."""
-    return jax.tree.map(
-        lambda x: _Leaf(tuple(x.shape), x.dtype, tuple(sorted(_local.varying_axes(x)))), tree
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Described:
+    """Shapes, dtypes and varying mesh axes of a state tree: a residual without arrays (static
+    pytree data), saved instead of the values so that large states are not kept for the
+    backward pass."""
+
+    treedef: Any
+    leaves: tuple[_Leaf, ...]
+
+
+def _describe(tree: Any) -> _Described:
+    leaves, treedef = jax.tree.flatten(tree)
+    return _Described(
+        treedef,
+        tuple(
+            _Leaf(tuple(x.shape), x.dtype, tuple(sorted(_local.varying_axes(x)))) for x in leaves
+        ),
     )
 
 
-def _zero_cotangent(described: Any) -> Any:
+def _zero_cotangent(described: _Described) -> Any:
     def zero(d):
         if not jnp.issubdtype(d.dtype, jnp.inexact):
             return np.zeros(d.shape, jax.dtypes.float0)
         z = jnp.zeros(d.shape, d.dtype)
         return _local.to_varying(z, d.varying) if d.varying else z
 
-    return jax.tree.map(zero, described, is_leaf=lambda v: isinstance(v, _Leaf))
+    return jax.tree.unflatten(described.treedef, [zero(d) for d in described.leaves])
 
 
 def _zeros(struct: Any, like: jax.Array) -> Any:
@@ -200,29 +214,25 @@ def make_link(forward, backward, mode, compress, transport, roles, slots):
         )  # fmt: skip
         return dx, state
 
-    static = {}  # filled when link_fwd is traced, read when link_bwd is
-
     @jax.custom_vjp
     def link(x, fwd, token, key, ids):
         y, fwd, _ = forward_pass(x, fwd, key, ids)
         return y, fwd, token
 
     def link_fwd(x, fwd, token, key, ids):
-        static["fwd"], static["token"] = _describe(fwd), _describe(token)
         y, new_fwd, payloads = forward_pass(x, fwd, key, ids)
-        return (y, new_fwd, token), (payloads, key, ids)
+        static = (_describe(fwd), _describe(token))
+        return (y, new_fwd, token), (payloads, key, ids, static)
 
     def link_bwd(res, cts):
-        payloads, key, ids = res
+        payloads, key, ids, (fwd, token) = res
         g, _, state = cts
         dx, new_state = backward_pass(payloads, g, state, key, ids)
-        new_state = jax.tree.map(
-            lambda n, d: n.astype(d.dtype),
-            new_state,
-            static["token"],
-            is_leaf=lambda v: isinstance(v, _Leaf),
+        dtypes = [d.dtype for d in token.leaves]
+        new_state = jax.tree.unflatten(
+            token.treedef, [n.astype(t) for n, t in zip(jax.tree.leaves(new_state), dtypes)]
         )
-        return dx, _zero_cotangent(static["fwd"]), new_state, None, None
+        return dx, _zero_cotangent(fwd), new_state, None, None
 
     link.defvjp(link_fwd, link_bwd)
     return link
