@@ -28,7 +28,6 @@ from jaxcomp.transforms._accordion import AccordionLeaf
 from jaxcomp.transforms._accordion import AccordionState
 from jaxcomp.transforms._accordion import accordion
 from jaxcomp.transforms._accordion import accordion_metrics
-from jaxcomp.transforms._accordion import critical_regime
 from jaxcomp.transforms._batch_size import AccordionBatchState
 from jaxcomp.transforms._batch_size import accordion_batch_size
 from jaxcomp.transforms._batch_size import batch_size_metrics
@@ -38,6 +37,7 @@ from jaxcomp.transforms._data_parallel import DataParallel
 from jaxcomp.transforms._data_parallel import TrainState
 from jaxcomp.transforms._data_parallel import data_parallel
 from jaxcomp.transforms._data_parallel import state_specs
+from jaxcomp.transforms._regime import critical_regime
 
 __all__ = (
     "ABPhase",

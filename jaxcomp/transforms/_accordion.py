@@ -14,13 +14,12 @@ from jax import lax
 from jaxcomp import compressors
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _reduce
-from jaxcomp.compressors import _base
 from jaxcomp.transforms import _compressed_mean as _cm
+from jaxcomp.transforms import _regime
 
 LOW_COMPRESSION = 0  #: critical regime: the low-compression codec (e.g. PowerSGD rank 2)
 HIGH_COMPRESSION = 1  #: otherwise: the high-compression codec (e.g. PowerSGD rank 1)
 UNCOMPRESSED = -1  #: reported for parameters averaged uncompressed in both modes
-STATISTICS = ("worker0", "mean")
 
 
 class AccordionLeaf(NamedTuple):
@@ -66,81 +65,6 @@ class AccordionState(NamedTuple):
 
 def _is_leaf_state(node: Any) -> bool:
     return isinstance(node, (AccordionLeaf, _reduce.DenseReduce))
-
-
-# ----------------------------------------------------------------------------------------------
-# The detector, shared with the batch-size variant
-
-
-def critical_regime(prev_norm: jax.Array, norm: jax.Array, eta: Any, first: Any) -> jax.Array:
-    r"""Accordion's test: is the interval that produced ``norm`` in a critical regime?
-
-    .. math::
-      r = \frac{|\,\|\Delta(e-T)\| - \|\Delta(e)\|\,|}{\|\Delta(e-T)\|}
-      \ (r = 9 \text{ if } \|\Delta(e-T)\| = 0), \qquad \text{critical} \iff
-      e = 0 \ \lor\ \lnot (r < \eta)
-
-    ``not (r < eta)`` rather than ``r >= eta`` so that a non-finite statistic counts as
-    critical (low compression), as in the reference.
-    """
-    safe = jnp.where(prev_norm != 0, prev_norm, 1.0)
-    ratio = jnp.where(prev_norm != 0, jnp.abs(prev_norm - norm) / safe, 9.0)
-    return jnp.logical_or(first, jnp.logical_not(ratio < eta))
-
-
-def replicated_norms(norms: jax.Array, axis_name: str | None, statistic: str) -> jax.Array:
-    """Makes per-worker norms identical on every worker with one tiny all-reduce.
-
-    ``"worker0"``: worker 0's values (the reference broadcasts rank 0's decision);
-    ``"mean"``: the mean over workers of their local norms.
-    """
-    if axis_name is None:
-        return norms
-    if statistic == "worker0":
-        mine = jnp.where(lax.axis_index(axis_name) == 0, norms, jnp.zeros_like(norms))
-        return lax.psum(mine, axis_name)
-    return lax.pmean(norms, axis_name)
-
-
-def local_norm(accum: jax.Array) -> jax.Array:
-    """``float32`` 2-norm of a worker's accumulator (leading worker axis of size 1)."""
-    a = accum.astype(jnp.float32)
-    return jnp.sqrt(jnp.sum(a * a))
-
-
-def current_lr(learning_rate: Any, extra_args: dict, count: jax.Array) -> jax.Array | None:
-    """This step's learning rate: ``extra_args['learning_rate']``, else the schedule or value."""
-    lr = extra_args.get("learning_rate", learning_rate)
-    if lr is None:
-        return None
-    if callable(lr):
-        lr = lr(count)
-    return jnp.asarray(lr, jnp.float32)
-
-
-def check_detector_args(interval_steps, check_every, eta, statistic, learning_rate) -> None:
-    """Construction-time validation shared by :func:`accordion` and the batch-size variant."""
-    for name, value in (("interval_steps", interval_steps), ("check_every", check_every)):
-        if isinstance(value, bool) or not isinstance(value, (int, jax.Array)):
-            raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
-        if isinstance(value, int) and value < 1:
-            raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
-    if isinstance(eta, bool) or not isinstance(eta, (int, float, jax.Array)):
-        raise ValueError(f"eta must be a number > 0; got {eta!r}.")
-    if isinstance(eta, (int, float)) and eta <= 0:
-        raise ValueError(f"eta must be a number > 0; got {eta!r}.")
-    _base.check_choice("statistic", statistic, STATISTICS)
-    ok = learning_rate is None or callable(learning_rate)
-    ok = (
-        ok
-        or isinstance(learning_rate, (int, float, jax.Array))
-        and not isinstance(learning_rate, bool)
-    )
-    if not ok:
-        raise ValueError(
-            "learning_rate must be None, a number or a schedule (step -> lr); "
-            f"got {learning_rate!r}."
-        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,7 +144,9 @@ def accordion(
       axis_name: the data-parallel axis (``None``: one worker, no collectives).
       error_feedback: keep a per-worker residual ``e = g + e - echo``.
       reset_on_switch: re-initialise the incoming codec's state on a switch.
-      reset_memory_on_switch: zero the residual on a switch (the reference's ``--zero-memory``).
+      reset_memory_on_switch: zero the residual when a periodic check changes the mode (the
+        reference's ``--zero-memory``; like the reference, a learning-rate-decrease switch
+        keeps it).
       statistic: ``"worker0"`` or ``"mean"``.
       path: collective path for both codecs (see :func:`compressed_mean`).
       min_compression_rate: Python number; see above.
@@ -256,10 +182,10 @@ def accordion(
                 f"got {type(codec).__name__}."
             )
         _reduce.check_path(codec, path)
-    check_detector_args(interval_steps, check_every, eta, statistic, learning_rate)
+    _regime.check_detector_args(interval_steps, check_every, eta, statistic, learning_rate)
     _cm.check_axis_name(axis_name)
     _cm.check_number("min_compression_rate", min_compression_rate, 0)
-    _cm.check_number("seed", seed, 0)
+    _cm.check_static_int("seed", seed, 0)
     _cm.check_static_int("min_ndim", min_ndim, 0)
     codecs = {LOW_COMPRESSION: low, HIGH_COMPRESSION: high}
 
@@ -301,7 +227,7 @@ def accordion(
             leaves=jax.tree.unflatten(treedef, leaves),
         )
 
-    def switch(leaf, new_mode, like, rate):
+    def switch(leaf, new_mode, like, rate, zero_memory):
         """Sets the mode; on a change resets the incoming codec state (and maybe the memory)."""
         changed = new_mode != leaf.mode
         states = {LOW_COMPRESSION: leaf.low, HIGH_COMPRESSION: leaf.high}
@@ -314,7 +240,7 @@ def accordion(
                     states[mode],
                 )
         residual = leaf.residual
-        if reset_memory_on_switch and error_feedback:
+        if zero_memory and error_feedback:
             residual = jnp.where(changed, jnp.zeros_like(residual), residual)
         return leaf._replace(
             mode=new_mode,
@@ -352,14 +278,16 @@ def accordion(
 
     def interval_statistics(accums):
         """The replicated regime statistic of every detecting leaf (one tiny all-reduce)."""
-        return replicated_norms(jnp.stack([local_norm(a) for a in accums]), axis_name, statistic)
+        norms = jnp.stack([_regime.local_norm(a) for a in accums])
+        return _regime.replicated_norms(norms, axis_name, statistic)
 
     def end_of_interval(leaf, stat, like, end, interval, rate):
         """Periodic check (at interval ends with ``interval % T == 0``), accumulator reset."""
         check = jnp.logical_and(end, interval % check_every == 0)
-        critical = critical_regime(leaf.prev_norm, stat, eta, interval == 0)
+        critical = _regime.critical_regime(leaf.prev_norm, stat, eta, interval == 0)
         decided = jnp.where(critical, LOW_COMPRESSION, HIGH_COMPRESSION).astype(jnp.int32)
-        leaf = switch(leaf, jnp.where(check, decided, leaf.mode), like, rate)
+        new_mode = jnp.where(check, decided, leaf.mode)
+        leaf = switch(leaf, new_mode, like, rate, reset_memory_on_switch)
         return leaf._replace(
             prev_norm=jnp.where(check, stat, leaf.prev_norm),
             accum=jnp.where(end, jnp.zeros((), leaf.accum.dtype), leaf.accum),
@@ -372,7 +300,7 @@ def accordion(
         flat, treedef = jax.tree.flatten(updates)
         leaf_states = treedef.flatten_up_to(state.leaves)
         count = state.count
-        lr = current_lr(learning_rate, extra_args, count)
+        lr = _regime.current_lr(learning_rate, extra_args, count)
         lr_drop = None if lr is None else lr < state.last_lr
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), count)
 
@@ -385,7 +313,8 @@ def accordion(
                 sent += _reduce.reduce_bytes(leaf, low, g, axis_name)
                 continue
             if lr is not None:
-                leaf = switch(leaf, jnp.where(lr_drop, LOW_COMPRESSION, leaf.mode), g, rate)
+                # the reference's decay switch keeps the memory even with --zero-memory
+                leaf = switch(leaf, jnp.where(lr_drop, LOW_COMPRESSION, leaf.mode), g, rate, False)
             leaf = leaf._replace(accum=leaf.accum + g[None].astype(leaf.accum.dtype))
             mean, leaf = reduce_leaf(g, leaf, jax.random.fold_in(step_key, i))
             b_low = _reduce.reduce_bytes(leaf.low, low, g, axis_name)
@@ -424,21 +353,6 @@ def accordion(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _find_states(opt_state: Any, cls: type) -> list:
-    found = [
-        node
-        for node in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, cls))
-        if isinstance(node, cls)
-    ]
-    if not found:
-        raise ValueError(f"no {cls.__name__} found in the optimizer state.")
-    if len(found) > 1:
-        raise ValueError(
-            f"{len(found)} {cls.__name__}s found; pass the one you want (e.g. opt_state[0])."
-        )
-    return found
-
-
 def accordion_metrics(opt_state: Any) -> dict[str, Any]:
     """Each parameter's mode and the bytes sent at the last step, read from the state.
 
@@ -451,7 +365,7 @@ def accordion_metrics(opt_state: Any) -> dict[str, Any]:
       "bytes_sent": float32[], "count": int32[]}``. Under ``shard_map`` the values are
       replicated.
     """
-    (state,) = _find_states(opt_state, AccordionState)
+    (state,) = _regime.find_states(opt_state, AccordionState)
 
     def mode(leaf):
         if isinstance(leaf, AccordionLeaf):

@@ -15,8 +15,8 @@ from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _reduce
 from jaxcomp.compressors import _base
-from jaxcomp.transforms import _accordion
 from jaxcomp.transforms import _compressed_mean as _cm
+from jaxcomp.transforms import _regime
 
 LR_SCALINGS = ("linear", "sqrt", "none")
 
@@ -125,7 +125,7 @@ def accordion_batch_size(
     if large_steps < small_steps:
         raise ValueError(f"large_steps ({large_steps}) must be >= small_steps ({small_steps}).")
     _base.check_choice("lr_scaling", lr_scaling, LR_SCALINGS)
-    _accordion.check_detector_args(interval_steps, check_every, eta, statistic, learning_rate)
+    _regime.check_detector_args(interval_steps, check_every, eta, statistic, learning_rate)
     _cm.check_axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
 
@@ -157,7 +157,7 @@ def accordion_batch_size(
     def update_fn(updates, state, params=None, **extra_args):
         _cm.check_tree(updates, state.grads, None, "accordion_batch_size")
         count = state.count
-        lr = _accordion.current_lr(learning_rate, extra_args, count)
+        lr = _regime.current_lr(learning_rate, extra_args, count)
         next_k = state.next_k
         if lr is not None:
             next_k = jnp.where(lr < state.last_lr, small_steps, next_k).astype(jnp.int32)
@@ -189,12 +189,10 @@ def accordion_batch_size(
         end = (count + 1) % interval_steps == 0
 
         def decide(accum, prev_norm, next_k):
-            local = jnp.sqrt(
-                sum(jnp.square(_accordion.local_norm(a)) for a in jax.tree.leaves(accum))
-            )
-            stat = _accordion.replicated_norms(local[None], axis_name, statistic)[0]
+            local = jnp.sqrt(sum(jnp.square(_regime.local_norm(a)) for a in jax.tree.leaves(accum)))
+            stat = _regime.replicated_norms(local[None], axis_name, statistic)[0]
             check = interval % check_every == 0
-            critical = _accordion.critical_regime(prev_norm, stat, eta, interval == 0)
+            critical = _regime.critical_regime(prev_norm, stat, eta, interval == 0)
             decided = jnp.where(critical, small_steps, large_steps).astype(jnp.int32)
             reset = jax.tree.map(
                 lambda a: _local.to_varying(jnp.zeros_like(a), _local.varying_axes(a)), accum
@@ -226,5 +224,5 @@ def accordion_batch_size(
 
 def batch_size_metrics(opt_state: Any) -> dict[str, jax.Array]:
     """``{"every_k", "mini_step", "count"}`` of the :class:`AccordionBatchState` in a state."""
-    (state,) = _accordion._find_states(opt_state, AccordionBatchState)
+    (state,) = _regime.find_states(opt_state, AccordionBatchState)
     return {"every_k": state.every_k, "mini_step": state.mini_step, "count": state.count}

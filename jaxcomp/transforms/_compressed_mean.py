@@ -117,8 +117,8 @@ def compressed_mean(
     Args:
       compressor: a codec (``compressors.top_k(0.01)``) or a channel
         (``feedback.error_feedback(...)``, ``feedback.ef21(...)``). On the PowerSGD path an
-        error-feedback channel switches on the reference's memory ``e = M - P Qᵀ``; its
-        ``decay`` option is not applied there.
+        error-feedback channel switches on the reference's memory ``e = β (M - P Qᵀ)``
+        (``β``: its ``decay``).
       axis_name: the data-parallel mesh axis; ``None`` runs on one worker (no collective).
       path: ``"auto"`` (by codec), ``"dense"``, ``"psum"``, ``"all_gather"``,
         ``"two_phase"`` or ``"low_rank"``.
@@ -158,8 +158,8 @@ def compressed_mean(
     check_axis_name(axis_name)
     check_number("min_compression_rate", min_compression_rate, 0)
     check_static_int("min_ndim", min_ndim, 0)
-    check_number("warmup_steps", warmup_steps, 0)
-    check_number("seed", seed, 0)
+    check_static_int("warmup_steps", warmup_steps, 0)
+    check_static_int("seed", seed, 0)
     no_warmup = isinstance(warmup_steps, int) and warmup_steps == 0
 
     def init_fn(params):

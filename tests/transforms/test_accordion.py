@@ -139,6 +139,28 @@ def test_switch_resets_the_incoming_q_and_keeps_the_error_memory():
         assert (memory > 0) == (tx is tx_keep)
 
 
+def test_a_learning_rate_decrease_keeps_the_memory_even_with_reset_memory_on_switch():
+    """The reference zeroes the memory (``--zero-memory``) only on periodic switches."""
+    tx = transforms.accordion(
+        interval_steps=1, check_every=2, axis_name=None, learning_rate=0.1,
+        reset_memory_on_switch=True,
+    )  # fmt: skip
+    g = {k: jnp.asarray(d) for k, d in DIRECTIONS.items()}
+    state = tx.init(PARAMS)
+    update = jax.jit(tx.update)
+    for _ in range(4):  # checks after steps 0 (low) and 2 (same norm: high)
+        _, state = update(g, state)
+    assert int(state.leaves["a"].mode) == HIGH
+    memory = state.leaves["a"].residual[0]
+    assert np.abs(np.asarray(memory)).max() > 0
+    means, state = update(g, state, learning_rate=0.05)  # decay: back to low compression
+    codec = compressors.power_sgd(2)  # the incoming codec restarts from its initial Q
+    corrected = g["a"] + memory
+    payload, _ = codec.compress(corrected, codec.init(corrected), None)
+    want = codec.decompress(payload, corrected)
+    np.testing.assert_allclose(means["a"], want, rtol=1e-5, atol=1e-6)
+
+
 def test_low_compression_mode_equals_compressed_mean_with_power_sgd(mesh):
     def loss_fn(params, batch):
         x, y = batch
@@ -225,10 +247,10 @@ def test_each_mode_sends_exactly_its_payload(mesh, pair):
     low, high = pair
     tx = optax.chain(
         transforms.accordion(low, high, interval_steps=2, check_every=1),
-        optax.sgd(0.1, momentum=0.9),
+        optax.sgd(1e-3, momentum=0.9),  # small steps: the next check goes high
     )
     dp = transforms.data_parallel(mlp_loss, tx, mesh, donate=False)
-    state = dp.init(PARAMS)
+    state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})  # not all zero
     text = dp.step.lower(state, BATCH).compile().as_text()
     report = comm.collective_report(text)
     gradient_shape = re.compile(r"f32\[16,(16|8)\]")
@@ -262,6 +284,7 @@ def test_each_mode_sends_exactly_its_payload(mesh, pair):
         seen.update(int(m) for m in jax.tree.leaves(modes))
         if not end:  # at an interval end the mode may have changed after sending
             assert float(metrics["bytes_sent"]) == want
+    assert seen == {LOW, HIGH, transforms.UNCOMPRESSED}  # both modes' bytes were checked
 
 
 # ----------------------------------------------------------------------------------------------

@@ -252,6 +252,10 @@ def test_bad_arguments_raise_clear_errors():
         transforms.compressed_mean(compressors.top_k(0.1), min_compression_rate=-1)
     with pytest.raises(ValueError, match="axis_name"):
         transforms.compressed_mean(compressors.top_k(0.1), axis_name=3)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        transforms.compressed_mean(compressors.top_k(0.1), seed=1.5)
+    with pytest.raises(ValueError, match="warmup_steps must be an integer"):
+        transforms.compressed_mean(compressors.top_k(0.1), warmup_steps=-1)
 
 
 def test_wrong_axis_name_raises(mesh):

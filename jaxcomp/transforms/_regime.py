@@ -1,0 +1,108 @@
+"""Accordion's critical-regime detector, shared by :func:`~jaxcomp.transforms.accordion` and
+:func:`~jaxcomp.transforms.accordion_batch_size`.
+
+The statistic is the norm of a worker's local gradient summed over an interval (the
+reference's epoch); every ``T`` intervals it is compared with its value ``T`` intervals
+earlier (:func:`critical_regime`), after one tiny all-reduce has made it identical on every
+worker (:func:`replicated_norms`). A learning-rate decrease (:func:`current_lr`) also counts as
+critical.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcomp.compressors import _base
+
+STATISTICS = ("worker0", "mean")
+
+
+def critical_regime(prev_norm: jax.Array, norm: jax.Array, eta: Any, first: Any) -> jax.Array:
+    r"""Accordion's test: is the interval that produced ``norm`` in a critical regime?
+
+    .. math::
+      r = \frac{|\,\|\Delta(e-T)\| - \|\Delta(e)\|\,|}{\|\Delta(e-T)\|}
+      \ (r = 9 \text{ if } \|\Delta(e-T)\| = 0), \qquad \text{critical} \iff
+      e = 0 \ \lor\ \lnot (r < \eta)
+
+    ``not (r < eta)`` rather than ``r >= eta`` so that a non-finite statistic counts as
+    critical (low compression), as in the reference.
+    """
+    safe = jnp.where(prev_norm != 0, prev_norm, 1.0)
+    ratio = jnp.where(prev_norm != 0, jnp.abs(prev_norm - norm) / safe, 9.0)
+    return jnp.logical_or(first, jnp.logical_not(ratio < eta))
+
+
+def replicated_norms(norms: jax.Array, axis_name: str | None, statistic: str) -> jax.Array:
+    """Makes per-worker norms identical on every worker with one tiny all-reduce.
+
+    ``"worker0"``: worker 0's values (the reference broadcasts rank 0's decision);
+    ``"mean"``: the mean over workers of their local norms.
+    """
+    if axis_name is None:
+        return norms
+    if statistic == "worker0":
+        mine = jnp.where(lax.axis_index(axis_name) == 0, norms, jnp.zeros_like(norms))
+        return lax.psum(mine, axis_name)
+    return lax.pmean(norms, axis_name)
+
+
+def local_norm(accum: jax.Array) -> jax.Array:
+    """``float32`` 2-norm of a worker's accumulator (leading worker axis of size 1)."""
+    a = accum.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(a * a))
+
+
+def current_lr(learning_rate: Any, extra_args: dict, count: jax.Array) -> jax.Array | None:
+    """This step's learning rate: ``extra_args['learning_rate']``, else the schedule or value."""
+    lr = extra_args.get("learning_rate", learning_rate)
+    if lr is None:
+        return None
+    if callable(lr):
+        lr = lr(count)
+    return jnp.asarray(lr, jnp.float32)
+
+
+def check_detector_args(interval_steps, check_every, eta, statistic, learning_rate) -> None:
+    """Construction-time validation shared by :func:`accordion` and the batch-size variant."""
+    for name, value in (("interval_steps", interval_steps), ("check_every", check_every)):
+        if isinstance(value, bool) or not isinstance(value, (int, jax.Array)):
+            raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
+    if isinstance(eta, bool) or not isinstance(eta, (int, float, jax.Array)):
+        raise ValueError(f"eta must be a number > 0; got {eta!r}.")
+    if isinstance(eta, (int, float)) and eta <= 0:
+        raise ValueError(f"eta must be a number > 0; got {eta!r}.")
+    _base.check_choice("statistic", statistic, STATISTICS)
+    ok = learning_rate is None or callable(learning_rate)
+    ok = (
+        ok
+        or isinstance(learning_rate, (int, float, jax.Array))
+        and not isinstance(learning_rate, bool)
+    )
+    if not ok:
+        raise ValueError(
+            "learning_rate must be None, a number or a schedule (step -> lr); "
+            f"got {learning_rate!r}."
+        )
+
+
+def find_states(opt_state: Any, cls: type) -> list:
+    """The one ``cls`` node in an optimizer state (e.g. of an ``optax.chain``), as a 1-list."""
+    found = [
+        node
+        for node in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, cls))
+        if isinstance(node, cls)
+    ]
+    if not found:
+        raise ValueError(f"no {cls.__name__} found in the optimizer state.")
+    if len(found) > 1:
+        raise ValueError(
+            f"{len(found)} {cls.__name__}s found; pass the one you want (e.g. opt_state[0])."
+        )
+    return found
