@@ -62,8 +62,11 @@ def _check_config(cfg: _Config) -> None:
         or (isinstance(mr, float) and not 0.0 < mr <= 1.0)
     ):
         raise ValueError(f"max_rank must be None, an int >= 1 or a float in (0, 1]; got {mr!r}.")
-    if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm must be None or > 0; got {cfg.max_grad_norm!r}.")
+    clip = cfg.max_grad_norm
+    if clip is not None and (
+        isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
+    ):
+        raise ValueError(f"max_grad_norm must be None or a number > 0; got {clip!r}.")
 
 
 def _capacity(spec: FactorSpec, max_rank: int | float | None) -> int:
@@ -291,6 +294,12 @@ def ab_training(
     if not callable(lr) and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr < 0):
         raise ValueError(f"learning_rate must be a float >= 0 or a schedule; got {lr!r}.")
     schedule = ABSchedule(warmup_steps, sync_every, full_rank_steps)
+    steps = lr_rebound_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"lr_rebound_steps must be an int >= 0; got {steps!r}.")
+    floor = lr_rebound_floor
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not floor > 0:
+        raise ValueError(f"lr_rebound_floor must be a number > 0; got {floor!r}.")
     cfg = _Config(
         schedule=schedule,
         learning_rate=schedule.learning_rate(learning_rate, lr_rebound_steps, lr_rebound_floor),

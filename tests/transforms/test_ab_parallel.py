@@ -136,7 +136,9 @@ def test_a_checkpoint_mid_ab_phase_restores_and_continues_identically(grouped, t
         (dict(exclude="head"), "exclude must be a sequence"),
         (dict(inner=0.9), "inner must be an optax GradientTransformation"),
         (dict(learning_rate=-1.0), "learning_rate must be"),
-        (dict(lr_rebound_steps=-2), "rebound_steps"),
+        (dict(lr_rebound_steps=-2), "lr_rebound_steps must be an int >= 0"),
+        (dict(lr_rebound_floor=0.0), "lr_rebound_floor must be a number > 0"),
+        (dict(max_grad_norm="1"), "max_grad_norm must be None or a number > 0"),
     ],
 )
 def test_bad_arguments_raise_at_construction(kwargs, match):
