@@ -50,7 +50,6 @@ from jaxcomp.comm._reduce_plan import chunk_like
 from jaxcomp.comm._reduce_plan import init_reduce
 from jaxcomp.comm._reduce_plan import is_reduce_state
 from jaxcomp.comm._reduce_plan import local
-from jaxcomp.comm._reduce_plan import path_of
 from jaxcomp.comm._reduce_plan import per_worker
 from jaxcomp.comm._reduce_plan import plan_path
 from jaxcomp.comm._reduce_plan import reduce_bytes
@@ -73,7 +72,6 @@ __all__ = (  # the planning names are re-exported: callers use this module alone
     "init_reduce",
     "is_reduce_state",
     "local",
-    "path_of",
     "per_worker",
     "plan_path",
     "reduce_bytes",

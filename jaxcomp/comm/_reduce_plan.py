@@ -88,18 +88,6 @@ class LowRankReduce(NamedTuple):
 
 
 REDUCE_STATES = (DenseReduce, PsumReduce, GatherReduce, TwoPhaseReduce, LowRankReduce)
-_PATH_OF = {
-    DenseReduce: "dense",
-    PsumReduce: "psum",
-    GatherReduce: "all_gather",
-    TwoPhaseReduce: "two_phase",
-    LowRankReduce: "low_rank",
-}
-
-
-def path_of(state: Any) -> str:
-    """The path a state returned by :func:`init_reduce` was built for."""
-    return _PATH_OF[type(state)]
 
 
 def is_reduce_state(node: Any) -> bool:

@@ -96,9 +96,9 @@ def factors_from_svd(
     return a.astype(dtype), b.astype(dtype)
 
 
-def factor_grads(g: jax.Array, a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(dL/dA, dL/dB) = (G Bᵀ, Aᵀ G)`` for the tall dense gradient ``G``."""
-    return g @ b.T, a.T @ g
+def factor_grad(role: str, g: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``dL/dA = G Bᵀ`` (``role="a"``) or ``dL/dB = Aᵀ G`` (``"b"``), ``G`` the tall gradient."""
+    return g @ b.T if role == "a" else a.T @ g
 
 
 def reconstruct(a: jax.Array, b: jax.Array, spec: FactorSpec) -> jax.Array:

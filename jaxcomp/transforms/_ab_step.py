@@ -163,10 +163,8 @@ class _Step:
         """One inner step on the factor ``role`` trains; its gradient is averaged in the group."""
         specs = self.layout.specs
         gm = [F.to_matrix(g, s) for g, s in zip(gf, specs)]
-        if role == "a":
-            grads = lax.pmean(tuple(g @ y.T for g, y in zip(gm, state.b)), MEMBER)
-        else:
-            grads = lax.pmean(tuple(x.T @ g for g, x in zip(gm, state.a)), MEMBER)
+        grads = tuple(F.factor_grad(role, g, x, y) for g, x, y in zip(gm, state.a, state.b))
+        grads = lax.pmean(grads, MEMBER)
         scale = self.clip_scale(_sq_norm(grads) + go_sq)
         masks = [F.rank_mask(state.rank[i], x.shape[-1]) for i, x in enumerate(state.a)]
         if role == "a":

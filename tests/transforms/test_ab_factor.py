@@ -106,7 +106,7 @@ def test_factor_gradients_equal_jax_grad_of_the_factored_model(shape):
         return loss_dense(F.reconstruct(a, b, spec))
 
     g = F.to_matrix(jax.grad(loss_dense)(F.reconstruct(a, b, spec)), spec)
-    da, db = F.factor_grads(g, a, b)
+    da, db = F.factor_grad("a", g, a, b), F.factor_grad("b", g, a, b)
     ref_a, ref_b = jax.grad(loss_factored, argnums=(0, 1))(a, b)
     np.testing.assert_allclose(da, ref_a, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(db, ref_b, rtol=1e-5, atol=1e-5)
