@@ -166,22 +166,34 @@ def test_fused_decode_mean_equals_the_mean_of_each_decoded_payload(codec, shape,
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
 
 
-def test_two_phase_bytes_per_worker_do_not_grow_with_workers():
-    like = jax.ShapeDtypeStruct((4096,), jnp.float32)
-    sent = {}
+def test_two_phase_bytes_per_worker_stay_flat_while_all_gather_traffic_grows():
+    """Measured from HLO at 2, 4 and 8 workers (quantize(8) on 4096 floats)."""
+    codec = compressors.quantize(8)
+    sent, received = {}, {}
     for workers in (2, 4, 8):
         mesh = comm.make_mesh([(comm.DATA, workers)], devices=jax.devices()[:workers])
-        codec = compressors.quantize(8)
+        for path in ("two_phase", "all_gather"):
 
-        def body(x, codec=codec):
-            state = comm.init_reduce(codec, x, comm.DATA, path="two_phase", min_ndim=1)
-            return jnp.float32(comm.reduce_bytes(state, codec, x, comm.DATA))
+            def body(x, path=path):
+                state = comm.init_reduce(codec, x, comm.DATA, path=path, min_ndim=1)
+                mean, _, _ = comm.compressed_pmean(x, codec, state, None, comm.DATA)
+                return mean, jnp.float32(comm.reduce_bytes(state, codec, x, comm.DATA))
 
-        fn = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())
-        sent[workers] = float(jax.jit(fn)(jnp.zeros(like.shape)))
-    # (W + 1) chunks of n / W bytes (+ a scale each): n (1 + 1/W), at most 1.5 n
-    assert sent[2] >= sent[4] >= sent[8] > 4096
-    assert sent[2] <= 1.5 * 4096 + 3 * 4
+            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=(P(), P())))
+            report = comm.measure_collectives(fn, jnp.ones(4096))
+            assert report.total_bytes == float(fn(jnp.ones(4096))[1])
+            sent[path, workers] = report.total_bytes
+            received[path, workers] = sum(  # ring all-gather / pairwise all-to-all
+                r.total_bytes * ((workers - 1) if r.kind == "all-gather" else 1 - 1 / workers)
+                for r in report.records
+            )
+    # two-phase: (W + 1) chunks of n / W bytes (+ a scale each), n (1 + 1/W) <= 1.5 n
+    assert sent["two_phase", 2] >= sent["two_phase", 4] >= sent["two_phase", 8] > 4096
+    assert sent["two_phase", 2] <= 1.5 * 4096 + 3 * 4
+    assert received["two_phase", 8] < 2 * 4096 + 64
+    # all-gather: every worker receives the W - 1 other payloads
+    for w in (2, 4, 8):
+        assert received["all_gather", w] == (w - 1) * (4096 + 4)
 
 
 def test_policy_falls_back_to_dense_with_reasons(caplog):
