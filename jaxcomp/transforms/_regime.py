@@ -1,6 +1,6 @@
-"""Accordion's critical-regime detector, shared by :func:`~jaxcomp.transforms.accordion` and
-:func:`~jaxcomp.transforms.accordion_batch_size`.
+"""Accordion's critical-regime detector (shared by both Accordion transforms).
 
+Used by :func:`~jaxcomp.transforms.accordion` and :func:`~jaxcomp.transforms.accordion_batch_size`.
 The statistic is the norm of a worker's local gradient summed over an interval (the
 reference's epoch); every ``T`` intervals it is compared with its value ``T`` intervals
 earlier (:func:`critical_regime`), after one tiny all-reduce has made it identical on every
