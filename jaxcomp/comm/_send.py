@@ -207,7 +207,8 @@ def compressed_ppermute(
     def transport(tree, reverse):
         return lax.ppermute(tree, axis_name, inverse if reverse else perm)
 
-    def roles():
+    def roles():  # traced after the link's own checks
+        _check_indices(axis_name, source, target)
         index = lax.axis_index(axis_name)
         return index == source, index == target
 
@@ -255,6 +256,17 @@ def compressed_transfer(
         x, fwd_states, bwd_token, forward, backward, mode, compress, key, ids, backward_ids,
         lambda tree, reverse: tree, lambda: (True, True), slots,
     )  # fmt: skip
+
+
+def _check_indices(axis_name: str, source: Any, target: Any) -> None:
+    size = lax.axis_size(axis_name)
+    for name, index in (("source", source), ("target", target)):
+        if isinstance(index, bool) or not (isinstance(index, int) and 0 <= index < size):
+            raise ValueError(
+                f"{name} must be an index along {axis_name!r} in [0, {size}); got {index!r}."
+            )
+    if source == target:
+        raise ValueError(f"source and target must differ; got {source} for both.")
 
 
 def _check_slots(slots: Any, states: Any) -> None:

@@ -117,22 +117,23 @@ def _end(active, fn, fallback, state, ids, x, per_sample, slot):
     if slot is None and (active is True or not by_rows):
         return _gated(active, lambda: fn(state, ids), lambda: (fallback(), state))
 
-    def read(a, rows):
+    def index(rows):  # this end's part of a leaf (None: all of it)
         if slot is None:
-            return a[ids]  # only per-sample leaves get here (the others pass whole)
-        return a[slot, ids] if rows else a[slot]
+            return ids if rows else None
+        return (slot, ids) if rows else slot
+
+    def read(a, rows):
+        i = index(rows)
+        return a if i is None else a[i]
 
     def write(a, rows, new):
-        if slot is None:
-            return a.at[ids].set(new)
-        return a.at[slot, ids].set(new) if rows else a.at[slot].set(new)
+        i = index(rows)
+        return new if i is None else a.at[i].set(new)
 
-    pick = lambda a, f: read(a, f) if f or slot is not None else a  # noqa: E731
-    part = jax.tree.map(pick, state, flags)
+    part = jax.tree.map(read, state, flags)
     local_ids = jnp.arange(x.shape[0], dtype=ids.dtype) if by_rows else ids
     out, new = _gated(active, lambda: fn(part, local_ids), lambda: (fallback(), part))
-    put = lambda a, f, n: write(a, f, n) if f or slot is not None else n  # noqa: E731
-    return out, jax.tree.map(put, state, flags, new)
+    return out, jax.tree.map(write, state, flags, new)
 
 
 def _exchange(channel, x, state, key, ids, is_sender, is_receiver, move, compress, slots):

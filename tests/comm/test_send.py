@@ -220,6 +220,18 @@ def test_bad_links_raise_clear_errors():
         comm.compressed_transfer(x, tokens, tokens, forward=C.quantize(4), mode="shared_mask")
     with pytest.raises(ValueError, match="mode must be one of"):
         comm.compressed_ppermute(x, tokens, tokens, forward=C.identity(), mode="both", **kw)
+    bad = [(1, 1, "must differ"), (0, S, r"target must be an index along 'stage' in \[0, 4\)")]
+    for src, dst, match in bad:
+
+        def send(x, src=src, dst=dst):
+            return comm.compressed_ppermute(
+                x, tokens, tokens, forward=C.identity(), axis_name=comm.STAGE, source=src,
+                target=dst,
+            )[0]  # fmt: skip
+
+        fn = jax.shard_map(send, mesh=MESH, in_specs=P(comm.STAGE), out_specs=P(comm.STAGE))
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(fn, _put(jnp.ones((S * 2, 8))))
     with pytest.raises(ValueError, match="slots must be a pair"):
         comm.compressed_transfer(x, tokens, tokens, forward=C.identity(), slots=(0,))
     ef = comm.init_channel_states(F.error_feedback(C.top_k(0.5)), x)  # [2, 8]: 2 rows
