@@ -95,7 +95,9 @@ def test_killed_run_resumes_bit_identical(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     resumed_at = re.search(r"resumed from step (\d+)", resumed.stdout)
     assert resumed_at, resumed.stdout[-2000:]
-    assert int(resumed_at.group(1)) in (8, 12)  # the last checkpoint before the kill landed
+    # the last checkpoint that finished saving before the kill (saves are asynchronous)
+    step = int(resumed_at.group(1))
+    assert 0 < step <= 12 and step % 4 == 0, step
     (s1, a), (s2, b) = _state_leaves(full), _state_leaves(killed)
     assert s1 == s2 == 24 and len(a) == len(b)
     for x, y in zip(a, b):
