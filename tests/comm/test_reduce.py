@@ -135,7 +135,6 @@ DECODE_CODECS = [
     (compressors.top_k(0.2, method="blockwise"), (37, 3), jnp.float32),
     (compressors.top_k(count=5, method="blockwise", block_size=8), (50,), jnp.float32),
     (compressors.quantize(4), (5, 7), jnp.bfloat16),
-    (compressors.quantize(3), (5, 7), jnp.float32),
     (compressors.quantize(2, scale="minmax"), (5, 7), jnp.float32),
     (compressors.quantize(8, scale="feature"), (4, 6), jnp.float32),
     (compressors.sign(), (13,), jnp.float32),

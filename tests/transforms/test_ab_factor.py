@@ -56,35 +56,47 @@ def test_name_matching_uses_whole_components():
 @pytest.mark.parametrize("split_sigma,sigma_on_a", [(True, True), (False, True), (False, False)])
 def test_untruncated_factors_reproduce_the_weight(shape, split_sigma, sigma_on_a):
     spec = _spec(shape)
-    x = jax.random.normal(jax.random.key(0), shape)
-    u, s, vh = F.svd(F.to_matrix(x, spec))
-    a, b = F.factors_from_svd(
-        u, s, vh, spec.cols, spec.cols, split_sigma=split_sigma, sigma_on_a=sigma_on_a,
-        dtype=jnp.float32,
-    )  # fmt: skip
-    np.testing.assert_allclose(F.reconstruct(a, b, spec), x, rtol=1e-5, atol=1e-5)
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+
+    @jax.jit
+    def factors(x):
+        u, s, vh = F.svd(F.to_matrix(x, spec))
+        a, b = F.factors_from_svd(
+            u, s, vh, spec.cols, spec.cols, split_sigma=split_sigma, sigma_on_a=sigma_on_a,
+            dtype=jnp.float32,
+        )  # fmt: skip
+        return a, b, F.reconstruct(a, b, spec)
+
+    a, b, w = (np.asarray(y) for y in factors(x))
+    np.testing.assert_allclose(w, x, rtol=1e-5, atol=1e-5)
     if split_sigma:  # sqrt(Sigma) on both: A^T A == B B^T == Sigma
         np.testing.assert_allclose(a.T @ a, b @ b.T, rtol=1e-4, atol=1e-5)
     elif sigma_on_a:  # B = V^T is orthonormal
-        np.testing.assert_allclose(b @ b.T, jnp.eye(spec.cols), atol=1e-5)
+        np.testing.assert_allclose(b @ b.T, np.eye(spec.cols), atol=1e-5)
     else:  # A = U is orthonormal
-        np.testing.assert_allclose(a.T @ a, jnp.eye(spec.cols), atol=1e-5)
+        np.testing.assert_allclose(a.T @ a, np.eye(spec.cols), atol=1e-5)
 
 
 def test_truncation_keeps_leading_singular_values_and_zeroes_the_rest():
-    q1, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(1), (6, 4)))
-    q2, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(2), (4, 4)))
-    sigma = jnp.array([10.0, 5.0, 1.4, 1.0])
-    w = q1 @ jnp.diag(sigma) @ q2.T
-    u, s, vh = F.svd(w)
-    rank = F.cutoff_rank(s, 0.15)  # 10 * 0.15 = 1.5: keeps 10 and 5
+    q1, _ = np.linalg.qr(np.random.default_rng(1).standard_normal((6, 4)))
+    q2, _ = np.linalg.qr(np.random.default_rng(2).standard_normal((4, 4)))
+    w = (q1 * np.array([10.0, 5.0, 1.4, 1.0])) @ q2.T
+
+    @jax.jit
+    def truncate(w):
+        u, s, vh = F.svd(w)
+        rank = F.cutoff_rank(s, 0.15)  # 10 * 0.15 = 1.5: keeps 10 and 5
+        a, b = F.factors_from_svd(u, s, vh, rank, 3, split_sigma=True, sigma_on_a=True,
+                                  dtype=jnp.float32)  # fmt: skip
+        return rank, a, b
+
+    rank, a, b = truncate(w.astype(np.float32))
     assert int(rank) == 2
-    a, b = F.factors_from_svd(u, s, vh, rank, 3, split_sigma=True, sigma_on_a=True,
-                              dtype=jnp.float32)  # fmt: skip
     assert a.shape == (6, 3) and b.shape == (3, 4)
     np.testing.assert_array_equal(a[:, 2], 0.0)
     np.testing.assert_array_equal(b[2], 0.0)
-    np.testing.assert_allclose(jnp.linalg.svd(a @ b, compute_uv=False), [10, 5, 0, 0], atol=1e-4)
+    s = np.linalg.svd(np.asarray(a) @ np.asarray(b), compute_uv=False)
+    np.testing.assert_allclose(s, [10, 5, 0, 0], atol=1e-4)
 
 
 def test_cutoff_rank_of_a_zero_matrix_is_one():
@@ -94,10 +106,10 @@ def test_cutoff_rank_of_a_zero_matrix_is_one():
 @pytest.mark.parametrize("shape", [(12, 5), (5, 12), (3, 3, 4, 6)])
 def test_factor_gradients_equal_jax_grad_of_the_factored_model(shape):
     spec = _spec(shape)
-    k = jax.random.split(jax.random.key(3), 4)
-    a = jax.random.normal(k[0], (spec.rows, 3))
-    b = jax.random.normal(k[1], (3, spec.cols))
-    target = jax.random.normal(k[2], shape)
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((spec.rows, 3)).astype(np.float32)
+    b = rng.standard_normal((3, spec.cols)).astype(np.float32)
+    target = rng.standard_normal(shape).astype(np.float32)
 
     def loss_dense(w):
         return jnp.sum(jnp.sin(w) * target)
@@ -105,9 +117,13 @@ def test_factor_gradients_equal_jax_grad_of_the_factored_model(shape):
     def loss_factored(a, b):
         return loss_dense(F.reconstruct(a, b, spec))
 
-    g = F.to_matrix(jax.grad(loss_dense)(F.reconstruct(a, b, spec)), spec)
-    da, db = F.factor_grad("a", g, a, b), F.factor_grad("b", g, a, b)
-    ref_a, ref_b = jax.grad(loss_factored, argnums=(0, 1))(a, b)
+    @jax.jit
+    def both(a, b):
+        g = F.to_matrix(jax.grad(loss_dense)(F.reconstruct(a, b, spec)), spec)
+        ours = F.factor_grad("a", g, a, b), F.factor_grad("b", g, a, b)
+        return ours, jax.grad(loss_factored, argnums=(0, 1))(a, b)
+
+    (da, db), (ref_a, ref_b) = both(a, b)
     np.testing.assert_allclose(da, ref_a, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(db, ref_b, rtol=1e-5, atol=1e-5)
 

@@ -56,6 +56,7 @@ def untall(w2, shape):
     return w2.T if shape[0] < shape[1] else w2
 
 
+@functools.partial(jax.jit, static_argnames="sigma_on")
 def split(w, sigma_on=None):
     """SVD split of a weight (``sigma_on=None``: sqrt on both; "a"/"b": Sigma on that factor).
 
@@ -81,6 +82,7 @@ def assemble(weights, other):
     return p
 
 
+@jax.jit
 def products(a, b):
     return {n: untall(a[n] @ b[n], SHAPES[n]) for n in FACTORED}
 
@@ -113,7 +115,7 @@ class Reference:
     def __init__(self, params, role, sigma_on=None, every=EVERY):
         self.params, self.role, self.sigma_on = params, role, sigma_on
         self.sched = ABSchedule(WARMUP, every, FULL)
-        self.lr = self.sched.learning_rate(BASE_LR, REBOUND)
+        self.lr = jax.jit(self.sched.learning_rate(BASE_LR, REBOUND))
         fac = {n: params[n]["kernel"] for n in FACTORED}
         self.other = {
             "l1": params["l1"]["bias"],
@@ -179,12 +181,12 @@ def test_one_group_without_truncation_is_plain_data_parallel_training():
     state, ref = dp.init(params), Reference(params, role="b")
     phases = []
     for t, batch in enumerate(make_batches(13)):
-        want_loss = loss_fn(ref.params, batch)
+        want_loss = jax.jit(loss_fn)(ref.params, batch)
         state, metrics = dp.step(state, batch)
         ref.step(t, batch)
         assert_params_close(transforms.group_entry(state.params), ref.params)
         np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-5)
-        phases.append(int(transforms.ab_metrics(state.opt_state, state.params)["phase"]))
+        phases.append(int(jax.jit(transforms.ab_metrics)(state.opt_state, state.params)["phase"]))
     assert phases == [int(ref.sched.phase(t + 1)) for t in range(13)]
     assert set(phases) == {ABPhase.WARMUP, ABPhase.AB, ABPhase.FULL}
 

@@ -139,28 +139,6 @@ def test_switch_resets_the_incoming_q_and_keeps_the_error_memory():
         assert (memory > 0) == (tx is tx_keep)
 
 
-def test_a_learning_rate_decrease_keeps_the_memory_even_with_reset_memory_on_switch():
-    """The reference zeroes the memory (``--zero-memory``) only on periodic switches."""
-    tx = transforms.accordion(
-        interval_steps=1, check_every=2, axis_name=None, learning_rate=0.1,
-        reset_memory_on_switch=True,
-    )  # fmt: skip
-    g = {k: jnp.asarray(d) for k, d in DIRECTIONS.items()}
-    state = tx.init(PARAMS)
-    update = jax.jit(tx.update)
-    for _ in range(4):  # checks after steps 0 (low) and 2 (same norm: high)
-        _, state = update(g, state)
-    assert int(state.leaves["a"].mode) == HIGH
-    memory = state.leaves["a"].residual[0]
-    assert np.abs(np.asarray(memory)).max() > 0
-    means, state = update(g, state, learning_rate=0.05)  # decay: back to low compression
-    codec = compressors.power_sgd(2)  # the incoming codec restarts from its initial Q
-    corrected = g["a"] + memory
-    payload, _ = codec.compress(corrected, codec.init(corrected), None)
-    want = codec.decompress(payload, corrected)
-    np.testing.assert_allclose(means["a"], want, rtol=1e-5, atol=1e-6)
-
-
 def test_low_compression_mode_equals_compressed_mean_with_power_sgd(mesh):
     def loss_fn(params, batch):
         x, y = batch
@@ -356,16 +334,32 @@ def test_inject_hyperparams_learning_rate_drop_switches_everything_low():
     assert float(state.inner_state.last_lr) == pytest.approx(0.01)
 
 
-def test_learning_rate_from_extra_args_overrides_the_schedule():
-    tx = transforms.accordion(interval_steps=4, check_every=1, axis_name=None, learning_rate=0.1)
+def test_learning_rate_from_extra_args_overrides_the_schedule_and_keeps_the_memory():
+    """A decrease switches to low compression; unlike a periodic switch it keeps the memory
+    even with ``reset_memory_on_switch`` (the reference's ``--zero-memory``)."""
+    tx = transforms.accordion(
+        interval_steps=4, check_every=1, axis_name=None, learning_rate=0.1,
+        reset_memory_on_switch=True,
+    )  # fmt: skip
     state = tx.init(PARAMS)
     g = {k: jnp.asarray(d) for k, d in DIRECTIONS.items()}
     update = jax.jit(tx.update)
-    for _ in range(8):  # two intervals of equal norms: the second check goes high
-        _, state = update(g, state)
-    assert int(state.leaves["a"].mode) == HIGH
-    _, state = update(g, state, learning_rate=0.05)
+    for step in range(9):  # two intervals of equal norms: the second check goes high
+        _, state = update(g, state, learning_rate=0.1)
+        if step == 7:  # the periodic switch zeroed the memory
+            assert int(state.leaves["a"].mode) == HIGH
+            assert not np.any(np.asarray(state.leaves["a"].residual))
+    memory = state.leaves["a"].residual[0]
+    assert np.abs(np.asarray(memory)).max() > 0
+    means, state = update(g, state, learning_rate=0.05)
     assert int(state.leaves["a"].mode) == LOW
+    codec = compressors.power_sgd(2)  # the incoming codec restarts from its initial Q
+
+    @jax.jit
+    def low(c):
+        return codec.decompress(codec.compress(c, codec.init(c), None)[0], c)
+
+    np.testing.assert_allclose(means["a"], low(g["a"] + memory), rtol=1e-5, atol=1e-6)
 
 
 def test_bad_arguments_raise_clear_errors():
