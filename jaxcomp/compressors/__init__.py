@@ -12,6 +12,7 @@ See :mod:`jaxcomp.feedback` for error-feedback channels built on top of them.
 from jaxcomp.compressors._base import Codec
 from jaxcomp.compressors._base import CodecState
 from jaxcomp.compressors._base import EmptyState
+from jaxcomp.compressors._base import Options
 from jaxcomp.compressors._base import Reduction
 from jaxcomp.compressors._base import compress_and_decode
 from jaxcomp.compressors._base import decode_sum
@@ -47,6 +48,7 @@ __all__ = (
     "ComposedState",
     "EmptyState",
     "LowRankPayload",
+    "Options",
     "PowerSGDState",
     "QuantizedPayload",
     "RandKPayload",

@@ -49,6 +49,36 @@ class Reduction(enum.Enum):
     LOW_RANK = "low_rank"
 
 
+class Options(Mapping):
+    """A factory's static arguments: a read-only, hashable mapping (so codecs stay hashable).
+
+    Example:
+      >>> Options(rank=2, epsilon=1e-8)["rank"]
+      2
+    """
+
+    def __init__(self, items: Mapping[str, Any] = (), **kwargs: Any):
+        self._items = dict(items, **kwargs)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._items[name]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._items.items())))
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Mapping) and dict(self) == dict(other)
+
+    def __repr__(self) -> str:
+        return f"Options({self._items!r})"
+
+
 class Codec(NamedTuple):
     """A pure compressor: ``init``, ``compress`` and ``decompress`` plus static facts.
 
@@ -71,9 +101,9 @@ class Codec(NamedTuple):
         gathered payloads: ``stacked`` holds a few payloads stacked on a leading axis and
         ``total`` is the sum of their ``decompress`` in (at least) ``float32``, equal to
         summing them one by one up to float summation order. Use :func:`decode_sum`.
-      options: the factory's static arguments (e.g. ``{"rank": 2, "epsilon": 1e-8, ...}``
-        for :func:`~jaxcomp.compressors.power_sgd`), for layers that run a codec's
-        multi-worker protocol themselves; ``None`` where a codec exposes none. Read-only.
+      options: the factory's static arguments as :class:`Options` (e.g. ``rank`` and
+        ``epsilon`` of :func:`~jaxcomp.compressors.power_sgd`), for layers that run a codec's
+        multi-worker protocol themselves; ``None`` where a codec exposes none.
     """
 
     init: Callable[[Like], CodecState]

@@ -173,7 +173,7 @@ def power_sgd(
             return payload.astype(like.dtype)
         return (payload.p @ payload.q.T).reshape(like.shape).astype(like.dtype)
 
-    options = {"rank": rank, "epsilon": epsilon, "seed": seed, "warm_start": warm_start}
+    options = _base.Options(rank=rank, epsilon=epsilon, seed=seed, warm_start=warm_start)
     return _base.Codec(
         init, compress, decompress, name, _base.Reduction.LOW_RANK, not warm_start,
         options=options,

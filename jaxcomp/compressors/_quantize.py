@@ -192,8 +192,9 @@ def quantize(
         ]
         return _from_planes(sum(terms[1:], terms[0]), like)
 
-    options = {"bits": bits, "scale": scale, "axes": axes, "rounding": rounding,
-               "scale_dtype": scale_dtype}  # fmt: skip
+    options = _base.Options(
+        bits=bits, scale=scale, axes=axes, rounding=rounding, scale_dtype=scale_dtype
+    )
     return _base.Codec(
         init, compress, decompress, name, _base.Reduction.GATHER, stochastic, None, roundtrip,
         decode_sum, options,
@@ -276,5 +277,5 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
 
     return _base.Codec(
         init, compress, decompress, name, _base.Reduction.GATHER, False, None, roundtrip,
-        decode_sum, {"scale": scale},
+        decode_sum, _base.Options(scale=scale),
     )  # fmt: skip

@@ -45,7 +45,8 @@ class Channel(NamedTuple):
       codec: the underlying codec (its payload is what travels).
       name: description, e.g. ``"ef21(top_k(0.1, exact))"``.
       per_sample: whether ``ids`` are required.
-      options: the factory's static arguments (e.g. error feedback's ``{"decay": 0.9, ...}``),
+      options: the factory's static arguments as :class:`~jaxcomp.compressors.Options`
+        (e.g. error feedback's ``decay``),
         for layers that run the feedback themselves (PowerSGD's multi-worker protocol keeps
         its residual against the averaged reconstruction); ``None`` if none. Read-only.
     """

@@ -98,7 +98,7 @@ def error_feedback(
         del ids
         return codec.decompress(payload, like), recv_state
 
-    options = {"num_samples": num_samples, "decay": decay, "residual_dtype": residual_dtype}
+    options = _base.Options(num_samples=num_samples, decay=decay, residual_dtype=residual_dtype)
     return _channel.Channel(
         init, send, receive, _channel._keep, _channel._keep, codec, name, per_sample, options
     )
