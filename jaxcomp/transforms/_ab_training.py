@@ -278,7 +278,9 @@ def ab_training(
       position, as in the reference, so a singular vector whose sign flipped meets its old
       moment with the opposite sign (the rebound's small rate limits the harm). The A/B role
       is a ``lax.cond`` whose branches hold group-local collectives; that runs on the CPU
-      backend and has not been checked on multi-GPU NCCL here.
+      backend and has not been checked on multi-GPU NCCL here. With ``split_sigma=False``
+      and ``sync_mode="only-learned"`` the synced weight is ``(U Σ)(Σ Vᵀ)``, Σ counted twice
+      (the A-groups hold ``Σ`` on ``A``, the B-groups on ``B``), exactly as the reference does.
 
     .. note::
       Where the reference code is wrong this does the right thing (SPEC §3.8): dense
