@@ -35,6 +35,7 @@ def __getattr__(name):
         return importlib.import_module(f"jaxcomp.{name}")
     raise AttributeError(f"module 'jaxcomp' has no attribute {name!r}")
 
+
 __all__ = (
     "comm",
     "compressors",
