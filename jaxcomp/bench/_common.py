@@ -31,21 +31,6 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def time_fn(fn: Callable[..., Any], *args: Any, repeats: int = 20, warmup: int = 2) -> float:
-    """Median wall time in seconds of ``fn(*args)`` (already jitted), blocking on the result."""
-    import jax
-    import numpy as np
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
 def time_interleaved(
     calls: Sequence[tuple[Callable[..., Any], tuple]], repeats: int = 20, warmup: int = 2
 ) -> list[float]:
