@@ -31,7 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set total_steps=100 (repeatable)",
+        help="override a config value by dotted key, the value a Python literal or a bare "
+        "string, e.g. --set total_steps=100 --set pipeline.forward.fraction=0.05 (repeatable)",
     )
     p.add_argument("--stop_after", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -53,29 +54,6 @@ def load_config(spec: str):
     if not hasattr(module, "get_config"):
         raise ValueError(f"config file {path!r} has no get_config(arg) function.")
     return module.get_config(arg or None)
-
-
-def apply_overrides(config, overrides) -> None:
-    """``--set key=value`` (the value parsed as a Python literal when it is one)."""
-    import ast
-
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set expects KEY=VALUE; got {item!r}.")
-        try:
-            value = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            pass
-        node, *path = key.split(".")[::-1]
-        target = config
-        for part in reversed(path):
-            target = target[part]
-        try:
-            target[node] = value
-        except TypeError:  # another type than the config's (e.g. a codec name -> a dict)
-            del target[node]
-            target[node] = value
 
 
 def setup_devices(args) -> None:
@@ -107,8 +85,9 @@ def main(argv=None) -> int:
     try:
         setup_devices(args)
         config = load_config(args.config)
-        apply_overrides(config, args.set)
         from jaxcomp import train
+
+        config = train.apply_overrides(config, train.parse_overrides(args.set))
 
         train.train_and_evaluate(config, args.workdir, stop_after=args.stop_after)
     except (ValueError, KeyError) as e:

@@ -2,7 +2,8 @@
 
 ``train_and_evaluate(config, workdir)`` runs one experiment config (see ``configs/``) in a
 mode (``dense``, ``pipeline``, ``data_parallel``, ``ab``), resuming from the workdir's latest
-checkpoint, and writes metrics, a plot and a summary table.
+checkpoint, and writes metrics, a plot and a summary table. ``apply_overrides(config,
+{"pipeline.forward.fraction": 0.05})`` changes a config by dotted keys (the CLI's ``--set``).
 """
 
 from jaxcomp.train._checkpoint import Checkpointer
@@ -17,6 +18,8 @@ from jaxcomp.train._metrics import plot_metrics
 from jaxcomp.train._metrics import read_metrics
 from jaxcomp.train._metrics import summary_table
 from jaxcomp.train._mode import Mode
+from jaxcomp.train._overrides import apply_overrides
+from jaxcomp.train._overrides import parse_overrides
 from jaxcomp.train._progress import Progress
 from jaxcomp.train._trainer import NonFiniteError
 from jaxcomp.train._trainer import Setup
@@ -35,10 +38,12 @@ __all__ = (
     "Progress",
     "Setup",
     "TrainState",
+    "apply_overrides",
     "build_channel",
     "build_codec",
     "evaluate",
     "optimizer",
+    "parse_overrides",
     "plot_metrics",
     "read_metrics",
     "setup",
