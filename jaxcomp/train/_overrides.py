@@ -205,10 +205,11 @@ def apply_overrides(
       A new ``ConfigDict``.
 
     Example:
-      >>> c = apply_overrides(get_config(), {"pipeline.forward": "top_k",
-      ...                                    "pipeline.forward.fraction": 0.05})
-      >>> c.pipeline.forward.to_dict()
-      {'name': 'top_k', 'fraction': 0.05}
+      >>> import ml_collections
+      >>> config = ml_collections.ConfigDict({"lr": 0.1, "pipeline": {"forward": "top_k"}})
+      >>> c = apply_overrides(config, {"pipeline.forward.fraction": 0.05, "lr": 0.01})
+      >>> c.pipeline.forward.to_dict(), c.lr
+      ({'fraction': 0.05, 'name': 'top_k'}, 0.01)
     """
     if not isinstance(overrides, Mapping):
         raise TypeError(f"overrides must be a mapping of dotted keys to values; got {overrides!r}.")
