@@ -1,10 +1,17 @@
-"""Every config in configs/ runs 2 training steps in ``:smoke`` mode (one process)."""
+"""Every config in configs/ runs 2 training steps in ``:smoke`` mode (one process).
+
+Paper-scale configs read CIFAR-10 / a text corpus through tfds; their smoke variants run on a fake
+copy in tfds format written here (nothing downloads), and without it they stop with the one-line
+prepare message.
+"""
 
 import importlib.util
 import pathlib
 
 import pytest
 
+from jaxcomp import data
+from jaxcomp import main
 from jaxcomp import train
 
 CONFIGS = sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.py"))
@@ -17,14 +24,70 @@ def load(path):
     return module
 
 
+PAPER_SCALE = [p for p in CONFIGS if load(p).get_config(None).data_name.startswith("tfds_")]
+
+
+@pytest.fixture(scope="module")
+def fake_tfds_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("fake_tfds"))
+    data.write_fake_tfds("cifar10", d, num_examples=32)
+    data.write_fake_tfds("tiny_shakespeare", d, num_chars=1200)
+    return d
+
+
+def test_the_paper_scale_configs_are_found():
+    names = {p.stem for p in PAPER_SCALE}
+    assert names == {
+        "resnet18_cifar10_pipeline",
+        "resnet18_cifar10_accordion_powersgd",
+        "resnet18_cifar10_accordion_topk",
+        "vgg16_cifar10_ab",
+    }
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_config_documents_its_run_and_smoke_trains_two_steps(path, tmp_path):
+def test_config_documents_its_run_and_smoke_trains_two_steps(path, tmp_path, fake_tfds_dir):
     module = load(path)
     doc = module.__doc__ or ""
     assert f"--config configs/{path.name}" in doc and "Expected" in doc, "docstring incomplete"
     full = train.with_defaults(module.get_config(None))  # the real run's keys are valid too
     assert full.total_steps > 2
-    summary = train.train_and_evaluate(module.get_config("smoke"), str(tmp_path))
+    smoke = module.get_config("smoke")
+    if path in PAPER_SCALE:  # the smoke variant reads the real run's dataset, not a stand-in
+        assert (smoke.data_name, smoke.data.name) == (full.data_name, full.data.name)
+        assert "GPU" in doc and "tfds build" in doc
+        smoke.data.data_dir = fake_tfds_dir
+    summary = train.train_and_evaluate(smoke, str(tmp_path))
     assert summary["steps"] == 2
     assert summary["wire_bytes_per_step"] > 0
     assert summary["final_loss"] == summary["final_loss"]  # finite, not NaN
+
+
+def test_gpt_lm_smoke_trains_on_a_tfds_text_corpus(tmp_path, fake_tfds_dir):
+    c = load(CONFIGS[0].with_name("gpt_lm_pipeline.py")).get_config("smoke")
+    c.data_name = "tfds_text"  # tiny_shakespeare by default
+    c.data.data_dir = fake_tfds_dir
+    c.eval_data = {}
+    summary = train.train_and_evaluate(c, str(tmp_path))
+    assert summary["steps"] == 2 and summary["final_perplexity"] == summary["final_perplexity"]
+
+
+RUNS_WITHOUT_DATA = [(p.name, []) for p in PAPER_SCALE]
+RUNS_WITHOUT_DATA.append(("gpt_lm_pipeline.py", ["--set", "data_name=tfds_text"]))
+
+
+@pytest.mark.parametrize("name, extra", RUNS_WITHOUT_DATA, ids=[n for n, _ in RUNS_WITHOUT_DATA])
+def test_without_the_dataset_a_run_prints_the_one_line_prepare_message(
+    name, extra, tmp_path, capsys
+):
+    config = str(CONFIGS[0].with_name(name))
+    empty = tmp_path / "no_data"
+    empty.mkdir()
+    argv = ["--config", config, "--workdir", str(tmp_path / "run")]
+    argv += [*extra, "--set", f"data.data_dir={empty}"]
+    assert main.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    dataset = "tiny_shakespeare" if extra else "cifar10"
+    assert err.count("\n") == 0, err
+    assert err.startswith(f"error: tfds dataset '{dataset}' (split 'train') is not prepared in")
+    assert f"`tfds build {dataset} --file_format=array_record --data_dir={empty}`" in err

@@ -4,11 +4,14 @@
 * :func:`pydoc_text`: byte-level LM windows of Python's bundled documentation (hash-pinned).
 * :func:`synthetic_images`: class-dependent random images for smoke runs.
 * :func:`tfds_images`, :func:`tfds_text`: tensorflow-datasets ``data_source`` (array_record,
-  no TensorFlow) for cifar10, mnist, tiny_shakespeare, wikitext, ... prepared beforehand.
+  no TensorFlow) for cifar10, mnist, tiny_shakespeare, wikitext, ... prepared beforehand;
+  :func:`write_fake_tfds` writes a tiny fake copy of some of them for smoke runs.
 * :class:`Loader`: batches in a seeded per-epoch order, each carrying ``ids``; its
   :class:`LoaderState` goes into the checkpoint.
 """
 
+from jaxcomp.data._fake_tfds import FAKE_TFDS
+from jaxcomp.data._fake_tfds import write_fake_tfds
 from jaxcomp.data._loader import AUGMENTATIONS
 from jaxcomp.data._loader import Loader
 from jaxcomp.data._loader import LoaderState
@@ -26,6 +29,7 @@ from jaxcomp.data._sources import token_windows
 from jaxcomp.data._tfds import CIFAR_MEAN
 from jaxcomp.data._tfds import CIFAR_STD
 from jaxcomp.data._tfds import TfdsImageSource
+from jaxcomp.data._tfds import prepare_message
 from jaxcomp.data._tfds import tfds_images
 from jaxcomp.data._tfds import tfds_text
 
@@ -33,6 +37,7 @@ __all__ = (
     "AUGMENTATIONS",
     "CIFAR_MEAN",
     "CIFAR_STD",
+    "FAKE_TFDS",
     "PYDOC_TOPICS_SHA256",
     "ArraySource",
     "Loader",
@@ -44,9 +49,11 @@ __all__ = (
     "get_dataset",
     "lm_source",
     "pydoc_corpus",
+    "prepare_message",
     "pydoc_text",
     "tfds_images",
     "tfds_text",
     "synthetic_images",
     "token_windows",
+    "write_fake_tfds",
 )

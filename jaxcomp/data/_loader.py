@@ -119,12 +119,19 @@ def crop_flip(x: np.ndarray, ids: np.ndarray, seed: int, epoch: int, pad: int = 
     return out
 
 
-def get_dataset(name: str, split: str, **kwargs) -> _sources.Source:
+def get_dataset(data_name: str, split: str, /, **kwargs) -> _sources.Source:
     """A split of a dataset by name: ``"digits"``, ``"pydoc_text"``, ``"synthetic_images"``,
     ``"tfds_images"`` or ``"tfds_text"`` (keyword arguments go to the function of that name).
 
+    ``data_name`` and ``split`` are positional-only, so the keyword arguments may hold a
+    ``name`` of their own (the tfds dataset of ``tfds_images``/``tfds_text``).
+
     Raises:
       ValueError: for an unknown dataset name or keyword.
+
+    Example:
+      >>> len(get_dataset("digits", "test"))
+      359
     """
     import inspect
 
@@ -137,12 +144,13 @@ def get_dataset(name: str, split: str, **kwargs) -> _sources.Source:
         "tfds_images": _tfds.tfds_images,
         "tfds_text": _tfds.tfds_text,
     }
-    if name not in table:
-        raise ValueError(f"unknown dataset {name!r}; allowed datasets are {sorted(table)}.")
-    allowed = set(inspect.signature(table[name]).parameters) - {"split"}
+    if data_name not in table:
+        raise ValueError(f"unknown dataset {data_name!r}; allowed datasets are {sorted(table)}.")
+    allowed = set(inspect.signature(table[data_name]).parameters) - {"split"}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ValueError(
-            f"unknown argument(s) {unknown} for dataset {name!r}; allowed are {sorted(allowed)}."
+            f"unknown argument(s) {unknown} for dataset {data_name!r}; allowed are "
+            f"{sorted(allowed)}."
         )
-    return table[name](split=split, **kwargs)
+    return table[data_name](split=split, **kwargs)

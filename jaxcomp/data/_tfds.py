@@ -10,6 +10,7 @@ environment that has it); reading decodes them with Pillow, no TensorFlow.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,6 +26,10 @@ class TfdsImageSource:
     """Images scaled to [0, 1] and normalised per channel, with integer labels.
 
     Wraps a ``tfds`` data source; rows come back as ``{"x": float32 [H, W, C], "label": int32}``.
+    A record that cannot be read (a damaged file) raises a ``ValueError`` naming the dataset.
+
+    Attributes:
+      num_classes: the label feature's number of classes (``None`` if it is not a ClassLabel).
     """
 
     def __init__(self, source, *, image_key="image", label_key="label", mean=None, std=None):
@@ -32,12 +37,15 @@ class TfdsImageSource:
         self.image_key, self.label_key = image_key, label_key
         self.mean = None if mean is None else np.asarray(mean, np.float32)
         self.std = None if std is None else np.asarray(std, np.float32)
+        info = getattr(source, "dataset_info", None)
+        feature = None if info is None else info.features[label_key]
+        self.num_classes = getattr(feature, "num_classes", None)
 
     def __len__(self) -> int:
         return len(self.source)
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
-        rows = self.source.__getitems__([int(i) for i in indices])
+        rows = _read(self.source, [int(i) for i in indices])
         x = np.stack([np.asarray(r[self.image_key]) for r in rows])
         if np.issubdtype(x.dtype, np.integer):
             x = x.astype(np.float32) / 255.0
@@ -48,17 +56,52 @@ class TfdsImageSource:
         return {"x": x, "label": labels}
 
 
+def data_dir_of(data_dir: str | None) -> str:
+    """The directory tfds reads: ``data_dir``, else tfds's default (``$TFDS_DATA_DIR``)."""
+    if data_dir is not None:
+        return os.fspath(data_dir)
+    from tensorflow_datasets.core import constants
+
+    return os.fspath(constants.DATA_DIR)
+
+
+def prepare_message(name: str, split: str, data_dir: str | None) -> str:
+    """The one line that says a dataset is missing and how to prepare it."""
+    where = data_dir_of(data_dir)
+    return (
+        f"tfds dataset {name!r} (split {split!r}) is not prepared in {where} in array_record "
+        f"format; prepare it with `tfds build {name} --file_format=array_record "
+        f"--data_dir={where}` (needs TensorFlow once), or set data.data_dir to where it is."
+    )
+
+
+def _one_line(e: BaseException, limit: int = 240) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:limit]}"
+
+
+def _read(source, indices: list[int]):
+    try:
+        return source.__getitems__(indices)
+    except Exception as e:  # riegeli/array_record raise RuntimeError for damaged files
+        split = getattr(source, "split", "?")
+        raise ValueError(
+            f"tfds split {split!r}: reading records {indices[:4]} failed ({_one_line(e)}); the "
+            "prepared files may be damaged: prepare the dataset again."
+        ) from e
+
+
 def _open(name: str, split: str, data_dir: str | None, download: bool):
     import tensorflow_datasets as tfds
 
     try:
-        return tfds.data_source(name, split=split, data_dir=data_dir, download=download)
+        src = tfds.data_source(name, split=split, data_dir=data_dir, download=download)
     except Exception as e:  # tfds raises several types for "not prepared here"
-        raise ValueError(
-            f"tfds dataset {name!r} split {split!r} is not available in data_dir={data_dir!r} "
-            f"in array_record format ({type(e).__name__}: {str(e)[:200]}). Prepare it with "
-            f"`tfds build {name} --file_format=array_record --data_dir=DIR` first."
-        ) from e
+        raise ValueError(f"{prepare_message(name, split, data_dir)} ({_one_line(e)})") from e
+    if len(src) == 0:
+        raise ValueError(f"tfds dataset {name!r} split {split!r} has no examples.")
+    _read(src, sorted({0, len(src) - 1}))  # a truncated first or last shard fails here, not later
+    return src
 
 
 def tfds_images(
@@ -89,7 +132,7 @@ def tfds_images(
 
 
 def tfds_text(
-    name: str,
+    name: str = "tiny_shakespeare",
     split: str = "train",
     *,
     data_dir: str | None = None,
@@ -101,10 +144,18 @@ def tfds_text(
 
     Every record's ``text_key`` feature is UTF-8 encoded and the records are joined with
     newlines, then cut as :func:`~jaxcomp.data.pydoc_text` does.
+
+    Args:
+      name: tfds dataset name (default ``"tiny_shakespeare"``, the character-level LM corpus).
+      split: tfds split.
+      data_dir: where the prepared dataset lives.
+      text_key: the text feature's name.
+      seq_len: tokens per example.
+      download: allow tfds to download and prepare (off by default: nothing downloads).
     """
     src = _open(name, split, data_dir, download)
     parts = []
-    for row in src.__getitems__(list(range(len(src)))):
+    for row in _read(src, list(range(len(src)))):
         t = row[text_key]
         parts.append(t if isinstance(t, bytes) else str(t).encode("utf-8"))
     tokens = np.frombuffer(b"\n".join(parts), np.uint8)
