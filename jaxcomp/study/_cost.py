@@ -1,0 +1,354 @@
+r"""An alpha-beta cost model: predicted step time and speedup from measured compute and bytes.
+
+Whether compression pays depends on the cluster: a 20x smaller payload saves nothing when the
+step is compute-bound, and a lot on a 1 Gbit/s link. This module turns what jaxcomp measures,
+compute time per stage and the bytes each collective moves (as
+:func:`jaxcomp.comm.measure_collectives` reports them), into a step time on a link of given
+bandwidth :math:`\beta` (bytes/s) and latency :math:`\alpha` (s per message).
+
+Costs of one collective over a group of :math:`W` devices, with :math:`n` the bytes the meter
+reports for one device (the operand; for ``all-gather`` one device's contribution; for
+``reduce-scatter`` the full input):
+
+.. math::
+
+  \text{permute}: \alpha + n/\beta \qquad
+  \text{all-reduce (ring)}: 2(W-1)\alpha + \tfrac{2(W-1)}{W}\, n/\beta \\
+  \text{all-gather (ring)}: (W-1)\alpha + (W-1)\, n/\beta \qquad
+  \text{reduce-scatter (ring)}: (W-1)\alpha + \tfrac{W-1}{W}\, n/\beta \\
+  \text{all-to-all (pairwise)}: (W-1)\alpha + \tfrac{W-1}{W}\, n/\beta \qquad
+  \text{broadcast (binomial tree)}: \lceil\log_2 W\rceil (\alpha + n/\beta)
+
+A pipeline step is the critical path of its schedule over :math:`S` stages and :math:`M`
+microbatches with per-stage forward/backward times :math:`f_s, b_s` per microbatch. In
+*lockstep* (jaxcomp's GPipe: every tick, every stage computes, bubble ticks included, then one
+``collective-permute`` carries all boundaries) the step is
+
+.. math::
+
+  T = (M+S-1)\,(\max_s f_s + c_f) + (M+S-1)\,(\max_s b_s + c_b),
+
+:math:`c` the permute time of the largest boundary payload. Asynchronously (a stage starts an
+operation as soon as its input has arrived, sends overlap compute, each boundary and direction
+is one link that carries one message at a time) the step is the makespan of the schedule's
+dependency graph, computed exactly by an event simulation; with uniform stages and free
+communication both give the textbook :math:`(M+S-1)(f+b)`, bubble fraction
+:math:`(S-1)/(M+S-1)`. Schedules: ``"gpipe"`` (all forwards, then all backwards in reverse
+microbatch order, as autodiff of the forward scan runs them) and ``"1f1b"`` (PipeDream-flush:
+:math:`S-s-1` warm-up forwards on stage :math:`s`, then one forward / one backward).
+
+Assumptions, stated: links are full-duplex and homogeneous (one bandwidth and latency for every
+pair); collectives use the ring / pairwise / tree algorithms above (NCCL's ring for large
+messages; trees and in-network reduction can be faster for small ones); a data-parallel step does
+not overlap its reduction with the backward pass (jaxcomp reduces after the whole gradient, so
+the prediction is what it runs, and an upper bound for bucketed overlap); compute times do not
+change with the link; a collective over one device, or of zero bytes, sends nothing and costs
+nothing; congestion, stragglers and topology (NVLink inside a node, a slower network between
+nodes) are not modelled: give the link each axis really uses.
+
+References:
+  Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations in MPICH",
+  IJHPCA 2005 (the alpha-beta costs). Huang et al., "GPipe", NeurIPS 2019; Narayanan et al.,
+  "PipeDream" / "Efficient Large-Scale Language Model Training on GPU Clusters", SC 2021 (1F1B).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from jaxcomp.comm._hlo import KINDS  # the kinds the HLO meter counts, each priced below
+
+SCHEDULES = ("gpipe", "1f1b")
+#: the link speeds a report predicts for, in Gbit/s
+GBIT_PER_S = (1.0, 10.0, 100.0)
+#: latency assumed per message when none is given (a datacenter Ethernet/RoCE hop), seconds
+DEFAULT_LATENCY_S = 10e-6
+
+
+class Link(NamedTuple):
+    """A network link: ``bandwidth`` in bytes per second, ``latency`` in seconds per message."""
+
+    bandwidth: float
+    latency: float
+
+
+class Collective(NamedTuple):
+    """One collective of a step, with the fields of a ``comm.CollectiveRecord``.
+
+    Attributes:
+      kind: one of :data:`KINDS`.
+      bytes_per_execution: bytes one device moves per execution, as the HLO meter counts them.
+      group_size: devices taking part (``W``).
+      executions: times it runs per step.
+    """
+
+    kind: str
+    bytes_per_execution: float
+    group_size: int
+    executions: int = 1
+
+
+def _check_number(name: str, value, *, positive: bool = False) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number; got {value!r}.") from None
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be finite and {bound}; got {value!r}.")
+    return v
+
+
+def _check_count(name: str, value, *, minimum: int) -> int:
+    try:
+        v = operator.index(value)  # ints and numpy integers; not floats or bools
+    except TypeError:
+        v = None
+    if v is None or isinstance(value, bool) or v < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}.")
+    return v
+
+
+def link(gbit_per_s: float, latency_s: float = DEFAULT_LATENCY_S) -> Link:
+    """A :class:`Link` of ``gbit_per_s`` gigabits per second (``1e9 / 8`` bytes/s each).
+
+    Example:
+      >>> link(10, latency_s=0.0)
+      Link(bandwidth=1250000000.0, latency=0.0)
+    """
+    gbit = _check_number("gbit_per_s", gbit_per_s, positive=True)
+    return Link(gbit * 1e9 / 8, _check_number("latency_s", latency_s))
+
+
+def _check_link(lk) -> Link:
+    if not isinstance(lk, Link):
+        raise ValueError(f"link must be a cost.Link (see cost.link(gbit_per_s)); got {lk!r}.")
+    _check_number("link.bandwidth", lk.bandwidth, positive=True)
+    _check_number("link.latency", lk.latency)
+    return lk
+
+
+def collective_time(kind: str, nbytes: float, group_size: int, lk: Link) -> float:
+    """Seconds one execution of a collective takes (formulas in the module docstring).
+
+    Args:
+      kind: one of :data:`KINDS` (``ragged-all-to-all`` is priced as ``all-to-all``).
+      nbytes: bytes one device moves, as :func:`jaxcomp.comm.measure_collectives` counts them.
+      group_size: ``W``, the devices in the group.
+      lk: the link.
+
+    Returns:
+      The time in seconds; 0 for zero bytes or a group of one.
+
+    Example:
+      >>> lk = Link(bandwidth=1e3, latency=0.1)
+      >>> round(collective_time("all-reduce", 100.0, 4, lk), 6)  # 6 * 0.1 + 1.5 * 0.1
+      0.75
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}.")
+    n = _check_number("nbytes", nbytes)
+    w = _check_count("group_size", group_size, minimum=1)
+    alpha, beta = _check_link(lk).latency, lk.bandwidth
+    if n == 0 or w == 1:
+        return 0.0
+    if kind == "collective-permute":
+        return alpha + n / beta
+    if kind == "all-reduce":
+        return 2 * (w - 1) * alpha + 2 * (w - 1) / w * n / beta
+    if kind == "all-gather":
+        return (w - 1) * (alpha + n / beta)
+    if kind == "collective-broadcast":
+        return math.ceil(math.log2(w)) * (alpha + n / beta)
+    return (w - 1) * alpha + (w - 1) / w * n / beta  # reduce-scatter, all-to-all
+
+
+def communication_time(collectives, lk: Link) -> float:
+    """Seconds of all collectives of one step, run one after another.
+
+    Args:
+      collectives: a ``comm.CollectiveReport`` (its ``records``) or an iterable of
+        :class:`Collective` / ``comm.CollectiveRecord``.
+      lk: the link.
+
+    Example:
+      >>> lk = Link(bandwidth=1e3, latency=0.0)
+      >>> round(communication_time([Collective("all-gather", 100.0, 4, executions=2)], lk), 9)
+      0.6
+    """
+    records = getattr(collectives, "records", collectives)
+    total = 0.0
+    for r in records:
+        runs = _check_count("executions", r.executions, minimum=0)
+        total += runs * collective_time(r.kind, r.bytes_per_execution, r.group_size, lk)
+    return total
+
+
+def step_time(compute_s: float, collectives, lk: Link) -> float:
+    """A data-parallel (or any non-pipelined) step: compute, then its collectives, no overlap.
+
+    Example:
+      >>> lk = Link(bandwidth=1e3, latency=0.0)
+      >>> step_time(1.0, [Collective("all-reduce", 1000.0, 2)], lk)  # 1 + 2 * 1/2 * 1000/1e3
+      2.0
+    """
+    return _check_number("compute_s", compute_s) + communication_time(collectives, lk)
+
+
+def speedup(baseline_s: float, candidate_s: float) -> float:
+    """``baseline_s / candidate_s``: above 1 when the candidate (compressed) step is faster."""
+    base = _check_number("baseline_s", baseline_s, positive=True)
+    return base / _check_number("candidate_s", candidate_s, positive=True)
+
+
+def _per_stage(name: str, values, count: int) -> list[float]:
+    if isinstance(values, (int, float)):
+        values = [values] * count
+    values = list(values)
+    if len(values) != count:
+        raise ValueError(f"{name} needs {count} values (per stage or boundary); got {len(values)}.")
+    return [_check_number(f"{name}[{i}]", v) for i, v in enumerate(values)]
+
+
+def _schedule_order(schedule: str, s: int, num_stages: int, m: int) -> list[tuple[str, int]]:
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+    warm = min(num_stages - s - 1, m)  # 1f1b
+    order = [("F", i) for i in range(warm)]
+    for i in range(m - warm):
+        order += [("F", warm + i), ("B", i)]
+    return order + [("B", i) for i in range(m - warm, m)]
+
+
+def pipeline_step_time(
+    forward_s: Sequence[float] | float,
+    backward_s: Sequence[float] | float,
+    num_microbatches: int,
+    forward_bytes: Sequence[float] | float,
+    backward_bytes: Sequence[float] | float,
+    lk: Link,
+    *,
+    num_stages: int | None = None,
+    schedule: str = "gpipe",
+    lockstep: bool = True,
+) -> float:
+    """Seconds of one pipeline step: the critical path of the schedule, bubble included.
+
+    Args:
+      forward_s, backward_s: compute time of one microbatch's forward / backward on each stage
+        (a sequence of ``S``, or one number for every stage with ``num_stages``).
+      num_microbatches: ``M``.
+      forward_bytes, backward_bytes: bytes one microbatch sends across each boundary forward
+        (activations) / backward (activation-gradients): ``S - 1`` values or one number.
+      lk: the link between neighbouring stages.
+      num_stages: ``S`` when every per-stage argument is a single number.
+      schedule: ``"gpipe"`` or ``"1f1b"``.
+      lockstep: jaxcomp's GPipe: ticks of (slowest stage + one permute), bubble ticks included;
+        ``False``: asynchronous operations over the schedule's dependency graph.
+
+    Returns:
+      The step time in seconds (the pipeline alone; add a data-axis gradient reduction with
+      :func:`communication_time`).
+
+    Example:
+      >>> lk = Link(bandwidth=1e3, latency=0.1)  # a 100-byte send takes 0.2 s
+      >>> round(pipeline_step_time(1.0, 2.0, 2, 100.0, 100.0, lk, num_stages=2), 6)
+      10.2
+      >>> round(pipeline_step_time(1.0, 2.0, 2, 100.0, 100.0, lk, num_stages=2,
+      ...                          lockstep=False), 6)  # 3 * (1 + 2) + 2 sends
+      9.4
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}.")
+    m = _check_count("num_microbatches", num_microbatches, minimum=1)
+    if num_stages is None:
+        if isinstance(forward_s, (int, float)):
+            raise ValueError("num_stages is needed when forward_s is a single number.")
+        num_stages = len(list(forward_s))
+    s_n = _check_count("num_stages", num_stages, minimum=1)
+    f = _per_stage("forward_s", forward_s, s_n)
+    b = _per_stage("backward_s", backward_s, s_n)
+    sf = [collective_time("collective-permute", n, 2, lk) for n in _per_stage(
+        "forward_bytes", forward_bytes, s_n - 1)]  # fmt: skip
+    sb = [collective_time("collective-permute", n, 2, lk) for n in _per_stage(
+        "backward_bytes", backward_bytes, s_n - 1)]  # fmt: skip
+    if lockstep:
+        if schedule != "gpipe":
+            raise ValueError("lockstep=True models jaxcomp's GPipe ticks; use lockstep=False.")
+        ticks = m + s_n - 1
+        return ticks * (max(f) + max(sf, default=0.0)) + ticks * (max(b) + max(sb, default=0.0))
+    return _simulate(f, b, m, sf, sb, lk, schedule)
+
+
+def _simulate(f, b, m, sf, sb, lk, schedule) -> float:
+    """Makespan of the schedule's dependency graph (event simulation, exact for fixed orders)."""
+    s_n = len(f)
+    orders = [_schedule_order(schedule, s, s_n, m) for s in range(s_n)]
+    nxt = [0] * s_n
+    free = [0.0] * s_n  # when each stage is idle
+    arrive: dict[tuple[str, int, int], float] = {}  # (op, stage, microbatch) -> input ready
+    done: dict[tuple[str, int, int], float] = {}
+    link_free = {("F", i): 0.0 for i in range(s_n - 1)} | {("B", i): 0.0 for i in range(s_n - 1)}
+
+    def send(direction, boundary, t_end, seconds):
+        busy = seconds - (lk.latency if seconds else 0.0)  # the wire is busy for n / beta
+        start = max(t_end, link_free[(direction, boundary)])
+        link_free[(direction, boundary)] = start + busy
+        return start + seconds
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(s_n):
+            while nxt[s] < len(orders[s]):
+                op, i = orders[s][nxt[s]]
+                if op == "F":
+                    ready = 0.0 if s == 0 else arrive.get(("F", s, i))
+                else:
+                    ready = done.get(("F", s, i)) if s == s_n - 1 else arrive.get(("B", s, i))
+                if ready is None:
+                    break
+                end = max(free[s], ready) + (f[s] if op == "F" else b[s])
+                free[s] = done[(op, s, i)] = end
+                if op == "F" and s < s_n - 1:
+                    arrive[("F", s + 1, i)] = send("F", s, end, sf[s])
+                if op == "B" and s > 0:
+                    arrive[("B", s - 1, i)] = send("B", s - 1, end, sb[s - 1])
+                nxt[s] += 1
+                progressed = True
+    if any(nxt[s] < len(orders[s]) for s in range(s_n)):  # cannot happen for these schedules
+        raise RuntimeError(f"schedule {schedule!r} deadlocked at {nxt}.")
+    return max(free)
+
+
+def predicted_speedups(
+    baseline: Iterable, candidate: Iterable, compute_s: float, *, base_compute_s=None, links=None
+) -> dict[float, float]:
+    """Speedup of ``candidate`` over ``baseline`` collectives at each link speed (Gbit/s).
+
+    Both steps run :func:`step_time`: the candidate with ``compute_s`` and the baseline with
+    ``base_compute_s`` (default the same), each followed by its collectives.
+
+    Args:
+      baseline, candidate: collectives of one step (see :func:`communication_time`).
+      compute_s: the candidate's compute time per step, seconds.
+      base_compute_s: the baseline's (compression costs compute); default ``compute_s``.
+      links: ``{gbit_per_s: Link}``; default :data:`GBIT_PER_S` at :data:`DEFAULT_LATENCY_S`.
+
+    Example:
+      >>> dense = [Collective("all-reduce", 4e8, 4)]   # 400 MB of float32 gradients
+      >>> topk = [Collective("all-gather", 8e6, 4)]    # 1% TopK: values + indices
+      >>> {g: round(x, 1) for g, x in predicted_speedups(dense, topk, 0.1).items()}
+      {1.0: 16.8, 10.0: 4.9, 100.0: 1.5}
+    """
+    base_compute_s = compute_s if base_compute_s is None else base_compute_s
+    links = links or {g: link(g) for g in GBIT_PER_S}
+    baseline, candidate = list(baseline), list(candidate)
+    return {
+        g: speedup(step_time(base_compute_s, baseline, lk), step_time(compute_s, candidate, lk))
+        for g, lk in links.items()
+    }
