@@ -21,14 +21,16 @@ reports for one device (the operand; for ``all-gather`` one device's contributio
 
 A pipeline step is the critical path of its schedule over :math:`S` stages and :math:`M`
 microbatches with per-stage forward/backward times :math:`f_s, b_s` per microbatch. In
-*lockstep* (jaxcomp's GPipe: every tick, every stage computes, bubble ticks included, then one
-``collective-permute`` carries all boundaries) the step is
+*lockstep*, as jaxcomp's GPipe runs (one SPMD program: every tick waits for its slowest stage,
+and every send is its own single-pair ``collective-permute``, one per boundary, direction and
+microbatch, in sequence with the compute) the step is
 
 .. math::
 
-  T = (M+S-1)\,(\max_s f_s + c_f) + (M+S-1)\,(\max_s b_s + c_b),
+  T = (M+S-1)\,(\max_s f_s + \max_s b_s) + M \sum_{b=1}^{S-1} (c^{fwd}_b + c^{bwd}_b),
 
-:math:`c` the permute time of the largest boundary payload. Asynchronously (a stage starts an
+:math:`c_b` the permute time of boundary :math:`b`'s payload, i.e. compute plus the sum of the
+step's permutes as the HLO meter lists them. Asynchronously (a stage starts an
 operation as soon as its input has arrived, sends overlap compute, each boundary and direction
 is one link that carries one message at a time) the step is the makespan of the schedule's
 dependency graph, computed exactly by an event simulation; with uniform stages and free
@@ -247,8 +249,9 @@ def pipeline_step_time(
       lk: the link between neighbouring stages.
       num_stages: ``S`` when every per-stage argument is a single number.
       schedule: ``"gpipe"`` or ``"1f1b"``.
-      lockstep: jaxcomp's GPipe: ticks of (slowest stage + one permute), bubble ticks included;
-        ``False``: asynchronous operations over the schedule's dependency graph.
+      lockstep: jaxcomp's GPipe: ``M + S - 1`` ticks of the slowest stage each way, plus every
+        send in sequence; ``False``: asynchronous operations over the schedule's dependency
+        graph, sends overlapping compute.
 
     Returns:
       The step time in seconds (the pipeline alone; add a data-axis gradient reduction with
@@ -257,9 +260,9 @@ def pipeline_step_time(
     Example:
       >>> lk = Link(bandwidth=1e3, latency=0.1)  # a 100-byte send takes 0.2 s
       >>> round(pipeline_step_time(1.0, 2.0, 2, 100.0, 100.0, lk, num_stages=2), 6)
-      10.2
+      9.8
       >>> round(pipeline_step_time(1.0, 2.0, 2, 100.0, 100.0, lk, num_stages=2,
-      ...                          lockstep=False), 6)  # 3 * (1 + 2) + 2 sends
+      ...                          lockstep=False), 6)  # 2 sends on the critical path
       9.4
     """
     if schedule not in SCHEDULES:
@@ -279,8 +282,7 @@ def pipeline_step_time(
     if lockstep:
         if schedule != "gpipe":
             raise ValueError("lockstep=True models jaxcomp's GPipe ticks; use lockstep=False.")
-        ticks = m + s_n - 1
-        return ticks * (max(f) + max(sf, default=0.0)) + ticks * (max(b) + max(sb, default=0.0))
+        return (m + s_n - 1) * (max(f) + max(b)) + m * (sum(sf) + sum(sb))
     return _simulate(f, b, m, sf, sb, lk, schedule)
 
 

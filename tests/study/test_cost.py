@@ -57,8 +57,8 @@ def test_pipeline_two_stages_by_hand():
     """S=2, M=2, f=1, b=2, every send 0.1 + 100 / 1000 = 0.2 s."""
     lk = study.Link(bandwidth=1000.0, latency=0.1)  # a 100-byte send takes 0.2 s
     args = (1.0, 2.0, 2, 100.0, 100.0, lk)
-    # lockstep (jaxcomp's GPipe): 3 ticks of (1 + 0.2) forward, 3 of (2 + 0.2) backward
-    assert study.pipeline_step_time(*args, num_stages=2) == pytest.approx(10.2)
+    # lockstep (jaxcomp's GPipe): 3 ticks of 1 forward, 3 of 2 backward, then 2 x 2 sends
+    assert study.pipeline_step_time(*args, num_stages=2) == pytest.approx(9.0 + 4 * 0.2)
     # asynchronous: F0 [0,1] F1 [1,2] | F0 [1.2,2.2] F1 [2.2,3.2] B1 [3.2,5.2] B0 [5.2,7.2]
     # | B1 [5.4,7.4] B0 [7.4,9.4]
     for schedule in study.SCHEDULES:
@@ -73,6 +73,16 @@ def test_heterogeneous_stages_gpipe_vs_1f1b_by_hand():
     assert study.pipeline_step_time(*args) == pytest.approx(12.0)
     assert study.pipeline_step_time(*args, lockstep=False) == pytest.approx(10.0)
     assert study.pipeline_step_time(*args, schedule="1f1b", lockstep=False) == pytest.approx(9.0)
+
+
+def test_lockstep_adds_every_send_of_every_boundary():
+    """S=3, M=2, f=b=1; sends 0.1 + bytes/1000: forward 0.2 and 0.4, backward 0 and 0.2."""
+    lk = study.Link(bandwidth=1000.0, latency=0.1)
+    got = study.pipeline_step_time(1.0, 1.0, 2, [100.0, 300.0], [0.0, 100.0], lk, num_stages=3)
+    assert got == pytest.approx(4 * 2 + 2 * (0.2 + 0.4 + 0.0 + 0.2))
+    # the same as compute plus the step's single-pair permutes as the HLO meter lists them
+    sends = [study.Collective("collective-permute", n, 2, executions=2) for n in (100, 300, 100)]
+    assert study.step_time(4 * 2, sends, lk) == pytest.approx(got)
 
 
 def test_a_busy_link_serialises_sends():
