@@ -1,9 +1,12 @@
 """Studies: grids of config overrides x seeds run one after another, their comparison report,
 and the alpha-beta cost model that predicts whether compression pays on a given link.
 
-* :mod:`~jaxcomp.study` cost model: :func:`link`, :func:`collective_time`,
-  :func:`communication_time`, :func:`step_time`, :func:`pipeline_step_time`,
-  :func:`predicted_speedups`.
+* Studies (``configs/studies/NAME.py``, run with ``python -m jaxcomp.study run NAME --workdir
+  DIR``): :func:`load_study`, :func:`cells`, :func:`direction_presets`, :func:`run_study`.
+* The report: :func:`write_report` (markdown table, CSVs, PNG plots), :func:`read_runs`,
+  :func:`aggregate`.
+* The cost model: :func:`link`, :func:`collective_time`, :func:`communication_time`,
+  :func:`step_time`, :func:`pipeline_step_time`, :func:`predicted_speedups`.
 """
 
 from jaxcomp.study._cost import DEFAULT_LATENCY_S
@@ -19,9 +22,33 @@ from jaxcomp.study._cost import pipeline_step_time
 from jaxcomp.study._cost import predicted_speedups
 from jaxcomp.study._cost import speedup
 from jaxcomp.study._cost import step_time
+from jaxcomp.study._grid import SMOKE
+from jaxcomp.study._grid import Cell
+from jaxcomp.study._grid import Study
+from jaxcomp.study._grid import cell_config
+from jaxcomp.study._grid import cells
+from jaxcomp.study._grid import direction_presets
+from jaxcomp.study._grid import load_study
+from jaxcomp.study._report import Run
+from jaxcomp.study._report import aggregate
+from jaxcomp.study._report import read_runs
+from jaxcomp.study._runner import run_study
+from jaxcomp.study._write import write_report
 
 __all__ = (
     "DEFAULT_LATENCY_S",
+    "SMOKE",
+    "Cell",
+    "Run",
+    "Study",
+    "aggregate",
+    "cell_config",
+    "cells",
+    "direction_presets",
+    "load_study",
+    "read_runs",
+    "run_study",
+    "write_report",
     "GBIT_PER_S",
     "KINDS",
     "SCHEDULES",

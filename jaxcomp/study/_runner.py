@@ -115,6 +115,7 @@ def run_study(
     configs = {cell.name: _grid.cell_config(study, cell, base) for cell in grid}
     manifest = {
         "study": study.name,
+        "doc": study.doc,
         "path": study.path,
         "config": study.config,
         "smoke": smoke,

@@ -1,0 +1,315 @@
+"""Studies: the grid of cells, the resumable runner and the report, on a fake trainer (fast)."""
+
+import csv
+import json
+import os
+import textwrap
+
+import pytest
+
+from jaxcomp import study
+
+STUDY_FILE = '''
+r"""A tiny test study.
+
+  python -m jaxcomp.study run tiny --workdir runs/tiny
+"""
+
+CONFIG = "digits_pipeline"
+COMMON = {"total_steps": 10}
+VARIANTS = {
+    "dense": {"pipeline.forward": "identity", "pipeline.backward": "identity"},
+    "topk 10%": {"pipeline.forward": {"name": "top_k", "fraction": 0.1}},
+}
+AXES = {"optimizer": {"adam": {"optax_name": "adam"}, "sgd": {"optax_name": "sgd", "lr": 0.05}}}
+SEEDS = (0, 1)
+BASELINE = "dense"
+'''
+
+
+def write_study(folder, text=STUDY_FILE, name="tiny"):
+    path = folder / f"{name}.py"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return study.load_study(str(write_study(tmp_path)))
+
+
+class NonFiniteError(RuntimeError):
+    """Stands in for jaxcomp.train.NonFiniteError (matched by name)."""
+
+
+ACCURACY = {"identity": 0.9, "top_k": 0.8}
+BOUNDARY = {"identity": 2400.0, "top_k": 240.0}
+
+
+def fake_train(calls, fail=(), diverge=()):
+    """A trainer that writes what jaxcomp.train writes, with numbers set by the config."""
+
+    def train_fn(config, workdir):
+        name = os.path.basename(workdir)
+        calls.append(name)
+        if any(f in name for f in diverge):
+            raise NonFiniteError("10 steps in a row non-finite")
+        if any(f in name for f in fail):
+            raise RuntimeError("device lost")
+        fwd = config.pipeline.forward
+        codec = fwd if isinstance(fwd, str) else fwd["name"]
+        acc = ACCURACY[codec] + 0.02 * config.seed + (0.0 if config.optax_name == "adam" else -0.1)
+        with open(os.path.join(workdir, "experiment.json"), "w") as f:
+            json.dump({"mesh": [["data", 2], ["stage", 4]]}, f)
+        with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+            for step, a in ((5, acc + 0.05), (10, acc)):
+                f.write(json.dumps({"step": step, "split": "train", "loss": 1.0 / step}) + "\n")
+                rec = {"accuracy": a, "accuracy_uncompressed": a + 0.01, "loss": 1 - a}
+                f.write(json.dumps({"step": step, "split": "eval", **rec}) + "\n")
+        summary = {
+            "mode": "pipeline",
+            "stages": 4,
+            "microbatches": 4,
+            "steps": config.total_steps,
+            "final_loss": 1 - acc,
+            "final_accuracy": acc,
+            "final_accuracy_uncompressed": acc + 0.01,
+            "wire_bytes_per_step": BOUNDARY[codec],
+            "dense_bytes_per_step": 2400.0,
+            "boundary_bytes_per_step": BOUNDARY[codec],
+            "hlo_collective_bytes_per_step": BOUNDARY[codec] + 1000.0,
+            "wall_time_s": 1.0 + config.seed,
+        }
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f)
+        return summary
+
+    return train_fn
+
+
+# --- the grid ---------------------------------------------------------------------------------
+
+
+def test_cells_cross_variants_axes_and_seeds_in_order(tiny):
+    cells = study.cells(tiny)
+    assert [c.name for c in cells[:4]] == [
+        "dense__optimizer=adam__seed0",
+        "dense__optimizer=adam__seed1",
+        "dense__optimizer=sgd__seed0",
+        "dense__optimizer=sgd__seed1",
+    ]
+    assert len(cells) == 8 and cells[4].name == "topk-10__optimizer=adam__seed0"
+    sgd = cells[6]
+    assert sgd.overrides == {
+        "total_steps": 10,
+        "pipeline.forward": {"name": "top_k", "fraction": 0.1},
+        "optax_name": "sgd",
+        "lr": 0.05,
+        "seed": 0,
+    }
+    config = study.cell_config(tiny, sgd)
+    assert (config.optax_name, config.lr, config.seed, config.total_steps) == ("sgd", 0.05, 0, 10)
+    assert config.pipeline.forward.to_dict() == {"name": "top_k", "fraction": 0.1}
+    smoke = study.cells(tiny, study.SMOKE)[0].overrides
+    assert smoke["total_steps"] == 2 and smoke["eval_every"] == 0
+
+
+def test_direction_presets_are_plain_override_dicts():
+    p = study.direction_presets({"name": "top_k", "fraction": 0.1})
+    assert p["forward-only"] == {
+        "pipeline.forward": {"name": "top_k", "fraction": 0.1},
+        "pipeline.backward": "identity",
+    }
+    assert p["both"]["pipeline.backward"] == p["both"]["pipeline.forward"]
+    assert p["backward-only"]["pipeline.forward"] == "identity"
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (("CONFIG = ", "XCONFIG = "), "defines no CONFIG"),
+        (("VARIANTS = {", "VARIANTS = {}\nOLD = {"), "VARIANTS is empty"),
+        (("SEEDS = (0, 1)", "SEEDS = (0, 0)"), "SEEDS has duplicates"),
+        (("SEEDS = (0, 1)", "SEEDS = (0.5,)"), "SEEDS must be a non-empty tuple of ints"),
+        (('BASELINE = "dense"', 'BASELINE = "none"'), "BASELINE 'none' is not a variant"),
+        (('"adam": {"optax_name": "adam"}', '"adam": "adam"'), r"AXES\['optimizer'\]\['adam'\]"),
+        (("python -m jaxcomp.study run", "python -m run"), "docstring must give the command"),
+        (('"topk 10%"', '"dense!"'), "share the name 'dense__optimizer=adam__seed0'"),
+    ],
+)
+def test_malformed_study_files_are_clear_errors(tmp_path, change, error):
+    text = STUDY_FILE.replace(*change)
+    assert text != STUDY_FILE
+    with pytest.raises(ValueError, match=error):
+        study.cells(study.load_study(str(write_study(tmp_path, text))))
+
+
+def test_unknown_study_and_bad_override_name_the_problem(tmp_path, tiny):
+    with pytest.raises(ValueError, match="unknown study 'nope'.*known: \\['tiny'\\]"):
+        study.load_study("nope", studies_dir=tmp_path)
+    bad = study.cells(tiny, {"pipeline.forwrd": "identity"})[0]
+    with pytest.raises(ValueError, match="cell dense__optimizer=adam__seed0: unknown config key"):
+        study.cell_config(tiny, bad)
+
+
+def test_a_typo_in_any_cell_fails_before_the_first_run(tmp_path):
+    text = STUDY_FILE.replace('"lr": 0.05', '"lr": "fast"')
+    calls = []
+    with pytest.raises(ValueError, match="config.lr must be a number"):
+        study.run_study(study.load_study(str(write_study(tmp_path, text))), str(tmp_path / "w"),
+                        train_fn=fake_train(calls), log=lambda *_: None)  # fmt: skip
+    assert calls == []
+
+
+# --- the runner -------------------------------------------------------------------------------
+
+
+def test_runner_records_statuses_and_a_rerun_continues(tiny, tmp_path):
+    workdir, calls = str(tmp_path / "w"), []
+    train_fn = fake_train(calls, fail=("sgd__seed1",), diverge=("topk-10__optimizer=adam__seed0",))
+    statuses = study.run_study(tiny, workdir, train_fn=train_fn, log=lambda *_: None)
+    assert len(calls) == 8
+    assert statuses["dense__optimizer=adam__seed0"] == "done"
+    assert statuses["topk-10__optimizer=adam__seed0"] == "diverged"
+    assert [k for k, v in statuses.items() if v == "failed"] == [
+        "dense__optimizer=sgd__seed1",
+        "topk-10__optimizer=sgd__seed1",
+    ]
+    cell = json.load(open(os.path.join(workdir, "dense__optimizer=sgd__seed1", "cell.json")))
+    assert cell["status"] == "failed" and cell["error"] == "RuntimeError: device lost"
+    # the rerun retries the failed cells only (diverged ones are a result, not retried)
+    calls.clear()
+    statuses = study.run_study(tiny, workdir, train_fn=fake_train(calls), log=lambda *_: None)
+    assert calls == ["dense__optimizer=sgd__seed1", "topk-10__optimizer=sgd__seed1"]
+    assert list(statuses.values()).count("done") == 7
+
+
+def test_a_killed_cell_is_run_again(tiny, tmp_path):
+    workdir, calls = str(tmp_path / "w"), []
+
+    def killed(config, workdir):
+        calls.append(os.path.basename(workdir))
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # a signal: not recorded as failed, the study stops
+
+    with pytest.raises(KeyboardInterrupt):
+        study.run_study(tiny, workdir, train_fn=killed, log=lambda *_: None)
+    cell = json.load(open(os.path.join(workdir, calls[-1], "cell.json")))
+    assert cell["status"] == "running"
+    calls2 = []
+    study.run_study(tiny, workdir, train_fn=fake_train(calls2), log=lambda *_: None)
+    assert calls2 == [c.name for c in study.cells(tiny)][2:]
+
+
+def test_a_workdir_holds_one_study_smoke_or_not(tiny, tmp_path):
+    workdir = str(tmp_path / "w")
+    study.run_study(tiny, workdir, smoke=True, train_fn=fake_train([]), log=lambda *_: None)
+    with pytest.raises(ValueError, match="smoke=True.*use another --workdir"):
+        study.run_study(tiny, workdir, train_fn=fake_train([]), log=lambda *_: None)
+    with pytest.raises(ValueError, match="extra=.*use another --workdir"):
+        study.run_study(tiny, workdir, smoke=True, extra={"lr": 0.5}, train_fn=fake_train([]),
+                        log=lambda *_: None)  # fmt: skip
+    changed = study.load_study(str(write_study(tmp_path, STUDY_FILE.replace("0.05", "0.06"))))
+    with pytest.raises(ValueError, match="cell 'dense__optimizer=sgd__seed0' of .* changed"):
+        study.run_study(changed, workdir, smoke=True, train_fn=fake_train([]), log=lambda *_: None)
+
+
+# --- the report -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def finished(tiny, tmp_path):
+    workdir = str(tmp_path / "w")
+    train_fn = fake_train([], diverge=("topk-10__optimizer=sgd__seed1",))
+    study.run_study(tiny, workdir, train_fn=train_fn, log=lambda *_: None)
+    return workdir
+
+
+def test_report_aggregates_seeds_and_predicts_speedups_by_hand(finished):
+    manifest, runs = study.read_runs(finished)
+    links = {1.0: study.Link(bandwidth=1000.0, latency=0.0)}
+    rows, notes = study.aggregate(manifest, runs, compute_s=0.01, links=links)
+    by = {(r["variant"], r["optimizer"]): r for r in rows}
+    dense = by[("dense", "adam")]
+    assert dense["seeds"] == 2 and dense["diverged"] == 0
+    assert dense["final_acc_on"] == pytest.approx(0.91)  # 0.9 and 0.92
+    assert dense["final_acc_on_std"] == pytest.approx(0.0141421, rel=1e-4)
+    assert dense["final_acc_off"] == pytest.approx(0.92)
+    assert dense["best_acc_on"] == pytest.approx(0.96)  # best evaluation: 0.95 and 0.97
+    assert dense["x_fewer_than_dense"] == pytest.approx(1.0) and dense["axis"] == "stage"
+    topk = by[("topk 10%", "adam")]
+    assert topk["x_fewer_than_baseline"] == pytest.approx(10.0)
+    # 24 single-pair permutes of the boundary bytes, then the rest (1000 B) as an all-reduce
+    # over the 2 data replicas: dense 0.01 + 2.4 + 1.0, TopK 0.01 + 0.24 + 1.0
+    assert dense["speedup_1gbit"] == pytest.approx(1.0)
+    assert topk["speedup_1gbit"] == pytest.approx(3.41 / 1.25)
+    sgd = by[("topk 10%", "sgd")]
+    assert (sgd["seeds"], sgd["of_seeds"], sgd["diverged"]) == (1, 2, 1)
+    assert sgd["final_acc_on"] == pytest.approx(0.7)  # the diverged seed is not averaged
+    assert any("boundary permutes" in n for n in notes)
+
+
+def test_report_writes_markdown_csv_and_plots(finished):
+    paths = study.write_report(finished, compute_s=0.01)
+    md = open(paths["markdown"]).read()
+    assert md.startswith("# Study `tiny`")
+    assert "| topk 10% | sgd | 1/2 | 1 |" in md
+    assert "0.910 ± 0.014" in md and "10.00x" in md
+    with open(paths["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and float(rows[0]["final_acc_on"]) == pytest.approx(0.91)
+    with open(paths["cells_csv"]) as f:
+        cells = list(csv.DictReader(f))
+    assert len(cells) == 8 and {c["status"] for c in cells} == {"done", "diverged"}
+    for name in ("accuracy_vs_bytes", "curves"):
+        assert open(paths[name], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "state" not in paths  # no Accordion / AB metrics in these runs
+
+
+def test_report_state_plot_for_adaptive_methods(finished):
+    cell = os.path.join(finished, "dense__optimizer=adam__seed0", "metrics.jsonl")
+    with open(cell, "a") as f:
+        for step in (11, 12):
+            rec = {"step": step, "split": "train", "loss": 0.1, "phase": step % 2,
+                   "mean_rank": 3.0, "wire_bytes": 10.0}  # fmt: skip
+            f.write(json.dumps(rec) + "\n")
+    assert open(study.write_report(finished)["state"], "rb").read(4) == b"\x89PNG"
+
+
+def test_report_reads_a_killed_run_and_rejects_damaged_files(finished, tmp_path):
+    cell = os.path.join(finished, "dense__optimizer=adam__seed0", "metrics.jsonl")
+    with open(cell, "a") as f:
+        f.write('{"step": 11, "split": "ev')  # killed mid-write: the last line is dropped
+    _, runs = study.read_runs(finished)
+    assert len(runs[0].evals) == 2
+    with open(cell, "a") as f:
+        f.write("\n" + json.dumps({"step": 12, "split": "train"}) + "\n")
+    with pytest.raises(ValueError, match="metrics.jsonl line 5 is damaged"):
+        study.read_runs(finished)
+    with pytest.raises(ValueError, match="holds no study"):
+        study.write_report(str(tmp_path / "empty"))
+    with open(os.path.join(finished, "study.json"), "w") as f:
+        f.write("{")
+    with pytest.raises(ValueError, match="study.json is damaged"):
+        study.read_runs(finished)
+
+
+def test_report_of_an_unfinished_study(tiny, tmp_path):
+    workdir = str(tmp_path / "w")
+    calls = []
+
+    def stop_after_two(config, workdir):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return fake_train(calls)(config, workdir)
+
+    with pytest.raises(KeyboardInterrupt):
+        study.run_study(tiny, workdir, train_fn=stop_after_two, log=lambda *_: None)
+    manifest, runs = study.read_runs(workdir)
+    rows, _ = study.aggregate(manifest, runs)
+    first = rows[0]
+    assert (first["seeds"], first["unfinished"]) == (2, 0)
+    assert rows[1]["seeds"] == 0 and rows[1]["unfinished"] == 2
+    assert rows[1]["final_acc_on"] is None and rows[1]["speedup_1gbit"] is None
+    md = open(study.write_report(workdir)["markdown"]).read()
+    assert "2 of 8 runs done, 0 diverged" in md and "| dense | sgd | 0/2 (2 unfinished) |" in md
