@@ -17,6 +17,15 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: str, dpi: int = 100) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def _combo_label(row: dict[str, Any], axes: Sequence[str]) -> str:
     return ", ".join(f"{a}={row.get(a)}" for a in axes) or "all"
 
@@ -56,10 +65,7 @@ def plot_accuracy_vs_bytes(
     ax.set_ylabel("final test accuracy (mean ± std over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=110)
 
 
 def _mean_curve(runs, split: str, key: str) -> list[tuple[int, float]]:
@@ -109,10 +115,7 @@ def plot_curves(runs: list, axes: Sequence[str], path: str) -> str | None:
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 #: train metrics that show an adaptive method's state over time, and their labels
@@ -151,10 +154,7 @@ def plot_state(runs: list, path: str) -> str | None:
         ax.grid(alpha=0.3)
     axs[-1][0].set_xlabel("step")
     axs[0][0].legend(fontsize=5, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def all_plots(rows, runs, axes, out_dir: str) -> dict[str, str]:
