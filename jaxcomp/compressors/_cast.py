@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp.compressors import _base
+from jaxcomp.compressors import _checks
 
 _CASTS = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
@@ -36,6 +37,7 @@ def identity() -> _base.Codec:
         return x, state
 
     def decompress(payload, like):
+        _checks.check_fits("identity", like, [("payload", payload, tuple(like.shape), None)])
         return payload.astype(like.dtype)
 
     def psum(payload, axis_name):
@@ -50,8 +52,15 @@ def cast(dtype="bfloat16") -> _base.Codec:
     The payload is the ``uint16`` bit pattern of the rounded value
     (``lax.bitcast_convert_type``): the XLA CPU backend widens ``bfloat16`` collectives to
     ``float32`` (JAX-NOTES §2), while ``uint16`` travels as two bytes on every backend.
-    Rounding is round-to-nearest-even; values beyond the format's range become ``+-inf`` and
-    NaN stays NaN.
+    Rounding is round-to-nearest-even; NaN stays NaN and ``+-inf`` stays ``+-inf``.
+
+    The relative error is at most ``2**-9`` (``bfloat16``) or ``2**-12`` (``float16``) over
+    the format's normal range, which for ``bfloat16`` is ``float32``'s (1.2e-38 to 3.4e38).
+    ``float16``'s normal range is only ``[6.1e-5, 65504]``: finite values above 65504 (above
+    65520 after rounding) become ``+-inf``, so they decode non-finite, never to a wrong finite
+    value; values below 6.1e-5 are subnormal and lose relative precision, and below 3e-8 they
+    flush to ``+-0`` (a gradient of magnitude 1e-8 decodes to zero). Use ``bfloat16`` for
+    gradients unless they are known to lie in ``float16``'s range.
 
     Args:
       dtype: ``"bfloat16"`` (8 exponent bits, range of ``float32``) or ``"float16"``
@@ -84,6 +93,7 @@ def cast(dtype="bfloat16") -> _base.Codec:
         return jax.lax.bitcast_convert_type(x.astype(target), jnp.uint16), state
 
     def decompress(payload, like):
+        _checks.check_fits(name, like, [("payload", payload, tuple(like.shape), jnp.uint16)])
         return jax.lax.bitcast_convert_type(payload, target).astype(like.dtype)
 
     def psum(payload, axis_name):

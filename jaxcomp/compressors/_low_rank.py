@@ -7,8 +7,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxcomp.compressors import _base
+from jaxcomp.compressors import _checks
 
 
 class PowerSGDState(NamedTuple):
@@ -52,47 +54,99 @@ def effective_rank(shape: tuple[int, ...], rank: int) -> int:
     return min(rows, cols, rank)
 
 
+def _transposed_matmul_cpu(m: jax.Array, p: jax.Array) -> jax.Array:
+    if p.shape[1] == 1:
+        return (p.T @ m).T
+    return jnp.sum(m[:, :, None] * p[:, None, :], axis=0)
+
+
+def _transposed_matmul_dot(m: jax.Array, p: jax.Array) -> jax.Array:
+    return m.T @ p
+
+
 def transposed_matmul(m: jax.Array, p: jax.Array) -> jax.Array:
     """``m.T @ p`` for a large ``m`` and a skinny ``p`` (``[rows, r]``, small r).
 
     The XLA CPU backend runs this dot (contraction over the rows of ``m``) about 10x slower
     than ``m @ q``; as a fused multiply-and-reduce it runs at memory speed, except for r = 1
     where that reduce is slow too and ``(pᵀ m)ᵀ``, a matrix-vector product, is ~20x faster.
-    Other backends use the dot.
+    Other backends use the dot. The choice is made when the program is lowered
+    (``lax.platform_dependent``), so a program exported or cross-compiled for GPU or TPU on a
+    CPU machine takes the dot.
     """
-    if jax.default_backend() == "cpu":
-        if p.shape[1] == 1:
-            return (p.T @ m).T
-        return jnp.sum(m[:, :, None] * p[:, None, :], axis=0)
-    return m.T @ p
+    return lax.platform_dependent(
+        m, p, cpu=_transposed_matmul_cpu, default=_transposed_matmul_dot
+    )
 
 
-def orthogonalize(p: jax.Array, epsilon: float = 1e-8) -> jax.Array:
-    r"""Gram-Schmidt on the columns of ``p`` (in ``float32``), as the PowerSGD reference.
+DEFAULT_EPSILON = 1e-4
 
-    Each column is divided by :math:`\|c\|_2 + \epsilon` and then projected out of the columns
-    that follow; an all-zero column stays zero instead of becoming NaN.
+
+def orthogonalize(p: jax.Array, epsilon: float = DEFAULT_EPSILON) -> jax.Array:
+    r"""Orthonormalises the columns of ``p`` (in ``float32``); dependent columns become zero.
+
+    Column :math:`c_i` loses its projections on the earlier columns twice (Gram-Schmidt with
+    re-orthogonalisation: one pass loses orthogonality when :math:`c_i` nearly lies in their
+    span). What is left, :math:`r_i`, is normalised, unless
+
+    .. math::
+      \|r_i\|_2 \le \epsilon \, \|c_i\|_2,
+
+    in which case :math:`c_i` is (numerically) a combination of the earlier columns and the
+    column is set to exactly zero. The test is relative, so the result does not depend on the
+    scale of ``p`` (each column is first rescaled by a power of two, which is exact and keeps
+    the norms clear of overflow and underflow). The result :math:`P` has orthonormal non-zero
+    columns, so :math:`P P^\top M` is the orthogonal projection of :math:`M` onto their span,
+    and a matrix of rank below r is recovered exactly by PowerSGD.
+
+    The PowerSGD reference divides each column by :math:`\|c\|_2 + 10^{-8}` after one pass:
+    on a rank-deficient :math:`M Q` that normalises rounding noise into a column that is not
+    orthogonal to the earlier ones (reconstructions off by ~100% of ``max|M|``), and the
+    absolute :math:`10^{-8}` shrinks columns of tensors of magnitude 1e-8 and below.
+    Non-finite columns give NaN columns (never zero ones).
 
     Args:
       p: ``[n, r]`` matrix.
-      epsilon: added to each column norm.
+      epsilon: relative tolerance in ``[0, 1)`` of the dependence test above. The default
+        ``1e-4`` is above the float32 rounding noise of a dependent column of ``M @ Q`` (about
+        ``1e-7 * sqrt(cols)``, times a small factor) and far below a real direction's share.
 
     Returns:
-      ``float32[n, r]`` with orthonormal (or zero) columns.
+      ``float32[n, r]`` with orthonormal or zero columns.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp import compressors
+      >>> p = compressors.orthogonalize(jnp.array([[3.0, 6.0], [4.0, 8.0]]))  # rank 1
+      >>> p.tolist()
+      [[0.6000000238418579, 0.0], [0.800000011920929, 0.0]]
+
+    References:
+      Giraud, Langou, Rozloznik, `The loss of orthogonality in the Gram-Schmidt
+      orthogonalization process <https://doi.org/10.1016/j.camwa.2005.08.009>`_, 2005
+      ("twice is enough").
     """
     p = p.astype(jnp.float32)
-    cols = []
+    if p.shape[1] == 0 or p.shape[0] == 0:
+        return p
+    _, exponent = jnp.frexp(jnp.max(_checks.nan_as_inf(jnp.abs(p)), axis=0))
+    p = jnp.ldexp(p, -exponent)
+    basis = []
     for i in range(p.shape[1]):
-        col = p[:, i]
-        for prev in cols:
-            col = col - jnp.dot(prev, col) * prev
-        col = col / (jnp.sqrt(jnp.dot(col, col)) + epsilon)
-        cols.append(col)
-    return jnp.stack(cols, axis=1)
+        c = p[:, i]
+        norm_c = jnp.sqrt(jnp.dot(c, c))
+        v = c
+        for _ in range(2):
+            for b in basis:
+                v = v - jnp.dot(b, v) * b
+        norm_v = jnp.sqrt(jnp.dot(v, v))
+        dead = (norm_v <= epsilon * norm_c) & jnp.isfinite(norm_c)
+        basis.append(jnp.where(dead, 0.0, v / jnp.where(dead, 1.0, norm_v)))
+    return jnp.stack(basis, axis=1)
 
 
 def power_sgd(
-    rank: int = 1, *, epsilon: float = 1e-8, seed: int = 0, warm_start: bool = True
+    rank: int = 1, *, epsilon: float = DEFAULT_EPSILON, seed: int = 0, warm_start: bool = True
 ) -> _base.Codec:
     r"""PowerSGD low-rank compression of one tensor (the single-worker codec).
 
@@ -101,19 +155,26 @@ def power_sgd(
     .. math::
       P = \mathrm{orth}(M Q), \quad Q' = M^\top P, \quad \hat x = P Q'^\top
 
-    :math:`P P^\top M` is the projection of :math:`M` onto the span of :math:`MQ`, so a matrix of
-    rank at most r is recovered exactly. ``Q'`` is kept as the next step's Q (warm start), which
-    makes repeated compression of slowly changing tensors a power iteration. Tensors with fewer
-    than 2 dimensions pass through uncompressed. If a column of ``Q'`` comes out all zero (e.g.
-    for an all-zero input) the previous column is kept so the iteration can recover.
+    :math:`P` has orthonormal (or zero) columns (:func:`orthogonalize`), so
+    :math:`\hat x = P P^\top M` is the projection of :math:`M` onto the span of :math:`MQ`: a
+    matrix of rank at most r (rank-deficient, zero blocks, all zero) is recovered exactly, at
+    any magnitude. ``Q'`` is kept as the next step's Q (warm start), which makes repeated
+    compression of slowly changing tensors a power iteration. A column of :math:`P` that is
+    zero (its column of :math:`MQ` depends on the earlier ones, e.g. when :math:`M` has rank
+    below r) gives a zero column of :math:`Q'`; the state keeps the previous Q's column there
+    instead, so that the iteration can pick up a new direction when one appears. A non-finite
+    input gives a NaN payload (and reconstruction) and leaves the state unchanged. Tensors
+    with fewer than 2 dimensions, or with no entries, pass through uncompressed.
 
     For the multi-worker protocol (all-reduce of P, then of Q) see
     :func:`jaxcomp.comm.compressed_pmean`; it reuses :func:`orthogonalize`, the same state and
-    the arguments below (from ``Codec.options``).
+    the arguments below.
 
     Args:
       rank: target rank r >= 1 (capped at ``min(rows, cols)``).
-      epsilon: added to column norms in :func:`orthogonalize`.
+      epsilon: relative tolerance of :func:`orthogonalize`'s dependence test, in ``[0, 1)``.
+        (The reference adds an absolute ``1e-8`` to column norms instead, which is not scale
+        invariant; see :func:`orthogonalize`.)
       seed: seed of the initial Q ~ N(0, 1), identical on every worker (the reference draws it
         from ``RandomState(42)``); the initial Q is not orthogonalised, as in the reference.
       warm_start: keep Q across calls (``reuse_query=True`` in the reference). If ``False`` a
@@ -121,15 +182,17 @@ def power_sgd(
 
     Returns:
       A :class:`~jaxcomp.compressors.Codec` with :class:`LowRankPayload` payloads of
-      ``(rows + cols) * r`` floats, and :class:`PowerSGDState` state.
+      ``(rows + cols) * r`` floats, and :class:`PowerSGDState` state. ``compress`` raises
+      ``ValueError`` for an input whose matrix view does not match the state's Q, and
+      ``decompress`` for a payload whose factors do not fit ``like``.
 
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxcomp import compressors
-      >>> codec = compressors.power_sgd(rank=1)
-      >>> x = jnp.outer(jnp.arange(1.0, 4.0), jnp.arange(1.0, 3.0))   # rank 1
+      >>> codec = compressors.power_sgd(rank=4)
+      >>> x = jnp.outer(jnp.arange(1.0, 4.0), jnp.arange(1.0, 7.0))   # rank 1 < 4
       >>> payload, state = codec.compress(x, codec.init(x), None)
-      >>> bool(jnp.allclose(codec.decompress(payload, x), x, atol=1e-5))
+      >>> bool(jnp.allclose(codec.decompress(payload, x), x, rtol=1e-5))
       True
 
     References:
@@ -137,27 +200,38 @@ def power_sgd(
       Optimization <https://arxiv.org/abs/1905.13727>`_, 2019.
     """
     _base.check_int_range("rank", rank, 1)
-    if not (isinstance(epsilon, (int, float)) and epsilon >= 0):
-        raise ValueError(f"epsilon must be a float >= 0; got {epsilon!r}.")
+    ok = isinstance(epsilon, (int, float)) and not isinstance(epsilon, bool)
+    if not (ok and 0.0 <= epsilon < 1.0):
+        raise ValueError(f"epsilon must be a float in [0, 1); got {epsilon!r}.")
     name = f"power_sgd(rank={rank})"
 
     def initial_q(cols: int, r: int, key) -> jax.Array:
         return jax.random.normal(key, (cols, r), jnp.float32)
 
+    def q_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+        r = effective_rank(shape, rank)
+        return (matrix_shape(shape)[1], r) if r else (0, 0)
+
     def init(x):
         _base.check_float(x, name)
-        r = effective_rank(tuple(x.shape), rank)
+        cols, r = q_shape(tuple(x.shape))
         if r == 0:
             return PowerSGDState(jnp.zeros((0, 0), jnp.float32))
-        _, cols = matrix_shape(tuple(x.shape))
         return PowerSGDState(initial_q(cols, r, jax.random.key(seed)))
 
     def compress(x, state, key=None):
         _base.check_float(x, name)
-        r = effective_rank(tuple(x.shape), rank)
+        shape = tuple(x.shape)
+        if tuple(state.q.shape) != q_shape(shape):
+            raise ValueError(
+                f"{name}: compress got x of {_checks.describe(x)}, which needs a state Q of "
+                f"shape {list(q_shape(shape))}, but the state's Q is {list(state.q.shape)}: "
+                "the state was initialised for another shape (call init with this one)."
+            )
+        cols, r = q_shape(shape)
         if r == 0:
             return x, state
-        rows, cols = matrix_shape(tuple(x.shape))
+        rows = matrix_shape(shape)[0]
         m = x.reshape(rows, cols).astype(jnp.float32)
         q_old = state.q
         if not warm_start:
@@ -165,13 +239,24 @@ def power_sgd(
             q_old = initial_q(cols, r, key)
         p = orthogonalize(m @ q_old, epsilon)
         q = transposed_matmul(m, p)
-        alive = jnp.sum(q * q, axis=0, keepdims=True) > 0
+        # a zero column of P (dependent column of MQ) gives a zero column of Q: keep the old
+        # one; a non-finite input leaves the whole state as it was
+        alive = jnp.any(p != 0, axis=0, keepdims=True) & jnp.all(jnp.isfinite(q))
         return LowRankPayload(p, q), PowerSGDState(jnp.where(alive, q, q_old))
 
     def decompress(payload, like):
-        if effective_rank(tuple(like.shape), rank) == 0:
+        shape = tuple(like.shape)
+        cols, r = q_shape(shape)
+        if r == 0:
+            _checks.check_fits(name, like, [("payload", payload, shape, None)])
             return payload.astype(like.dtype)
-        return (payload.p @ payload.q.T).reshape(like.shape).astype(like.dtype)
+        rows = matrix_shape(shape)[0]
+        _checks.check_fits(
+            name,
+            like,
+            [("p", payload.p, (rows, r), jnp.float32), ("q", payload.q, (cols, r), jnp.float32)],
+        )
+        return (payload.p @ payload.q.T).reshape(shape).astype(like.dtype)
 
     options = _base.Options(rank=rank, epsilon=epsilon, seed=seed, warm_start=warm_start)
     return _base.Codec(

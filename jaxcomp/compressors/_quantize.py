@@ -4,16 +4,19 @@ Three scale modes, as in the papers:
 
 * ``"tensor"``: symmetric, one absmax scale per tensor.
 * ``"feature"``: symmetric, one absmax scale per feature position, the max taken over ``axes``
-  (default ``(0,)``, the batch axis) and sent as ``float16`` — AC-SGD's
+  (default ``(0,)``, the batch axis) — AC-SGD's
   ``_compress_nbits(scale_method='max', scale_dims=(0,))`` used by Rudakov et al.
 * ``"minmax"``: affine with one global ``(min, max)`` pair — Rudakov et al.'s
   ``quantize_custom`` ("quantization_simple").
 
-Symmetric modes follow AC-SGD exactly (``h = 2**(bits-1)``, ``s`` the scale)::
+Symmetric modes use AC-SGD's levels (``h = 2**(bits-1)``, ``s`` the scale as sent)::
 
-  q = clip(round(x / (s + 1e-6) * h), -h, h - 1);    x_hat = q / h * s
+  q = clip(round(x / s * h), -h, h - 1);             x_hat = q / h * s
 
 so the error is at most ``s / (2h)`` inside the range and ``s / h`` at the clipped top level.
+AC-SGD divides by ``s + 1e-6``, an absolute term that swamps tensors of magnitude 1e-6 and
+below (relative error 0.2 at 1e-6, ~1 at 1e-8); here an all-zero group has ``s = 0`` and
+decodes to exact zeros, and the error is relative to ``s`` at every magnitude.
 The min-max mode uses ``L = 2**bits - 1`` levels::
 
   q = round((x - lo) / (hi - lo) * L);               x_hat = q / L * (hi - lo) + lo
@@ -22,8 +25,20 @@ with error at most ``(hi - lo) / (2L)``. A constant tensor (``hi == lo``) decode
 Stochastic rounding replaces ``round(v)`` by ``floor(v + u)``, ``u ~ U[0, 1)``, which is unbiased
 inside the range; the error is then below one step.
 
+Scales travel in ``scale_dtype``, rounded *outwards* (an absmax or ``hi`` up, ``lo`` down) so
+that no entry falls outside the range the receiver decodes. Feature scales travel as
+``bfloat16`` by default (as the ``uint16`` bit pattern, because the XLA CPU backend widens
+``bfloat16`` collectives): two bytes like AC-SGD's ``float16``, but with ``float32``'s range,
+at the cost of a scale up to ``2**-7`` (relative) coarser. ``scale_dtype=jnp.float16``
+reproduces AC-SGD's wire format and its limits: a group whose max exceeds 65504 gets an
+infinite scale and decodes to non-finite values, and below 6.1e-5 the scale is subnormal
+(coarser steps; a group whose max is below ~1e-9 decodes to zeros).
+
 Non-finite inputs are never made finite: a NaN or Inf in a scale group makes that group's scale
-non-finite, and the whole group decodes to NaN (or +-Inf).
+``+inf`` (``lo``/``hi`` infinite for min-max), and every entry of the group decodes to NaN or
++-Inf, for every size, jitted or not. (XLA:CPU's vectorised ``max`` drops NaN on large arrays,
+so the scales map NaN to ``+inf`` before reducing.) A zero-size input gives an empty payload
+(all-zero scales) and decodes to an empty array.
 """
 
 from __future__ import annotations
@@ -37,11 +52,12 @@ import numpy as np
 
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _bitpack
+from jaxcomp.compressors import _checks
 from jaxcomp.compressors import _noise
 
 SCALE_MODES = ("tensor", "feature", "minmax")
 ROUNDING_MODES = ("nearest", "stochastic")
-_EPS = 1e-6  # AC-SGD's guard in the divisor; keeps all-zero groups exactly zero
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
 
 
 class QuantizedPayload(NamedTuple):
@@ -49,8 +65,9 @@ class QuantizedPayload(NamedTuple):
 
     Attributes:
       codes: ``uint8[packed_size(n, bits)]``, the packed unsigned codes.
-      scale: ``float32[]`` (tensor), ``float16[feature shape]`` (feature) or ``float32[2]``
-        holding ``(lo, hi)`` (minmax).
+      scale: the scales in their wire dtype (``bfloat16`` as its ``uint16`` bits): ``[]``
+        (tensor, default ``float32``), ``[feature shape]`` (feature, default ``bfloat16``) or
+        ``[2]`` holding ``(lo, hi)`` (minmax, default ``float32``).
     """
 
     codes: jax.Array
@@ -61,6 +78,32 @@ def _rounded(v: jax.Array, key: jax.Array | None, stochastic: bool) -> jax.Array
     if stochastic:
         return jnp.floor(v + _noise.uniform_noise(key, v.shape))
     return jnp.round(v)
+
+
+def _outwards(s: jax.Array, dtype: np.dtype, up: bool) -> jax.Array:
+    """``float32`` ``s`` rounded to ``dtype`` towards ``+inf`` (``up``) or ``-inf``."""
+    w = s.astype(dtype)
+    if dtype == np.dtype(jnp.float32):
+        return w
+    back = w.astype(jnp.float32)
+    short = back < s if up else back > s
+    return jnp.where(short, jnp.nextafter(w, jnp.asarray(np.inf if up else -np.inf, dtype)), w)
+
+
+def _wire_dtype(scale_dtype: np.dtype) -> np.dtype:
+    return np.dtype(jnp.uint16) if scale_dtype == np.dtype(jnp.bfloat16) else scale_dtype
+
+
+def _to_wire(w: jax.Array) -> jax.Array:
+    if w.dtype == jnp.bfloat16:
+        return jax.lax.bitcast_convert_type(w, jnp.uint16)
+    return w
+
+
+def _from_wire(s: jax.Array) -> jax.Array:
+    if s.dtype == jnp.uint16:
+        s = jax.lax.bitcast_convert_type(s, jnp.bfloat16)
+    return s.astype(jnp.float32)
 
 
 def quantize(
@@ -74,8 +117,12 @@ def quantize(
     r"""Uniform ``bits``-bit quantization with bit-packed codes.
 
     .. math::
-      \hat x = \frac{\mathrm{clip}(\lfloor x h / (s + 10^{-6}) \rceil, -h, h - 1)}{h} s,
+      \hat x = \frac{\mathrm{clip}(\lfloor x h / s \rceil, -h, h - 1)}{h} s,
       \quad h = 2^{b-1}
+
+    The relative error :math:`|\hat x - x| / s` is bounded (by :math:`1/h`) independently of
+    the input's magnitude, from 1e-30 to 1e30 with the default scale dtypes (see the module
+    docstring for the rounding of scales, ``float16`` scales and non-finite inputs).
 
     Args:
       bits: code width, 1..8.
@@ -84,12 +131,14 @@ def quantize(
         scales). AC-SGD uses ``(0,)`` for CNN activations and ``(0, 1)`` for (batch, seq, emb).
       rounding: ``"nearest"`` (deterministic, the papers' default) or ``"stochastic"``
         (unbiased, needs a key; uses a fused integer-hash noise, not ``jax.random.uniform``).
-      scale_dtype: dtype the scales travel in; default ``float16`` for ``"feature"`` (AC-SGD)
-        and ``float32`` otherwise.
+      scale_dtype: ``float32``, ``bfloat16`` or ``float16``: the dtype the scales travel in.
+        Default ``bfloat16`` for ``"feature"`` (sent as ``uint16`` bits) and ``float32``
+        otherwise. ``float16`` is AC-SGD's: only for maxima in ``[6.1e-5, 65504]``.
 
     Returns:
       A :class:`~jaxcomp.compressors.Codec` with :class:`QuantizedPayload` payloads of
-      ``ceil(n * bits / 8)`` code bytes plus the scales.
+      ``ceil(n * bits / 8)`` code bytes plus the scales. ``decompress`` raises ``ValueError``
+      for a payload whose codes or scales do not fit ``like``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -114,48 +163,65 @@ def quantize(
             raise ValueError(f"axes must be a tuple of ints; got {axes!r}.")
         axes = tuple(axes)
     if scale_dtype is None:
-        scale_dtype = jnp.float16 if scale == "feature" else jnp.float32
-    scale_dtype = np.dtype(scale_dtype)
-    if not jnp.issubdtype(scale_dtype, jnp.floating):
-        raise ValueError(f"scale_dtype must be a floating dtype; got {scale_dtype}.")
+        scale_dtype = jnp.bfloat16 if scale == "feature" else jnp.float32
+    try:
+        scale_dtype = np.dtype(scale_dtype)
+    except TypeError:
+        scale_dtype = None
+    if scale_dtype is None or scale_dtype.name not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}; got {scale_dtype}.")
+    wire_dtype = _wire_dtype(scale_dtype)
     stochastic = rounding == "stochastic"
     name = f"quantize({bits}, {scale}{', stochastic' if stochastic else ''})"
     half = float(2 ** (bits - 1))
     levels = float(2**bits - 1)
 
     def feature_axes(ndim: int) -> tuple[int, ...]:
-        norm = tuple(sorted({a % ndim for a in axes})) if ndim else ()
         if any(a >= ndim or a < -ndim for a in axes):
-            raise ValueError(f"axes {axes} out of range for a {ndim}-D input.")
-        return norm
+            raise ValueError(f"{name}: axes {axes} out of range for a {ndim}-D input.")
+        return tuple(sorted({a % ndim for a in axes}))
+
+    def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+        if scale == "tensor":
+            return ()
+        if scale == "minmax":
+            return (2,)
+        red = feature_axes(len(shape))
+        return tuple(d for i, d in enumerate(shape) if i not in red)
 
     def init(x):
         _base.check_float(x, name)
+        scale_shape(tuple(x.shape))
         return _base.EmptyState()
 
     def codes_and_scale(x, key):
-        """Unsigned codes (float-valued) and the scale that travels."""
+        """Unsigned codes (float-valued) and the scale in its wire dtype."""
         _base.check_float(x, name)
         if stochastic:
             _base.check_key(key, name)
         xf = x.astype(jnp.float32)
         if scale == "minmax":
-            lo, hi = jnp.min(xf), jnp.max(xf)
-            span = hi - lo
-            v = (xf - lo) / jnp.where(span > 0, span, 1.0) * levels
-            return jnp.clip(_rounded(v, key, stochastic), 0.0, levels), jnp.stack([lo, hi])
-        if scale == "tensor":
-            s = jnp.max(jnp.abs(xf)).astype(scale_dtype)
-            s32 = s.astype(jnp.float32)
-        else:
-            red = feature_axes(x.ndim)
-            s = jnp.max(jnp.abs(xf), axis=red).astype(scale_dtype)
-            s32 = jnp.expand_dims(s.astype(jnp.float32), red)
-        v = xf / (s32 + _EPS) * half
-        return jnp.clip(_rounded(v, key, stochastic), -half, half - 1.0) + half, s
+            if xf.size == 0:
+                return xf, jnp.zeros((2,), wire_dtype)
+            lo = _outwards(jnp.min(jnp.where(jnp.isnan(xf), -jnp.inf, xf)), scale_dtype, False)
+            hi = _outwards(jnp.max(_checks.nan_as_inf(xf)), scale_dtype, True)
+            lo32, hi32 = lo.astype(jnp.float32), hi.astype(jnp.float32)
+            span = hi32 - lo32
+            v = (xf - lo32) / jnp.where(span > 0, span, 1.0) * levels
+            codes = jnp.clip(_rounded(v, key, stochastic), 0.0, levels)
+            return codes, _to_wire(jnp.stack([lo, hi]))
+        red = () if scale == "tensor" else feature_axes(x.ndim)
+        absmax = jnp.max(
+            _checks.nan_as_inf(jnp.abs(xf)), axis=red or None, initial=0.0
+        )  # NaN -> inf: a non-finite group gets an infinite scale
+        s = _outwards(absmax, scale_dtype, True)
+        s32 = jnp.expand_dims(s.astype(jnp.float32), red)
+        v = xf / jnp.where(s32 > 0, s32, 1.0) * half
+        codes = jnp.clip(_rounded(v, key, stochastic), -half, half - 1.0) + half
+        return codes, _to_wire(s)
 
     def decode(q, s, shape, dtype):
-        s = s.astype(jnp.float32)
+        s = _from_wire(s)
         if scale == "minmax":
             x_hat = q / levels * (s[1] - s[0]) + s[0]
         else:
@@ -164,23 +230,36 @@ def quantize(
             x_hat = (q - half) / half * s
         return x_hat.astype(dtype)
 
+    def check_payload(payload, like, lead=()):
+        shape = tuple(like.shape)
+        n = math.prod(shape)
+        _checks.check_fits(
+            name,
+            like,
+            [
+                ("codes", payload.codes, (*lead, _bitpack.packed_size(n, bits)), jnp.uint8),
+                ("scale", payload.scale, (*lead, *scale_shape(shape)), wire_dtype),
+            ],
+        )
+
     def compress(x, state, key=None):
         q, s = codes_and_scale(x, key)
         codes = _bitpack.pack(q.astype(jnp.uint8).reshape(-1), bits)
-        return QuantizedPayload(codes, s.astype(scale_dtype)), state
+        return QuantizedPayload(codes, s), state
 
     def decompress(payload, like):
+        check_payload(payload, like)
         n = math.prod(like.shape)
         q = _bitpack.unpack(payload.codes, n, bits).astype(jnp.float32).reshape(like.shape)
         return decode(q, payload.scale, like.shape, like.dtype)
 
     def roundtrip(x, state, key=None):
         q, s = codes_and_scale(x, key)
-        s = s.astype(scale_dtype)
         codes = _bitpack.pack(q.astype(jnp.uint8).reshape(-1), bits)
         return QuantizedPayload(codes, s), state, decode(q, s, x.shape, x.dtype)
 
     def decode_sum(stacked, like):
+        check_payload(stacked, like, lead=stacked.codes.shape[:1])
         if scale == "feature" or bits not in (1, 2, 4, 8):
             return _base.sum_decoded(decompress, stacked, like)
         # per-tensor scales: decode in bit-plane layout, every payload in one fused pass
@@ -214,7 +293,10 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
       \ \text{or}\ s = \|x\|_2 / \sqrt{n} \ \text{(``rms``)}
 
     A 1-bit code cannot encode zero: zero entries decode to ``+s`` (an all-zero tensor has
-    ``s = 0`` and decodes to exact zeros). Use with error feedback (EF-SignSGD).
+    ``s = 0`` and decodes to exact zeros). Use with error feedback (EF-SignSGD). The error
+    relative to :math:`\|x\|` does not depend on the input's magnitude. A NaN entry makes
+    every entry decode to NaN, an Inf entry every entry to +-Inf (or NaN); a zero-size input
+    decodes to an empty array.
 
     Args:
       scale: ``"mean_abs"`` (EF-SignSGD's :math:`\|x\|_1/n`, the MSE-optimal scale) or ``"rms"``.
@@ -246,9 +328,23 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
     def signs_and_scale(x):
         _base.check_float(x, name)
         xf = x.astype(jnp.float32)
+        if xf.size == 0:
+            return xf.astype(jnp.uint8), jnp.zeros((), jnp.float32)
         s = jnp.mean(jnp.abs(xf)) if scale == "mean_abs" else jnp.sqrt(jnp.mean(xf * xf))
-        # a NaN entry makes the scale NaN so the decoded tensor is NaN, never finite garbage
+        # a sum keeps NaN and Inf (unlike XLA:CPU's vectorised max), so a non-finite entry
+        # makes the scale non-finite and every entry decodes non-finite, never finite garbage
         return (xf >= 0).astype(jnp.uint8), s
+
+    def check_payload(payload, like, lead=()):
+        n = math.prod(like.shape)
+        _checks.check_fits(
+            name,
+            like,
+            [
+                ("codes", payload.codes, (*lead, _bitpack.packed_size(n, 1)), jnp.uint8),
+                ("scale", payload.scale, lead, jnp.float32),
+            ],
+        )
 
     def compress(x, state, key=None):
         del key
@@ -256,6 +352,7 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
         return QuantizedPayload(_bitpack.pack(bits.reshape(-1), 1), s), state
 
     def decompress(payload, like):
+        check_payload(payload, like)
         n = math.prod(like.shape)
         bits = _bitpack.unpack(payload.codes, n, 1).astype(jnp.float32)
         return ((2.0 * bits - 1.0) * payload.scale).reshape(like.shape).astype(like.dtype)
@@ -267,6 +364,7 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
         return QuantizedPayload(_bitpack.pack(bits.reshape(-1), 1), s), state, x_hat
 
     def decode_sum(stacked, like):
+        check_payload(stacked, like, lead=stacked.codes.shape[:1])
         planes = _bitpack.unpack_planes(stacked.codes, 1).astype(jnp.float32)
         acc = jnp.promote_types(like.dtype, jnp.float32)
         terms = [

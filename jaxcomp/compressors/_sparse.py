@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp.compressors import _base
+from jaxcomp.compressors import _checks
 
 TOPK_METHODS = ("exact", "blockwise")
 
@@ -42,12 +43,16 @@ class RandKPayload(NamedTuple):
 def kept_count(n: int, fraction: float | None, count: int | None) -> int:
     """Number of entries kept out of ``n``: ``count``, or ``n - int(n * (1 - fraction))``.
 
-    The fraction rule is Rudakov et al.'s (``n_lowest = int(D * (1 - topk))``), at least 1.
+    The fraction rule is Rudakov et al.'s (``n_lowest = int(D * (1 - topk))``), at least 1
+    when ``n > 0``, and 0 for ``n == 0`` (a zero-size input keeps nothing). A ``count`` above
+    ``n`` is a ``ValueError``.
     """
     if count is not None:
         if count > n:
             raise ValueError(f"count={count} exceeds the {n} entries available.")
         return count
+    if n == 0:
+        return 0
     return max(1, n - int(n * (1.0 - fraction)))
 
 
@@ -92,7 +97,11 @@ def top_k(
 
     Ties are broken by position (lower index first); Rudakov et al.'s ``kthvalue`` rule
     instead drops every entry tied with the pivot, so it may keep fewer than K. Non-finite
-    entries rank above every finite magnitude and are always kept.
+    entries rank above every finite magnitude and are always kept (K of them if there are more
+    than K, per block for ``"blockwise"``), so a non-finite input always decodes to a
+    non-finite output. Kept values are sent exactly, so the result does not depend on the
+    input's magnitude. A zero-size input (with ``fraction``) gives an empty payload and an
+    empty result; with ``count`` it is a ``ValueError`` (``count`` exceeds 0 entries).
 
     Args:
       fraction: fraction of entries kept, in (0, 1]; K is ``n - int(n * (1 - fraction))``.
@@ -137,6 +146,8 @@ def top_k(
         """(rows, row length, kept per row, blocks per row, block len, kept per block)."""
         b, d = rows(like)
         k = kept_count(d, fraction, count)
+        if k == 0:
+            return b, d, 0, 0, 0, 0
         if method == "exact" or k == d:
             return b, d, k, 1, d, k
         if block_size is None:
@@ -152,10 +163,28 @@ def top_k(
         layout(x)
         return _base.EmptyState()
 
+    def payload_shape(like) -> tuple[tuple[int, ...], jnp.dtype]:
+        b, _, _, nb, blk, kb = layout(like)
+        return ((b, nb * kb) if per_sample else (nb * kb,)), _base.index_dtype(blk)
+
+    def check_payload(payload, like, lead=()):
+        shape, idt = payload_shape(like)
+        _checks.check_fits(
+            name,
+            like,
+            [
+                ("values", payload.values, (*lead, *shape), None),
+                ("indices", payload.indices, (*lead, *shape), idt),
+            ],
+        )
+
     def compress(x, state, key=None):
         del key
         _base.check_float(x, name)
         b, d, _, nb, blk, kb = layout(x)
+        if nb * kb == 0:  # zero-size input: nothing to keep
+            shape, idt = payload_shape(x)
+            return SparsePayload(jnp.zeros(shape, x.dtype), jnp.zeros(shape, idt)), state
         flat = x.reshape(b, d)
         if nb * blk != d:
             flat = jnp.pad(flat, ((0, 0), (0, nb * blk - d)))
@@ -171,7 +200,10 @@ def top_k(
         return SparsePayload(vals.reshape(shape), idx.astype(idt).reshape(shape)), state
 
     def decompress(payload, like):
+        check_payload(payload, like)
         b, d, _, nb, blk, kb = layout(like)
+        if nb * kb == 0:
+            return jnp.zeros(like.shape, like.dtype)
         vals = payload.values.reshape(b, nb, kb).astype(like.dtype)
         idx = payload.indices.reshape(b, nb, kb).astype(jnp.int32)
         if kb == 1:
@@ -186,8 +218,11 @@ def top_k(
 
     def decode_sum(stacked, like):
         # one scatter-add of every payload's values, instead of one scatter (or mask) each
+        check_payload(stacked, like, lead=stacked.values.shape[:1])
         b, d, _, nb, blk, kb = layout(like)
         acc = jnp.promote_types(like.dtype, jnp.float32)
+        if nb * kb == 0:
+            return jnp.zeros(like.shape, acc)
         num = stacked.values.shape[0]
         vals = stacked.values.reshape(num, b, nb, kb).astype(like.dtype).astype(acc)
         idx = stacked.indices.reshape(num, b, nb, kb).astype(jnp.int32)
@@ -221,7 +256,9 @@ def rand_k(
       \text{if unbiased else}\ 1
 
     A NaN or Inf anywhere in ``x`` makes every kept value NaN, so a non-finite input is never
-    silently turned into a finite one by not being drawn.
+    silently turned into a finite one by not being drawn. Kept values are sent exactly (the
+    result does not depend on the input's magnitude). A zero-size input (with ``fraction``)
+    gives an empty payload and an empty result.
 
     Args:
       fraction: fraction of entries kept, in (0, 1].
@@ -270,6 +307,8 @@ def rand_k(
         n = math.prod(x.shape)
         k = kept_count(n, fraction, count)
         seed = jax.random.bits(key, (2,), jnp.uint32)
+        if k == 0:  # zero-size input: nothing to keep
+            return RandKPayload(jnp.zeros((0,), x.dtype), seed), state
         pos, sizes = positions(seed, n, k)
         vals = x.reshape(-1)[pos]
         # a non-finite entry anywhere poisons every kept value: never silently finite
@@ -280,7 +319,14 @@ def rand_k(
 
     def decompress(payload, like):
         n = math.prod(like.shape)
-        k = payload.values.shape[0]
+        k = kept_count(n, fraction, count)
+        _checks.check_fits(
+            name,
+            like,
+            [("values", payload.values, (k,), None), ("seed", payload.seed, (2,), jnp.uint32)],
+        )
+        if k == 0:
+            return jnp.zeros(like.shape, like.dtype)
         pos, _ = positions(payload.seed, n, k)
         dense = (
             jnp.zeros((n,), like.dtype)

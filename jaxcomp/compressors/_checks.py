@@ -1,0 +1,46 @@
+"""Input checks shared by the codecs: payloads that do not fit ``like``, and NaN-safe maxima."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def describe(like: Any) -> str:
+    """``"float32[4, 6]"`` for an array or ``ShapeDtypeStruct``."""
+    return f"{np.dtype(like.dtype).name}{list(like.shape)}"
+
+
+def check_fits(name: str, like: Any, fields: Sequence[tuple[str, Any, tuple, Any]]) -> None:
+    """Raises ``ValueError`` unless every payload field has the shape (and dtype) ``like`` implies.
+
+    Args:
+      name: the codec's name, for the message.
+      like: the array or ``ShapeDtypeStruct`` the payload is decoded to.
+      fields: ``(field name, payload leaf, expected shape, expected dtype or None)``.
+    """
+    for field, leaf, shape, dtype in fields:
+        got_shape = tuple(getattr(leaf, "shape", ()))
+        got_dtype = np.dtype(getattr(leaf, "dtype", type(leaf)))
+        if got_shape != tuple(shape) or (dtype is not None and got_dtype != np.dtype(dtype)):
+            want = f"{np.dtype(dtype).name if dtype is not None else ''}{list(shape)}"
+            raise ValueError(
+                f"{name}: the payload does not fit an array of {describe(like)}: its {field} is "
+                f"{got_dtype.name}{list(got_shape)}, an array of {describe(like)} needs {want}. "
+                "Decode with the shape and dtype the payload was compressed from."
+            )
+
+
+def nan_as_inf(a: jax.Array) -> jax.Array:
+    """``a`` with NaN replaced by ``+inf``.
+
+    XLA:CPU's vectorised ``max``/``min`` reductions drop NaN on arrays above a few thousand
+    elements (``jnp.max`` of a ``(16, 256)`` array holding one NaN returns a finite value, of a
+    ``(4,)`` one NaN), so a scale taken with them makes a NaN input finite depending on its size.
+    Mapping NaN to ``+inf`` first makes every reduction see a non-finite value.
+    """
+    return jnp.where(jnp.isnan(a), jnp.inf, a)
