@@ -54,7 +54,7 @@ def cast(dtype="bfloat16") -> _base.Codec:
     ``float32`` (JAX-NOTES §2), while ``uint16`` travels as two bytes on every backend.
     Rounding is round-to-nearest-even; NaN stays NaN and ``+-inf`` stays ``+-inf``.
 
-    The relative error is at most ``2**-9`` (``bfloat16``) or ``2**-12`` (``float16``) over
+    The relative error is at most ``2**-8`` (``bfloat16``) or ``2**-11`` (``float16``) over
     the format's normal range, which for ``bfloat16`` is ``float32``'s (1.2e-38 to 3.4e38).
     ``float16``'s normal range is only ``[6.1e-5, 65504]``: finite values above 65504 (above
     65520 after rounding) become ``+-inf``, so they decode non-finite, never to a wrong finite

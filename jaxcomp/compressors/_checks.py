@@ -29,9 +29,9 @@ def check_fits(name: str, like: Any, fields: Sequence[tuple[str, Any, tuple, Any
         if got_shape != tuple(shape) or (dtype is not None and got_dtype != np.dtype(dtype)):
             want = f"{np.dtype(dtype).name if dtype is not None else ''}{list(shape)}"
             raise ValueError(
-                f"{name}: the payload does not fit an array of {describe(like)}: its {field} is "
-                f"{got_dtype.name}{list(got_shape)}, an array of {describe(like)} needs {want}. "
-                "Decode with the shape and dtype the payload was compressed from."
+                f"{name}: the payload does not fit an array of {describe(like)}: its '{field}' "
+                f"is {got_dtype.name}{list(got_shape)}, but an array of {describe(like)} needs "
+                f"{want}. Decode into the shape and dtype the payload was compressed from."
             )
 
 
@@ -44,3 +44,11 @@ def nan_as_inf(a: jax.Array) -> jax.Array:
     Mapping NaN to ``+inf`` first makes every reduction see a non-finite value.
     """
     return jnp.where(jnp.isnan(a), jnp.inf, a)
+
+
+def kept_or_raise(name: str, like: Any, kept: Any, *args: Any) -> int:
+    """``kept(*args)`` (a kept-count rule), its ``ValueError`` prefixed with the codec and input."""
+    try:
+        return kept(*args)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e} (input {describe(like)})") from None

@@ -74,9 +74,7 @@ def transposed_matmul(m: jax.Array, p: jax.Array) -> jax.Array:
     (``lax.platform_dependent``), so a program exported or cross-compiled for GPU or TPU on a
     CPU machine takes the dot.
     """
-    return lax.platform_dependent(
-        m, p, cpu=_transposed_matmul_cpu, default=_transposed_matmul_dot
-    )
+    return lax.platform_dependent(m, p, cpu=_transposed_matmul_cpu, default=_transposed_matmul_dot)
 
 
 DEFAULT_EPSILON = 1e-4
@@ -145,6 +143,18 @@ def orthogonalize(p: jax.Array, epsilon: float = DEFAULT_EPSILON) -> jax.Array:
     return jnp.stack(basis, axis=1)
 
 
+def _pow2_normalized(q: jax.Array) -> jax.Array:
+    """``q`` with each column scaled by a power of two to a max-abs in ``[0.5, 1)``.
+
+    The warm-start Q carries the magnitude of the previous M, so ``M @ Q`` scales with
+    ``|M|**2`` and under/overflows float32 for tensors of magnitude below ~1e-19 or above
+    ~1e19. :func:`orthogonalize` ignores column scales and a power of two is exact, so P is
+    bit-identical wherever nothing under/overflows.
+    """
+    _, exponent = jnp.frexp(jnp.max(_checks.nan_as_inf(jnp.abs(q)), axis=0))
+    return jnp.ldexp(q, -exponent)
+
+
 def power_sgd(
     rank: int = 1, *, epsilon: float = DEFAULT_EPSILON, seed: int = 0, warm_start: bool = True
 ) -> _base.Codec:
@@ -158,13 +168,16 @@ def power_sgd(
     :math:`P` has orthonormal (or zero) columns (:func:`orthogonalize`), so
     :math:`\hat x = P P^\top M` is the projection of :math:`M` onto the span of :math:`MQ`: a
     matrix of rank at most r (rank-deficient, zero blocks, all zero) is recovered exactly, at
-    any magnitude. ``Q'`` is kept as the next step's Q (warm start), which makes repeated
-    compression of slowly changing tensors a power iteration. A column of :math:`P` that is
-    zero (its column of :math:`MQ` depends on the earlier ones, e.g. when :math:`M` has rank
-    below r) gives a zero column of :math:`Q'`; the state keeps the previous Q's column there
-    instead, so that the iteration can pick up a new direction when one appears. A non-finite
-    input gives a NaN payload (and reconstruction) and leaves the state unchanged. Tensors
-    with fewer than 2 dimensions, or with no entries, pass through uncompressed.
+    any magnitude (the warm-start Q is rescaled by powers of two before it multiplies
+    :math:`M`, so nothing scales with :math:`|M|^2`; 1e-30 to 1e30 are tested).
+
+    ``Q'`` is kept as the next step's Q (warm start), which makes repeated compression of
+    slowly changing tensors a power iteration. A column of :math:`P` that is zero (its column
+    of :math:`MQ` depends on the earlier ones, e.g. when :math:`M` has rank below r) gives a
+    zero column of :math:`Q'`; the state keeps the previous Q's column there instead, so that
+    the iteration can pick up a new direction when one appears. A non-finite input gives a
+    NaN payload (and reconstruction) and leaves the state unchanged. Tensors with fewer than
+    2 dimensions, or with no entries, pass through uncompressed.
 
     For the multi-worker protocol (all-reduce of P, then of Q) see
     :func:`jaxcomp.comm.compressed_pmean`; it reuses :func:`orthogonalize`, the same state and
@@ -237,7 +250,7 @@ def power_sgd(
         if not warm_start:
             _base.check_key(key, name)
             q_old = initial_q(cols, r, key)
-        p = orthogonalize(m @ q_old, epsilon)
+        p = orthogonalize(m @ _pow2_normalized(q_old), epsilon)
         q = transposed_matmul(m, p)
         # a zero column of P (dependent column of MQ) gives a zero column of Q: keep the old
         # one; a non-finite input leaves the whole state as it was

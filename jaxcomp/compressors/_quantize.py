@@ -31,8 +31,9 @@ that no entry falls outside the range the receiver decodes. Feature scales trave
 ``bfloat16`` collectives): two bytes like AC-SGD's ``float16``, but with ``float32``'s range,
 at the cost of a scale up to ``2**-7`` (relative) coarser. ``scale_dtype=jnp.float16``
 reproduces AC-SGD's wire format and its limits: a group whose max exceeds 65504 gets an
-infinite scale and decodes to non-finite values, and below 6.1e-5 the scale is subnormal
-(coarser steps; a group whose max is below ~1e-9 decodes to zeros).
+infinite scale and decodes to non-finite values; below 6.1e-5 the scale is subnormal, rounded
+up to a multiple of ``2**-24`` (6e-8), so the error is up to ``6e-8 / h`` *absolute* and a group
+whose max is far below that decodes with relative errors of 1 or more.
 
 Non-finite inputs are never made finite: a NaN or Inf in a scale group makes that group's scale
 ``+inf`` (``lo``/``hi`` infinite for min-max), and every entry of the group decodes to NaN or
@@ -294,7 +295,9 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
 
     A 1-bit code cannot encode zero: zero entries decode to ``+s`` (an all-zero tensor has
     ``s = 0`` and decodes to exact zeros). Use with error feedback (EF-SignSGD). The error
-    relative to :math:`\|x\|` does not depend on the input's magnitude. A NaN entry makes
+    relative to :math:`\|x\|` does not depend on the input's magnitude (1e-30 to 1e30 are
+    tested; ``"rms"`` squares ``x`` rescaled by a power of two, so its squares neither
+    underflow nor overflow, at the cost of a second pass over ``x``). A NaN entry makes
     every entry decode to NaN, an Inf entry every entry to +-Inf (or NaN); a zero-size input
     decodes to an empty array.
 
@@ -330,7 +333,11 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
         xf = x.astype(jnp.float32)
         if xf.size == 0:
             return xf.astype(jnp.uint8), jnp.zeros((), jnp.float32)
-        s = jnp.mean(jnp.abs(xf)) if scale == "mean_abs" else jnp.sqrt(jnp.mean(xf * xf))
+        if scale == "mean_abs":
+            s = jnp.mean(jnp.abs(xf))
+        else:  # squares under/overflow outside ~[1e-19, 1e19]: square x / 2**e, e from max|x|
+            _, e = jnp.frexp(jnp.max(_checks.nan_as_inf(jnp.abs(xf))))
+            s = jnp.ldexp(jnp.sqrt(jnp.mean(jnp.square(jnp.ldexp(xf, -e)))), e)
         # a sum keeps NaN and Inf (unlike XLA:CPU's vectorised max), so a non-finite entry
         # makes the scale non-finite and every entry decodes non-finite, never finite garbage
         return (xf >= 0).astype(jnp.uint8), s

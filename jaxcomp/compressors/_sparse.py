@@ -145,7 +145,7 @@ def top_k(
     def layout(like):
         """(rows, row length, kept per row, blocks per row, block len, kept per block)."""
         b, d = rows(like)
-        k = kept_count(d, fraction, count)
+        k = _checks.kept_or_raise(name, like, kept_count, d, fraction, count)
         if k == 0:
             return b, d, 0, 0, 0, 0
         if method == "exact" or k == d:
@@ -298,14 +298,14 @@ def rand_k(
 
     def init(x):
         _base.check_float(x, name)
-        kept_count(math.prod(x.shape), fraction, count)
+        _checks.kept_or_raise(name, x, kept_count, math.prod(x.shape), fraction, count)
         return _base.EmptyState()
 
     def compress(x, state, key=None):
         _base.check_float(x, name)
         _base.check_key(key, name)
         n = math.prod(x.shape)
-        k = kept_count(n, fraction, count)
+        k = _checks.kept_or_raise(name, x, kept_count, n, fraction, count)
         seed = jax.random.bits(key, (2,), jnp.uint32)
         if k == 0:  # zero-size input: nothing to keep
             return RandKPayload(jnp.zeros((0,), x.dtype), seed), state
@@ -319,7 +319,7 @@ def rand_k(
 
     def decompress(payload, like):
         n = math.prod(like.shape)
-        k = kept_count(n, fraction, count)
+        k = _checks.kept_or_raise(name, like, kept_count, n, fraction, count)
         _checks.check_fits(
             name,
             like,

@@ -1,4 +1,6 @@
-"""PowerSGD codec: exactness on rank-r matrices, equality with a numpy reference, warm start."""
+"""PowerSGD codec: exactness on rank-r and rank-deficient matrices (== the best rank-r
+approximation at any magnitude), equality with a numpy reference, warm start, orthogonalize,
+and the platform-dependent form of ``transposed_matmul``."""
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +95,201 @@ def test_orthogonalize_gives_orthonormal_columns():
     np.testing.assert_allclose(p.T @ p, np.eye(4), atol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs", [dict(rank=0), dict(rank=1.5), dict(epsilon=-1.0)])
+# ----------------------------------------------------------------------------------------------
+# Rank-deficient inputs (issue 9 item 1)
+
+RANK = 4
+
+
+def _low_rank_cases():
+    rng = np.random.default_rng(7)
+
+    def product(rows, cols, k):
+        return rng.standard_normal((rows, k)) @ rng.standard_normal((k, cols))
+
+    rank2_zero_cols = product(12, 9, 2)
+    rank2_zero_cols[:, 3:6] = 0.0
+    zero_block = np.zeros((16, 10))
+    zero_block[:6, :5] = product(6, 5, 3)
+    return {
+        "rank1": product(12, 9, 1),
+        "rank2_zero_cols": rank2_zero_cols,
+        "rank3_zero_block": zero_block,
+        "all_zero": np.zeros((12, 9)),
+        "rank4_exact": product(12, 9, 4),
+        "rank2_conv": product(12, 10, 2).reshape(3, 4, 10),
+        "rank1_tall": product(40, 6, 1),
+    }
+
+
+CASES = _low_rank_cases()
+MAGNITUDES = (1e-10, 1.0, 1e6)
+
+
+def best_rank_r(m, r):
+    u, s, vt = np.linalg.svd(np.asarray(m, np.float64), full_matrices=False)
+    return (u[:, :r] * s[:r]) @ vt[:r]
+
+
+def numerical_rank(m):
+    return np.linalg.matrix_rank(np.asarray(m, np.float64), tol=1e-6 * max(np.abs(m).max(), 1e-300))
+
+
+@pytest.fixture(scope="module")
+def steppers():
+    """Jitted ``(x, state, key) -> (payload, state, x_hat)`` per warm-start mode (compiled once
+    per input shape)."""
+    out = {}
+    for warm in (True, False):
+        codec = compressors.power_sgd(RANK, warm_start=warm)
+
+        def step(x, state, key, codec=codec):
+            payload, state = codec.compress(x, state, key)
+            return payload, state, codec.decompress(payload, x)
+
+        out[warm] = (codec, jax.jit(step))
+    return out
+
+
+@pytest.mark.parametrize("magnitude", MAGNITUDES, ids=lambda m: f"{m:g}")
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rank_deficient_reconstruction_is_the_best_rank_r_approximation(
+    case, warm, magnitude, steppers
+):
+    codec, step = steppers[warm]
+    x = jnp.asarray(CASES[case] * magnitude, jnp.float32)
+    rows, cols = compressors.matrix_shape(x.shape)
+    m = np.asarray(x, np.float64).reshape(rows, cols)
+    k = numerical_rank(m)
+    assert k <= RANK
+    best = best_rank_r(m, RANK)
+    atol = 2e-6 * max(np.abs(m).max(), 1e-300)
+    state = codec.init(x)
+    for i in range(3):  # the warm start carries over steps with dead columns
+        payload, state, x_hat = step(x, state, jax.random.key(i))
+        np.testing.assert_allclose(np.asarray(x_hat).reshape(rows, cols), best, rtol=0, atol=atol)
+        p = np.asarray(payload.p, np.float64)
+        alive = np.any(p != 0, axis=0)
+        assert alive.sum() == k, alive  # a dependent column of M Q is exactly zero
+        np.testing.assert_allclose(p.T @ p, np.diag(alive.astype(float)), atol=1e-6)
+        assert np.all(np.isfinite(np.asarray(state.q)))
+
+
+def test_dead_columns_keep_the_previous_query_and_a_new_direction_is_found():
+    codec = compressors.power_sgd(RANK)
+    step = jax.jit(lambda x, s: codec.compress(x, s, None))
+    rank1 = jnp.asarray(CASES["rank1"], jnp.float32)
+    state0 = codec.init(rank1)
+    state = state0
+    for _ in range(3):
+        payload, state = step(rank1, state)
+    # one live column; the three dead ones kept the initial Q's columns exactly
+    np.testing.assert_array_equal(np.asarray(state.q)[:, 1:], np.asarray(state0.q)[:, 1:])
+    for x in (CASES["rank4_exact"], np.zeros((12, 9)), CASES["rank4_exact"]):
+        x = jnp.asarray(x, jnp.float32)
+        payload, state = step(x, state)
+        np.testing.assert_allclose(
+            codec.decompress(payload, x), best_rank_r(x, RANK), atol=2e-6 * float(jnp.abs(x).max())
+        )
+    assert np.all(np.isfinite(np.asarray(state.q)))
+
+
+@pytest.mark.parametrize("case", ["rank1", "rank2_zero_cols", "rank4_exact", "all_zero"])
+def test_jit_and_eager_agree(case):
+    codec = compressors.power_sgd(RANK)
+    x = jnp.asarray(CASES[case], jnp.float32)
+    state = codec.init(x)
+    eager = codec.compress(x, state, None)
+    jitted = jax.jit(lambda x, s: codec.compress(x, s, None))(x, state)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), eager, jitted)
+    alive_e = np.any(np.asarray(eager[0].p) != 0, axis=0)
+    alive_j = np.any(np.asarray(jitted[0].p) != 0, axis=0)
+    np.testing.assert_array_equal(alive_e, alive_j)
+
+
+def test_orthogonalize_zeroes_dependent_columns_at_every_magnitude():
+    a, b = np.random.default_rng(1).standard_normal((2, 30))
+    p = np.stack([a, 2 * a, b, a - 3 * b, np.zeros(30)], axis=1)
+    ref = np.asarray(compressors.orthogonalize(jnp.asarray(p, jnp.float32)))
+    alive = np.any(ref != 0, axis=0)
+    np.testing.assert_array_equal(alive, [True, False, True, False, False])
+    np.testing.assert_allclose(ref.T @ ref, np.diag(alive.astype(float)), atol=1e-6)
+    for magnitude in (1e-30, 1e-10, 1e6, 1e30):
+        got = compressors.orthogonalize(jnp.asarray(p * magnitude, jnp.float32))
+        np.testing.assert_allclose(got, ref, atol=1e-6)
+    for power in (-100, -33, 20, 100):  # a power-of-two scale is exact: bit-identical result
+        got = compressors.orthogonalize(jnp.asarray(p, jnp.float32) * 2.0**power)
+        np.testing.assert_array_equal(got, ref)
+
+
+def test_orthogonalize_old_call_form_and_tolerance():
+    p = jnp.asarray(np.random.default_rng(2).standard_normal((20, 3)), jnp.float32)
+    dep = jnp.stack([p[:, 0], p[:, 1], p[:, 0] + 1e-3 * p[:, 2]], axis=1)
+    # positional epsilon (the old signature); 1e-8 is now a relative tolerance
+    kept = compressors.orthogonalize(dep, 1e-8)
+    np.testing.assert_allclose(kept.T @ kept, np.eye(3), atol=1e-5)
+    # a column whose new part is 1e-3 of its norm is dropped at tolerance 1e-2, kept at 1e-4
+    assert np.all(np.asarray(compressors.orthogonalize(dep, 1e-2))[:, 2] == 0)
+    assert np.any(np.asarray(compressors.orthogonalize(dep))[:, 2] != 0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_orthogonalize_keeps_non_finite_columns_non_finite(bad):
+    p = np.random.default_rng(3).standard_normal((10, 3)).astype(np.float32)
+    p[4, 1] = bad
+    out = np.asarray(compressors.orthogonalize(jnp.asarray(p)))
+    assert np.all(np.isfinite(out[:, 0]))
+    assert np.all(np.isnan(out[:, 1:]))
+
+
+def test_non_finite_input_gives_nan_and_keeps_the_state():
+    codec = compressors.power_sgd(2)
+    x = jnp.asarray(CASES["rank4_exact"], jnp.float32).at[3, 4].set(jnp.inf)
+    state = codec.init(x)
+    payload, new_state = jax.jit(lambda x, s: codec.compress(x, s, None))(x, state)
+    assert np.all(np.isnan(np.asarray(codec.decompress(payload, x))))
+    np.testing.assert_array_equal(new_state.q, state.q)
+
+
+# ----------------------------------------------------------------------------------------------
+# transposed_matmul: the CPU form is chosen at lowering time (issue 14 item 2)
+
+
+@pytest.mark.parametrize("r", [1, 3])
+def test_transposed_matmul_forms_agree(r):
+    from jaxcomp.compressors import _low_rank
+
+    m = jax.random.normal(KEY, (64, 48))
+    p = jax.random.normal(jax.random.key(1), (64, r))
+    want = np.asarray(m, np.float64).T @ np.asarray(p, np.float64)
+    cpu = jax.jit(_low_rank._transposed_matmul_cpu)(m, p)
+    dot = jax.jit(_low_rank._transposed_matmul_dot)(m, p)
+    np.testing.assert_allclose(cpu, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dot, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(compressors.transposed_matmul(m, p), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
+def test_exported_power_sgd_takes_the_platforms_matmul_form(platform):
+    codec = compressors.power_sgd(3)
+    x = jax.ShapeDtypeStruct((64, 48), jnp.float32)
+    state = jax.eval_shape(codec.init, x)
+    exported = jax.export.export(
+        jax.jit(lambda x, s: codec.compress(x, s, None)), platforms=[platform]
+    )(x, state)
+    text = exported.mlir_module()
+    cpu_form = "tensor<64x48x3xf32>" in text  # the broadcast multiply-and-reduce
+    assert cpu_form == (platform == "cpu"), platform
+    if platform != "cpu":
+        # M @ Q and M^T @ P, both as dots (contracting dims 1 and 0 of M)
+        assert text.count("stablehlo.dot_general") >= 2
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(rank=0), dict(rank=1.5), dict(epsilon=-1.0), dict(epsilon=1.0), dict(epsilon=True)],
+)
 def test_bad_parameters_raise(kwargs):
     with pytest.raises(ValueError, match="rank|epsilon"):
         compressors.power_sgd(**kwargs)

@@ -1,0 +1,178 @@
+"""Magnitudes (issue 9 item 3): the relative error of every quantizing codec stays within its
+theoretical bound from 1e-30 to 1e30 (1e-10 ... 1e6 is the range gradients and activations
+span), and float16's documented limits (scales and casts) hold exactly as documented.
+
+Before: ``quantize``'s ``+1e-6`` in the divisor gave relative error 0.2 at magnitude 1e-6 and
+~1 at 1e-8, and float16 feature scales turned inputs above 65504 into NaN features."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcomp import compressors as C
+
+MAGNITUDES = (1e-30, 1e-10, 1e-8, 1e-6, 1e-3, 1.0, 1e3, 1e6, 1e30)
+SHAPE = (16, 64)
+
+
+def _base_input():
+    x = np.random.default_rng(0).standard_normal(SHAPE)
+    x[:, 5] *= 1e-3  # one small feature column: feature scales must follow it
+    return x
+
+
+X = _base_input()
+
+
+def _jit_roundtrip(codec):
+    @jax.jit
+    def f(x, key):
+        payload, _ = codec.compress(x, codec.init(x), key)
+        return codec.decompress(payload, x)
+
+    return f
+
+
+def _scaled(magnitude):
+    """``X * magnitude`` in float32, and that float32 array in float64 for the reference."""
+    x = jnp.asarray(X * magnitude, jnp.float32)
+    return x, np.asarray(x, np.float64)
+
+
+def _bound_symmetric(x, bits, feature, wire_eps):
+    """One step ``s / h`` per entry, ``s`` the absmax (per feature column) rounded up."""
+    amax = np.abs(x).max(0, keepdims=True) if feature else np.abs(x).max()
+    return amax * (1 + wire_eps) / 2 ** (bits - 1)
+
+
+QUANTIZERS = {
+    # name: (codec, bound(x64) on |x_hat - x| per entry)
+    "quantize8_tensor": (C.quantize(8), lambda x: _bound_symmetric(x, 8, False, 0)),
+    "quantize4_tensor_stochastic": (
+        C.quantize(4, rounding="stochastic"),
+        lambda x: _bound_symmetric(x, 4, False, 0),
+    ),
+    "quantize1_tensor": (C.quantize(1), lambda x: _bound_symmetric(x, 1, False, 0)),
+    "quantize8_feature": (
+        C.quantize(8, scale="feature"),
+        lambda x: _bound_symmetric(x, 8, True, 2.0**-7),  # bfloat16 scale rounded up
+    ),
+    "quantize4_feature_stochastic": (
+        C.quantize(4, scale="feature", rounding="stochastic"),
+        lambda x: _bound_symmetric(x, 4, True, 2.0**-7),
+    ),
+    "quantize8_feature_f32": (
+        C.quantize(8, scale="feature", scale_dtype=jnp.float32),
+        lambda x: _bound_symmetric(x, 8, True, 0),
+    ),
+    "quantize2_minmax": (
+        C.quantize(2, scale="minmax"),
+        lambda x: (x.max() - x.min()) / (2 * 3),
+    ),
+    "quantize3_minmax_stochastic": (
+        C.quantize(3, scale="minmax", rounding="stochastic"),
+        lambda x: (x.max() - x.min()) / 7,
+    ),
+    "cast_bf16": (C.cast("bfloat16"), lambda x: np.abs(x) * 2.0**-8),  # unit roundoff
+}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return {name: _jit_roundtrip(codec) for name, (codec, _) in QUANTIZERS.items()}
+
+
+@pytest.mark.parametrize("magnitude", MAGNITUDES, ids=lambda m: f"{m:g}")
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_quantizer_error_within_its_bound_at_every_magnitude(name, magnitude, compiled):
+    _, bound = QUANTIZERS[name]
+    x, x64 = _scaled(magnitude)
+    y = np.asarray(compiled[name](x, jax.random.key(3)), np.float64)
+    err = np.abs(y - x64)
+    # plus float32 rounding of the decoded value (about 2**-24 of it)
+    assert np.all(err <= bound(x64) + np.abs(x64) * 2.0**-22), np.max(err / bound(x64))
+    # and the error is not trivially small: the codec really quantizes at this magnitude
+    if name != "cast_bf16":
+        assert np.max(err / np.abs(x64).max()) > 1e-4
+
+
+@pytest.mark.parametrize("scale", ["mean_abs", "rms"])
+def test_sign_relative_error_does_not_depend_on_magnitude(scale):
+    codec = C.sign(scale=scale)
+    f = _jit_roundtrip(codec)
+    rel = []
+    for magnitude in MAGNITUDES:
+        x, x64 = _scaled(magnitude)
+        y = np.asarray(f(x, None), np.float64)
+        s = np.abs(x64).mean() if scale == "mean_abs" else np.sqrt(np.mean(x64**2))
+        np.testing.assert_allclose(y, s * np.where(x64 >= 0, 1.0, -1.0), rtol=1e-5)
+        rel.append(np.linalg.norm(y - x64) / np.linalg.norm(x64))
+    np.testing.assert_allclose(rel, rel[MAGNITUDES.index(1.0)], rtol=1e-5)
+
+
+def test_top_k_sends_kept_values_exactly_at_every_magnitude():
+    f = _jit_roundtrip(C.top_k(0.1))
+    kept_at_one = None
+    for magnitude in MAGNITUDES:
+        x, x64 = _scaled(magnitude)
+        y = np.asarray(f(x, None), np.float64)
+        kept = y != 0
+        np.testing.assert_array_equal(y[kept], x64[kept])
+        if kept_at_one is None:
+            kept_at_one = kept
+        np.testing.assert_array_equal(kept, kept_at_one)
+
+
+def test_power_sgd_relative_error_does_not_depend_on_magnitude():
+    codec = C.power_sgd(2)
+    step = jax.jit(lambda x, s: codec.compress(x, s, None))
+    rel = {}
+    for magnitude in MAGNITUDES:
+        x, x64 = _scaled(magnitude)
+        state = codec.init(x)
+        for _ in range(3):  # the warm start must not square the magnitude
+            payload, state = step(x, state)
+            y = np.asarray(codec.decompress(payload, x), np.float64)
+            rel.setdefault(magnitude, []).append(np.linalg.norm(y - x64) / np.linalg.norm(x64))
+    want = rel[1.0]
+    u, s, vt = np.linalg.svd(X)
+    best = np.sqrt(np.sum(s[2:] ** 2)) / np.linalg.norm(X)
+    assert best <= min(want) and max(want) < 1.0
+    for magnitude, got in rel.items():
+        np.testing.assert_allclose(got, want, rtol=1e-4, err_msg=f"magnitude {magnitude:g}")
+
+
+# ----------------------------------------------------------------------------------------------
+# float16: what happens outside its range is documented; these tests hold the documentation
+
+
+def test_float16_feature_scales_documented_range():
+    codec = C.quantize(8, scale="feature", scale_dtype=jnp.float16)
+    f = _jit_roundtrip(codec)
+    for magnitude in (0.1, 1.0, 1e3):  # group maxima inside [6.1e-5, 65504]: the bound holds
+        x, x64 = _scaled(magnitude)
+        err = np.abs(np.asarray(f(x, None), np.float64) - x64)
+        assert np.all(err <= _bound_symmetric(x64, 8, True, 2.0**-10) * (1 + 1e-6))
+    # a column whose max exceeds 65504: infinite scale, that column decodes non-finite
+    x = jnp.asarray(X, jnp.float32).at[2, 7].set(7e4)
+    y = np.asarray(f(x, None))
+    assert not np.isfinite(y[:, 7]).any() and np.isfinite(np.delete(y, 7, axis=1)).all()
+    # below 6.1e-5 the scale is subnormal, a multiple of 2**-24: absolute error up to 2**-24 / h
+    x, x64 = _scaled(1e-10)
+    y = np.asarray(f(x, None), np.float64)
+    assert np.all(np.abs(y - x64) <= 2.0**-24 / 128 * (1 + 1e-6))
+    assert np.max(np.abs(y - x64) / np.abs(x64).max()) > 0.1  # the documented loss
+
+
+def test_float16_cast_documented_range():
+    codec = C.cast("float16")
+    f = _jit_roundtrip(codec)
+    x, x64 = _scaled(1e3)  # normal range: relative error <= 2**-11 (round to nearest)
+    y = np.asarray(f(x, None), np.float64)
+    np.testing.assert_array_less(np.abs(y - x64), np.abs(x64) * 2.0**-11 * (1 + 1e-6) + 1e-30)
+    big = jnp.array([65504.0, 65519.0, 65520.0, -1e6, 1e30])
+    np.testing.assert_array_equal(f(big, None), [65504.0, 65504.0, np.inf, -np.inf, np.inf])
+    tiny = jnp.array([1e-5, 1e-8, 2.9e-8, -1e-10])  # subnormal, then flushed to +-0
+    y = np.asarray(f(tiny, None))
+    assert abs(y[0] - 1e-5) <= 2.0**-25 and y[1] == 0.0 and y[2] == 0.0 and y[3] == 0.0
