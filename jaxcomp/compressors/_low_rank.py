@@ -105,7 +105,7 @@ def orthogonalize(p: jax.Array, epsilon: float = DEFAULT_EPSILON) -> jax.Array:
 
     Args:
       p: ``[n, r]`` matrix.
-      epsilon: relative tolerance in ``[0, 1)`` of the dependence test above. The default
+      epsilon: relative tolerance in ``[0, 1]`` of the dependence test above. The default
         ``1e-4`` is above the float32 rounding noise of a dependent column of ``M @ Q`` (about
         ``1e-7 * sqrt(cols)``, times a small factor) and far below a real direction's share.
 
@@ -185,7 +185,8 @@ def power_sgd(
 
     Args:
       rank: target rank r >= 1 (capped at ``min(rows, cols)``).
-      epsilon: relative tolerance of :func:`orthogonalize`'s dependence test, in ``[0, 1)``.
+      epsilon: relative tolerance of :func:`orthogonalize`'s dependence test, in ``[0, 1]``
+        (1 makes every column dependent: the codec then sends zeros).
         (The reference adds an absolute ``1e-8`` to column norms instead, which is not scale
         invariant; see :func:`orthogonalize`.)
       seed: seed of the initial Q ~ N(0, 1), identical on every worker (the reference draws it
@@ -214,8 +215,8 @@ def power_sgd(
     """
     _base.check_int_range("rank", rank, 1)
     ok = isinstance(epsilon, (int, float)) and not isinstance(epsilon, bool)
-    if not (ok and 0.0 <= epsilon < 1.0):
-        raise ValueError(f"epsilon must be a float in [0, 1); got {epsilon!r}.")
+    if not (ok and 0.0 <= epsilon <= 1.0):
+        raise ValueError(f"epsilon must be a float in [0, 1]; got {epsilon!r}.")
     name = f"power_sgd(rank={rank})"
 
     def initial_q(cols: int, r: int, key) -> jax.Array:

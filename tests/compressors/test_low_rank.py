@@ -288,7 +288,7 @@ def test_exported_power_sgd_takes_the_platforms_matmul_form(platform):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(rank=0), dict(rank=1.5), dict(epsilon=-1.0), dict(epsilon=1.0), dict(epsilon=True)],
+    [dict(rank=0), dict(rank=1.5), dict(epsilon=-1.0), dict(epsilon=1.5), dict(epsilon=True)],
 )
 def test_bad_parameters_raise(kwargs):
     with pytest.raises(ValueError, match="rank|epsilon"):
