@@ -15,6 +15,9 @@ _CASTS = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
 def identity() -> _base.Codec:
     """The codec that sends its input unchanged (the uncompressed baseline).
 
+    NaN and +-Inf pass through unchanged; ``decompress`` raises ``ValueError`` when the payload's
+    shape is not ``like``'s.
+
     Returns:
       A :class:`~jaxcomp.compressors.Codec` whose payload is ``x`` itself; payloads from
       several workers can be summed with ``psum``.

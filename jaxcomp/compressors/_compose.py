@@ -22,6 +22,9 @@ def compose(outer: _base.Codec, inner: _base.Codec, *, field: str = "values") ->
     The typical use is TopK whose kept values are then quantized, e.g.
     ``compose(top_k(0.1), quantize(8))``: the payload holds the packed 8-bit codes and scale of
     the values plus the indices. Decoding runs ``inner.decompress`` then ``outer.decompress``.
+    Non-finite and zero-size inputs, and payloads that do not fit ``like``, behave as in the
+    two codecs (e.g. TopK keeps a NaN entry and quantizing the kept values makes them all
+    non-finite).
 
     Args:
       outer: a codec whose payload is a NamedTuple with a field named ``field``
