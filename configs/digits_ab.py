@@ -28,6 +28,7 @@ def get_config(arg=None):
     c.total_steps = 2 if smoke else 300
     c.log_every = 1 if smoke else 25
     c.eval_every = 0 if smoke else 100
+    c.checkpoint_every = 0 if smoke else 100
     c.ab = dict(
         warmup_steps=1 if smoke else 60,
         sync_every=2 if smoke else 40,

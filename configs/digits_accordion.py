@@ -30,6 +30,7 @@ def get_config(arg=None):
     c.total_steps = 2 if smoke else 300
     c.log_every = 1 if smoke else 25
     c.eval_every = 0 if smoke else 100
+    c.checkpoint_every = 0 if smoke else 100
     c.data_parallel = dict(
         transform="accordion",
         low=dict(name="power_sgd", rank=2),

@@ -1,13 +1,28 @@
 r"""Runs one experiment: ``python -m jaxcomp.main --config configs/X.py[:smoke] --workdir DIR``.
 
 This file is intentionally thin (as the Flax examples' ``main.py``): it sets up devices and
-processes, loads the config and calls :func:`jaxcomp.train.train_and_evaluate`.
+processes, loads the config, applies ``--set`` overrides (:func:`jaxcomp.train.apply_overrides`)
+and calls :func:`jaxcomp.train.train_and_evaluate`.
 
 On CPU it gives JAX ``--cpu_devices`` (default 8) fake devices *before* JAX starts its backend,
 so the default 4-stage pipeline runs on one machine. For several hosts pass
 ``--coordinator_address``, ``--num_processes`` and ``--process_id`` (or set
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); CPU processes talk over
-gloo. A bad config, name or mesh exits with a one-line ``error:`` before training starts.
+gloo.
+
+The config file is loaded as ml_collections' ``config_flags`` does (``path.py:arg`` calls
+``get_config(arg)``); ``arg`` must be one the file accepts: its ``ARGS`` tuple, by default
+``("smoke",)``. (``config_flags`` itself is not used: its ``--config.key=value`` overrides
+cannot turn a codec name into a spec dict, and its flags live in absl's process-wide registry.)
+
+Exit codes:
+  0: finished (or already finished: nothing to do).
+  1: a bug: an uncaught exception, with its traceback.
+  2: a setup problem (config, ``--set``, mesh, workdir), one ``error:`` line before training.
+  3: too many non-finite steps in a row (the last finite state is saved).
+  75: stopped by SIGTERM/SIGINT after finishing a step and saving a checkpoint (``EX_TEMPFAIL``:
+      run the same command again to resume).
+  128 + N: aborted by a second signal N, without saving (the last finished checkpoint stays).
 """
 
 from __future__ import annotations
@@ -16,6 +31,14 @@ import argparse
 import importlib.util
 import os
 import sys
+
+EXIT_SETUP = 2
+EXIT_NONFINITE = 3
+EXIT_INTERRUPTED = 75
+
+
+class UsageError(ValueError):
+    """A bad command line or config file (reported as one line, exit 2)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,16 +67,32 @@ def _env_int(name: str) -> int | None:
 
 
 def load_config(spec: str):
-    """Imports ``path.py`` and calls its ``get_config(arg)`` (``path.py:arg``)."""
-    path, _, arg = spec.partition(":")
+    """Imports ``path.py`` and returns its ``get_config(arg)`` (``path.py:arg``).
+
+    Raises:
+      UsageError: for a missing file, a file without ``get_config``, or an ``arg`` the file
+        does not accept (its ``ARGS``, default ``("smoke",)``). Errors raised by the file's
+        own code keep their traceback.
+    """
+    path, colon, arg = spec.partition(":")
     if not os.path.isfile(path):
-        raise ValueError(f"config file {path!r} does not exist.")
+        raise UsageError(f"config file {path!r} does not exist.")
     module_spec = importlib.util.spec_from_file_location("jaxcomp_config", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ValueError(f"config file {path!r} has no get_config(arg) function.")
-    return module.get_config(arg or None)
+    if not callable(getattr(module, "get_config", None)):
+        raise UsageError(f"config file {path!r} has no get_config(arg) function.")
+    allowed = tuple(getattr(module, "ARGS", ("smoke",)))
+    if colon and arg not in allowed:
+        raise UsageError(
+            f"unknown config argument {arg!r} in {spec!r}; {path} accepts "
+            f"{', '.join(repr(a) for a in allowed) or 'none'}."
+        )
+    config = module.get_config(arg or None)
+    if not hasattr(config, "to_dict"):
+        kind = type(config).__name__
+        raise UsageError(f"{path}: get_config() returned a {kind}, not a ConfigDict.")
+    return config
 
 
 def setup_devices(args) -> None:
@@ -71,7 +110,7 @@ def setup_devices(args) -> None:
         pass
     if args.num_processes and args.num_processes > 1:
         if args.coordinator_address is None or args.process_id is None:
-            raise ValueError("multi-process runs need --coordinator_address and --process_id.")
+            raise UsageError("multi-process runs need --coordinator_address and --process_id.")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
             coordinator_address=args.coordinator_address,
@@ -80,27 +119,48 @@ def setup_devices(args) -> None:
         )
 
 
+def _error(e: BaseException) -> int:
+    if os.environ.get("JAXCOMP_TRACEBACK"):
+        raise e
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    more = " (more with JAXCOMP_TRACEBACK=1)" if len(lines) > 1 else ""
+    print(f"error: {lines[0]}{more}", file=sys.stderr, flush=True)
+    return EXIT_SETUP
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         setup_devices(args)
         config = load_config(args.config)
-        from jaxcomp import train
+    except UsageError as e:
+        return _error(e)
+    except KeyboardInterrupt:
+        print("jaxcomp: interrupted before training started.", file=sys.stderr, flush=True)
+        return 128 + 2
+    from jaxcomp import train
 
-        config = train.apply_overrides(config, train.parse_overrides(args.set))
-
+    try:
+        try:
+            config = train.apply_overrides(config, train.parse_overrides(args.set))
+        except ValueError as e:
+            raise train.SetupError(str(e)) from e
         train.train_and_evaluate(config, args.workdir, stop_after=args.stop_after)
-    except (ValueError, KeyError) as e:
-        if os.environ.get("JAXCOMP_TRACEBACK"):
-            raise
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"error: {msg}", file=sys.stderr, flush=True)
-        return 2
-    except Exception as e:
-        if type(e).__name__ == "NonFiniteError":
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            return 3
-        raise
+    except train.SetupError as e:
+        return _error(e)
+    except train.NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
+    except train.Interrupted as e:
+        print(f"jaxcomp: {e}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except train.Aborted as e:
+        print(f"jaxcomp: {e} The last finished checkpoint is kept.", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(128 + e.signum)  # do not wait for background save threads
+    except KeyboardInterrupt:
+        print("jaxcomp: interrupted before training started.", file=sys.stderr, flush=True)
+        return 128 + 2
     return 0
 
 

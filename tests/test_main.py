@@ -150,3 +150,41 @@ def test_two_processes_match_one_process(tmp_path):
     np.testing.assert_allclose(
         j2["final_loss_uncompressed"], j1["final_loss_uncompressed"], rtol=1e-5
     )
+
+
+def test_an_import_error_in_a_mode_surfaces_as_itself(monkeypatch, tmp_path):
+    from jaxcomp.train import _trainer
+
+    monkeypatch.setitem(_trainer.BUILDERS, "pipeline", ("_no_such_mode", "build"))
+    with pytest.raises(ModuleNotFoundError, match="jaxcomp.train._no_such_mode"):
+        main.main(["--config", f"{CONFIG}:smoke", "--workdir", str(tmp_path)])
+
+
+def test_an_error_during_training_keeps_its_traceback(monkeypatch, tmp_path):
+    from jaxcomp.train import _trainer
+
+    real = _trainer.setup
+
+    def broken(config, devices=None):
+        s = real(config, devices=devices)
+
+        def step(state, batch, key, i):
+            raise ValueError("a bug deep in a training step")
+
+        return s._replace(mode=s.mode._replace(train_step=step))
+
+    monkeypatch.setattr(_trainer, "setup", broken)
+    with pytest.raises(ValueError, match="a bug deep in a training step"):
+        main.main(["--config", f"{CONFIG}:smoke", "--workdir", str(tmp_path)])
+
+
+def test_bench_help_lists_every_benchmark_and_its_flags(capsys):
+    from jaxcomp.bench import __main__ as bench
+
+    assert bench.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in bench.BENCHMARKS:
+        assert f"usage: python -m jaxcomp.bench {name} " in out, name
+    assert "--microbatches" in out and "--rank-fractions" in out and "--json PATH" in out
+    assert bench.main(["nope"]) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err

@@ -13,15 +13,21 @@ from jaxcomp.train._config import build_channel
 from jaxcomp.train._config import build_codec
 from jaxcomp.train._config import optimizer
 from jaxcomp.train._config import with_defaults
+from jaxcomp.train._errors import Aborted
+from jaxcomp.train._errors import CheckpointError
+from jaxcomp.train._errors import Interrupted
+from jaxcomp.train._errors import NonFiniteError
+from jaxcomp.train._errors import SetupError
 from jaxcomp.train._metrics import MetricWriter
 from jaxcomp.train._metrics import plot_metrics
 from jaxcomp.train._metrics import read_metrics
 from jaxcomp.train._metrics import summary_table
 from jaxcomp.train._mode import Mode
+from jaxcomp.train._mode import commit_if_finite
 from jaxcomp.train._overrides import apply_overrides
 from jaxcomp.train._overrides import parse_overrides
 from jaxcomp.train._progress import Progress
-from jaxcomp.train._trainer import NonFiniteError
+from jaxcomp.train._signals import StopOnSignal
 from jaxcomp.train._trainer import Setup
 from jaxcomp.train._trainer import TrainState
 from jaxcomp.train._trainer import evaluate
@@ -31,16 +37,22 @@ from jaxcomp.train._trainer import train_and_evaluate
 __all__ = (
     "DEFAULTS",
     "MODES",
+    "Aborted",
+    "CheckpointError",
     "Checkpointer",
+    "Interrupted",
     "MetricWriter",
     "Mode",
     "NonFiniteError",
     "Progress",
     "Setup",
+    "SetupError",
+    "StopOnSignal",
     "TrainState",
     "apply_overrides",
     "build_channel",
     "build_codec",
+    "commit_if_finite",
     "evaluate",
     "optimizer",
     "parse_overrides",

@@ -1,101 +1,300 @@
-"""Orbax checkpoints of the whole training state, with a fallback past a corrupted step.
+"""Orbax checkpoints of the whole training state, verified on restore, never lost to damage.
 
 A checkpoint holds two items: ``state`` (every array: parameters, optimizer state, link and
-transform states, the PRNG key) and ``meta`` (JSON: step, data position, non-finite counters,
-the experiment fingerprint). Restoring with an abstract target gives back the exact pytree
+transform states, the PRNG key) and ``meta`` (JSON: step, data position, counters, the
+experiment's fingerprint, the metric accumulators, and a ``checksum``: one 32-bit
+position-weighted sum per state leaf, a digest of the leaves' paths, shapes and dtypes, and a
+SHA-256 of the rest of ``meta``). Restoring with an abstract target gives back the exact pytree
 structure (NamedTuples included) and shardings.
+
+What the :class:`Checkpointer` guarantees:
+
+* Restoring recomputes every checksum. A checkpoint with a damaged file (a flipped byte in any
+  file orbax writes, a truncated or missing file) is moved to ``checkpoints.damaged/`` with a
+  warning and the next older one is tried.
+* A state holding NaN or Inf is never saved, so the newest checkpoint is always finite.
+* Retention keeps the ``keep`` newest checkpoints and, whatever their number, the newest one
+  known to be good (restored and verified, or read back and verified before anything older is
+  deleted).
+* A save left half-written by a crash or an abort (orbax's ``*.orbax-checkpoint-tmp*``
+  folders) is removed when the workdir is opened again.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from jaxcomp.train import _errors
+from jaxcomp.train import _integrity
+
 log = logging.getLogger(__name__)
+
+CHECKSUM = "checksum"  #: the meta key holding the checksums
+DAMAGED = "checkpoints.damaged"  #: where damaged checkpoints are moved (beside ``checkpoints``)
+_PARTIAL = ".orbax-checkpoint-tmp"
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint whose files do not match its checksums."""
+
+
+def _warn(message: str) -> None:
+    log.warning(message)
+    if jax.process_index() == 0:
+        print(f"WARNING: {message}", flush=True)
+
+
+def _abstract(state: Any) -> Any:
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+
+
+def _layout(state: Any) -> str:
+    leaves = jax.tree.leaves(state)
+    paths = _integrity.leaf_paths(state)
+    return _integrity.json_digest([[p, list(x.shape), str(x.dtype)] for p, x in zip(paths, leaves)])
+
+
+def _verify(step: int, state: Any, meta: dict) -> None:
+    """Raises :class:`DamagedCheckpoint` unless ``state`` and ``meta`` match their checksums."""
+    check = meta.get(CHECKSUM)
+    if check is None:
+        _warn(
+            f"checkpoint step {step} has no checksum (saved by an older jaxcomp); restored "
+            "without verification."
+        )
+        return
+    rest = {k: v for k, v in meta.items() if k != CHECKSUM}
+    if not isinstance(check, dict) or _integrity.json_digest(rest) != check.get("meta"):
+        raise DamagedCheckpoint("its metadata (meta/metadata) does not match its checksum")
+    if state is None:
+        return
+    if _layout(state) != check.get("layout"):
+        raise DamagedCheckpoint("its arrays' paths, shapes or dtypes differ from those saved")
+    sums, _ = _integrity.inspect_state(state)
+    saved = check.get("state")
+    if not isinstance(saved, list) or len(saved) != len(sums):
+        raise DamagedCheckpoint("its checksum list does not fit its arrays")
+    wrong = [p for p, a, b in zip(_integrity.leaf_paths(state), sums, saved) if a != b]
+    if wrong:
+        raise DamagedCheckpoint(
+            f"{len(wrong)} array(s) do not match their checksums: {', '.join(wrong[:3])}"
+        )
+
+
+def _reason(e: Exception) -> str:
+    text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    return text if isinstance(e, DamagedCheckpoint) else f"{type(e).__name__}: {text}"
 
 
 class Checkpointer:
-    """Saves and restores ``(state, meta)`` under ``workdir/checkpoints``.
+    """Saves, verifies and restores ``(state, meta)`` under ``workdir/checkpoints``.
 
     Args:
       workdir: the run directory.
-      keep: how many recent checkpoints to keep (at least 2, so a corrupted latest one can fall
-        back to its predecessor).
+      keep: how many recent checkpoints to keep (at least 2); the newest verified one is kept
+        in addition when it is older.
+
+    Example:
+      >>> ckpt = Checkpointer(workdir)  # doctest: +SKIP
+      >>> ckpt.save(10, state, {"step": 10})  # doctest: +SKIP
+      >>> step, state, meta = ckpt.restore_latest(state)  # doctest: +SKIP
     """
 
     def __init__(self, workdir: str, keep: int = 2):
-        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-        options = ocp.CheckpointManagerOptions(max_to_keep=max(int(keep), 2), create=True)
+        self.workdir = os.path.abspath(workdir)
+        self.directory = os.path.join(self.workdir, "checkpoints")
+        self.keep = max(int(keep), 2)
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            for name in os.listdir(self.directory):
+                if _PARTIAL in name:  # a save that never finished (crash, abort)
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True)
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "meta")
         )
+        self._good: set[int] = set()  # steps read back and verified
+        self._target: Any = None  # abstract state, for reading checkpoints back
+        self._closed = False
 
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state: Any, meta: dict) -> None:
+    def save(self, step: int, state: Any, meta: dict) -> bool:
+        """Saves ``state`` (asynchronously) with ``meta`` and their checksums.
+
+        Returns:
+          ``False`` (with a warning, nothing written) if ``state`` holds NaN or Inf.
+        """
+        sums, bad = _integrity.inspect_state(state)
+        if bad:
+            newest = self.all_steps()[-1:] or ["none"]
+            _warn(
+                f"the state at step {step} holds NaN or Inf (in {', '.join(bad[:3])}); not "
+                f"checkpointed: the newest checkpoint stays the last finite one ({newest[0]})."
+            )
+            return False
+        if self._target is None:
+            self._target = _abstract(state)
+        self.manager.wait_until_finished()
+        self._prune(room=1)
+        rest = json.loads(json.dumps({k: v for k, v in meta.items() if k != CHECKSUM}))
+        check = {"state": sums, "layout": _layout(state), "meta": _integrity.json_digest(rest)}
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave({**rest, CHECKSUM: check}),
             ),
             force=True,
         )
+        return True
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def read_meta(self, step: int) -> dict:
-        out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return dict(out["meta"])
-
-    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
-        """Restores the newest readable checkpoint; ``None`` if there is none.
-
-        A step that fails to restore (a truncated or corrupted save) is skipped with a warning
-        and the next older one is tried.
+        """The verified ``meta`` of ``step``.
 
         Raises:
-          RuntimeError: if checkpoints exist but none can be restored.
+          DamagedCheckpoint: if it does not match its checksum (other errors if unreadable).
+        """
+        out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        meta = dict(out["meta"])
+        _verify(step, None, meta)
+        return meta
+
+    def latest_meta(self) -> tuple[int, dict] | None:
+        """``(step, meta)`` of the newest checkpoint whose ``meta`` reads and verifies."""
+        for step in reversed(self.all_steps()):
+            try:
+                return step, self.read_meta(step)
+            except Exception:  # damage is reported when the state is restored
+                continue
+        return None
+
+    def _restore(self, step: int, target: Any) -> tuple[Any, dict]:
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+            ),
+        )
+        meta = dict(out["meta"])
+        _verify(step, out["state"], meta)
+        return out["state"], meta
+
+    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
+        """Restores the newest checkpoint that verifies; ``None`` if there is none.
+
+        A damaged step (unreadable, or not matching its checksums) is reported, then moved to
+        ``checkpoints.damaged/`` once an older step restores.
+
+        Raises:
+          CheckpointError: if checkpoints exist but none can be restored.
         """
         steps = self.all_steps()
         if not steps:
             return None
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-        errors = []
+        self._target = _abstract(abstract_state)
+        damaged = []
         for step in reversed(steps):
             try:
-                out = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
-                    ),
-                )
-                for bad, _ in errors:  # newer, unreadable: drop them so the run can re-save
-                    self.manager.delete(bad)
-                if errors:
-                    log.warning("resumed from older checkpoint step %d instead.", step)
-                return step, out["state"], dict(out["meta"])
+                state, meta = self._restore(step, self._target)
             except Exception as e:  # orbax raises many kinds for damaged files
-                msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                log.warning(
-                    "checkpoint step %d in %s is unreadable (%s); falling back.",
-                    step,
-                    self.directory,
-                    msg,
+                damaged.append((step, _reason(e)))
+                _warn(
+                    f"checkpoint step {step} in {self.directory} is damaged ({_reason(e)}); "
+                    "falling back to an older one."
                 )
-                print(
-                    f"WARNING: checkpoint step {step} is unreadable ({msg}); "
-                    "falling back to an older one.",
-                    flush=True,
+                continue
+            self._good.add(step)
+            if damaged:
+                self._set_aside([s for s, _ in damaged])
+                _warn(
+                    f"resumed from the older checkpoint step {step}; the damaged one(s) were "
+                    f"moved to {os.path.join(self.workdir, DAMAGED)}."
                 )
-                errors.append((step, msg))
-        raise RuntimeError(f"no checkpoint in {self.directory} could be restored: {errors}")
+            return step, state, meta
+        raise _errors.CheckpointError(
+            f"no checkpoint in {self.directory} can be restored ("
+            + "; ".join(f"step {s}: {r}" for s, r in damaged)
+            + "); move the folder away to start over."
+        )
+
+    def _set_aside(self, steps: list[int]) -> None:
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            aside = os.path.join(self.workdir, DAMAGED)
+            os.makedirs(aside, exist_ok=True)
+            for step in steps:
+                dest, n = os.path.join(aside, str(step)), 1
+                while os.path.exists(dest):
+                    dest, n = os.path.join(aside, f"{step}-{n}"), n + 1
+                shutil.move(os.path.join(self.directory, str(step)), dest)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jaxcomp_checkpoint_set_aside")
+        self.manager.reload()
+
+    def _newest_good(self) -> int | None:
+        """The newest step that verifies (read back if not yet); damaged newer ones set aside."""
+        damaged, good = [], None
+        for step in reversed(self.all_steps()):
+            if step in self._good:
+                good = step
+                break
+            try:
+                self._restore(step, self._target)
+            except Exception as e:
+                _warn(f"checkpoint step {step} reads back damaged ({_reason(e)}); moving it away.")
+                damaged.append(step)
+                continue
+            self._good.add(step)
+            good = step
+            break
+        self._set_aside(damaged)
+        return good
+
+    def _prune(self, room: int) -> None:
+        """Deletes all but the ``keep - room`` newest steps and the newest verified one."""
+        if len(self.all_steps()) <= self.keep - room or self._target is None:
+            return
+        good = self._newest_good()
+        if good is None:  # nothing verifies: delete nothing
+            return
+        steps = self.all_steps()
+        keep = set(steps[len(steps) - (self.keep - room) :]) | {good}
+        for step in steps:
+            if step not in keep:
+                self.manager.delete(step)
+                self._good.discard(step)
 
     def close(self) -> None:
+        """Waits for pending saves, applies retention and closes the manager (once)."""
+        if self._closed:
+            return
+        self.manager.wait_until_finished()
+        self._prune(room=0)
+        self.manager.close()
+        self._closed = True
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        """After an error: lets pending saves finish, then closes (no retention); after an
+        abort (``KeyboardInterrupt``, :class:`~jaxcomp.train.Aborted`): leaves at once."""
+        if self._closed or kind is None or not issubclass(kind, Exception):
+            return
         self.manager.wait_until_finished()
         self.manager.close()
+        self._closed = True

@@ -81,8 +81,9 @@ def build_dense(
         )
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        finite = _mode.all_finite(loss, grads)
-        new = _mode.keep_if_finite(finite, DenseState(params, model_state, opt_state), state)
+        new, finite = _mode.commit_if_finite(
+            DenseState(params, model_state, opt_state), state, loss, grads
+        )
         metrics = {
             "loss": loss,
             "accuracy": acc,

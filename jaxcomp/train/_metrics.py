@@ -24,9 +24,9 @@ def _plain(v: Any) -> Any:
 class MetricWriter:
     """Appends one record per call to ``metrics.jsonl`` and per split to ``<split>.csv``.
 
-    Records are ``{"step": int, "split": "train" | "eval", **scalars}``. Resuming a run appends;
-    records of steps after the resume point are dropped first, so the files never hold
-    duplicated steps.
+    Records are ``{"step": int, "split": "train" | "eval", **scalars}``. A run that starts
+    calls :meth:`truncate_after` with the step it resumes from (0 for a fresh start), so the
+    files never hold a step twice nor rows of an earlier attempt.
     """
 
     def __init__(self, workdir: str, enabled: bool = True):
@@ -34,19 +34,25 @@ class MetricWriter:
         self.jsonl = os.path.join(workdir, "metrics.jsonl")
 
     def truncate_after(self, step: int) -> None:
-        """Drops records with ``step > step`` (from a run that went on past its last checkpoint)."""
+        """Drops records with ``step > step`` (``0``: all), rewriting each file atomically."""
         if not self.enabled:
             return
         keep = [r for r in read_metrics(self.workdir) if r["step"] <= step]
-        with open(self.jsonl, "w") as f:
-            for r in keep:
-                f.write(json.dumps(r) + "\n")
+        _replace(self.jsonl, "".join(json.dumps(r) + "\n" for r in keep))
         for split in {r["split"] for r in keep} | {"train", "eval"}:
             path = os.path.join(self.workdir, f"{split}.csv")
+            rows = [r for r in keep if r["split"] == split]
             if os.path.exists(path):
                 os.remove(path)
-            for r in (r for r in keep if r["split"] == split):
+            for r in rows:
                 self._csv(r)
+
+    def find(self, step: int, split: str) -> dict | None:
+        """The record of ``split`` at ``step``, if written."""
+        for r in read_metrics(self.workdir):
+            if r["step"] == step and r["split"] == split:
+                return r
+        return None
 
     def write(self, step: int, split: str, scalars: Mapping[str, Any]) -> None:
         if not self.enabled:
@@ -72,13 +78,36 @@ class MetricWriter:
             w.writerow(record)
 
 
+def _replace(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def read_metrics(workdir: str) -> list[dict]:
-    """All records of ``workdir/metrics.jsonl`` (empty if none)."""
+    """All records of ``workdir/metrics.jsonl`` (empty if none).
+
+    A last line cut short (a process killed while writing it) is dropped.
+
+    Raises:
+      ValueError: naming the file and line if any other line is not a JSON record.
+    """
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    out = []
+    for n, (i, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if n == len(lines) - 1 and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path} line {i} is not a JSON record: {line[:80]!r}") from None
+        out.append(record)
+    return out
 
 
 def plot_metrics(workdir: str, path: str | None = None) -> str | None:

@@ -33,8 +33,9 @@ class Mode(NamedTuple):
       mesh: the device mesh the state and batches live on.
       init: ``init(key) -> state``.
       train_step: ``train_step(state, batch, key_data, step) -> (state, metrics)``; ``step``
-        is the host's step count (a Python int, e.g. to end a warm-up); a non-finite loss or
-        gradient leaves ``state`` unchanged and reports ``finite == 0``.
+        is the host's step count (a Python int, e.g. to end a warm-up); a non-finite loss,
+        gradient or resulting state leaves ``state`` unchanged and reports ``finite == 0``
+        (:func:`commit_if_finite`).
       eval_step: ``eval_step(state, batch, compressed: bool) -> {"loss_sum", "correct_sum",
         "count"}`` over the batch rows whose ``mask`` is 1.
       batch_sharding: how to place batch arrays (sharded along their leading axis).
@@ -69,6 +70,31 @@ def all_finite(*trees: Any) -> jax.Array:
 def keep_if_finite(finite: jax.Array, new: Any, old: Any) -> Any:
     """``new`` where ``finite`` else ``old``, leaf by leaf: a bad step changes nothing."""
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def commit_if_finite(new: Any, old: Any, *computed: Any) -> tuple[Any, jax.Array]:
+    """The state a step commits: ``new`` if it and ``computed`` are finite, else ``old``.
+
+    Every mode's step ends with it, so a step whose loss or gradients (``computed``) or whose
+    *resulting* parameters, optimizer, link or transform state hold NaN or Inf (e.g. an
+    overflowing update at a huge learning rate, from finite gradients) changes nothing.
+
+    Args:
+      new: the state after the step.
+      old: the state before it (same structure).
+      *computed: values the step computed on the way (loss, gradients).
+
+    Returns:
+      ``(state, finite)``: the committed state and the scalar bool.
+
+    Example:
+      >>> old = {"w": jnp.ones(2)}
+      >>> state, finite = commit_if_finite({"w": jnp.array([1.0, jnp.inf])}, old, jnp.array(0.5))
+      >>> bool(finite), state["w"].tolist()
+      (False, [1.0, 1.0])
+    """
+    finite = all_finite(new, *computed)
+    return keep_if_finite(finite, new, old), finite
 
 
 def eval_sums(model: _staged.StagedModel, logits: jax.Array, batch: dict) -> dict:

@@ -161,8 +161,9 @@ def build_pipeline(
         )
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        finite = _mode.all_finite(loss, grads)
-        new = _mode.keep_if_finite(finite, PipelineState(params, opt_state, link_states), state)
+        new, finite = _mode.commit_if_finite(
+            PipelineState(params, opt_state, link_states), state, loss, grads
+        )
         out = {
             "loss": loss,
             "accuracy": metrics["accuracy"],

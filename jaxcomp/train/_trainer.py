@@ -1,16 +1,17 @@
 """``train_and_evaluate(config, workdir)``: the training loop shared by every mode.
 
-Sections, in order: Config -> Mesh -> Data -> Model & mode -> Workdir & checkpoint -> Loop ->
+Sections, in order: Config & workdir -> Mesh -> Data -> Model & mode -> Checkpoint -> Loop ->
 Evaluation -> Summary. Everything that can be wrong with the input (config keys, names, the
-mesh, the workdir) is checked before the first step is compiled.
+mesh, the workdir) is checked before the first step runs and raised as a one-line
+:class:`SetupError`; what goes wrong later keeps its traceback.
 """
 
 from __future__ import annotations
 
-import json
+import copy
+import importlib
 import logging
 import math
-import os
 import time
 from typing import Any
 from typing import NamedTuple
@@ -27,8 +28,23 @@ from jaxcomp.train import _config
 from jaxcomp.train import _metrics
 from jaxcomp.train import _mode
 from jaxcomp.train import _progress
+from jaxcomp.train import _signals
+from jaxcomp.train import _workdir
+from jaxcomp.train._errors import Interrupted
+from jaxcomp.train._errors import NonFiniteError
+from jaxcomp.train._errors import SetupError
+from jaxcomp.train._errors import setup_phase
 
 log = logging.getLogger(__name__)
+
+#: mode name -> (module of jaxcomp.train, builder); a mode module is imported when used, and
+#: an error importing it surfaces as itself
+BUILDERS = {
+    "dense": ("_dense", "build_dense"),
+    "pipeline": ("_pipeline_mode", "build_pipeline"),
+    "data_parallel": ("_dp_mode", "build_data_parallel"),
+    "ab": ("_ab_mode", "build_ab"),
+}
 
 
 class TrainState(NamedTuple):
@@ -36,35 +52,6 @@ class TrainState(NamedTuple):
 
     mode_state: Any  # params, optimizer, link / transform states of the mode
     rng: Any  # uint32 key data of the run's base PRNG key
-
-
-class NonFiniteError(RuntimeError):
-    """Raised when too many training steps in a row had a non-finite loss or gradient."""
-
-
-def _builders() -> dict:
-    from jaxcomp.train import _dense
-
-    table = {"dense": _dense.build_dense}
-    try:
-        from jaxcomp.train import _pipeline_mode
-
-        table["pipeline"] = _pipeline_mode.build_pipeline
-    except ImportError:
-        pass
-    try:
-        from jaxcomp.train import _dp_mode
-
-        table["data_parallel"] = _dp_mode.build_data_parallel
-    except ImportError:
-        pass
-    try:
-        from jaxcomp.train import _ab_mode
-
-        table["ab"] = _ab_mode.build_ab
-    except ImportError:
-        pass
-    return table
 
 
 class Setup(NamedTuple):
@@ -82,37 +69,35 @@ def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
     """Validates ``config`` and builds the mesh, data, model and mode (compiles the step).
 
     Raises:
-      ValueError: one line naming the problem (unknown key, model, dataset, codec or optimizer,
-        a mesh the devices cannot form, ...).
+      SetupError: (a ``ValueError``) one line naming the problem (unknown key, model, dataset,
+        codec or optimizer, a mesh the devices cannot form, ...).
     """
-    # --- Config --------------------------------------------------------------------------
-    config = _config.with_defaults(config)
-    builders = _builders()
-    if config.mode not in builders:
-        raise ValueError(
-            f"mode {config.mode!r} is not available; available modes: {sorted(builders)}."
+    with setup_phase():
+        # --- Config ----------------------------------------------------------------------
+        config = _config.with_defaults(config)
+        module, builder = BUILDERS[config.mode]
+        build = getattr(importlib.import_module(f"jaxcomp.train.{module}"), builder)
+        # --- Mesh ------------------------------------------------------------------------
+        try:
+            mesh = comm.make_mesh([tuple(a) for a in config.mesh], devices=devices)
+        except ValueError as e:
+            hint = ""
+            if devices is None and jax.default_backend() != "cpu":
+                hint = " Set JAX_PLATFORMS=cpu to run on fake CPU devices instead."
+            raise SetupError(f"config.mesh: {e}{hint}") from e
+        # --- Data ------------------------------------------------------------------------
+        train_src = data.get_dataset(config.data_name, "train", **dict(config.data))
+        eval_kwargs = {**dict(config.data), **dict(config.eval_data)}
+        eval_src = data.get_dataset(config.data_name, "test", **eval_kwargs)
+        train_loader = data.Loader(
+            train_src, config.batch_size, seed=config.seed, augment=config.augment
         )
-    # --- Mesh ----------------------------------------------------------------------------
-    try:
-        mesh = comm.make_mesh([tuple(a) for a in config.mesh], devices=devices)
-    except ValueError as e:
-        hint = ""
-        if devices is None and jax.default_backend() != "cpu":
-            hint = " Set JAX_PLATFORMS=cpu to run on fake CPU devices instead."
-        raise ValueError(f"config.mesh: {e}{hint}") from e
-    # --- Data ----------------------------------------------------------------------------
-    train_src = data.get_dataset(config.data_name, "train", **dict(config.data))
-    eval_kwargs = {**dict(config.data), **dict(config.eval_data)}
-    eval_src = data.get_dataset(config.data_name, "test", **eval_kwargs)
-    train_loader = data.Loader(
-        train_src, config.batch_size, seed=config.seed, augment=config.augment
-    )
-    eval_loader = data.Loader(
-        eval_src, config.eval_batch_size, seed=config.seed, shuffle=False, drop_last=False
-    )
-    # --- Model & mode --------------------------------------------------------------------
-    model = models.get_model(config.model_name, **dict(config.model))
-    mode = builders[config.mode](config, model, mesh, len(train_src))
+        eval_loader = data.Loader(
+            eval_src, config.eval_batch_size, seed=config.seed, shuffle=False, drop_last=False
+        )
+        # --- Model & mode ----------------------------------------------------------------
+        model = models.get_model(config.model_name, **dict(config.model))
+        mode = build(config, model, mesh, len(train_src))
     return Setup(config, mesh, model, train_loader, eval_loader, mode)
 
 
@@ -148,17 +133,18 @@ def evaluate(s: Setup, state: TrainState, compressed: bool) -> dict[str, float]:
     return {"loss": totals["loss_sum"] / n, "accuracy": totals["correct_sum"] / n}
 
 
-def _check_workdir(workdir: str, fp: dict) -> None:
-    path = os.path.join(workdir, "experiment.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-        if old != fp:
-            keys = _config.diff_keys(old, fp)
-            raise ValueError(
-                f"workdir {workdir!r} holds a checkpoint of another experiment "
-                f"(config differs in {keys[:6]}); use a new --workdir."
-            )
+#: the loop's host-side counters and accumulators, saved in every checkpoint's ``meta``
+FRESH_META = {
+    "step": 0,
+    "epoch": 0,
+    "index": 0,
+    "nonfinite_total": 0,
+    "nonfinite_streak": 0,
+    "window": [],  # per-step metrics since the last train record
+    "wire_sum": 0.0,  # bytes of the finite steps so far (the summary's mean)
+    "wire_count": 0,
+    "wall_time_s": 0.0,  # wall time of the calls before this one, up to their last checkpoint
+}
 
 
 def train_and_evaluate(
@@ -168,6 +154,9 @@ def train_and_evaluate(
 
     Writes ``metrics.jsonl``, ``train.csv``, ``eval.csv``, ``metrics.png``, ``summary.json``
     and ``summary.txt`` into ``workdir`` (on process 0), and prints progress and the summary.
+    A resumed run continues bit-identically (metrics, accumulators and summary included); a
+    finished workdir is left as it is. On SIGTERM or SIGINT the run finishes its step, saves a
+    checkpoint and raises :class:`Interrupted`; a second signal raises ``Aborted`` at once.
 
     Args:
       config: an experiment config (see ``configs/``).
@@ -177,17 +166,45 @@ def train_and_evaluate(
         to test resumption.
 
     Returns:
-      The summary: final metrics, bytes per step, wall time.
+      The summary: final metrics, bytes per step, wall time (the finished run's summary if
+      the workdir was finished already).
+
+    Raises:
+      SetupError: a bad config, mesh or workdir (one line), before any step.
+      NonFiniteError: after ``max_nonfinite_in_a_row`` skipped steps (the last good state saved).
+      Interrupted: on the first SIGTERM/SIGINT, with the step's checkpoint saved.
     """
     t_start = time.perf_counter()
-    lead = jax.process_index() == 0
-    config = _config.with_defaults(config)
-    fp = _config.fingerprint(config)
-    os.makedirs(workdir, exist_ok=True)
-    _check_workdir(workdir, fp)
-    s = setup(config, devices=devices)
-    mode, cfg = s.mode, s.config
-    say = print if lead else (lambda *a, **k: None)
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    # --- Config & workdir (nothing compiled yet) -------------------------------------------
+    with setup_phase():
+        config = _config.with_defaults(config)
+        fp = _config.fingerprint(config)
+        _workdir.prepare(workdir)
+        latest = None
+        if _workdir.has_checkpoints(workdir):
+            probe = _checkpoint.Checkpointer(workdir, config.keep_checkpoints)
+            latest = probe.latest_meta()
+            probe.close()
+        _workdir.check_experiment(workdir, fp, latest)
+        done = _workdir.finished_summary(workdir, config.total_steps, latest)
+    if done is not None:
+        say(
+            f"jaxcomp: the run in {workdir} is finished ({done['steps']} of "
+            f"{config.total_steps} steps); nothing to do. Raise total_steps to continue it; "
+            "its summary is summary.txt."
+        )
+        return done
+    with _signals.StopOnSignal() as stop:
+        s = setup(config, devices=devices)
+        _describe(s, say)
+        # on an error, pending saves finish before it propagates
+        with _checkpoint.Checkpointer(workdir, config.keep_checkpoints) as ckpt:
+            return _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say)
+
+
+def _describe(s: Setup, say) -> None:
+    cfg, mode = s.config, s.mode
     say(f"jaxcomp: {cfg.mode} | {mode.description}")
     say(
         f"  model {s.model.name} ({s.model.num_stages} stage(s)), data {cfg.data_name}: "
@@ -200,50 +217,56 @@ def train_and_evaluate(
         else _metrics.format_bytes(mode.wire_bytes)
     )
     say(f"  wire bytes/step {wire0} (dense {_metrics.format_bytes(mode.dense_bytes)})")
-    if lead:
-        with open(os.path.join(workdir, "experiment.json"), "w") as f:
-            json.dump(fp, f, indent=1, sort_keys=True)
-    # --- Workdir & checkpoint ----------------------------------------------------------------
-    ckpt = _checkpoint.Checkpointer(workdir, cfg.keep_checkpoints)
+
+
+def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, Any]:
+    """Restores, runs the loop, evaluates and writes the summary."""
+    lead = jax.process_index() == 0
+    mode, cfg = s.mode, s.config
     writer = _metrics.MetricWriter(workdir, enabled=lead)
     # modes place their own state; no ambient mesh (shard_map bodies may seed PRNGs)
     state = TrainState(
         mode.init(jax.random.key(cfg.seed)),
         _replicated(np.asarray(jax.random.key_data(jax.random.key(cfg.seed))), s.mesh),
     )
-    meta = {"step": 0, "epoch": 0, "index": 0, "nonfinite_total": 0, "nonfinite_streak": 0}
-    restored = ckpt.restore_latest(state)
-    if restored is not None:
-        step0, state, meta = restored
-        if meta.get("fingerprint") not in (None, _config.fingerprint_hash(fp)):
-            raise ValueError(f"workdir {workdir!r} holds a checkpoint of another experiment.")
-        writer.truncate_after(step0)
-        say(f"  resumed from step {step0}")
+    meta = copy.deepcopy(FRESH_META)
+    with setup_phase():
+        restored = ckpt.restore_latest(state)
+        if restored is not None:
+            _, state, saved_meta = restored
+            meta.update(saved_meta)
+            if meta["step"] > cfg.total_steps:
+                raise SetupError(
+                    f"workdir {workdir!r} holds a checkpoint at step {meta['step']}, past "
+                    f"config.total_steps = {cfg.total_steps}."
+                )
+            say(f"  resumed from step {meta['step']}")
+        writer.truncate_after(int(meta["step"]))  # a fresh start clears an old run's rows
+    if lead:
+        _workdir.write_experiment(workdir, fp)
     step = int(meta["step"])
     data_state = data.LoaderState(int(meta["epoch"]), int(meta["index"]))
-    nonfinite_total, streak = int(meta["nonfinite_total"]), int(meta["nonfinite_streak"])
+    run = {k: meta[k] for k in ("nonfinite_total", "nonfinite_streak", "window")}
+    run.update(wire_sum=float(meta["wire_sum"]), wire_count=int(meta["wire_count"]))
+    wall0 = float(meta["wall_time_s"])
     base_key = jax.random.wrap_key_data(np.asarray(state.rng.addressable_data(0)))
-
-    saved = [int(meta["step"]) if restored is not None else -1]
+    saved = [step if restored is not None else -1]
 
     def save(at_step):
         if saved[0] == at_step:
             return
-        saved[0] = at_step
-        m = {
-            "step": at_step,
-            "epoch": data_state.epoch,
-            "index": data_state.index,
-            "nonfinite_total": nonfinite_total,
-            "nonfinite_streak": streak,
-            "fingerprint": _config.fingerprint_hash(fp),
-        }
-        ckpt.save(at_step, state, m)
+        m = {"step": at_step, "epoch": data_state.epoch, "index": data_state.index, **run}
+        m.update(fingerprint=fp, wall_time_s=wall0 + time.perf_counter() - t_start)
+        if ckpt.save(at_step, state, m):
+            saved[0] = at_step
 
+    def interrupt(message):
+        ckpt.close()
+        raise Interrupted(stop.signum, step, f"interrupted by {stop.name} {message}")
+
+    if stop.should_stop():
+        interrupt(f"before step {step + 1}; nothing new to save.")
     progress = _progress.Progress(cfg.total_steps, step, enabled=lead)
-    window: list[dict] = []
-    measured: list[float] = []  # wire bytes of this call's steps
-    ran = 0
     # --- Loop ----------------------------------------------------------------------------
     while step < cfg.total_steps:
         batch, data_state = s.train_loader.next(data_state)
@@ -253,50 +276,62 @@ def train_and_evaluate(
         )
         state = state._replace(mode_state=state_ms)
         step += 1
-        ran += 1
         m = _scalars(metrics)
         if m.get("finite", 1.0) < 1.0:
-            nonfinite_total += 1
-            streak += 1
-            progress.message(f"step {step}: non-finite loss or gradient; update skipped.")
-            if streak >= cfg.max_nonfinite_in_a_row:
+            run["nonfinite_total"] += 1
+            run["nonfinite_streak"] += 1
+            progress.message(f"step {step}: non-finite loss, gradient or update; step skipped.")
+            if run["nonfinite_streak"] >= cfg.max_nonfinite_in_a_row:
                 save(step)
                 ckpt.close()
                 raise NonFiniteError(
-                    f"{streak} training steps in a row had a non-finite loss or gradient "
-                    f"(last at step {step}); stopping. Lower the learning rate or check the data."
+                    f"{run['nonfinite_streak']} training steps in a row had a non-finite loss, "
+                    f"gradient or update (last at step {step}); stopping with the last finite "
+                    "state saved. Lower the learning rate or check the data."
                 )
         else:
-            streak = 0
-            window.append(m)
-            measured.append(m.get("wire_bytes", mode.wire_bytes))
+            run["nonfinite_streak"] = 0
+            run["window"].append(m)
+            run["wire_sum"] += m.get("wire_bytes", mode.wire_bytes)
+            run["wire_count"] += 1
         if step % cfg.log_every == 0 or step == cfg.total_steps:
+            window = run["window"]
             avg = {k: float(np.mean([w[k] for w in window])) for k in window[0]} if window else {}
             avg.setdefault("wire_bytes", mode.wire_bytes)  # a mode may report it per step
-            avg.update(nonfinite_steps=nonfinite_total, epoch=data_state.epoch)
+            avg.update(nonfinite_steps=run["nonfinite_total"], epoch=data_state.epoch)
             writer.write(step, "train", {k: v for k, v in avg.items() if k != "finite"})
             progress.update(step, avg, final=step == cfg.total_steps)
-            window = []
+            run["window"] = []
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.total_steps:
             _log_eval(s, state, step, writer, progress)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             save(step)
-        if stop_after is not None and ran >= stop_after:
+        if stop.should_stop() and step < cfg.total_steps:
+            save(step)
+            interrupt(
+                f"after step {step} of {cfg.total_steps}; checkpoint saved in "
+                f"{ckpt.directory}. Run the same command again to resume."
+            )
+        if stop_after is not None and step - int(meta["step"]) >= stop_after:
             save(step)
             ckpt.close()
             return {"stopped_at": step}
     # --- Evaluation & summary ----------------------------------------------------------------
-    final = _log_eval(s, state, step, writer, progress)
+    # restored at the last step (a run stopped before writing its summary): the final eval
+    # may be on record already; every process evaluates, only a missing record is written
+    write = not (restored is not None and saved[0] == step and writer.find(step, "eval"))
+    final = _log_eval(s, state, step, writer, progress, write=write)
     save(step)
     ckpt.close()
-    wire = float(np.mean(measured)) if measured else mode.wire_bytes
-    summary = _summary(s, final, step, nonfinite_total, time.perf_counter() - t_start, wire)
+    wire = run["wire_sum"] / run["wire_count"] if run["wire_count"] else mode.wire_bytes
+    wall = wall0 + time.perf_counter() - t_start
+    summary = _workdir.summarize(s, final, step, run["nonfinite_total"], wall, wire)
     if lead:
-        _write_summary(workdir, summary, s)
+        _workdir.write_summary(workdir, summary, f"summary: {cfg.mode} / {s.model.name}")
     return summary
 
 
-def _log_eval(s: Setup, state, step, writer, progress) -> dict:
+def _log_eval(s: Setup, state, step, writer, progress, write: bool = True) -> dict:
     out = {}
     off = evaluate(s, state, compressed=False)
     if s.mode.has_compressed_eval:
@@ -310,52 +345,6 @@ def _log_eval(s: Setup, state, step, writer, progress) -> dict:
     else:
         out.update(loss=off["loss"], accuracy=off["accuracy"])
         progress.message(f"  eval @ {step}: accuracy {off['accuracy']:.4f}, loss {off['loss']:.4f}")
-    writer.write(step, "eval", out)
+    if write:
+        writer.write(step, "eval", out)
     return out
-
-
-def _summary(
-    s: Setup, final: dict, step: int, nonfinite: int, wall: float, wire: float
-) -> dict[str, Any]:
-    mode = s.mode
-    out = {
-        "mode": s.config.mode,
-        "model": s.model.name,
-        "stages": s.model.num_stages,
-        "steps": step,
-        "final_loss": final["loss"],
-        "final_accuracy": final["accuracy"],
-        "wire_bytes_per_step": wire,
-        "dense_bytes_per_step": mode.dense_bytes,
-        "compression_ratio": mode.dense_bytes / wire if wire else math.inf,
-        "nonfinite_steps": nonfinite,
-        "wall_time_s": wall,
-    }
-    if "accuracy_uncompressed" in final:
-        out["final_accuracy_uncompressed"] = final["accuracy_uncompressed"]
-        out["final_loss_uncompressed"] = final["loss_uncompressed"]
-    if s.model.task == "language_model":
-        out["final_perplexity"] = math.exp(min(final["loss"], 50.0))
-    out.update(mode.extra or {})
-    return out
-
-
-def _write_summary(workdir: str, summary: dict, s: Setup) -> None:
-    rows = []
-    for k, v in summary.items():
-        if "bytes" in k and isinstance(v, (int, float)):
-            v = _metrics.format_bytes(v)
-        elif k == "wall_time_s":
-            v = f"{v:.1f}"
-        elif k == "compression_ratio":
-            v = f"{v:.1f}x"
-        rows.append((k, v))
-    table = _metrics.summary_table(rows, title=f"summary: {s.config.mode} / {s.model.name}")
-    print(table, flush=True)
-    with open(os.path.join(workdir, "summary.txt"), "w") as f:
-        f.write(table + "\n")
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1, default=float)
-    png = _metrics.plot_metrics(workdir)
-    if png:
-        print(f"curves: {png}", flush=True)

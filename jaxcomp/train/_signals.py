@@ -1,0 +1,76 @@
+"""Graceful stop on SIGTERM / SIGINT: finish the step, checkpoint, exit; a second signal aborts.
+
+Preemption on clusters is a SIGTERM, and Ctrl-C is a SIGINT. Inside :class:`StopOnSignal` the
+first of either only sets a flag that the training loop reads after each step; a second one
+raises :class:`~jaxcomp.train.Aborted` at once. With several processes the flag is agreed over
+all of them (any process signalled stops every process after the same step), so no process is
+left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import jax
+import numpy as np
+
+from jaxcomp.train._errors import Aborted
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopOnSignal:
+    """A context manager that turns SIGTERM/SIGINT into a stop request.
+
+    Handlers are installed only in the main thread (elsewhere Python cannot install them and
+    signals keep their previous behaviour); the previous handlers come back on exit.
+
+    Example:
+      >>> with StopOnSignal() as stop:
+      ...     for step in range(3):
+      ...         if stop.should_stop():
+      ...             break
+      >>> stop.signum is None
+      True
+    """
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        del frame
+        if self.signum is None:
+            self.signum = signum  # no printing here: the main thread may be mid-print
+            return
+        self._restore()
+        raise Aborted(signum)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def should_stop(self) -> bool:
+        """Whether a signal asked this process (or, with several processes, any) to stop."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            signums = np.asarray(multihost_utils.process_allgather(np.int32(self.signum or 0)))
+            if self.signum is None and signums.max() > 0:  # another process was signalled
+                self.signum = int(signums[signums > 0][0])
+        return self.signum is not None

@@ -1,0 +1,468 @@
+"""Fault injection: damaged checkpoints, non-finite updates, signals, restarts (issue 9, 7-11).
+
+Each fault must give the right answer or a clear error, never a silent wrong result: a byte
+flipped in any checkpoint file is detected (or harmless), a non-finite update is never
+committed nor saved, SIGTERM/SIGINT save and exit cleanly and the resumed run is bit-identical
+to an uninterrupted one, and a restarted or finished workdir keeps its metrics and summary
+exact.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxcomp import main
+from jaxcomp import train
+from jaxcomp.train import _integrity
+from jaxcomp.train import _trainer
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+CONFIG = str(ROOT / "configs" / "digits_dense.py") + ":smoke"
+TINY = {
+    "model.hidden": (32, 32, 32),
+    "batch_size": 64,
+    "eval_batch_size": 120,
+    "total_steps": 12,
+    "lr": 3e-3,
+    "log_every": 4,
+    "checkpoint_every": 4,
+}
+
+
+def tiny(**overrides) -> ml_collections.ConfigDict:
+    """digits_dense with a small MLP: compiles in ~2 s, a step takes milliseconds."""
+    return train.apply_overrides(main.load_config(CONFIG), {**TINY, **overrides})
+
+
+def _argv(workdir, **overrides) -> list[str]:
+    """The CLI arguments that give ``tiny(**overrides)``."""
+    sets = [["--set", f"{k}={v!r}"] for k, v in {**TINY, **overrides}.items()]
+    return ["--config", CONFIG, "--workdir", str(workdir), *sum(sets, [])]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _reuse_setup():
+    """One compiled setup per config for the module's in-process runs (setup is pure)."""
+    real, cache = _trainer.setup, {}
+
+    def cached(config, devices=None):
+        key = (train.with_defaults(config).to_json_best_effort(), devices)
+        if key not in cache:
+            cache[key] = real(config, devices=devices)
+        return cache[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_trainer, "setup", cached)
+        yield
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def _assert_same(a, b):
+    la, lb = _leaves(a), _leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(x, y)
+
+
+def _final_state(workdir):
+    path = pathlib.Path(workdir) / "checkpoints"
+    step = max(int(p.name) for p in path.iterdir() if p.name.isdigit())
+    with ocp.StandardCheckpointer() as ckpt:
+        return step, ckpt.restore(path / str(step) / "state")
+
+
+def _records(workdir):
+    return train.read_metrics(str(workdir))
+
+
+# --- item 7: damaged checkpoints -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """An 8-step run with checkpoints at 4 and 8, the verified states of both, and a target."""
+    base = tmp_path_factory.mktemp("saved") / "run"
+    train.train_and_evaluate(tiny(total_steps=8), str(base))
+    s = _trainer.setup(tiny(total_steps=8))
+    target = _trainer.TrainState(
+        s.mode.init(jax.random.key(0)),
+        _trainer._replicated(np.zeros(2, np.uint32), s.mesh),
+    )
+    ckpt = train.Checkpointer(str(base))
+    step8, state8, _ = ckpt.restore_latest(target)
+    ckpt.close()
+    only4 = base.parent / "only4"
+    shutil.copytree(base, only4)
+    shutil.rmtree(only4 / "checkpoints" / "8")
+    ckpt = train.Checkpointer(str(only4))
+    step4, state4, _ = ckpt.restore_latest(target)
+    ckpt.close()
+    assert (step8, step4) == (8, 4)
+    return base, target, {8: state8, 4: state4}
+
+
+def _flip(path: pathlib.Path, pos: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[pos] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_any_checkpoint_file_is_detected_or_harmless(saved_run, tmp_path, capsys):
+    base, target, states = saved_run
+    files = sorted(p.relative_to(base) for p in (base / "checkpoints" / "8").rglob("*"))
+    files = [f for f in files if (base / f).is_file()]
+    assert len(files) >= 10, files  # every file orbax writes: metadata, JSON, arrays
+    outcomes = {}
+    for rel in files:
+        size = (base / rel).stat().st_size
+        for pos in sorted({0, size // 2, size - 1}):
+            work = tmp_path / "w"
+            shutil.copytree(base, work)
+            _flip(work / rel, pos)
+            capsys.readouterr()
+            ckpt = train.Checkpointer(str(work))
+            step, state, _ = ckpt.restore_latest(target)
+            ckpt.close()
+            out = capsys.readouterr().out
+            _assert_same(state, states[step])  # never a silently different state
+            if step == 4:
+                assert "checkpoint step 8" in out and "damaged" in out, out
+                assert (work / "checkpoints.damaged" / "8").is_dir()
+                assert sorted(os.listdir(work / "checkpoints")) == ["4"]
+            outcomes[f"{rel}@{pos}"] = step
+            shutil.rmtree(work)
+    # the files a restore reads (arrays, their index and metadata, meta) detect every flip;
+    # the others (commit markers, orbax's own metadata, the sharding file, the per-process
+    # database merged into state/d) are not read, so a flip there restores the same bits
+    read = ("state/d/", "state/manifest.ocdbt", "state/_METADATA", "array_metadatas", "meta/meta")
+    detected = {k for k, v in outcomes.items() if v == 4}
+    assert detected == {k for k in outcomes if any(r in k for r in read)}, outcomes
+    assert any("state/d/" in k for k in detected)
+
+
+def test_a_damaged_latest_checkpoint_resumes_from_the_older_one_bit_identical(
+    saved_run, tmp_path, capsys
+):
+    base, _, _ = saved_run
+    ref = tmp_path / "ref"
+    train.train_and_evaluate(tiny(), str(ref))
+    work = tmp_path / "work"
+    shutil.copytree(base, work)
+    data = max((work / "checkpoints" / "8").rglob("d/*"), key=lambda p: p.stat().st_size)
+    _flip(data, data.stat().st_size // 2)  # the issue's case: bytes inside an array file
+    summary = train.train_and_evaluate(tiny(), str(work))
+    out = capsys.readouterr().out
+    assert "checkpoint step 8" in out and "is damaged" in out, out
+    assert "resumed from step 4" in out
+    (s1, a), (s2, b) = _final_state(ref), _final_state(work)
+    assert s1 == s2 == 12
+    _assert_same(a, b)
+    assert _records(ref) == _records(work)
+    assert summary["final_loss"] == json.loads((ref / "summary.json").read_text())["final_loss"]
+
+
+def test_arrays_that_read_back_with_other_values_fail_their_checksums(saved_run, tmp_path, capsys):
+    """The issue's case: damage that still decodes (a NaN in a parameter) was loaded."""
+    base, target, states = saved_run
+    work = tmp_path / "w"
+    shutil.copytree(base, work)
+    leaves, treedef = jax.tree.flatten(states[8])
+    kernel = np.asarray(leaves[0]).copy()
+    kernel.flat[7] = np.nan
+    leaves[0] = jax.device_put(kernel, leaves[0].sharding)
+    item = work / "checkpoints" / "8" / "state"
+    shutil.rmtree(item)
+    with ocp.StandardCheckpointer() as c:
+        c.save(item, jax.tree.unflatten(treedef, leaves))  # same layout, other values
+    ckpt = train.Checkpointer(str(work))
+    step, state, _ = ckpt.restore_latest(target)
+    ckpt.close()
+    out = capsys.readouterr().out
+    path = _integrity.leaf_paths(states[8])[0]
+    assert f"1 array(s) do not match their checksums: {path}" in out, out
+    assert step == 4
+    _assert_same(state, states[4])
+
+
+def test_a_non_finite_state_is_never_saved(tmp_path, capsys):
+    ckpt = train.Checkpointer(str(tmp_path))
+    good = {"w": jax.numpy.ones(4), "n": jax.numpy.zeros((), jax.numpy.int32)}
+    assert ckpt.save(1, good, {"step": 1})
+    bad = {"w": jax.numpy.array([1.0, np.nan, 2.0, np.inf]), "n": good["n"]}
+    assert not ckpt.save(2, bad, {"step": 2})
+    ckpt.close()
+    assert "holds NaN or Inf (in ['w'])" in capsys.readouterr().out
+    assert os.listdir(tmp_path / "checkpoints") == ["1"]
+    step, state, _ = train.Checkpointer(str(tmp_path)).restore_latest(good)
+    assert step == 1
+    _assert_same(state, good)
+
+
+def test_retention_never_deletes_the_last_known_good_checkpoint(tmp_path, capsys):
+    states = {s: {"w": jax.numpy.full((64,), float(s))} for s in (4, 8, 12)}
+    ckpt = train.Checkpointer(str(tmp_path), keep=2)
+    for s in (4, 8):
+        assert ckpt.save(s, states[s], {"step": s})
+        ckpt.wait()
+    data = max((tmp_path / "checkpoints" / "8").rglob("d/*"), key=lambda p: p.stat().st_size)
+    _flip(data, data.stat().st_size // 2)  # step 8 rots on disk after it was written
+    assert ckpt.save(12, states[12], {"step": 12})  # keep=2 would drop 4 if 8 were good
+    ckpt.close()
+    assert "checkpoint step 8 reads back damaged" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "checkpoints"), key=int) == ["4", "12"]
+    # without damage, retention keeps the newest two and drops the older
+    other = tmp_path / "other"
+    ckpt = train.Checkpointer(str(other), keep=2)
+    for s in (4, 8, 12):
+        ckpt.save(s, states[s], {"step": s})
+    ckpt.close()
+    assert sorted(os.listdir(other / "checkpoints"), key=int) == ["8", "12"]
+
+
+def test_a_half_written_save_is_removed_on_restart(saved_run, tmp_path):
+    base, target, states = saved_run
+    work = tmp_path / "w"
+    shutil.copytree(base, work)
+    partial = work / "checkpoints" / "12.orbax-checkpoint-tmp-1234"
+    shutil.copytree(work / "checkpoints" / "8", partial)
+    ckpt = train.Checkpointer(str(work))
+    assert not partial.exists()
+    step, state, _ = ckpt.restore_latest(target)
+    ckpt.close()
+    assert step == 8
+    _assert_same(state, states[8])
+
+
+# --- item 8: non-finite updates ----------------------------------------------------------------
+def _one_step(s):
+    state = s.mode.init(jax.random.key(0))
+    before = _leaves(state)
+    batch, _ = s.train_loader.next(s.train_loader.initial_state())
+    key = _trainer._replicated(np.asarray(jax.random.key_data(jax.random.key(1))), s.mesh)
+    state, metrics = s.mode.train_step(state, _trainer.place(batch, s.mode.batch_sharding), key, 0)
+    return before, _leaves(state), metrics
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        dict(),
+        dict(
+            mode="pipeline",
+            mesh=[("stage", 4)],
+            **{"model.hidden": (16, 16, 16)},
+            batch_size=32,
+            eval_batch_size=32,
+            pipeline={"num_microbatches": 4, "forward": {"name": "quantize", "bits": 8}},
+        ),
+    ],
+    ids=["dense", "pipeline"],
+)
+def test_an_overflowing_update_from_finite_gradients_is_not_committed(mode):
+    # lr = 1e39 is inf in float32: loss and gradients are finite, the new params are not
+    s = _trainer.setup(tiny(optax_name="sgd", lr=1e39, **mode))
+    before, after, metrics = _one_step(s)
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+    assert int(metrics["finite"]) == 0
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_non_finite_updates_stop_the_run_with_the_last_finite_state_saved(tmp_path):
+    config = tiny(optax_name="sgd", lr=1e39, max_nonfinite_in_a_row=3, total_steps=40)
+    with pytest.raises(train.NonFiniteError, match="3 training steps in a row"):
+        train.train_and_evaluate(config, str(tmp_path))
+    s = _trainer.setup(config)
+    init = _trainer.TrainState(
+        s.mode.init(jax.random.key(0)), _trainer._replicated(np.zeros(2, np.uint32), s.mesh)
+    )
+    ckpt = train.Checkpointer(str(tmp_path))
+    step, state, _ = ckpt.restore_latest(init)
+    ckpt.close()
+    assert step == 3
+    _assert_same(state.mode_state, s.mode.init(jax.random.key(0)))  # nothing was committed
+
+
+# --- item 10: metrics and summaries after a restart -----------------------------------------------
+def _injected(monkeypatch, bad_steps=(2, 7)):
+    """Every step reports wire bytes 100 * step and the steps in ``bad_steps`` are non-finite
+    (state kept), so the summary's mean bytes and non-finite count depend on every step."""
+    real = _trainer.setup  # the module's cached one
+
+    def fake_setup(config, devices=None):
+        s = real(config, devices=devices)
+
+        def step_fn(state, batch, key, step):
+            if step + 1 in bad_steps:  # as a mode reports a skipped step (state unchanged)
+                return state, {"loss": np.float32(np.nan), "finite": np.int32(0)}
+            new, metrics = s.mode.train_step(state, batch, key, step)
+            return new, {**metrics, "wire_bytes": np.float32(100.0 * (step + 1))}
+
+        return s._replace(mode=s.mode._replace(train_step=step_fn))
+
+    monkeypatch.setattr(_trainer, "setup", fake_setup)
+
+
+def test_a_resumed_run_has_the_uninterrupted_metrics_and_summary(tmp_path, monkeypatch):
+    _injected(monkeypatch)
+    config = tiny(checkpoint_every=3, eval_every=6)  # logs every 4: windows span checkpoints
+    full = train.train_and_evaluate(config, str(tmp_path / "full"))
+    assert train.train_and_evaluate(config, str(tmp_path / "part"), stop_after=5) == {
+        "stopped_at": 5
+    }
+    part = train.train_and_evaluate(config, str(tmp_path / "part"))
+    good = [s for s in range(1, 13) if s not in (2, 7)]
+    assert full["nonfinite_steps"] == part["nonfinite_steps"] == 2
+    assert full["wire_bytes_per_step"] == part["wire_bytes_per_step"]
+    assert full["wire_bytes_per_step"] == pytest.approx(100 * np.mean(good), rel=1e-12)
+    assert _records(tmp_path / "full") == _records(tmp_path / "part")
+    steps = [(r["step"], r["split"]) for r in _records(tmp_path / "part")]
+    assert len(steps) == len(set(steps))
+    assert part["wall_time_s"] > 0
+
+
+def test_a_restart_without_checkpoints_starts_the_metrics_over(saved_run, tmp_path):
+    ref, work = saved_run[0], tmp_path / "work"
+    shutil.copytree(ref, work)
+    shutil.rmtree(work / "checkpoints")
+    os.remove(work / "summary.json")
+    train.train_and_evaluate(tiny(total_steps=8), str(work))
+    assert _records(ref) == _records(work)  # no rows of the first attempt left
+
+
+def _snapshot(workdir):
+    return {
+        str(p.relative_to(workdir)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(pathlib.Path(workdir).rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_rerunning_a_finished_workdir_says_so_and_changes_nothing(saved_run, tmp_path, capsys):
+    base, _, _ = saved_run
+    work = tmp_path / "w"
+    shutil.copytree(base, work)
+    before = _snapshot(work)
+    capsys.readouterr()
+    summary = train.train_and_evaluate(tiny(total_steps=8), str(work))
+    out = capsys.readouterr().out
+    assert "is finished (8 of 8 steps); nothing to do" in out
+    assert summary == json.loads((work / "summary.json").read_text())
+    code, err = _run_main(_argv(work, total_steps=8))
+    assert code == 0, err
+    assert _snapshot(work) == before
+
+
+def test_every_shipped_config_checkpoints():
+    for path in sorted((ROOT / "configs").glob("*.py")):
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        config = train.with_defaults(module.get_config(None))
+        assert 0 < config.checkpoint_every <= config.total_steps, path.name
+
+
+# --- item 9: signals (subprocesses) ----------------------------------------------------------
+SIGNAL_SET = ["--set", "model.hidden=(32, 32, 32)", "--set", "total_steps=240",
+              "--set", "log_every=1", "--set", "checkpoint_every=0",
+              "--set", "eval_every=60"]  # fmt: skip
+
+
+def _run_main(argv):
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main.main(argv)
+    return code, err.getvalue()
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return env
+
+
+@dataclasses.dataclass
+class Result:
+    code: int
+    out: str
+    stopped: int | None  # the step the output showed when the signals were sent
+
+
+def _launch(workdir, signals=(), at=None) -> Result:
+    """Runs the CLI; after it prints step ``at`` (or the first step past it), sends
+    ``signals`` back to back."""
+    cmd = [sys.executable, "-m", "jaxcomp.main", "--config", CONFIG, "--workdir", str(workdir),
+           *SIGNAL_SET]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines, stopped = [], None
+    for line in proc.stdout:
+        lines.append(line)
+        m = re.match(r"step\s+(\d+)/", line)
+        if signals and stopped is None and m and int(m.group(1)) >= at:
+            stopped = int(m.group(1))
+            for sig in signals:
+                proc.send_signal(sig)
+    proc.wait(timeout=300)
+    return Result(proc.returncode, "".join(lines), stopped)
+
+
+def _interrupted_at(result: Result, name: str) -> int:
+    m = re.search(rf"jaxcomp: interrupted by {name} after step (\d+) of 240; checkpoint saved",
+                  result.out)  # fmt: skip
+    assert m, result.out[-3000:]
+    return int(m.group(1))
+
+
+def test_sigterm_and_sigint_save_and_exit_and_the_resumed_run_is_bit_identical(tmp_path):
+    ref, work = tmp_path / "ref", tmp_path / "work"
+    config = main.load_config(CONFIG)
+    config = train.apply_overrides(config, train.parse_overrides(SIGNAL_SET[1::2]))
+    train.train_and_evaluate(config, str(ref))
+
+    first = _launch(work, [signal.SIGTERM], at=20)
+    assert first.code == main.EXIT_INTERRUPTED, first.out[-3000:]
+    step1 = _interrupted_at(first, "SIGTERM")
+    assert first.stopped <= step1 < 240 and "Traceback" not in first.out
+    assert [p.name for p in (work / "checkpoints").iterdir()] == [str(step1)]  # no tmp folder
+
+    second = _launch(work, [signal.SIGINT], at=step1 + 20)
+    assert second.code == main.EXIT_INTERRUPTED, second.out[-3000:]
+    assert f"resumed from step {step1}" in second.out
+    step2 = _interrupted_at(second, "SIGINT")
+    assert step1 < step2 < 240 and "Traceback" not in second.out
+
+    aborted = _launch(work, [signal.SIGTERM, signal.SIGINT], at=step2 + 20)
+    assert aborted.code in (128 + signal.SIGTERM, 128 + signal.SIGINT), aborted.out[-3000:]
+    assert "aborted by a second signal" in aborted.out and "Traceback" not in aborted.out
+
+    last = _launch(work)
+    assert last.code == 0, last.out[-3000:]
+    (s1, a), (s2, b) = _final_state(ref), _final_state(work)
+    assert s1 == s2 == 240
+    _assert_same(a, b)
+    assert _records(ref) == _records(work)  # no duplicate or missing rows
+    j1 = json.loads((ref / "summary.json").read_text())
+    j2 = json.loads((work / "summary.json").read_text())
+    for k in ("final_loss", "final_accuracy", "wire_bytes_per_step", "nonfinite_steps"):
+        assert j1[k] == j2[k], k
