@@ -23,8 +23,11 @@ class NonFiniteError(RuntimeError):
     """Raised when too many training steps in a row had a non-finite loss, gradient or state."""
 
 
-class Interrupted(RuntimeError):
+class Interrupted(KeyboardInterrupt):
     """The run stopped on SIGTERM/SIGINT after finishing a step and saving a checkpoint.
+
+    A ``KeyboardInterrupt`` (not an ``Exception``), so that code catching ``Exception`` (a
+    sweep going on to its next run) does not swallow a preemption: the program stops.
 
     Attributes:
       signum: the signal that stopped the run.
