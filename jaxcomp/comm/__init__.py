@@ -5,8 +5,11 @@
 * per-worker gradients inside ``shard_map`` without the hidden all-reduce
   (:func:`local_value_and_grad`);
 * the wire-byte meter that reads compiled HLO (:func:`measure_collectives`);
-* compressed means over a data axis, the collective chosen by the codec
-  (:func:`compressed_pmean`, :func:`init_reduce`);
+* compressed means over a data axis: :func:`plan_reduce` gives the
+  :class:`~jaxcomp.compressors.ReduceProtocol` of one array (the codec's own, or a generic
+  ``psum``/``all_gather``/two-phase path, wrapped in the channel's error compensation) and
+  :func:`compressed_pmean` runs it inside any ``shard_map`` body;
+* per-worker state on a mesh: :func:`place_state` and :func:`state_specs`;
 * compressed point-to-point sends whose backward is compressed too (:func:`compressed_ppermute`,
   and :func:`compressed_transfer`, its single-device simulation).
 """
@@ -23,16 +26,21 @@ from jaxcomp.comm._mesh import GROUP
 from jaxcomp.comm._mesh import MEMBER
 from jaxcomp.comm._mesh import STAGE
 from jaxcomp.comm._mesh import make_mesh
+from jaxcomp.comm._placement import place_state
+from jaxcomp.comm._placement import state_specs
 from jaxcomp.comm._reduce import DenseReduce
 from jaxcomp.comm._reduce import GatherReduce
-from jaxcomp.comm._reduce import LowRankReduce
 from jaxcomp.comm._reduce import PsumReduce
 from jaxcomp.comm._reduce import TwoPhaseReduce
-from jaxcomp.comm._reduce import compressed_pmean
-from jaxcomp.comm._reduce import dense_round
-from jaxcomp.comm._reduce import init_reduce
-from jaxcomp.comm._reduce import plan_path
-from jaxcomp.comm._reduce import reduce_bytes
+from jaxcomp.comm._reduce import dense_protocol
+from jaxcomp.comm._reduce import gather_protocol
+from jaxcomp.comm._reduce import psum_protocol
+from jaxcomp.comm._reduce import two_phase_protocol
+from jaxcomp.comm._reduce_plan import PATHS
+from jaxcomp.comm._reduce_plan import compressed_pmean
+from jaxcomp.comm._reduce_plan import dense_round
+from jaxcomp.comm._reduce_plan import plan_path
+from jaxcomp.comm._reduce_plan import plan_reduce
 from jaxcomp.comm._send import ChannelStates
 from jaxcomp.comm._send import backward_token
 from jaxcomp.comm._send import compressed_ppermute
@@ -50,7 +58,7 @@ __all__ = (
     "CollectiveReport",
     "DenseReduce",
     "GatherReduce",
-    "LowRankReduce",
+    "PATHS",
     "PsumReduce",
     "TwoPhaseReduce",
     "backward_token",
@@ -58,15 +66,20 @@ __all__ = (
     "compressed_pmean",
     "compressed_ppermute",
     "compressed_transfer",
+    "dense_protocol",
     "dense_round",
+    "gather_protocol",
     "init_channel_states",
-    "init_reduce",
     "local_value_and_grad",
     "make_mesh",
     "measure_collectives",
+    "place_state",
     "plan_path",
-    "reduce_bytes",
+    "plan_reduce",
+    "psum_protocol",
     "seed_backward_state",
+    "state_specs",
     "to_varying",
+    "two_phase_protocol",
     "varying_axes",
 )

@@ -1,8 +1,7 @@
-"""Compressed mean over a data-parallel mesh axis; the collective is chosen by the codec.
+"""Generic reduction protocols built from a codec: how payloads cross a data-parallel axis.
 
-Inside ``shard_map`` every worker holds its own gradient ``x``. :func:`compressed_pmean`
-returns their mean, identical on every worker, while only compressed payloads cross the wire.
-One of five *paths* is taken per array:
+:func:`jaxcomp.comm.plan_reduce` picks one per array (or the codec's own protocol, e.g.
+PowerSGD's) and wraps it in the channel's error compensation:
 
 ============  ==========================================================  =====================
 path          what crosses the wire (per worker)                           codecs
@@ -12,89 +11,78 @@ psum          ``codec.psum`` of the payload (summable in place)           ``Redu
                                                                            identity, cast, RandK
 all_gather    ``all_gather`` of payloads; each worker decodes W of them    any (TopK, quantize,
               and sums                                                     sign, composed)
-two_phase     ``all_to_all`` of W compressed chunks; each worker decodes   any but PowerSGD
+two_phase     ``all_to_all`` of W compressed chunks; each worker decodes   any
               and sums its chunk, adds a *server* residual, re-compresses
               it and ``all_gather``s it: bytes per worker stay flat in W
-low_rank      PowerSGD's two all-reduces: ``psum(M Q)``, orthogonalise,    ``Reduction.LOW_RANK``
-              ``psum(Mᵀ P) / W``
+codec         the codec's own :class:`~jaxcomp.compressors.ReduceProtocol` ``Codec.protocol``
+              (PowerSGD: two ``psum``s of small factors)                   (power_sgd, yours)
 ============  ==========================================================  =====================
 
-The path of each array is planned once, by :func:`init_reduce` (:mod:`._reduce_plan`), and
-recorded in the type of its state. Receivers decode gathered payloads with the codec's fused
+Every protocol returns ``(mean, echo, state)``, ``echo`` being this worker's decoded payload
+(computed with :func:`~jaxcomp.compressors.compress_and_decode`, so error feedback gets it from
+the codec's fused round trip). Receivers decode gathered payloads with the codec's fused
 :func:`~jaxcomp.compressors.decode_sum` in passes of up to eight payloads.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp import compressors
-from jaxcomp import feedback
-from jaxcomp.comm import _local
-from jaxcomp.comm._reduce_plan import PATHS
-from jaxcomp.comm._reduce_plan import REDUCE_STATES
-from jaxcomp.comm._reduce_plan import DenseReduce
-from jaxcomp.comm._reduce_plan import GatherReduce
-from jaxcomp.comm._reduce_plan import LowRankReduce
-from jaxcomp.comm._reduce_plan import PsumReduce
-from jaxcomp.comm._reduce_plan import TwoPhaseReduce
-from jaxcomp.comm._reduce_plan import axis_size
-from jaxcomp.comm._reduce_plan import check_channel
-from jaxcomp.comm._reduce_plan import check_path
-from jaxcomp.comm._reduce_plan import chunk_like
-from jaxcomp.comm._reduce_plan import init_reduce
-from jaxcomp.comm._reduce_plan import is_reduce_state
-from jaxcomp.comm._reduce_plan import local
-from jaxcomp.comm._reduce_plan import per_worker
-from jaxcomp.comm._reduce_plan import plan_path
-from jaxcomp.comm._reduce_plan import reduce_bytes
-from jaxcomp.comm._reduce_plan import worker_key
 from jaxcomp.compressors import _base
-
-__all__ = (  # the planning names are re-exported: callers use this module alone
-    "PATHS",
-    "REDUCE_STATES",
-    "DenseReduce",
-    "GatherReduce",
-    "LowRankReduce",
-    "PsumReduce",
-    "TwoPhaseReduce",
-    "axis_size",
-    "check_channel",
-    "check_path",
-    "compressed_pmean",
-    "dense_round",
-    "init_reduce",
-    "is_reduce_state",
-    "local",
-    "per_worker",
-    "plan_path",
-    "reduce_bytes",
-    "worker_key",
-)
+from jaxcomp.compressors import _protocol
 
 DECODE_CHUNK = 8  #: gathered payloads decoded per fused pass (unrolled inside the pass)
 
 
-def _psum(tree, axis_name):
-    return tree if axis_name is None else jax.tree.map(lambda x: lax.psum(x, axis_name), tree)
+class DenseReduce(NamedTuple):
+    """State of an array averaged uncompressed with ``lax.pmean`` (there is none)."""
 
 
-def _all_gather(tree, axis_name):
-    if axis_name is None:
-        return jax.tree.map(lambda x: x[None], tree)
-    return jax.tree.map(lambda x: lax.all_gather(x, axis_name, to="invarying"), tree)
+class PsumReduce(NamedTuple):
+    """State of the ``psum`` path.
+
+    Attributes:
+      codec: :class:`~jaxcomp.compressors.PerWorker`: this worker's codec state.
+    """
+
+    codec: _protocol.PerWorker
 
 
-def _all_to_all(tree, axis_name):
-    if axis_name is None:
-        return tree
-    return jax.tree.map(lambda x: lax.all_to_all(x, axis_name, 0, 0, tiled=True), tree)
+class GatherReduce(NamedTuple):
+    """State of the ``all_gather`` path (fields as :class:`PsumReduce`)."""
+
+    codec: _protocol.PerWorker
+
+
+class TwoPhaseReduce(NamedTuple):
+    """State of the ``two_phase`` path (every field per worker).
+
+    Attributes:
+      send: codec states of this worker's W chunks (leaves ``[1, W, ...]``).
+      server: codec state of the chunk this worker reduces (leaves ``[1, ...]``).
+      server_residual: ``[1, chunk]``: what re-compressing the reduced chunk dropped so far.
+    """
+
+    send: _protocol.PerWorker
+    server: _protocol.PerWorker
+    server_residual: _protocol.PerWorker
+
+
+def codec_key(codec: compressors.Codec, key: jax.Array | None) -> jax.Array | None:
+    """``key`` for a stochastic codec (a clear error without one), ``None`` otherwise."""
+    if not codec.stochastic:
+        return None
+    if key is None:
+        raise ValueError(f"{codec.name} is stochastic: its reduction needs a PRNG key.")
+    return key
 
 
 def decode_mean(codec: compressors.Codec, stacked: Any, like: Any) -> jax.Array:
@@ -119,190 +107,170 @@ def decode_mean(codec: compressors.Codec, stacked: Any, like: Any) -> jax.Array:
         total = first if total is None else total + first
     elif full > 1:
         if total is None:
-            vary = set().union(*(_local.varying_axes(x) for x in jax.tree.leaves(stacked)))
+            leaves = jax.tree.leaves(stacked)
+            vary = set().union(*(_protocol.varying_axes(x) for x in leaves))
             acc_dtype = jnp.promote_types(like.dtype, jnp.float32)
-            total = _local.to_varying(jnp.zeros(like.shape, acc_dtype), tuple(vary))
+            total = _protocol.to_varying(jnp.zeros(like.shape, acc_dtype), tuple(vary))
         total = lax.fori_loop(
             0, full, lambda c, acc: acc + chunk(c * DECODE_CHUNK, DECODE_CHUNK), total
         )
     return (total / num).astype(like.dtype)
 
 
-def _receive(delta, recv):
-    """The receiver's output for the mean decoded message (EF21 adds it to its estimate)."""
-    if isinstance(recv, feedback.EF21RecvState):
-        estimate = recv.estimate.astype(delta.dtype) + delta
-        return estimate, feedback.EF21RecvState(estimate.astype(recv.estimate.dtype))
-    return delta, recv
+def dense_protocol() -> _protocol.ReduceProtocol:
+    """``lax.pmean`` of the array itself; ``echo`` is the array."""
 
+    def all_reduce(x, state, key, axis_name):
+        del key
+        return _protocol.pmean(x, axis_name), x, state
 
-def _codec_key(codec, key):
-    if not codec.stochastic:
-        return None
-    if key is None:
-        raise ValueError(f"{codec.name} is stochastic: compressed_pmean needs a PRNG key.")
-    return key
-
-
-def compressed_pmean(
-    x: jax.Array,
-    channel: compressors.Codec | feedback.Channel,
-    state: Any,
-    key: jax.Array | None,
-    axis_name: str | None,
-) -> tuple[jax.Array, jax.Array, Any]:
-    r"""Mean of ``x`` over ``axis_name`` through a compressor, inside ``shard_map``.
-
-    The path is the one :func:`init_reduce` recorded in ``state``'s type. For PowerSGD
-    (``low_rank``), with :math:`M = x + e` (:math:`e` only with an error-feedback channel):
-
-    .. math::
-      P = \mathrm{orth}\big(\textstyle\sum_w M_w Q\big), \quad
-      Q' = \tfrac1W \textstyle\sum_w M_w^\top P, \quad \bar x = P Q'^\top, \quad
-      e' = \beta\,(M - \bar x)
-
-    so the residual is taken against the *averaged* reconstruction, as in the reference
-    (Vogels et al.; Accordion's ``RankKReducer``), and :math:`Q'` is the next warm start. The
-    codec's initial Q, seed, ``warm_start`` and ``epsilon`` and the channel's ``decay``
-    (:math:`\beta`) are honoured (read from their ``options``). On the other paths the
-    channel's own ``send`` runs per worker (so error feedback and EF21 keep their exact
-    semantics) and the mean of the decoded payloads is returned (EF21: added to the replicated
-    estimate of the mean).
-
-    Args:
-      x: this worker's array.
-      channel: the codec or channel ``state`` was built with.
-      state: from :func:`init_reduce` or a previous call.
-      key: PRNG key, identical on every worker (decorrelated internally where the codec wants
-        independent noise; shared where workers must agree, e.g. RandK positions). ``None``
-        for deterministic codecs.
-      axis_name: the data axis, or ``None`` for a single worker.
-
-    Returns:
-      ``(mean, echo, state)``: the mean (replicated, ``x``'s dtype); ``echo``, this worker's
-      own reconstruction of what it sent (``x`` on the dense path, the averaged
-      reconstruction on the low-rank path) for callers doing their own error feedback
-      (``e' = x - echo``); and the new state.
-
-    Example:
-      >>> # inside jax.shard_map(..., mesh=mesh) over "data":
-      >>> # state = init_reduce(compressors.top_k(0.01), g, "data")
-      >>> # mean, _, state = compressed_pmean(g, compressors.top_k(0.01), state, None, "data")
-    """
-    plain = isinstance(channel, compressors.Codec)
-    channel = feedback.as_channel(channel)
-    codec = channel.codec
-    num = axis_size(axis_name)
-    like = _base.as_like(x)
-    if isinstance(state, DenseReduce):
-        return (x if axis_name is None else lax.pmean(x, axis_name)), x, state
-
-    if isinstance(state, LowRankReduce):
-        return _low_rank(x, channel, state, key, axis_name, num)
-
-    if isinstance(state, (PsumReduce, GatherReduce)):
-        shared = isinstance(state, PsumReduce)
-        k = key if shared else worker_key(key, axis_name)
-        payload, send, echo = _send(channel, plain, x, local(state.send), _codec_key(codec, k))
-        if shared:
-            total = payload if axis_name is None else codec.psum(payload, axis_name)
-            delta = codec.decompress(total, like) / num
-        else:
-            delta = decode_mean(codec, _all_gather(payload, axis_name), like)
-        mean, recv = _receive(delta, state.recv)
-        return mean, echo, type(state)(per_worker(send, axis_name), recv)
-
-    if isinstance(state, TwoPhaseReduce):
-        return _two_phase(x, channel, plain, state, key, axis_name, num)
-    raise TypeError(f"not a reduction state: {type(state).__name__}")
-
-
-def _send(channel, plain, x, send_state, key):
-    """``(payload, send_state, echo)``; a bare codec decodes from its unpacked codes."""
-    if plain:
-        return compressors.compress_and_decode(channel.codec, x, send_state, key)
-    payload, send_state = channel.send(x, send_state, key)
-    return payload, send_state, channel.codec.decompress(payload, x)  # dropped by XLA if unused
-
-
-def _option(obj, name, default):
-    return (obj.options or {}).get(name, default)
-
-
-def _low_rank(x, channel, state, key, axis_name, num):
-    codec = channel.codec
-    shape = tuple(x.shape)
-    rows, cols = compressors.matrix_shape(shape)
-    ef = not isinstance(state.residual, compressors.EmptyState)
-    m = x + local(state.residual).astype(x.dtype) if ef else x
-    mat = m.reshape(rows, cols).astype(jnp.float32)
-    q_old = state.q.q
-    if codec.stochastic:  # warm_start=False: a fresh Q ~ N(0, 1) from the shared key
-        q_old = jax.random.normal(_codec_key(codec, key), q_old.shape, jnp.float32)
-    epsilon = _option(codec, "epsilon", 1e-8)
-    p = compressors.orthogonalize(_psum(mat @ q_old, axis_name), epsilon)
-    q = _psum(compressors.transposed_matmul(mat, p), axis_name) / num
-    mean = (p @ q.T).reshape(shape).astype(x.dtype)
-    alive = jnp.sum(q * q, axis=0, keepdims=True) > 0  # as the codec: keep a dead column's Q
-    q_new = compressors.PowerSGDState(jnp.where(alive, q, q_old))
-    residual = state.residual
-    if ef:
-        decay = _option(channel, "decay", 1.0)
-        new_e = m - mean if decay == 1.0 else decay * (m - mean)
-        residual = per_worker(new_e.astype(state.residual.dtype), axis_name)
-    return mean, mean, LowRankReduce(q_new, residual)
-
-
-def _two_phase(x, channel, plain, state, key, axis_name, num):
-    codec = channel.codec
-    like = _base.as_like(x)
-    n = math.prod(like.shape)
-    chunk = chunk_like(like, num)
-    flat = jnp.pad(x.reshape(-1), (0, num * chunk.shape[0] - n)).reshape(num, -1)
-    k_send = k_server = None
-    if codec.stochastic:
-        k_send, k_server = jax.random.split(_codec_key(codec, worker_key(key, axis_name)))
-    keys = None if k_send is None else jax.random.split(k_send, num)
-
-    def send_chunk(c, s, k):
-        return _send(channel, plain, c, s, k)
-
-    payloads, send, echo = jax.vmap(send_chunk)(flat, local(state.send), keys)
-    echo = echo.reshape(-1)[:n]
-
-    # phase 1: worker j receives chunk j from everyone, decodes and averages it
-    mine = decode_mean(codec, _all_to_all(payloads, axis_name), chunk)
-    corrected = mine + local(state.server_residual)
-    server_payload, server, decoded = compressors.compress_and_decode(
-        codec, corrected, local(state.server), k_server
+    return _protocol.ReduceProtocol(
+        lambda like, num_workers=None: DenseReduce(),
+        all_reduce,
+        lambda like, num_workers: compressors.dense_bytes(like),
+        "dense",
     )
-    server_residual = corrected - decoded
-
-    # phase 2: everyone gathers every re-compressed chunk
-    gathered = _all_gather(server_payload, axis_name)
-    mean = jax.vmap(lambda p: codec.decompress(p, chunk))(gathered).reshape(-1)[:n]
-    new_state = TwoPhaseReduce(
-        per_worker(send, axis_name),
-        per_worker(server, axis_name),
-        per_worker(server_residual, axis_name),
-    )
-    return mean.reshape(like.shape), echo.reshape(like.shape), new_state
 
 
-def dense_round(
-    x: jax.Array,
-    channel: compressors.Codec | feedback.Channel,
-    state: Any,
-    axis_name: str | None,
-) -> tuple[jax.Array, Any]:
-    """Averages ``x`` uncompressed (``pmean``) and lets the channel observe it (warm-up).
+def _init_codec(codec, like):
+    return _protocol.PerWorker(jax.tree.map(lambda s: s[None], codec.init(_base.as_like(like))))
 
-    Error-feedback residuals are left as they are; EF21 estimates are set to the dense values
-    (``Channel.dense_send`` / ``dense_receive``). Other path states are unchanged.
+
+def psum_operand_bytes(codec: compressors.Codec, payload: Any) -> int:
+    """Bytes of the operands of the ``psum``s in ``codec.psum`` (e.g. RandK's values; its
+    shared seed does not travel), read from its jaxpr.
+
+    Traced in a fresh thread: JAX's tracing context is thread-local, and a collective over an
+    axis of its own cannot be traced inside another ``shard_map`` body (where transforms plan).
     """
-    channel = feedback.as_channel(channel)
-    mean = x if axis_name is None else lax.pmean(x, axis_name)
-    if isinstance(state, (PsumReduce, GatherReduce)):
-        send = channel.dense_send(x, local(state.send))
-        state = type(state)(per_worker(send, axis_name), channel.dense_receive(mean, state.recv))
-    return mean, state
+
+    def trace():
+        return jax.make_jaxpr(lambda p: codec.psum(p, "i"), axis_env=[("i", 2)])(payload)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        jaxpr = pool.submit(trace).result()
+    operands = [v.aval for e in jaxpr.eqns if e.primitive.name == "psum" for v in e.invars]
+    return _protocol.array_bytes(operands)
+
+
+def psum_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
+    """``codec.psum`` of the payloads, made with the *shared* key (e.g. RandK positions)."""
+    if codec.reduction is not compressors.Reduction.SUM or codec.psum is None:
+        raise ValueError(
+            f"path='psum' needs a summable codec (Reduction.SUM: identity, cast, rand_k); "
+            f"{codec.name} is {codec.reduction.value}. Use 'all_gather' or 'two_phase'."
+        )
+
+    def all_reduce(x, state, key, axis_name):
+        num = _protocol.axis_size(axis_name)
+        payload, codec_state, echo = compressors.compress_and_decode(
+            codec, x, _protocol.this_worker(state.codec), codec_key(codec, key)
+        )
+        total = payload if axis_name is None else codec.psum(payload, axis_name)
+        mean = codec.decompress(total, x) / num
+        return mean, echo, PsumReduce(_protocol.per_worker(codec_state, axis_name))
+
+    def wire_bytes(like, num_workers):
+        del num_workers
+        return psum_operand_bytes(codec, compressors.payload_shape(codec, like))
+
+    return _protocol.ReduceProtocol(
+        lambda like, num_workers=None: PsumReduce(_init_codec(codec, like)),
+        all_reduce,
+        wire_bytes,
+        f"{codec.name}/psum",
+    )
+
+
+def gather_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
+    """``all_gather`` of the payloads (each worker's own key); every worker decodes all."""
+
+    def all_reduce(x, state, key, axis_name):
+        key = _protocol.worker_key(codec_key(codec, key), axis_name)
+        payload, codec_state, echo = compressors.compress_and_decode(
+            codec, x, _protocol.this_worker(state.codec), key
+        )
+        mean = decode_mean(codec, _protocol.all_gather(payload, axis_name), x)
+        return mean, echo, GatherReduce(_protocol.per_worker(codec_state, axis_name))
+
+    return _protocol.ReduceProtocol(
+        lambda like, num_workers=None: GatherReduce(_init_codec(codec, like)),
+        all_reduce,
+        lambda like, num_workers: compressors.wire_bytes(compressors.payload_shape(codec, like)),
+        f"{codec.name}/all_gather",
+    )
+
+
+def chunk_like(like, num_workers: int) -> jax.ShapeDtypeStruct:
+    """The flat chunk of ``like`` that one worker reduces on the ``two_phase`` path."""
+    return jax.ShapeDtypeStruct((-(-math.prod(like.shape) // num_workers),), like.dtype)
+
+
+def two_phase_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
+    """All-to-all of W compressed chunks, a server-side residual, all-gather of the results.
+
+    Its state is sized by the number of workers: ``init`` needs it (inside ``shard_map``, or
+    under ``jax.set_mesh(mesh)``). The mean is re-compressed by the server, so it is not the
+    exact mean of the workers' echoes (EF21 cannot run on it).
+    """
+    name = f"{codec.name}/two_phase"
+
+    def init(like, num_workers=None):
+        if num_workers is None:
+            raise ValueError(
+                f"{name}: the two-phase state is sized by the number of workers; call init "
+                "inside shard_map or under `with jax.set_mesh(mesh):` (data_parallel does)."
+            )
+        chunk = chunk_like(like, num_workers)
+        send = jax.tree.map(
+            lambda s: jnp.broadcast_to(s, (num_workers, *s.shape)), codec.init(chunk)
+        )
+        return TwoPhaseReduce(
+            _protocol.PerWorker(jax.tree.map(lambda s: s[None], send)),
+            _init_codec(codec, chunk),
+            _protocol.PerWorker(jnp.zeros((1, *chunk.shape), chunk.dtype)),
+        )
+
+    def all_reduce(x, state, key, axis_name):
+        num = _protocol.axis_size(axis_name)
+        like = _base.as_like(x)
+        n = math.prod(like.shape)
+        chunk = chunk_like(like, num)
+        flat = jnp.pad(x.reshape(-1), (0, num * chunk.shape[0] - n)).reshape(num, -1)
+        k_send = k_server = keys = None
+        if codec.stochastic:
+            k_send, k_server = jax.random.split(
+                _protocol.worker_key(codec_key(codec, key), axis_name)
+            )
+            keys = jax.random.split(k_send, num)
+        sends = _protocol.this_worker(state.send)
+        payloads, send, echo = jax.vmap(
+            lambda c, s, k: compressors.compress_and_decode(codec, c, s, k)
+        )(flat, sends, keys)
+
+        # phase 1: worker j receives chunk j from everyone, decodes and averages it
+        moved = payloads
+        if axis_name is not None:
+            moved = jax.tree.map(lambda p: lax.all_to_all(p, axis_name, 0, 0, tiled=True), moved)
+        mine = decode_mean(codec, moved, chunk)
+        corrected = mine + _protocol.this_worker(state.server_residual)
+        server_payload, server, decoded = compressors.compress_and_decode(
+            codec, corrected, _protocol.this_worker(state.server), k_server
+        )
+        # phase 2: everyone gathers every re-compressed chunk
+        gathered = _protocol.all_gather(server_payload, axis_name)
+        mean = jax.vmap(lambda p: codec.decompress(p, chunk))(gathered).reshape(-1)[:n]
+        new_state = TwoPhaseReduce(
+            _protocol.per_worker(send, axis_name),
+            _protocol.per_worker(server, axis_name),
+            _protocol.per_worker(corrected - decoded, axis_name),
+        )
+        echo = echo.reshape(-1)[:n].reshape(like.shape)
+        return mean.reshape(like.shape), echo, new_state
+
+    def wire_bytes(like, num_workers):
+        chunk = chunk_like(like, num_workers)
+        payload = compressors.payload_shape(codec, chunk)
+        return (num_workers + 1) * compressors.wire_bytes(payload)
+
+    return _protocol.ReduceProtocol(init, all_reduce, wire_bytes, name, exact_mean=False)

@@ -1,153 +1,30 @@
-"""Per-array plans and states of :func:`jaxcomp.comm.compressed_pmean`; the bytes they send.
+"""Choosing the reduction of one array, and running it: :func:`plan_reduce`,
+:func:`compressed_pmean`.
 
-:func:`init_reduce` chooses the path of one array once (see :mod:`jaxcomp.comm._reduce` for
-the five paths), falling back to ``dense`` with a logged reason when the codec cannot handle
-the shape, the array has fewer than ``min_ndim`` dimensions, or the payload is not
-``min_compression_rate`` times smaller than the array, and records the choice in the *type*
-of the state it returns, so the choice is saved with the state and the reduction needs no
-static configuration.
-
-State fields owned by one worker (error-feedback residuals, per-worker codec states) carry a
-leading axis of size 1 and are marked varying over the axis: outside ``shard_map`` they stack to
-``[W, ...]`` and are sharded over the data axis; the other fields are replicated.
+:func:`plan_reduce` picks the path of one array once (see :mod:`jaxcomp.comm._reduce`),
+falling back to ``dense`` with a logged reason when the codec cannot handle the shape, the
+array has fewer than ``min_ndim`` dimensions, or the payload is not ``min_compression_rate``
+times smaller than the array, and wraps the chosen protocol in the channel's error
+compensation (:func:`jaxcomp.feedback.compensate`). ``comm`` knows no codec or channel type:
+it runs the :class:`~jaxcomp.compressors.ReduceProtocol` a codec brings, or builds a generic
+one from the codec's contract (``reduction``, ``psum``, ``decode_sum``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
-from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
 from jaxcomp import compressors
 from jaxcomp import feedback
-from jaxcomp.comm import _local
+from jaxcomp.comm import _reduce
 from jaxcomp.compressors import _base
+from jaxcomp.compressors import _protocol
 
-PATHS = ("auto", "dense", "psum", "all_gather", "two_phase", "low_rank")
-_AUTO = {
-    compressors.Reduction.SUM: "psum",
-    compressors.Reduction.GATHER: "all_gather",
-    compressors.Reduction.LOW_RANK: "low_rank",
-}
+PATHS = ("auto", "dense", "psum", "all_gather", "two_phase", "codec")
 _log = logging.getLogger(__name__)
-
-
-class DenseReduce(NamedTuple):
-    """State of an array averaged uncompressed with ``lax.pmean`` (there is none)."""
-
-
-class PsumReduce(NamedTuple):
-    """State of the ``psum`` path.
-
-    Attributes:
-      send: the channel's sender state, per worker (leaves ``[1, ...]``).
-      recv: the channel's receiver state, replicated (EF21's estimate of the mean).
-    """
-
-    send: Any
-    recv: Any
-
-
-class GatherReduce(NamedTuple):
-    """State of the ``all_gather`` path (fields as :class:`PsumReduce`)."""
-
-    send: Any
-    recv: Any
-
-
-class TwoPhaseReduce(NamedTuple):
-    """State of the ``two_phase`` path.
-
-    Attributes:
-      send: sender states of this worker's W chunks (leaves ``[1, W, ...]``).
-      server: codec state of the chunk this worker reduces (leaves ``[1, ...]``).
-      server_residual: ``[1, chunk]``: what re-compressing the reduced chunk dropped so far.
-    """
-
-    send: Any
-    server: Any
-    server_residual: jax.Array
-
-
-class LowRankReduce(NamedTuple):
-    """State of the PowerSGD ``low_rank`` path.
-
-    Attributes:
-      q: :class:`~jaxcomp.compressors.PowerSGDState`, replicated (the warm start).
-      residual: ``[1, *shape]`` error-feedback memory ``M - P Qᵀ`` of this worker, or
-        :class:`~jaxcomp.compressors.EmptyState` without error feedback.
-    """
-
-    q: compressors.PowerSGDState
-    residual: Any
-
-
-REDUCE_STATES = (DenseReduce, PsumReduce, GatherReduce, TwoPhaseReduce, LowRankReduce)
-
-
-def is_reduce_state(node: Any) -> bool:
-    """Whether ``node`` is one of the per-array states of this module (for ``is_leaf``)."""
-    return isinstance(node, REDUCE_STATES)
-
-
-# ----------------------------------------------------------------------------------------------
-# Axis, worker-owned state and key helpers
-
-
-def axis_size(axis_name: str | None) -> int:
-    """Number of workers on ``axis_name`` inside ``shard_map`` (1 for ``None``).
-
-    Raises:
-      ValueError: if ``axis_name`` is not a manual axis of the enclosing ``shard_map``.
-    """
-    if axis_name is None:
-        return 1
-    if not isinstance(axis_name, str):
-        raise ValueError(f"axis_name must be a mesh axis name (str) or None; got {axis_name!r}.")
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = tuple(
-        n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual
-    )
-    if axis_name not in manual:
-        where = f"the manual axes here are {manual}" if manual else "not inside shard_map"
-        raise ValueError(
-            f"axis_name {axis_name!r} is not a mesh axis of the enclosing shard_map ({where}). "
-            f"Run this inside jax.shard_map over a mesh with an axis named {axis_name!r}, "
-            "or pass the right axis_name."
-        )
-    return lax.axis_size(axis_name)
-
-
-def per_worker(tree: Any, axis_name: str | None) -> Any:
-    """Adds the leading worker axis of size 1 and marks the leaves varying over ``axis_name``."""
-    tree = jax.tree.map(lambda leaf: leaf[None], tree)
-    return tree if axis_name is None else _local.to_varying(tree, axis_name)
-
-
-def local(tree: Any) -> Any:
-    """Drops the leading worker axis added by :func:`per_worker`."""
-    return jax.tree.map(lambda leaf: leaf[0], tree)
-
-
-def worker_key(key: jax.Array | None, axis_name: str | None) -> jax.Array | None:
-    """``key`` decorrelated per worker (``fold_in`` of the axis index)."""
-    if key is None or axis_name is None:
-        return key
-    return jax.random.fold_in(key, lax.axis_index(axis_name))
-
-
-def chunk_like(like, num_workers: int) -> jax.ShapeDtypeStruct:
-    """The flat chunk of ``like`` that one worker reduces on the ``two_phase`` path."""
-    return jax.ShapeDtypeStruct((-(-math.prod(like.shape) // num_workers),), like.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Planning
 
 
 def check_path(codec: compressors.Codec, path: str) -> None:
@@ -158,17 +35,15 @@ def check_path(codec: compressors.Codec, path: str) -> None:
             f"path='psum' needs a summable codec (Reduction.SUM: identity, cast, rand_k); "
             f"{codec.name} is {codec.reduction.value}. Use 'all_gather' or 'two_phase'."
         )
-    if path == "low_rank" and codec.reduction is not compressors.Reduction.LOW_RANK:
-        raise ValueError(f"path='low_rank' needs a power_sgd codec; got {codec.name}.")
-    if path == "two_phase" and codec.reduction is compressors.Reduction.LOW_RANK:
+    if path == "codec" and codec.protocol is None:
         raise ValueError(
-            f"path='two_phase' compresses 1-D chunks, which {codec.name} leaves uncompressed; "
-            "use 'low_rank' (or 'auto')."
+            f"path='codec' runs the codec's own reduction protocol; {codec.name} has none "
+            "(Codec.protocol is None). Use 'auto'."
         )
 
 
 def check_channel(channel: feedback.Channel) -> None:
-    """Raises ``ValueError`` for channels a gradient mean cannot drive (per-sample buffers)."""
+    """Raises ``ValueError`` for channels a reduction cannot drive (per-sample buffers)."""
     if channel.per_sample:
         raise ValueError(
             f"{channel.name} keeps per-sample buffers (AQ-SGD); a gradient mean has no sample "
@@ -186,8 +61,11 @@ def plan_path(
 ) -> tuple[str, str]:
     """Chooses the path for one array; returns ``(path, reason)``.
 
-    ``reason`` explains a fallback to ``"dense"`` (empty otherwise).
+    ``"auto"`` takes the codec's own protocol if it has one, else ``psum`` for summable
+    codecs and ``all_gather`` for the others. ``reason`` explains a fallback to ``"dense"``
+    (empty otherwise).
     """
+    check_path(codec, path)
     like = _base.as_like(like)
     if path == "dense":
         return "dense", "path='dense'"
@@ -197,9 +75,12 @@ def plan_path(
         payload = compressors.payload_shape(codec, like)
     except (ValueError, TypeError) as err:
         return "dense", f"{codec.name} cannot compress {like.shape} {like.dtype}: {err}"
-    chosen = _AUTO[codec.reduction] if path == "auto" else path
-    if chosen == "low_rank" and len(like.shape) < 2:
-        return "dense", f"{codec.name} leaves {len(like.shape)}-D arrays uncompressed"
+    chosen = path
+    if path == "auto":
+        if codec.protocol is not None:
+            chosen = "codec"
+        else:
+            chosen = "psum" if codec.reduction is compressors.Reduction.SUM else "all_gather"
     rate = compressors.dense_bytes(like) / max(compressors.wire_bytes(payload), 1)
     if rate < min_compression_rate:
         return "dense", (
@@ -209,24 +90,27 @@ def plan_path(
     return chosen, ""
 
 
-def init_reduce(
+def plan_reduce(
     channel: compressors.Codec | feedback.Channel,
     like: Any,
-    axis_name: str | None,
     *,
     path: str = "auto",
     min_compression_rate: float = 2.0,
     min_ndim: int = 2,
     name: str = "",
     quiet: bool = False,
-) -> Any:
-    """Plans the reduction of one array and returns its initial state (call inside shard_map).
+) -> _protocol.ReduceProtocol:
+    """The reduction protocol of one array: a path for the codec, in the channel's feedback.
+
+    Deterministic in its arguments (static shapes and Python values only), so a transform
+    plans in ``init`` and again, identically, in ``update``.
 
     Args:
-      channel: a codec, or a channel from :mod:`jaxcomp.feedback` (plain, error feedback, EF21).
+      channel: a codec, or a channel from :mod:`jaxcomp.feedback` (plain, error feedback,
+        EF21), or any channel whose ``feedback`` wraps a reduction.
       like: the array (or ``ShapeDtypeStruct``) to be averaged.
-      axis_name: the data-parallel axis, or ``None`` for a single worker.
-      path: one of :data:`PATHS`; ``"auto"`` picks by ``codec.reduction``.
+      path: one of :data:`PATHS`; ``"auto"``: the codec's own protocol, else by
+        ``codec.reduction``.
       min_compression_rate: arrays whose payload is not this many times smaller go ``dense``.
       min_ndim: arrays with fewer dimensions go ``dense`` (biases, norm scales: the
         reference and PyTorch's PowerSGD hook never compress 1-D tensors).
@@ -234,68 +118,77 @@ def init_reduce(
       quiet: do not log the fallback reason.
 
     Returns:
-      One of :class:`DenseReduce`, :class:`PsumReduce`, :class:`GatherReduce`,
-      :class:`TwoPhaseReduce`, :class:`LowRankReduce`.
+      A :class:`~jaxcomp.compressors.ReduceProtocol`: ``init(like, num_workers)`` outside
+      ``shard_map``, ``all_reduce(x, state, key, axis_name)`` inside any ``shard_map`` body.
+      An array averaged dense gets no error compensation (it would always be zero).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxcomp import comm, compressors, feedback
+      >>> g = jnp.ones((64, 32))
+      >>> protocol = comm.plan_reduce(feedback.error_feedback(compressors.top_k(0.1)), g)
+      >>> protocol.name
+      'error_feedback(decay=1)/top_k(0.1, exact)/all_gather'
+      >>> state = protocol.init(g, None)
+      >>> mean, echo, state = protocol.all_reduce(g, state, None, None)  # one worker
     """
     channel = feedback.as_channel(channel)
+    check_channel(channel)
     codec = channel.codec
-    like = _base.as_like(like)
-    num_workers = axis_size(axis_name)
     chosen, reason = plan_path(
         codec, like, path=path, min_compression_rate=min_compression_rate, min_ndim=min_ndim
     )
     if chosen == "dense":
         if reason and not quiet:
-            _log.info("%s: averaged uncompressed: %s", name or str(like.shape), reason)
-        return DenseReduce()
-    check_channel(channel)
-    send, recv = channel.init(like)
-    if isinstance(recv, feedback.EF21RecvState) and chosen in ("two_phase", "low_rank"):
-        raise ValueError(f"{channel.name}: EF21 runs on the psum and all_gather paths only.")
-    if chosen in ("psum", "all_gather"):
-        cls = PsumReduce if chosen == "psum" else GatherReduce
-        return cls(per_worker(send, axis_name), recv)
-    if chosen == "two_phase":
-        chunk = chunk_like(like, num_workers)
-        send, _ = channel.init(chunk)
-        send = jax.tree.map(lambda s: jnp.broadcast_to(s, (num_workers, *s.shape)), send)
-        return TwoPhaseReduce(
-            per_worker(send, axis_name),
-            per_worker(codec.init(chunk), axis_name),
-            per_worker(jnp.zeros(chunk.shape, chunk.dtype), axis_name),
-        )
-    if isinstance(send, feedback.ErrorFeedbackState):
-        residual = per_worker(send.residual, axis_name)
-    else:
-        residual = compressors.EmptyState()
-    with jax.ensure_compile_time_eval():  # a constant: Accordion re-initialises Q on switches
-        q = codec.init(like)
-    return LowRankReduce(q, residual)
+            _log.info("%s: averaged uncompressed: %s", name or str(tuple(like.shape)), reason)
+        return _reduce.dense_protocol()
+    inner = {
+        "psum": _reduce.psum_protocol,
+        "all_gather": _reduce.gather_protocol,
+        "two_phase": _reduce.two_phase_protocol,
+        "codec": lambda codec: codec.protocol,
+    }[chosen](codec)
+    return feedback.compensate(inner, channel.feedback)
 
 
-def reduce_bytes(
-    state: Any, channel: compressors.Codec | feedback.Channel, like: Any, axis_name: str | None
-) -> int:
-    """Bytes one worker puts into collectives per call (what the HLO meter reports).
+def compressed_pmean(
+    x: jax.Array,
+    protocol: _protocol.ReduceProtocol,
+    state: Any,
+    key: jax.Array | None,
+    axis_name: str | None,
+) -> tuple[jax.Array, jax.Array, Any]:
+    """Runs ``protocol`` on this worker's ``x`` inside ``shard_map``: the mean over the axis.
 
-    ``dense``: the array; ``psum``/``all_gather``: the payload (RandK's shared seed never
-    travels); ``two_phase``: W chunk payloads into ``all_to_all`` plus one into ``all_gather``;
-    ``low_rank``: the factors P and Q in ``float32``. Zero without an axis. The CPU backend
-    widens 16-bit float all-reduces to ``float32`` (JAX-NOTES §2), so a cast's ``psum`` shows
-    twice these bytes in CPU HLO.
+    Args:
+      x: this worker's array.
+      protocol: from :func:`plan_reduce` (or a codec's own ``Codec.protocol``).
+      state: from ``protocol.init`` (per-worker parts as ``shard_map`` sees them) or a
+        previous call.
+      key: PRNG key, identical on every worker, or ``None`` for deterministic codecs.
+      axis_name: the data axis, or ``None`` for a single worker.
+
+    Returns:
+      ``(mean, echo, state)``: the mean (replicated, ``x``'s dtype), this worker's own share
+      as decoded (for callers doing their own error feedback), and the new state.
+
+    Example:
+      >>> # inside jax.shard_map(..., mesh=mesh) over "data", with state = protocol.init(g, W)
+      >>> # mean, _, state = comm.compressed_pmean(g, protocol, state, key, "data")
     """
-    if axis_name is None:
-        return 0
-    codec = feedback.as_channel(channel).codec
-    like = _base.as_like(like)
-    if isinstance(state, DenseReduce):
-        return compressors.dense_bytes(like)
-    if isinstance(state, TwoPhaseReduce):
-        chunk = chunk_like(like, axis_size(axis_name))
-        return (axis_size(axis_name) + 1) * compressors.wire_bytes(
-            compressors.payload_shape(codec, chunk)
-        )
-    payload = compressors.payload_shape(codec, like)
-    if isinstance(state, PsumReduce) and isinstance(payload, compressors.RandKPayload):
-        return compressors.wire_bytes(payload.values)
-    return compressors.wire_bytes(payload)
+    _protocol.axis_size(axis_name)  # a clear error for a wrong axis or outside shard_map
+    return protocol.all_reduce(x, state, key, axis_name)
+
+
+def dense_round(
+    x: jax.Array, protocol: _protocol.ReduceProtocol, state: Any, axis_name: str | None
+) -> tuple[jax.Array, Any]:
+    """Averages ``x`` uncompressed (``pmean``) and lets the protocol's state follow (warm-up).
+
+    Error-feedback residuals are left as they are; EF21 estimates are set to the dense values.
+    """
+    _protocol.axis_size(axis_name)
+    mean = _protocol.pmean(x, axis_name)
+    if protocol.dense is not None:
+        state = protocol.dense(x, mean, state, axis_name)
+    return mean, state

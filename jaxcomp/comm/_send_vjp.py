@@ -20,6 +20,7 @@ from jax import lax
 
 from jaxcomp.comm import _local
 from jaxcomp.compressors import _base
+from jaxcomp.feedback import _channel
 
 
 class ChannelStates(NamedTuple):
@@ -92,43 +93,46 @@ def _keys(key):
     return jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
 
 
-def _per_sample_leaves(per_sample: bool, state: Any, like: Any, lead: int) -> Any:
-    """Flags the leaves of a channel state that are per-sample buffers ``[N, *like.shape[1:]]``
-    (after ``lead`` leading axes), the ones indexed by sample ids."""
-    feature, ndim = tuple(like.shape[1:]), len(like.shape) + lead
-    return jax.tree.map(
-        lambda a: per_sample and a.ndim == ndim and tuple(a.shape[lead + 1 :]) == feature, state
+def _buffer_flags(channel: Any, state: Any) -> Any:
+    """Flags the leaves of a channel end's state that hold one row per sample id: those under
+    the fields the channel declares (``Channel.sample_fields``, e.g. AQ-SGD's caches)."""
+    fields = channel.sample_fields if channel.per_sample else ()
+    if not fields or not hasattr(state, "_fields"):
+        return jax.tree.map(lambda _: False, state)
+    return type(state)(
+        *(jax.tree.map(lambda _, f=f: f in fields, getattr(state, f)) for f in state._fields)
     )
 
 
-def _end(active, fn, fallback, state, ids, x, per_sample, slot):
+def _end(active, fn, fallback, state, ids, x, channel, slot):
     """Runs one end of a channel, ``fn(state, ids) -> (out, state)``, where ``active``.
 
-    Per-sample buffers (leaves ``[N, *x.shape[1:]]``, e.g. AQ-SGD's caches) stay out of the
-    ``lax.cond``: only this microbatch's rows enter it (with local ids ``0..mb-1``) and are
-    written back outside, unchanged where inactive. A cond that carried the whole buffer would
-    copy it at every send (XLA does not update a conditional's operand in place). With an int
-    ``slot``, every leaf has a leading stage axis and this end is row ``slot``: only that row
-    (of a per-sample buffer: only its rows at ``ids``) is read and written.
+    Per-sample buffers (the fields the channel declares) stay out of the ``lax.cond``: only
+    this microbatch's rows enter it (with local ids ``0..mb-1``) and are written back outside,
+    unchanged where inactive, with the channel layer's id rule (an out-of-range id reads NaN
+    and writes nothing; a repeated id writes its last occurrence). A cond that carried the
+    whole buffer would copy it at every send (XLA does not update a conditional's operand in
+    place). With an int ``slot``, every leaf has a leading stage axis and this end is row
+    ``slot``: only that row (of a per-sample buffer: only its rows at ``ids``) is read and
+    written.
     """
-    lead = 0 if slot is None else 1
-    flags = _per_sample_leaves(per_sample and ids is not None, state, x, lead)
+    flags = (
+        _buffer_flags(channel, state) if ids is not None else jax.tree.map(lambda _: False, state)
+    )
     by_rows = any(jax.tree.leaves(flags))
     if slot is None and (active is True or not by_rows):
         return _gated(active, lambda: fn(state, ids), lambda: (fallback(), state))
-
-    def index(rows):  # this end's part of a leaf (None: all of it)
-        if slot is None:
-            return ids if rows else None
-        return (slot, ids) if rows else slot
+    prefix = () if slot is None else (slot,)
 
     def read(a, rows):
-        i = index(rows)
-        return a if i is None else a[i]
+        if rows:
+            return _channel.read_rows(a, ids, prefix)
+        return a if slot is None else a[slot]
 
     def write(a, rows, new):
-        i = index(rows)
-        return new if i is None else a.at[i].set(new)
+        if rows:
+            return _channel.write_rows(a, ids, new, prefix)
+        return new if slot is None else a.at[slot].set(new)
 
     part = jax.tree.map(read, state, flags)
     local_ids = jnp.arange(x.shape[0], dtype=ids.dtype) if by_rows else ids
@@ -142,17 +146,16 @@ def _exchange(channel, x, state, key, ids, is_sender, is_receiver, move, compres
 
     Returns ``(decoded, new ChannelStates, payload sent, payload received)``.
     """
-    per_sample = channel.per_sample
     send_slot, recv_slot = slots
     if not compress:  # dense: the channel only observes x (EF21/AQ-SGD copy it)
         _, send_state = _end(
             is_sender, lambda st, i: (None, channel.dense_send(x, st, i)), lambda: None,
-            state.send, ids, x, per_sample, send_slot,
+            state.send, ids, x, channel, send_slot,
         )  # fmt: skip
         received = move(x)
         _, recv_state = _end(
             is_receiver, lambda st, i: (None, channel.dense_receive(received, st, i)),
-            lambda: None, state.recv, ids, x, per_sample, recv_slot,
+            lambda: None, state.recv, ids, x, channel, recv_slot,
         )  # fmt: skip
         return received, ChannelStates(send_state, recv_state), None, None
 
@@ -160,12 +163,12 @@ def _exchange(channel, x, state, key, ids, is_sender, is_receiver, move, compres
     payload_struct = _base.payload_shape(channel.codec, like)
     payload, send_state = _end(
         is_sender, lambda st, i: channel.send(x, st, key, i), lambda: _zeros(payload_struct, x),
-        state.send, ids, x, per_sample, send_slot,
+        state.send, ids, x, channel, send_slot,
     )  # fmt: skip
     received = move(payload)
     y, recv_state = _end(
         is_receiver, lambda st, i: channel.receive(received, st, like, i),
-        lambda: jnp.zeros_like(x), state.recv, ids, x, per_sample, recv_slot,
+        lambda: jnp.zeros_like(x), state.recv, ids, x, channel, recv_slot,
     )  # fmt: skip
     return y, ChannelStates(send_state, recv_state), payload, received
 

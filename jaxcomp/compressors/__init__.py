@@ -6,13 +6,14 @@ Every codec is a :class:`Codec` of three pure functions::
   payload, state = codec.compress(x, state, key)
   x_hat = codec.decompress(payload, like)
 
-See :mod:`jaxcomp.feedback` for error-feedback channels built on top of them.
+A codec may bring its own multi-worker averaging, a :class:`ReduceProtocol` (PowerSGD does);
+see :mod:`jaxcomp.compressors._protocol` for that contract and its state layout
+(:class:`PerWorker`). See :mod:`jaxcomp.feedback` for error-feedback channels built on top of them.
 """
 
 from jaxcomp.compressors._base import Codec
 from jaxcomp.compressors._base import CodecState
 from jaxcomp.compressors._base import EmptyState
-from jaxcomp.compressors._base import Options
 from jaxcomp.compressors._base import Reduction
 from jaxcomp.compressors._base import compress_and_decode
 from jaxcomp.compressors._base import decode_sum
@@ -33,6 +34,14 @@ from jaxcomp.compressors._low_rank import matrix_shape
 from jaxcomp.compressors._low_rank import orthogonalize
 from jaxcomp.compressors._low_rank import power_sgd
 from jaxcomp.compressors._low_rank import transposed_matmul
+from jaxcomp.compressors._low_rank_reduce import LowRankReduce
+from jaxcomp.compressors._low_rank_reduce import power_sgd_protocol
+from jaxcomp.compressors._protocol import PerWorker
+from jaxcomp.compressors._protocol import ReduceProtocol
+from jaxcomp.compressors._protocol import axis_size
+from jaxcomp.compressors._protocol import per_worker
+from jaxcomp.compressors._protocol import this_worker
+from jaxcomp.compressors._protocol import worker_key
 from jaxcomp.compressors._quantize import QuantizedPayload
 from jaxcomp.compressors._quantize import quantize
 from jaxcomp.compressors._quantize import sign
@@ -48,12 +57,15 @@ __all__ = (
     "ComposedState",
     "EmptyState",
     "LowRankPayload",
-    "Options",
+    "LowRankReduce",
+    "PerWorker",
     "PowerSGDState",
     "QuantizedPayload",
+    "ReduceProtocol",
     "RandKPayload",
     "Reduction",
     "SparsePayload",
+    "axis_size",
     "cast",
     "compose",
     "compress_and_decode",
@@ -67,12 +79,16 @@ __all__ = (
     "pack",
     "packed_size",
     "payload_shape",
+    "per_worker",
     "power_sgd",
+    "power_sgd_protocol",
     "quantize",
     "rand_k",
     "sign",
+    "this_worker",
     "top_k",
     "transposed_matmul",
     "unpack",
     "wire_bytes",
+    "worker_key",
 )

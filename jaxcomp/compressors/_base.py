@@ -16,13 +16,14 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
-from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxcomp.compressors import _protocol
 
 Array = jax.Array
 Payload = Any
@@ -40,43 +41,14 @@ class Reduction(enum.Enum):
     * ``SUM``: payload leaves are linear in the input and share their structure across
       workers (same indices, same scales), so ``psum`` of the payloads decodes to the sum.
     * ``GATHER``: payloads must be gathered and decoded one by one before summing
-      (TopK, quantization with per-worker scales, sign).
-    * ``LOW_RANK``: PowerSGD factors, reduced by the two-round power-iteration protocol.
+      (TopK, quantization with per-worker scales, sign, PowerSGD factors).
+
+    A codec with its own multi-worker protocol (``Codec.protocol``, e.g. PowerSGD's two
+    all-reduces) is averaged with that protocol instead.
     """
 
     SUM = "sum"
     GATHER = "gather"
-    LOW_RANK = "low_rank"
-
-
-class Options(Mapping):
-    """A factory's static arguments: a read-only, hashable mapping (so codecs stay hashable).
-
-    Example:
-      >>> Options(rank=2, epsilon=1e-8)["rank"]
-      2
-    """
-
-    def __init__(self, items: Mapping[str, Any] = (), **kwargs: Any):
-        self._items = dict(items, **kwargs)
-
-    def __getitem__(self, name: str) -> Any:
-        return self._items[name]
-
-    def __iter__(self):
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self._items.items())))
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, Mapping) and dict(self) == dict(other)
-
-    def __repr__(self) -> str:
-        return f"Options({self._items!r})"
 
 
 class Codec(NamedTuple):
@@ -101,9 +73,10 @@ class Codec(NamedTuple):
         gathered payloads: ``stacked`` holds a few payloads stacked on a leading axis and
         ``total`` is the sum of their ``decompress`` in (at least) ``float32``, equal to
         summing them one by one up to float summation order. Use :func:`decode_sum`.
-      options: the factory's static arguments as :class:`Options` (e.g. ``rank`` and
-        ``epsilon`` of :func:`~jaxcomp.compressors.power_sgd`), for layers that run a codec's
-        multi-worker protocol themselves; ``None`` where a codec exposes none.
+      protocol: optional :class:`~jaxcomp.compressors.ReduceProtocol`, the codec's own way
+        of averaging over workers (e.g. PowerSGD's two all-reduces with a shared warm-started
+        Q), run by :func:`jaxcomp.comm.plan_reduce` and the transforms instead of a generic
+        ``psum``/``all_gather`` of payloads. ``None``: the generic paths.
     """
 
     init: Callable[[Like], CodecState]
@@ -115,7 +88,7 @@ class Codec(NamedTuple):
     psum: Callable[[Payload, str], Payload] | None = None
     roundtrip: Callable[..., tuple[Payload, CodecState, Array]] | None = None
     decode_sum: Callable[[Payload, Like], Array] | None = None
-    options: Mapping[str, Any] | None = None
+    protocol: _protocol.ReduceProtocol | None = None
 
 
 def compress_and_decode(

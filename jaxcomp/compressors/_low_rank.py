@@ -180,9 +180,8 @@ def power_sgd(
     NaN payload (and reconstruction) and leaves the state unchanged. Tensors with fewer than
     2 dimensions, or with no entries, pass through uncompressed.
 
-    For the multi-worker protocol (all-reduce of P, then of Q) see
-    :func:`jaxcomp.comm.compressed_pmean`; it reuses :func:`orthogonalize`, the same state and
-    the arguments below.
+    The codec carries its multi-worker protocol (``codec.protocol``: all-reduce of P, then of
+    Q, with the shared warm start), which the data-parallel transforms run.
 
     Args:
       rank: target rank r >= 1 (capped at ``min(rows, cols)``).
@@ -273,8 +272,9 @@ def power_sgd(
         )
         return (payload.p @ payload.q.T).reshape(shape).astype(like.dtype)
 
-    options = _base.Options(rank=rank, epsilon=epsilon, seed=seed, warm_start=warm_start)
-    return _base.Codec(
-        init, compress, decompress, name, _base.Reduction.LOW_RANK, not warm_start,
-        options=options,
-    )  # fmt: skip
+    from jaxcomp.compressors import _low_rank_reduce  # the protocol module imports this one
+
+    codec = _base.Codec(init, compress, decompress, name, _base.Reduction.GATHER, not warm_start)
+    return codec._replace(
+        protocol=_low_rank_reduce.power_sgd_protocol(codec, rank, epsilon, warm_start)
+    )

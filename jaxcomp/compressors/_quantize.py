@@ -272,12 +272,9 @@ def quantize(
         ]
         return _from_planes(sum(terms[1:], terms[0]), like)
 
-    options = _base.Options(
-        bits=bits, scale=scale, axes=axes, rounding=rounding, scale_dtype=scale_dtype
-    )
     return _base.Codec(
         init, compress, decompress, name, _base.Reduction.GATHER, stochastic, None, roundtrip,
-        decode_sum, options,
+        decode_sum,
     )  # fmt: skip
 
 
@@ -382,5 +379,5 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
 
     return _base.Codec(
         init, compress, decompress, name, _base.Reduction.GATHER, False, None, roundtrip,
-        decode_sum, _base.Options(scale=scale),
+        decode_sum,
     )  # fmt: skip

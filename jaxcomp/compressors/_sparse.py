@@ -231,13 +231,8 @@ def top_k(
         dense = dense.add(vals.reshape(-1))  # flat positions: ~2x faster than 3-D indices
         return dense.reshape(b, nb * blk)[:, :d].reshape(like.shape)
 
-    options = _base.Options(
-        fraction=fraction, count=count, per_sample=per_sample, method=method,
-        block_size=block_size,
-    )  # fmt: skip
     return _base.Codec(
-        init, compress, decompress, name, _base.Reduction.GATHER, False, None, None, decode_sum,
-        options,
+        init, compress, decompress, name, _base.Reduction.GATHER, False, None, None, decode_sum
     )  # fmt: skip
 
 

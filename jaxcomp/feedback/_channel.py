@@ -13,19 +13,29 @@ to; ``ids`` are the sample ids of the rows of ``x``, needed by per-sample buffer
 When a link runs *uncompressed* (AQ-SGD's warm-up epochs, evaluation with compression off) the
 caller sends ``x`` dense and lets the channel observe it with ``dense_send`` / ``dense_receive``:
 EF21 and AQ-SGD copy ``x`` into their estimates, residual EF leaves its residual untouched.
+
+A channel's state accepts only the shape and dtype it was initialised with (a clear error
+names both). Per-sample buffers are declared (``Channel.sample_fields``) and indexed by sample
+id with one rule everywhere (:func:`read_rows` / :func:`write_rows`): an id outside
+``[0, num_samples)`` reads a NaN row and writes nothing (never a clamped or wrapped row), and
+an id repeated within one batch reads the row as it was before the batch at every occurrence
+and writes the last occurrence's value (the same at both ends, so mirrors stay identical).
+Check ids on the host before the step with :func:`check_sample_ids`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxcomp.compressors import _base
+from jaxcomp.compressors import _protocol
+from jaxcomp.feedback import _compensate
 
 SendState = Any
 RecvState = Any
@@ -45,10 +55,11 @@ class Channel(NamedTuple):
       codec: the underlying codec (its payload is what travels).
       name: description, e.g. ``"ef21(top_k(0.1, exact))"``.
       per_sample: whether ``ids`` are required.
-      options: the factory's static arguments as :class:`~jaxcomp.compressors.Options`
-        (e.g. error feedback's ``decay``),
-        for layers that run the feedback themselves (PowerSGD's multi-worker protocol keeps
-        its residual against the averaged reconstruction); ``None`` if none. Read-only.
+      feedback: the channel's error compensation in its reduction form (a
+        :class:`~jaxcomp.feedback.Feedback` that wraps any multi-worker reduction), or
+        ``None`` for none (a plain codec).
+      sample_fields: names of the send/receive state fields that hold one row per sample id
+        (AQ-SGD's caches); the pipeline reads and writes only a batch's rows of them.
     """
 
     init: Callable[[Any], tuple[SendState, RecvState]]
@@ -59,7 +70,8 @@ class Channel(NamedTuple):
     codec: _base.Codec
     name: str
     per_sample: bool = False
-    options: Mapping[str, Any] | None = None
+    feedback: _compensate.Feedback | None = None
+    sample_fields: tuple[str, ...] = ()
 
 
 def _keep(x, state, ids=None):
@@ -94,7 +106,7 @@ def plain(codec: _base.Codec) -> Channel:
         del ids
         return codec.decompress(payload, like), recv_state
 
-    return Channel(init, send, receive, _keep, _keep, codec, codec.name, False)
+    return Channel(init, send, receive, _keep, _keep, codec, codec.name)
 
 
 def as_channel(codec_or_channel: _base.Codec | Channel) -> Channel:
@@ -114,18 +126,108 @@ def check_ids(ids: jax.Array | None, x: Any, name: str) -> None:
         raise TypeError(f"{name}: ids must be integers; got {ids.dtype}.")
 
 
+def check_sample_ids(ids: Any, num_samples: int, *, allow_duplicates: bool = False) -> None:
+    """Host-side check of a batch's sample ids before a step (call it in the data pipeline).
+
+    Inside ``jit`` ids cannot raise; there an out-of-range id reads a NaN row and writes
+    nothing, and a repeated id writes its last occurrence (see the module docstring). This
+    check turns both into errors where they can still be reported.
+
+    Args:
+      ids: integer array-like of sample ids (host values; not a tracer).
+      num_samples: the buffers' number of rows; valid ids are ``0 .. num_samples - 1``.
+      allow_duplicates: accept an id repeated within the batch.
+
+    Raises:
+      ValueError: naming the offending ids (out of range, or repeated).
+
+    Example:
+      >>> from jaxcomp import feedback
+      >>> feedback.check_sample_ids([0, 5, 7], num_samples=8)
+      >>> feedback.check_sample_ids([0, 8], num_samples=8)
+      Traceback (most recent call last):
+        ...
+      ValueError: sample ids must be in [0, 8); got 8 (1 of 2 ids).
+    """
+    if isinstance(ids, jax.core.Tracer):
+        raise TypeError("check_sample_ids runs on host values, before the jitted step.")
+    ids = np.asarray(ids)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"sample ids must be integers; got dtype {ids.dtype}.")
+    flat = ids.reshape(-1)
+    bad = flat[(flat < 0) | (flat >= num_samples)]
+    if bad.size:
+        shown = ", ".join(str(int(i)) for i in bad[:5]) + (", ..." if bad.size > 5 else "")
+        raise ValueError(
+            f"sample ids must be in [0, {num_samples}); got {shown} ({bad.size} of {flat.size} "
+            "ids)."
+        )
+    if not allow_duplicates:
+        values, counts = np.unique(flat, return_counts=True)
+        repeated = values[counts > 1]
+        if repeated.size:
+            shown = ", ".join(str(int(i)) for i in repeated[:5])
+            raise ValueError(
+                f"sample ids repeat within one batch: {shown}. Every occurrence would read the "
+                "same cached row and only the last would be written back; pass "
+                "allow_duplicates=True if that is intended."
+            )
+
+
+def check_buffer(buffer: Any, x: Any, per_sample: bool, same_dtype: bool, name: str) -> None:
+    """Raises ``ValueError`` naming both when ``x`` is not what ``buffer`` was built for.
+
+    A buffer per position must have ``x``'s shape; a per-sample buffer ``x``'s shape after its
+    leading (sample) axis. With ``same_dtype`` (the buffer took ``x``'s dtype at init) the
+    dtypes must match too.
+    """
+    want = tuple(buffer.shape[1:]) if per_sample else tuple(buffer.shape)
+    got = tuple(x.shape[1:]) if per_sample else tuple(x.shape)
+    if want != got or (same_dtype and jnp.dtype(buffer.dtype) != jnp.dtype(x.dtype)):
+        built = _protocol.describe(buffer)
+        what = "per-sample rows of " if per_sample else ""
+        raise ValueError(
+            f"{name}: the state was built for {what}{built}; got {_protocol.describe(x)}. A "
+            "channel state accepts only the shape and dtype it was initialised with."
+        )
+
+
 def buffer_like(x: Any, num_samples: int | None, dtype) -> jax.Array:
     """Zeros shaped as ``x`` (one buffer per position) or ``[num_samples, *x.shape[1:]]``."""
     shape = tuple(x.shape) if num_samples is None else (num_samples, *tuple(x.shape)[1:])
     return jnp.zeros(shape, dtype)
 
 
-def read_rows(buffer: jax.Array, ids: jax.Array | None, per_sample: bool) -> jax.Array:
+def _row_indices(ids: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """``(read, write)`` row indices: out-of-range ids point past the end (NaN on read, dropped
+    on write); a repeated id writes only at its last occurrence."""
+    ids = ids.astype(jnp.int32)
+    valid = (ids >= 0) & (ids < num_rows)
+    pos = jnp.arange(ids.shape[0])
+    later_same = (ids[None, :] == ids[:, None]) & (pos[None, :] > pos[:, None])
+    last = ~jnp.any(later_same, axis=1)
+    return jnp.where(valid, ids, num_rows), jnp.where(valid & last, ids, num_rows)
+
+
+def read_rows(buffer: jax.Array, ids: jax.Array, prefix: tuple = ()) -> jax.Array:
+    """``buffer[*prefix, ids]``; an out-of-range id reads a row of NaN (never a clamped row)."""
+    read, _ = _row_indices(ids, buffer.shape[len(prefix)])
+    fill = jnp.nan if jnp.issubdtype(buffer.dtype, jnp.inexact) else 0
+    return buffer.at[(*prefix, read)].get(mode="fill", fill_value=fill)
+
+
+def write_rows(buffer: jax.Array, ids: jax.Array, rows: jax.Array, prefix: tuple = ()):
+    """``buffer`` with ``rows`` written at ``[*prefix, ids]`` in its dtype; out-of-range ids
+    are dropped and a repeated id writes its last occurrence."""
+    _, write = _row_indices(ids, buffer.shape[len(prefix)])
+    return buffer.at[(*prefix, write)].set(rows.astype(buffer.dtype), mode="drop")
+
+
+def read_buffer(buffer: jax.Array, ids: jax.Array | None, per_sample: bool) -> jax.Array:
     """The buffer rows for ``ids`` (or the whole buffer when not per sample)."""
-    return buffer[ids] if per_sample else buffer
+    return read_rows(buffer, ids) if per_sample else buffer
 
 
-def write_rows(buffer, ids, rows, per_sample: bool):
+def write_buffer(buffer, ids, rows, per_sample: bool):
     """Writes ``rows`` back at ``ids`` (or replaces the buffer), in the buffer's dtype."""
-    rows = rows.astype(buffer.dtype)
-    return buffer.at[ids].set(rows) if per_sample else rows
+    return write_rows(buffer, ids, rows) if per_sample else rows.astype(buffer.dtype)

@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp.compressors import _base
+from jaxcomp.compressors import _protocol
 from jaxcomp.feedback import _channel
+from jaxcomp.feedback import _compensate
 
 
 class EF21SendState(NamedTuple):
@@ -28,6 +30,63 @@ class EF21RecvState(NamedTuple):
     """Receiver state: its estimate (``m_dec`` in AQ-SGD), a mirror of the sender's."""
 
     estimate: jax.Array
+
+
+class EF21Memory(NamedTuple):
+    """Memory of EF21 around a multi-worker reduction.
+
+    Attributes:
+      estimate: :class:`~jaxcomp.compressors.PerWorker` of ``[1, *shape]``: this worker's
+        estimate :math:`g_w` of its own signal (the sender's).
+      mean: ``[*shape]``, replicated: the receivers' estimate :math:`G` of the mean, equal to
+        the mean of the workers' estimates.
+    """
+
+    estimate: _protocol.PerWorker
+    mean: jax.Array
+
+
+def ef21_reduction(buffer_dtype=None) -> _compensate.Feedback:
+    r"""EF21 as a wrapper of a multi-worker reduction that returns the exact mean of echoes.
+
+    .. math::
+      (\bar m, \mathrm{echo}_w) = \mathrm{reduce}(x_w - g_w), \quad
+      g_w' = g_w + \mathrm{echo}_w, \quad G' = G + \bar m, \quad \text{output}\ G'
+
+    Since :math:`\bar m` is the mean of the echoes, :math:`G = \tfrac1W \sum_w g_w` holds
+    at every step. A round averaged uncompressed sets :math:`g_w = x_w` and :math:`G` to the
+    mean.
+
+    Args:
+      buffer_dtype: dtype of the stored estimates (default: the array's).
+
+    Returns:
+      A :class:`~jaxcomp.feedback.Feedback` with :class:`EF21Memory` memory.
+    """
+    dtype_name = "" if buffer_dtype is None else f"buffer_dtype={jnp.dtype(buffer_dtype)}"
+    name = f"ef21({dtype_name})"
+
+    def init(like):
+        dtype = buffer_dtype or like.dtype
+        return EF21Memory(
+            _protocol.PerWorker(jnp.zeros((1, *like.shape), dtype)), jnp.zeros(like.shape, dtype)
+        )
+
+    def reduce(x, memory, run, axis_name):
+        g = _protocol.this_worker(memory.estimate)
+        _channel.check_buffer(g, x, False, buffer_dtype is None, name)
+        old = g.astype(x.dtype)
+        mean_delta, echo, aux = run(x - old)
+        mean = memory.mean.astype(x.dtype) + mean_delta
+        g_new = (old + echo).astype(g.dtype)
+        out = EF21Memory(_protocol.per_worker(g_new, axis_name), mean.astype(memory.mean.dtype))
+        return mean, g_new.astype(x.dtype), out, aux
+
+    def dense(x, mean, memory, axis_name):
+        g = _protocol.per_worker(x.astype(memory.mean.dtype), axis_name)
+        return EF21Memory(g, mean.astype(memory.mean.dtype))
+
+    return _compensate.Feedback(init, reduce, dense, name, needs_exact_mean=True)
 
 
 def ef21(
@@ -120,37 +179,42 @@ def _markov_channel(codec, num_samples, buffer_dtype, kind) -> _channel.Channel:
         recv = _channel.buffer_like(x, num_samples, dtype)
         return EF21SendState(send, codec.init(x)), EF21RecvState(recv)
 
-    def advance(estimate, ids, delta_hat, like):
-        # identical arithmetic at both ends keeps the mirrors bit-identical
-        old = _channel.read_rows(estimate, ids, per_sample).astype(like.dtype)
-        new_estimate = _channel.write_rows(estimate, ids, old + delta_hat, per_sample)
-        return new_estimate, _channel.read_rows(new_estimate, ids, per_sample).astype(like.dtype)
-
-    def send(x, send_state, key=None, ids=None):
+    def check(estimate, x, ids):
         if per_sample:
             _channel.check_ids(ids, x, name)
-        old = _channel.read_rows(send_state.estimate, ids, per_sample).astype(x.dtype)
+        _channel.check_buffer(estimate, x, per_sample, buffer_dtype is None, name)
+
+    def advance(estimate, ids, old, delta_hat):
+        # identical arithmetic at both ends keeps the mirrors bit-identical; each row's output
+        # is its own new estimate (a repeated id's occurrences differ; its last one is stored)
+        new = (old + delta_hat).astype(estimate.dtype)
+        return _channel.write_buffer(estimate, ids, new, per_sample), new.astype(old.dtype)
+
+    def send(x, send_state, key=None, ids=None):
+        check(send_state.estimate, x, ids)
+        old = _channel.read_buffer(send_state.estimate, ids, per_sample).astype(x.dtype)
         payload, codec_state, delta_hat = _base.compress_and_decode(
             codec, x - old, send_state.codec, key
         )
-        estimate, _ = advance(send_state.estimate, ids, delta_hat, x)
+        estimate, _ = advance(send_state.estimate, ids, old, delta_hat)
         return payload, EF21SendState(estimate, codec_state)
 
     def receive(payload, recv_state, like, ids=None):
-        if per_sample:
-            _channel.check_ids(ids, like, name)
-        estimate, x_hat = advance(recv_state.estimate, ids, codec.decompress(payload, like), like)
+        check(recv_state.estimate, like, ids)
+        old = _channel.read_buffer(recv_state.estimate, ids, per_sample).astype(like.dtype)
+        estimate, x_hat = advance(recv_state.estimate, ids, old, codec.decompress(payload, like))
         return x_hat, EF21RecvState(estimate)
 
     def dense_send(x, send_state, ids=None):
-        if per_sample:
-            _channel.check_ids(ids, x, name)
-        estimate = _channel.write_rows(send_state.estimate, ids, x, per_sample)
+        check(send_state.estimate, x, ids)
+        estimate = _channel.write_buffer(send_state.estimate, ids, x, per_sample)
         return send_state._replace(estimate=estimate)
 
     def dense_receive(x, recv_state, ids=None):
-        if per_sample:
-            _channel.check_ids(ids, x, name)
-        return EF21RecvState(_channel.write_rows(recv_state.estimate, ids, x, per_sample))
+        check(recv_state.estimate, x, ids)
+        return EF21RecvState(_channel.write_buffer(recv_state.estimate, ids, x, per_sample))
 
-    return _channel.Channel(init, send, receive, dense_send, dense_receive, codec, name, per_sample)
+    return _channel.Channel(
+        init, send, receive, dense_send, dense_receive, codec, name, per_sample,
+        None if per_sample else ef21_reduction(buffer_dtype), ("estimate",) if per_sample else (),
+    )  # fmt: skip

@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jaxcomp.compressors import _base
+from jaxcomp.compressors import _protocol
 from jaxcomp.feedback import _channel
+from jaxcomp.feedback import _compensate
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -21,6 +24,66 @@ class ErrorFeedbackState(NamedTuple):
 
     residual: jax.Array
     codec: _base.CodecState
+
+
+class ErrorFeedbackMemory(NamedTuple):
+    """Memory of error feedback around a multi-worker reduction.
+
+    Attributes:
+      residual: :class:`~jaxcomp.compressors.PerWorker` of ``[1, *shape]``: this worker's
+        ``x + e - echo`` (what the reduction has not yet delivered of its signal).
+    """
+
+    residual: _protocol.PerWorker
+
+
+def new_residual(corrected: jax.Array, decoded: jax.Array, decay: float) -> jax.Array:
+    r"""The error-feedback update :math:`e' = \beta\,(c - \hat c)`, shared by every path."""
+    residual = corrected - decoded
+    return residual if decay == 1.0 else decay * residual
+
+
+def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compensate.Feedback:
+    r"""Error feedback as a wrapper of any multi-worker reduction.
+
+    .. math::
+      c_w = x_w + e_w, \quad (\bar x, \mathrm{echo}_w) = \mathrm{reduce}(c), \quad
+      e_w' = \beta\,(c_w - \mathrm{echo}_w)
+
+    With a gathered codec ``echo`` is the worker's decoded payload (the residual is the
+    channel's); with PowerSGD's protocol it is the averaged reconstruction (the reference's
+    memory); on a dense path it is ``c`` itself, so the memory is sent along and cleared.
+    The residual update is fused by XLA with the echo's decoding where the codec's decode is
+    elementwise (quantize, sign, blockwise TopK, PowerSGD's factors): one pass, no decoded
+    copy in memory. A round averaged uncompressed leaves the memory untouched.
+
+    Args:
+      decay: :math:`\beta \in (0, 1]`.
+      residual_dtype: dtype of the residual (default: the array's).
+
+    Returns:
+      A :class:`~jaxcomp.feedback.Feedback` with :class:`ErrorFeedbackMemory` memory.
+    """
+    dtype_name = "" if residual_dtype is None else f", residual_dtype={jnp.dtype(residual_dtype)}"
+    name = f"error_feedback(decay={decay:g}{dtype_name})"
+
+    def init(like):
+        dtype = residual_dtype or like.dtype
+        return ErrorFeedbackMemory(_protocol.PerWorker(jnp.zeros((1, *like.shape), dtype)))
+
+    def reduce(x, memory, run, axis_name):
+        e = _protocol.this_worker(memory.residual)
+        _channel.check_buffer(e, x, False, residual_dtype is None, name)
+        corrected = x + e.astype(x.dtype)
+        mean, echo, aux = run(corrected)
+        e_new = new_residual(corrected, echo, decay).astype(e.dtype)
+        return mean, echo, ErrorFeedbackMemory(_protocol.per_worker(e_new, axis_name)), aux
+
+    def dense(x, mean, memory, axis_name):
+        del x, mean, axis_name
+        return memory
+
+    return _compensate.Feedback(init, reduce, dense, name)
 
 
 def error_feedback(
@@ -83,22 +146,22 @@ def error_feedback(
     def send(x, send_state, key=None, ids=None):
         if per_sample:
             _channel.check_ids(ids, x, name)
-        e = _channel.read_rows(send_state.residual, ids, per_sample)
+        _channel.check_buffer(send_state.residual, x, per_sample, residual_dtype is None, name)
+        e = _channel.read_buffer(send_state.residual, ids, per_sample)
         corrected = x + e.astype(x.dtype)
         payload, codec_state, x_hat = _base.compress_and_decode(
             codec, corrected, send_state.codec, key
         )
-        new_e = corrected - x_hat
-        if decay != 1.0:
-            new_e = decay * new_e
-        residual = _channel.write_rows(send_state.residual, ids, new_e, per_sample)
+        new_e = new_residual(corrected, x_hat, decay)
+        residual = _channel.write_buffer(send_state.residual, ids, new_e, per_sample)
         return payload, ErrorFeedbackState(residual, codec_state)
 
     def receive(payload, recv_state, like, ids=None):
         del ids
         return codec.decompress(payload, like), recv_state
 
-    options = _base.Options(num_samples=num_samples, decay=decay, residual_dtype=residual_dtype)
     return _channel.Channel(
-        init, send, receive, _channel._keep, _channel._keep, codec, name, per_sample, options
-    )
+        init, send, receive, _channel._keep, _channel._keep, codec, name, per_sample,
+        None if per_sample else error_feedback_reduction(decay, residual_dtype),
+        ("residual",) if per_sample else (),
+    )  # fmt: skip

@@ -36,7 +36,6 @@ from jaxcomp.transforms._compressed_mean import compressed_mean
 from jaxcomp.transforms._data_parallel import DataParallel
 from jaxcomp.transforms._data_parallel import TrainState
 from jaxcomp.transforms._data_parallel import data_parallel
-from jaxcomp.transforms._data_parallel import state_specs
 from jaxcomp.transforms._regime import critical_regime
 
 __all__ = (
@@ -67,5 +66,4 @@ __all__ = (
     "compressed_mean",
     "critical_regime",
     "data_parallel",
-    "state_specs",
 )

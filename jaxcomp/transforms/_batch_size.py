@@ -11,10 +11,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
-from jaxcomp.comm import _reduce
 from jaxcomp.compressors import _base
+from jaxcomp.compressors import _protocol
 from jaxcomp.transforms import _compressed_mean as _cm
 from jaxcomp.transforms import _regime
 
@@ -32,9 +31,11 @@ class AccordionBatchState(NamedTuple):
         accumulation starts.
       prev_norm: ``float32[]``, the regime statistic at the last check.
       last_lr: ``float32[]``, the learning rate seen at the last micro-step (NaN before any).
-      accum: per-worker sum of the micro-batch gradients over the current interval (leaves
-        ``[1, *shape]``), the detector's input.
-      grads: per-worker sum of the micro-batch gradients of the pending update.
+      accum: :class:`~jaxcomp.compressors.PerWorker` of the parameter tree (leaves
+        ``[1, *shape]``): this worker's sum of the micro-batch gradients over the current
+        interval, the detector's input.
+      grads: :class:`~jaxcomp.compressors.PerWorker`: this worker's sum of the micro-batch
+        gradients of the pending update.
       inner: the inner transformation's state.
     """
 
@@ -103,7 +104,10 @@ def accordion_batch_size(
       statistic: ``"worker0"`` or ``"mean"`` (see :func:`accordion`).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` with :class:`AccordionBatchState`.
+      An ``optax.GradientTransformationExtraArgs`` with :class:`AccordionBatchState`. ``init``
+      runs outside ``shard_map`` (per-worker sums marked
+      :class:`~jaxcomp.compressors.PerWorker`; place the state with
+      :func:`jaxcomp.comm.place_state`).
 
     Example:
       >>> import optax
@@ -121,7 +125,7 @@ def accordion_batch_size(
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(f"inner must be an optax GradientTransformation; got {type(inner)!r}.")
     for name, value in (("small_steps", small_steps), ("large_steps", large_steps)):
-        _base.check_int_range(name, value, 1)
+        _cm.static_int(name, value, 1)
     if large_steps < small_steps:
         raise ValueError(f"large_steps ({large_steps}) must be >= small_steps ({small_steps}).")
     _base.check_choice("lr_scaling", lr_scaling, LR_SCALINGS)
@@ -132,12 +136,11 @@ def accordion_batch_size(
     def zeros(params, wide=False):
         def one(p):
             dtype = jnp.promote_types(p.dtype, jnp.float32) if wide else p.dtype
-            return _reduce.per_worker(jnp.zeros(p.shape, dtype), axis_name)
+            return jnp.zeros((1, *jnp.shape(p)), dtype)
 
-        return jax.tree.map(one, params)
+        return _protocol.PerWorker(jax.tree.map(one, params))
 
     def init_fn(params):
-        _reduce.axis_size(axis_name)
         return AccordionBatchState(
             count=jnp.zeros((), jnp.int32),
             mini_step=jnp.zeros((), jnp.int32),
@@ -155,7 +158,17 @@ def accordion_batch_size(
         return {"linear": ratio, "sqrt": jnp.sqrt(ratio), "none": jnp.ones_like(ratio)}[lr_scaling]
 
     def update_fn(updates, state, params=None, **extra_args):
-        _cm.check_tree(updates, state.grads, None, "accordion_batch_size")
+        _cm.check_tree(updates, state.grads.value, "accordion_batch_size")
+        for name, g, a in zip(_cm.leaf_names(updates), jax.tree.leaves(updates),
+                              jax.tree.leaves(state.grads.value)):  # fmt: skip
+            if tuple(a.shape) != (1, *g.shape):
+                raise ValueError(
+                    f"accordion_batch_size: the state of parameter {name} is "
+                    f"{_protocol.describe(a)}; for an update of {_protocol.describe(g)} this "
+                    f"worker's part must be [1, *{tuple(g.shape)}] (inside shard_map: the specs "
+                    "of jaxcomp.comm.state_specs)."
+                )
+        _protocol.axis_size(axis_name)
         count = state.count
         lr = _regime.current_lr(learning_rate, extra_args, count)
         next_k = state.next_k
@@ -166,8 +179,8 @@ def accordion_batch_size(
         def add(acc, g):
             return acc + g[None].astype(acc.dtype)
 
-        accum = jax.tree.map(add, state.accum, updates)
-        grads = jax.tree.map(add, state.grads, updates)
+        accum = jax.tree.map(add, state.accum.value, updates)
+        grads = jax.tree.map(add, state.grads.value, updates)
         mini_step = state.mini_step + 1
         emit = mini_step >= every_k
 
@@ -195,7 +208,7 @@ def accordion_batch_size(
             critical = _regime.critical_regime(prev_norm, stat, eta, interval == 0)
             decided = jnp.where(critical, small_steps, large_steps).astype(jnp.int32)
             reset = jax.tree.map(
-                lambda a: _local.to_varying(jnp.zeros_like(a), _local.varying_axes(a)), accum
+                lambda a: _protocol.to_varying(jnp.zeros_like(a), _protocol.varying_axes(a)), accum
             )
             return (
                 reset,
@@ -213,8 +226,8 @@ def accordion_batch_size(
             next_k=next_k,
             prev_norm=prev_norm,
             last_lr=state.last_lr if lr is None else lr,
-            accum=accum,
-            grads=grads,
+            accum=_protocol.PerWorker(accum),
+            grads=_protocol.PerWorker(grads),
             inner=inner_state,
         )
         return new_updates, new_state

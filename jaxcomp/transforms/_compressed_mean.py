@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -14,7 +17,9 @@ from jaxcomp import compressors
 from jaxcomp import feedback
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _reduce
+from jaxcomp.comm import _reduce_plan
 from jaxcomp.compressors import _base
+from jaxcomp.compressors import _protocol
 
 
 class CompressedMeanState(NamedTuple):
@@ -23,8 +28,9 @@ class CompressedMeanState(NamedTuple):
     Attributes:
       count: ``int32[]``, steps taken.
       key: ``uint32[2]``, raw PRNG key data (stochastic codecs use ``fold_in(key, count)``).
-      leaves: one reduction state per parameter (``jaxcomp.comm`` ``*Reduce`` NamedTuples);
-        its type records the path chosen for that parameter.
+      leaves: one reduction state per parameter (the state of its
+        :func:`jaxcomp.comm.plan_reduce` protocol; per-worker parts in
+        :class:`~jaxcomp.compressors.PerWorker`).
       bytes_sent: ``float32[]``, bytes this worker put into collectives at the last step.
     """
 
@@ -34,29 +40,44 @@ class CompressedMeanState(NamedTuple):
     bytes_sent: jax.Array
 
 
-def check_number(name: str, value: Any, lo: float) -> None:
-    """Validates Python numbers; arrays (e.g. from ``inject_hyperparams``) pass through."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, jax.Array)):
-        raise ValueError(f"{name} must be a number >= {lo}; got {value!r}.")
-    if isinstance(value, (int, float)) and value < lo:
-        raise ValueError(f"{name} must be >= {lo}; got {value!r}.")
+# ----------------------------------------------------------------------------------------------
+# Validation shared by the data-parallel transforms
 
 
-def static_option(name: str, value: Any, kind: type = float) -> Any:
-    """``kind(value)``, with a clear error when a traced value arrives for a static option."""
-    try:
-        return kind(value)
-    except jax.errors.ConcretizationTypeError:
+def _is_array(value: Any) -> bool:
+    return isinstance(value, (jax.Array, np.ndarray, np.generic)) and not isinstance(
+        value, (np.integer, np.floating)
+    )
+
+
+def _static_hint(name: str) -> str:
+    return (
+        f"{name} is static (it fixes the trace: shapes, schedules, keys), so it must be a Python "
+        f"number, not an array. Under optax.inject_hyperparams pass it in static_args "
+        f"(e.g. static_args=({name!r},))."
+    )
+
+
+def static_int(name: str, value: Any, lo: int) -> int:
+    """``value`` as a Python int ``>= lo``; a clear ``ValueError`` for arrays, floats, bools."""
+    if _is_array(value):
         raise ValueError(
-            f"{name} decides which arrays are compressed, so it must be a Python number. Under "
-            f"optax.inject_hyperparams pass it in static_args (e.g. static_args=({name!r},))."
-        ) from None
+            f"{name} must be a Python int >= {lo}; got {value!r}. " + _static_hint(name)
+        )
+    _base.check_int_range(name, value, lo)
+    return int(value)
 
 
-def check_static_int(name: str, value: Any, lo: int) -> None:
-    """Validates a Python int option; arrays (from ``inject_hyperparams``) are checked later."""
-    if not isinstance(value, jax.Array):
-        _base.check_int_range(name, value, lo)
+def static_number(name: str, value: Any, lo: float) -> float:
+    """``value`` as a Python float ``>= lo``; a clear ``ValueError`` for arrays and the rest."""
+    if _is_array(value):
+        raise ValueError(
+            f"{name} must be a Python number >= {lo}; got {value!r}. " + _static_hint(name)
+        )
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not ok or not value >= lo:  # `not >=` also rejects NaN
+        raise ValueError(f"{name} must be a number >= {lo}; got {value!r}.")
+    return float(value)
 
 
 def check_axis_name(axis_name: Any) -> None:
@@ -65,20 +86,79 @@ def check_axis_name(axis_name: Any) -> None:
         raise ValueError(f"axis_name must be a mesh axis name (str) or None; got {axis_name!r}.")
 
 
-def check_tree(updates: Any, leaves: Any, is_leaf, who: str) -> None:
-    """Raises ``ValueError`` unless ``updates`` has the parameter tree ``leaves`` was built for."""
-    want = jax.tree.structure(leaves, is_leaf=is_leaf)
+def check_tree(updates: Any, leaves: Any, who: str) -> None:
+    """Raises ``ValueError`` unless ``updates`` has the parameter tree ``leaves`` was built for
+    (``leaves``: one state per parameter, in the parameters' tree)."""
     got = jax.tree.structure(updates)
-    if want != got:
+    try:
+        got.flatten_up_to(leaves)
+    except (ValueError, TypeError) as err:
         raise ValueError(
             f"{who}: the updates tree does not match the tree the state was initialised with.\n"
-            f"  state built for: {want}\n  updates:         {got}"
+            f"  updates: {got}\n  {err}"
+        ) from None
+
+
+def check_leaf_state(state: Any, expected: Any, name: str, like: Any, who: str) -> None:
+    """Raises ``ValueError`` naming the parameter when ``state`` is not what ``init`` built
+    for an array like ``like`` (a shape or dtype other than init's, or a different plan)."""
+    same = jax.tree.structure(state) == jax.tree.structure(expected) and all(
+        tuple(a.shape) == tuple(b.shape) and jnp.dtype(a.dtype) == jnp.dtype(b.dtype)
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected))
+    )
+    if not same:
+        raise ValueError(
+            f"{who}: the state of parameter {name} was not built for "
+            f"{_protocol.describe(like)} (a shape or dtype other than init's?).\n"
+            f"  state:    {jax.tree.map(_protocol.describe, state)}\n"
+            f"  expected: {jax.tree.map(_protocol.describe, expected)}"
         )
 
 
 def leaf_names(tree: Any) -> list[str]:
     """``jax.tree_util.keystr`` of every leaf, for log messages."""
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def step_key(key_data: jax.Array, count: jax.Array) -> jax.Array:
+    """The step's PRNG key, shared by every worker: ``fold_in(key, count)``."""
+    return jax.random.fold_in(jax.random.wrap_key_data(key_data), count)
+
+
+def seed_key(seed: int) -> jax.Array:
+    """Raw key data of ``seed`` (``init`` runs outside traced bodies, so this is a constant)."""
+    return jax.random.key_data(jax.random.PRNGKey(seed))
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MeanConfig:
+    """The static configuration of :func:`compressed_mean` (validated, hashable)."""
+
+    channel: feedback.Channel
+    axis_name: str | None
+    path: str
+    min_compression_rate: float
+    min_ndim: int
+    warmup_steps: int
+    seed: int
+
+    def protocols(self, tree: Any, quiet: bool) -> list[compressors.ReduceProtocol]:
+        """Each parameter's reduction protocol (deterministic: the same in init and update)."""
+        return [
+            _reduce_plan.plan_reduce(
+                self.channel,
+                p,
+                path=self.path,
+                min_compression_rate=self.min_compression_rate,
+                min_ndim=self.min_ndim,
+                name=name,
+                quiet=quiet,
+            )  # fmt: skip
+            for p, name in zip(jax.tree.leaves(tree), leaf_names(tree))
+        ]
 
 
 def compressed_mean(
@@ -93,20 +173,22 @@ def compressed_mean(
 ) -> optax.GradientTransformation:
     r"""Averages per-worker gradients over a data axis, sending only compressed payloads.
 
-    Use it first in an ``optax.chain`` inside ``jax.shard_map``, on gradients computed per
-    worker with :func:`jaxcomp.comm.local_value_and_grad` (plain ``jax.grad`` of replicated
-    parameters would already have all-reduced them, uncompressed). Each worker :math:`w`
-    compresses :math:`g_w` (through the channel: e.g. :math:`C(g_w + e_w)` with error feedback)
-    and every worker receives
+    Use it first in an ``optax.chain``, with ``update`` inside ``jax.shard_map``, on gradients
+    computed per worker with :func:`jaxcomp.comm.local_value_and_grad` (plain ``jax.grad`` of
+    replicated parameters would already have all-reduced them, uncompressed). Each worker
+    :math:`w` compresses :math:`g_w` (through the channel: e.g. :math:`C(g_w + e_w)` with error
+    feedback) and every worker receives
 
     .. math::
       \bar g = \frac{1}{W} \sum_{w=1}^{W} D\big(C(g_w + e_w)\big)
 
-    The collective follows the codec (see :mod:`jaxcomp.comm._reduce`): ``psum`` of summable
-    payloads (identity, cast, shared-seed RandK), ``all_gather`` of TopK/quantized payloads,
-    PowerSGD's two all-reduces (with error feedback against the *averaged* reconstruction, as
-    the reference), or, with ``path="two_phase"``, all-to-all + server-side error feedback +
-    all-gather, whose bytes per worker do not grow with W.
+    Each parameter's reduction is planned by :func:`jaxcomp.comm.plan_reduce`: the codec's own
+    protocol if it has one (PowerSGD's two all-reduces of factors), else ``psum`` of summable
+    payloads (identity, cast, shared-seed RandK) or ``all_gather`` of TopK/quantized ones, or,
+    with ``path="two_phase"``, all-to-all + server-side error feedback + all-gather, whose
+    bytes per worker do not grow with W. The channel's error compensation wraps whichever it is
+    (error feedback keeps :math:`x + e - \text{echo}`, against the *averaged* reconstruction
+    for PowerSGD, as the reference).
 
     Per-parameter policy, as PyTorch's PowerSGD hook: an array is averaged uncompressed when
     the codec cannot handle it (logged), when it has fewer than ``min_ndim`` dimensions
@@ -114,32 +196,37 @@ def compressed_mean(
     smaller than the array. The first ``warmup_steps`` steps are averaged uncompressed
     (error-feedback residuals untouched, EF21 estimates set to the dense values).
 
+    **State.** ``init(params)`` runs where optax users call it, outside ``shard_map``. What one
+    worker owns (residuals, codec states) is marked :class:`~jaxcomp.compressors.PerWorker`
+    with a leading axis of size 1, the view each worker has inside ``shard_map``;
+    :func:`jaxcomp.comm.place_state` stacks it to ``[W, ...]`` sharded over the data axis
+    (and :func:`jaxcomp.comm.state_specs` gives the ``shard_map`` specs). With
+    ``path="two_phase"`` the state is sized by W: call ``init`` under ``jax.set_mesh(mesh)``.
+
     Args:
       compressor: a codec (``compressors.top_k(0.01)``) or a channel
-        (``feedback.error_feedback(...)``, ``feedback.ef21(...)``). On the PowerSGD path an
-        error-feedback channel switches on the reference's memory ``e = β (M - P Qᵀ)``
-        (``β``: its ``decay``).
+        (``feedback.error_feedback(...)``, ``feedback.ef21(...)``).
       axis_name: the data-parallel mesh axis; ``None`` runs on one worker (no collective).
-      path: ``"auto"`` (by codec), ``"dense"``, ``"psum"``, ``"all_gather"``,
-        ``"two_phase"`` or ``"low_rank"``.
+      path: ``"auto"``, ``"dense"``, ``"psum"``, ``"all_gather"``, ``"two_phase"`` or
+        ``"codec"`` (the codec's own protocol).
       min_compression_rate: compress an array only if its payload is at least this many times
         smaller (PyTorch's ``min_compression_rate``, default 2). A Python number.
       min_ndim: compress only arrays with at least this many dimensions (a Python int).
-      warmup_steps: uncompressed steps first (PyTorch's ``start_powerSGD_iter``).
-      seed: seed of the key for stochastic codecs (shared by the workers).
+      warmup_steps: uncompressed steps first (PyTorch's ``start_powerSGD_iter``; Python int).
+      seed: seed of the key for stochastic codecs (shared by the workers; Python int).
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`CompressedMeanState`. Its ``init`` must
-      run inside ``shard_map`` over ``axis_name`` (see
-      :func:`jaxcomp.transforms.data_parallel`); the updates it returns are replicated.
+      An ``optax.GradientTransformation`` with :class:`CompressedMeanState`; the updates it
+      returns are replicated.
 
     Example:
-      >>> import optax
+      >>> import jax.numpy as jnp, optax
       >>> from jaxcomp import compressors, feedback, transforms
       >>> tx = optax.chain(
       ...     transforms.compressed_mean(feedback.error_feedback(compressors.power_sgd(2))),
       ...     optax.sgd(0.1, momentum=0.9),
       ... )
+      >>> state = tx.init({"w": jnp.zeros((16, 8))})   # outside shard_map
 
     References:
       Vogels et al., `PowerSGD: Practical Low-Rank Gradient Compression for Distributed
@@ -153,70 +240,76 @@ def compressed_mean(
             f"compressor must be a jaxcomp Codec or Channel; got {type(compressor).__name__}."
         )
     channel = feedback.as_channel(compressor)
-    _reduce.check_path(channel.codec, path)
-    _reduce.check_channel(channel)
+    _reduce_plan.check_path(channel.codec, path)
+    _reduce_plan.check_channel(channel)
     check_axis_name(axis_name)
-    check_number("min_compression_rate", min_compression_rate, 0)
-    check_static_int("min_ndim", min_ndim, 0)
-    check_static_int("warmup_steps", warmup_steps, 0)
-    check_static_int("seed", seed, 0)
-    no_warmup = isinstance(warmup_steps, int) and warmup_steps == 0
+    config = MeanConfig(
+        channel=channel,
+        axis_name=axis_name,
+        path=path,
+        min_compression_rate=static_number("min_compression_rate", min_compression_rate, 0),
+        min_ndim=static_int("min_ndim", min_ndim, 0),
+        warmup_steps=static_int("warmup_steps", warmup_steps, 0),
+        seed=static_int("seed", seed, 0),
+    )
+    return optax.GradientTransformation(
+        functools.partial(init_mean, config), functools.partial(update_mean, config)
+    )
 
-    def init_fn(params):
-        rate = static_option("min_compression_rate", min_compression_rate)
-        ndim = static_option("min_ndim", min_ndim, int)
-        flat, treedef = jax.tree.flatten(params)
-        leaves = [
-            _reduce.init_reduce(
-                channel,
-                p,
-                axis_name,
-                path=path,
-                min_compression_rate=rate,
-                min_ndim=ndim,
-                name=name,
-            )
-            for p, name in zip(flat, leaf_names(params))
-        ]
-        return CompressedMeanState(
-            count=jnp.zeros((), jnp.int32),
-            key=jax.random.key_data(jax.random.PRNGKey(seed)),
-            leaves=jax.tree.unflatten(treedef, leaves),
-            bytes_sent=jnp.zeros((), jnp.float32),
-        )
 
-    def update_fn(updates, state, params=None):
-        del params
-        check_tree(updates, state.leaves, _reduce.is_reduce_state, "compressed_mean")
-        flat, treedef = jax.tree.flatten(updates)
-        leaf_states = treedef.flatten_up_to(state.leaves)
-        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.count)
-        warm = jnp.asarray(False) if no_warmup else state.count < warmup_steps
-        means, new_states, sent = [], [], jnp.zeros((), jnp.float32)
-        for i, (g, s) in enumerate(zip(flat, leaf_states)):
-            key = jax.random.fold_in(step_key, i)
+def init_mean(config: MeanConfig, params: Any) -> CompressedMeanState:
+    """``compressed_mean``'s ``init``: plans every parameter and builds its state."""
+    num_workers = _protocol.num_workers(config.axis_name)
+    flat, treedef = jax.tree.flatten(params)
+    protocols = config.protocols(params, quiet=False)
+    leaves = [p.init(x, num_workers) for p, x in zip(protocols, flat)]
+    return CompressedMeanState(
+        count=jnp.zeros((), jnp.int32),
+        key=seed_key(config.seed),
+        leaves=jax.tree.unflatten(treedef, leaves),
+        bytes_sent=jnp.zeros((), jnp.float32),
+    )
 
-            def compressed(g, s, key=key):
-                return _reduce.compressed_pmean(g, compressor, s, key, axis_name)[::2]
 
-            def dense(g, s):
-                return _reduce.dense_round(g, channel, s, axis_name)
+def update_mean(
+    config: MeanConfig, updates: Any, state: CompressedMeanState, params: Any = None
+) -> tuple[Any, CompressedMeanState]:
+    """``compressed_mean``'s ``update`` (inside ``shard_map`` over ``config.axis_name``)."""
+    del params
+    axis_name = config.axis_name
+    check_tree(updates, state.leaves, "compressed_mean")
+    num = _protocol.axis_size(axis_name)
+    flat, treedef = jax.tree.flatten(updates)
+    leaf_states = treedef.flatten_up_to(state.leaves)
+    names = leaf_names(updates)
+    key = step_key(state.key, state.count)
+    warm = state.count < config.warmup_steps
+    means, new_states, sent = [], [], jnp.zeros((), jnp.float32)
+    for i, (g, s, proto) in enumerate(zip(flat, leaf_states, config.protocols(updates, True))):
+        expected = jax.eval_shape(lambda g=g, proto=proto: proto.init(g, num))
+        check_leaf_state(s, expected, names[i], g, "compressed_mean")
 
-            if no_warmup or isinstance(s, _reduce.DenseReduce):
-                mean, s = compressed(g, s)
-            else:
-                mean, s = lax.cond(warm, dense, compressed, g, s)
-            full = _reduce.reduce_bytes(_reduce.DenseReduce(), channel, g, axis_name)
-            comp = _reduce.reduce_bytes(s, channel, g, axis_name)
-            sent = sent + jnp.where(warm, full, comp).astype(jnp.float32)
-            means.append(mean)
-            new_states.append(s)
-        new_state = CompressedMeanState(
-            count=optax.safe_increment(state.count),
-            key=state.key,
-            leaves=treedef.unflatten(new_states),
-            bytes_sent=sent,
-        )
-        return treedef.unflatten(means), new_state
+        leaf_key = jax.random.fold_in(key, i)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+        def compressed(g, s, proto=proto, k=leaf_key):
+            return _reduce_plan.compressed_pmean(g, proto, s, k, axis_name)[::2]
+
+        def dense(g, s, proto=proto):
+            return _reduce_plan.dense_round(g, proto, s, axis_name)
+
+        if config.warmup_steps == 0 or isinstance(s, _reduce.DenseReduce):
+            mean, s = compressed(g, s)
+        else:
+            mean, s = lax.cond(warm, dense, compressed, g, s)
+        if axis_name is not None:
+            full = compressors.dense_bytes(g)
+            sent = sent + jnp.where(warm, full, proto.wire_bytes(g, num)).astype(jnp.float32)
+        means.append(mean)
+        new_states.append(s)
+    new_state = CompressedMeanState(
+        count=optax.safe_increment(state.count),
+        key=state.key,
+        leaves=treedef.unflatten(new_states),
+        bytes_sent=sent,
+    )
+    return treedef.unflatten(means), new_state

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
+from jaxcomp.comm import _placement
 
 
 class TrainState(NamedTuple):
@@ -23,9 +24,10 @@ class TrainState(NamedTuple):
     Attributes:
       step: ``int32[]``, updates applied.
       params: the parameters, replicated.
-      opt_state: the optimizer state; leaves owned by one worker (error-feedback residuals,
-        Accordion accumulators) are ``[W, ...]`` sharded over the data axis, the rest
-        replicated.
+      opt_state: the optimizer state as :func:`jaxcomp.comm.place_state` lays it out: leaves
+        owned by one worker (error-feedback residuals, Accordion accumulators, marked
+        :class:`~jaxcomp.compressors.PerWorker`) are ``[W, ...]`` sharded over the data axis,
+        the rest replicated.
     """
 
     step: jax.Array
@@ -53,48 +55,6 @@ class DataParallel(NamedTuple):
     state_sharding: Callable[[Any], TrainState]
     mesh: jax.sharding.Mesh
     axis_name: str
-
-
-def state_specs(
-    tx: optax.GradientTransformation,
-    params: Any,
-    mesh: jax.sharding.Mesh,
-    axis_name: str = _mesh.DATA,
-) -> Any:
-    """``PartitionSpec``s of ``tx.init(params)`` run inside ``shard_map`` over ``axis_name``.
-
-    Leaves that ``init`` marks varying over the axis (owned by one worker) get
-    ``P(axis_name)`` on their leading axis of size 1 per worker; the rest ``P()``. Found by
-    tracing ``init`` once, abstractly (no FLOPs, no memory).
-
-    Raises:
-      ValueError: if a per-worker leaf is a scalar (it cannot be split over workers).
-    """
-    found = []
-
-    def probe(p):
-        state = tx.init(p)
-        found.append(jax.tree.map(lambda x: axis_name in _local.varying_axes(x), state))
-        found.append(jax.tree.map(lambda x: x.ndim, state))
-        return jnp.zeros(())
-
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params
-    )
-    jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=P(), out_specs=P()), abstract)
-    varying, ndims = found
-
-    def spec(is_varying, ndim):
-        if not is_varying:
-            return P()
-        if ndim == 0:
-            raise ValueError(
-                "a transform's state has a per-worker scalar leaf, which cannot be sharded over "
-                f"{axis_name!r}; give per-worker state a leading axis of size 1."
-            )
-        return P(axis_name)
-
-    return jax.tree.map(spec, varying, ndims)
 
 
 def data_parallel(
@@ -137,13 +97,17 @@ def data_parallel(
     replicated = NamedSharding(mesh, P())
     split = NamedSharding(mesh, P(axis_name))
 
+    def init_opt(params):
+        # under the mesh: protocols sized by the number of workers (two-phase) read it there
+        with jax.set_mesh(mesh):
+            return jax.jit(tx.init)(params)
+
     def init(params):
-        specs = state_specs(tx, params, mesh, axis_name)
         # copy first: a replicated device_put aliases the caller's buffer, which step donates
         params = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params), replicated)
-        opt_init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
         step0 = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-        return TrainState(step0, params, opt_init(params))
+        opt_state = _placement.place_state(init_opt(params), mesh, axis_name)
+        return TrainState(step0, params, opt_state)
 
     def body(state, batch):
         grad_fn = _local.local_value_and_grad(loss_fn, axis_name, has_aux=has_aux)
@@ -201,8 +165,10 @@ def data_parallel(
     step.lower = lambda state, batch: jitted.lower(layout_of(state), state, shard_batch(batch))
 
     def state_sharding(params):
-        opt = state_specs(tx, params, mesh, axis_name)
-        specs = TrainState(P(), jax.tree.map(lambda _: P(), params), opt)
-        return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+        with jax.set_mesh(mesh):
+            abstract = jax.eval_shape(tx.init, params)
+        placed = _placement.place_state(abstract, mesh, axis_name)
+        opt = jax.tree.map(lambda s: s.sharding, placed)
+        return TrainState(replicated, jax.tree.map(lambda _: replicated, params), opt)
 
     return DataParallel(init, step, shard_batch, state_sharding, mesh, axis_name)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp.compressors import _base
+from jaxcomp.transforms import _compressed_mean as _cm
 
 STATISTICS = ("worker0", "mean")
 
@@ -69,14 +70,11 @@ def current_lr(learning_rate: Any, extra_args: dict, count: jax.Array) -> jax.Ar
 
 def check_detector_args(interval_steps, check_every, eta, statistic, learning_rate) -> None:
     """Construction-time validation shared by :func:`accordion` and the batch-size variant."""
-    for name, value in (("interval_steps", interval_steps), ("check_every", check_every)):
-        if isinstance(value, bool) or not isinstance(value, (int, jax.Array)):
-            raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
-        if isinstance(value, int) and value < 1:
-            raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
+    _cm.static_int("interval_steps", interval_steps, 1)
+    _cm.static_int("check_every", check_every, 1)
     if isinstance(eta, bool) or not isinstance(eta, (int, float, jax.Array)):
         raise ValueError(f"eta must be a number > 0; got {eta!r}.")
-    if isinstance(eta, (int, float)) and eta <= 0:
+    if isinstance(eta, (int, float)) and not eta > 0:
         raise ValueError(f"eta must be a number > 0; got {eta!r}.")
     _base.check_choice("statistic", statistic, STATISTICS)
     ok = learning_rate is None or callable(learning_rate)

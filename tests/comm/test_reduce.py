@@ -1,4 +1,4 @@
-"""compressed_pmean: every path's mean, its HLO bytes against reduce_bytes, and the policy."""
+"""plan_reduce/compressed_pmean: every path's mean, its HLO bytes against wire_bytes, the policy."""
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +32,10 @@ def reducer(channel, path, mesh, axis=comm.DATA):
 
     def body(x):
         x = x[0]
-        state = comm.init_reduce(channel, x, axis, path=path, min_compression_rate=0)
-        mean, echo, _ = comm.compressed_pmean(x, channel, state, jax.random.key(1), axis)
-        sent = comm.reduce_bytes(state, channel, x, axis)
+        protocol = comm.plan_reduce(channel, x, path=path, min_compression_rate=0)
+        state = protocol.init(x, W)
+        mean, echo, _ = comm.compressed_pmean(x, protocol, state, jax.random.key(1), axis)
+        sent = protocol.wire_bytes(x, W)
         return mean, echo[None], jnp.float32(sent)
 
     out = (P(), P(comm.DATA), P())
@@ -50,8 +51,8 @@ CASES = [
     (compressors.quantize(8), "two_phase"),
     (compressors.top_k(0.1), "two_phase"),
     (compressors.cast("bfloat16"), "two_phase"),
-    (compressors.power_sgd(2), "low_rank"),
-    (feedback.error_feedback(compressors.power_sgd(2)), "low_rank"),
+    (compressors.power_sgd(2), "codec"),
+    (feedback.error_feedback(compressors.power_sgd(2)), "codec"),
 ]
 
 
@@ -116,16 +117,17 @@ def test_low_rank_on_one_worker_equals_the_codec_with_its_epsilon_and_decay(grad
 
     @jax.jit
     def run(x):
-        state = comm.init_reduce(channel, x, None)
-        mean, _, state = comm.compressed_pmean(x, channel, state, None, None)
+        protocol = comm.plan_reduce(channel, x)
+        mean, _, state = comm.compressed_pmean(x, protocol, protocol.init(x, None), None, None)
         payload, codec_state = codec.compress(x, codec.init(x), None)
         other = default.decompress(default.compress(x, default.init(x), None)[0], x)
         return mean, state, codec.decompress(payload, x), codec_state, other
 
     mean, state, want, codec_state, other = run(x)
     np.testing.assert_allclose(mean, want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(state.q.q, codec_state.q, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(state.residual[0], 0.5 * (x - want), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.inner.q.q, codec_state.q, rtol=1e-5, atol=1e-6)
+    residual = state.memory.residual.value[0]
+    np.testing.assert_allclose(residual, 0.5 * (x - want), rtol=1e-5, atol=1e-6)
     assert not np.allclose(mean, other, rtol=1e-3)
 
 
@@ -173,10 +175,11 @@ def test_two_phase_bytes_per_worker_stay_flat_while_all_gather_traffic_grows():
         mesh = comm.make_mesh([(comm.DATA, workers)], devices=jax.devices()[:workers])
         for path in ("two_phase", "all_gather"):
 
-            def body(x, path=path):
-                state = comm.init_reduce(codec, x, comm.DATA, path=path, min_ndim=1)
-                mean, _, _ = comm.compressed_pmean(x, codec, state, None, comm.DATA)
-                return mean, jnp.float32(comm.reduce_bytes(state, codec, x, comm.DATA))
+            def body(x, path=path, workers=workers):
+                protocol = comm.plan_reduce(codec, x, path=path, min_ndim=1)
+                state = protocol.init(x, workers)
+                mean, _, _ = comm.compressed_pmean(x, protocol, state, None, comm.DATA)
+                return mean, jnp.float32(protocol.wire_bytes(x, workers))
 
             fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=(P(), P())))
             report = comm.measure_collectives(fn, jnp.ones(4096))
@@ -206,8 +209,8 @@ def test_policy_falls_back_to_dense_with_reasons(caplog):
         path, why = comm.plan_path(codec, jax.ShapeDtypeStruct(shape, f32), min_ndim=ndim)
         assert path == "dense" and reason in why
     with caplog.at_level("INFO", logger="jaxcomp.comm._reduce_plan"):
-        state = comm.init_reduce(compressors.top_k(0.99), jnp.zeros((64, 64)), None, name="w")
-    assert isinstance(state, comm.DenseReduce)
+        protocol = comm.plan_reduce(compressors.top_k(0.99), jnp.zeros((64, 64)), name="w")
+    assert isinstance(protocol.init(jnp.zeros((64, 64)), None), comm.DenseReduce)
     assert "w: averaged uncompressed" in caplog.text
     path, _ = comm.plan_path(compressors.top_k(0.99), jax.ShapeDtypeStruct((64, 64), f32),
                              min_compression_rate=0)  # fmt: skip
@@ -216,9 +219,8 @@ def test_policy_falls_back_to_dense_with_reasons(caplog):
 
 def test_stochastic_codec_needs_a_key_and_ef21_needs_a_gather_path():
     x = jnp.ones((8, 8))
-    codec = compressors.rand_k(0.5)
-    state = comm.init_reduce(codec, x, None, min_compression_rate=0)
+    protocol = comm.plan_reduce(compressors.rand_k(0.5), x, min_compression_rate=0)
     with pytest.raises(ValueError, match="PRNG key"):
-        comm.compressed_pmean(x, codec, state, None, None)
+        comm.compressed_pmean(x, protocol, protocol.init(x, None), None, None)
     with pytest.raises(ValueError, match="EF21"):
-        comm.init_reduce(feedback.ef21(compressors.quantize(8)), x, None, path="two_phase")
+        comm.plan_reduce(feedback.ef21(compressors.quantize(8)), x, path="two_phase")

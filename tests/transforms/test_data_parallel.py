@@ -75,13 +75,13 @@ def test_per_worker_state_is_sharded_and_the_rest_replicated(mesh):
         transforms.compressed_mean(feedback.error_feedback(compressors.top_k(0.1))),
         optax.sgd(0.1, momentum=0.9),
     )
-    specs = transforms.state_specs(tx, PARAMS, mesh)
+    specs = comm.state_specs(tx.init(PARAMS), comm.DATA)
     cm_state, sgd_state = specs
-    assert cm_state.leaves["w1"].send.residual == P(comm.DATA)
+    assert cm_state.leaves["w1"].memory.residual.value == P(comm.DATA)
     assert cm_state.count == P() and cm_state.leaves["b1"] == comm.DenseReduce()
     assert all(s == P() for s in jax.tree.leaves(sgd_state))
     state = transforms.data_parallel(loss_fn, tx, mesh).init(PARAMS)
-    residual = state.opt_state[0].leaves["w1"].send.residual
+    residual = state.opt_state[0].leaves["w1"].memory.residual.value
     assert residual.shape == (W, 16, 32) and residual.sharding.spec == P(comm.DATA)
 
 
@@ -112,9 +112,9 @@ def test_errors_name_the_problem(mesh):
 
     def scalar_state():  # a transform with a per-worker scalar in its state
         def init(params):
-            return lax.pcast(jnp.zeros(()), comm.DATA, to="varying")
+            return compressors.PerWorker(jnp.zeros(()))
 
         return optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
 
-    with pytest.raises(ValueError, match="scalar"):
-        transforms.state_specs(scalar_state(), PARAMS, mesh)
+    with pytest.raises(ValueError, match="leading worker axis"):
+        comm.place_state(scalar_state().init(PARAMS), mesh, comm.DATA)

@@ -26,8 +26,8 @@ def mean_step():
     its state (warm start) across calls."""
     mesh = comm.make_mesh([(comm.DATA, W)], devices=jax.devices()[:W])
     tx = transforms.compressed_mean(compressors.power_sgd(4))
-    specs = transforms.state_specs(tx, PARAMS, mesh)
-    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+    state = tx.init(PARAMS)
+    specs = comm.state_specs(state, comm.DATA)
 
     def body(state, grads):
         return tx.update(jax.tree.map(lambda g: g[0], grads), state)
@@ -35,7 +35,7 @@ def mean_step():
     update = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(specs, P(comm.DATA)), out_specs=(P(), specs))
     )
-    state = [init(PARAMS)]
+    state = [comm.place_state(state, mesh, comm.DATA)]
 
     def step(grads):
         grads = jax.device_put(grads, NamedSharding(mesh, P(comm.DATA)))

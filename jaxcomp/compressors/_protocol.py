@@ -1,0 +1,208 @@
+"""The reduction-protocol contract: how a codec (or anyone) averages one array over workers.
+
+A :class:`ReduceProtocol` is what :mod:`jaxcomp.comm` runs to average one array over a
+data-parallel mesh axis; a codec may bring its own (``Codec.protocol``, e.g. PowerSGD's two
+all-reduces with a warm-started Q), otherwise ``comm`` builds a generic one from the codec
+(``psum``, ``all_gather``, two-phase)::
+
+  state = protocol.init(like, num_workers)                       # outside shard_map is fine
+  mean, echo, state = protocol.all_reduce(x, state, key, axis_name)   # inside shard_map
+  protocol.wire_bytes(like, num_workers)                         # bytes one worker sends
+
+``echo`` is this worker's own share as the others will see it (its decoded payload; PowerSGD's
+averaged reconstruction; ``x`` itself on a dense path): error feedback keeps ``x - echo``.
+
+**State layout.** A protocol's state is a pytree of arrays that every worker holds. What one
+worker owns (an error-feedback residual, its codec's state) is wrapped in :class:`PerWorker`,
+whose leaves carry a leading axis of size 1: ``init`` returns them so (the per-device view), the
+body of ``shard_map`` sees them so (varying over the axis), and
+:func:`jaxcomp.comm.place_state` stacks them to ``[W, ...]`` sharded over the axis. Everything
+else is replicated (identical on every worker).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+Array = jax.Array
+Like = Any  # an array or a jax.ShapeDtypeStruct
+
+
+class PerWorker(NamedTuple):
+    """A part of a state owned by one worker (declared layout; see the module docstring).
+
+    Attributes:
+      value: a pytree whose leaves have a leading worker axis: size 1 from ``init`` and inside
+        ``shard_map``, size W once placed on a mesh.
+    """
+
+    value: Any
+
+
+class ReduceProtocol(NamedTuple):
+    """A multi-worker averaging protocol for one array.
+
+    Attributes:
+      init: ``init(like, num_workers) -> state``; ``num_workers`` may be ``None`` (outside any
+        mesh) for protocols whose state does not depend on it. Runs outside ``shard_map``.
+      all_reduce: ``all_reduce(x, state, key, axis_name) -> (mean, echo, state)`` inside
+        ``shard_map`` (``axis_name=None``: one worker). ``key`` is the same on every worker
+        (decorrelate with :func:`worker_key` where the method wants independence).
+      wire_bytes: ``wire_bytes(like, num_workers) -> int``: bytes one worker puts into
+        collectives per call (what :func:`jaxcomp.comm.measure_collectives` reads).
+      name: description, e.g. ``"power_sgd(rank=2)/low_rank"``.
+      dense: optional ``dense(x, mean, state, axis_name) -> state``: how the state follows a
+        round averaged uncompressed (warm-up); ``None`` leaves it unchanged.
+      exact_mean: whether ``mean`` is exactly the mean over workers of their ``echo`` (up to
+        rounding). EF21 needs it; a two-phase reduction that re-compresses on a server is not.
+    """
+
+    init: Callable[[Like, int | None], Any]
+    all_reduce: Callable[[Array, Any, Array | None, str | None], tuple[Array, Array, Any]]
+    wire_bytes: Callable[[Like, int], int]
+    name: str
+    dense: Callable[[Array, Array, Any, str | None], Any] | None = None
+    exact_mean: bool = True
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers for protocol writers
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """Mesh axes over which ``x`` varies, inside ``shard_map`` (empty outside)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def to_varying(tree: Any, axes: str | Sequence[str]) -> Any:
+    """Marks every leaf of ``tree`` as varying over ``axes`` (leaves already varying are kept)."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+
+    def cast(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def manual_axes() -> tuple[str, ...]:
+    """Names of the manual (``shard_map``) axes at this point of tracing; ``()`` outside."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(
+        n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual
+    )
+
+
+def axis_size(axis_name: str | None) -> int:
+    """Number of workers on ``axis_name`` inside ``shard_map`` (1 for ``None``).
+
+    Raises:
+      ValueError: if ``axis_name`` is not a manual axis of the enclosing ``shard_map``.
+    """
+    if axis_name is None:
+        return 1
+    if not isinstance(axis_name, str):
+        raise ValueError(f"axis_name must be a mesh axis name (str) or None; got {axis_name!r}.")
+    manual = manual_axes()
+    if axis_name not in manual:
+        where = f"the manual axes here are {manual}" if manual else "not inside shard_map"
+        raise ValueError(
+            f"axis_name {axis_name!r} is not a mesh axis of the enclosing shard_map ({where}). "
+            f"Run this inside jax.shard_map over a mesh with an axis named {axis_name!r}, "
+            "or pass the right axis_name."
+        )
+    return lax.axis_size(axis_name)
+
+
+def num_workers(axis_name: str | None) -> int | None:
+    """Workers on ``axis_name`` where that is known: inside ``shard_map``, or under
+    ``jax.set_mesh(mesh)`` outside it; ``None`` otherwise (1 for ``axis_name=None``)."""
+    if axis_name is None:
+        return 1
+    if axis_name in manual_axes():
+        return lax.axis_size(axis_name)
+    mesh = jax.sharding.get_abstract_mesh()
+    if axis_name in getattr(mesh, "axis_names", ()):
+        return dict(zip(mesh.axis_names, mesh.axis_sizes))[axis_name]
+    return None
+
+
+def per_worker(tree: Any, axis_name: str | None) -> PerWorker:
+    """Wraps this worker's ``tree`` as :class:`PerWorker`: a leading axis of size 1, varying
+    over ``axis_name`` (inside ``shard_map``)."""
+    tree = jax.tree.map(lambda leaf: jnp.asarray(leaf)[None], tree)
+    if axis_name is not None and axis_name in manual_axes():
+        tree = to_varying(tree, axis_name)
+    return PerWorker(tree)
+
+
+def this_worker(part: PerWorker) -> Any:
+    """This worker's tree inside a :class:`PerWorker` (drops the leading axis of size 1)."""
+    if not isinstance(part, PerWorker):
+        raise TypeError(f"expected a PerWorker state part; got {type(part).__name__}.")
+    for leaf in jax.tree.leaves(part.value):
+        if leaf.shape[:1] != (1,):
+            raise ValueError(
+                f"a per-worker state leaf of shape {tuple(leaf.shape)} reached a reduction "
+                "without its leading worker axis of size 1: inside shard_map give per-worker "
+                "state the in_specs of jaxcomp.comm.state_specs (P(axis)), or run on the "
+                "state tx.init returned when there is no axis."
+            )
+    return jax.tree.map(lambda leaf: leaf[0], part.value)
+
+
+def worker_key(key: Array | None, axis_name: str | None) -> Array | None:
+    """``key`` decorrelated per worker (``fold_in`` of the axis index)."""
+    if key is None or axis_name is None:
+        return key
+    return jax.random.fold_in(key, lax.axis_index(axis_name))
+
+
+def psum(tree: Any, axis_name: str | None) -> Any:
+    """``lax.psum`` of every leaf (identity without an axis)."""
+    return tree if axis_name is None else jax.tree.map(lambda x: lax.psum(x, axis_name), tree)
+
+
+def all_gather(tree: Any, axis_name: str | None) -> Any:
+    """Replicated ``all_gather`` of every leaf on a new leading axis (``[1, ...]`` without an
+    axis)."""
+    if axis_name is None:
+        return jax.tree.map(lambda x: x[None], tree)
+    return jax.tree.map(lambda x: lax.all_gather(x, axis_name, to="invarying"), tree)
+
+
+def pmean(x: Array, axis_name: str | None) -> Array:
+    """``lax.pmean`` (identity without an axis)."""
+    return x if axis_name is None else lax.pmean(x, axis_name)
+
+
+def array_bytes(tree: Any) -> int:
+    """Bytes of the arrays (or ``ShapeDtypeStruct``s) in ``tree``."""
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def check_like(x: Any, like: Any, who: str) -> None:
+    """Raises ``ValueError`` naming both when ``x`` is not shaped and typed as ``like``."""
+    if tuple(x.shape) != tuple(like.shape) or jnp.dtype(x.dtype) != jnp.dtype(like.dtype):
+        raise ValueError(
+            f"{who}: the state was built for {describe(like)}; got {describe(x)}. A state "
+            "accepts only the shape and dtype it was initialised with."
+        )
+
+
+def describe(x: Any) -> str:
+    """``float32[8,6]``-style description of an array or struct."""
+    return f"{jnp.dtype(x.dtype).name}[{','.join(str(d) for d in x.shape)}]"
