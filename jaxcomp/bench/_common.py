@@ -39,8 +39,16 @@ def time_interleaved(
     Interleaving makes the ratios between them robust to load that comes and goes on a shared
     machine, which a back-to-back measurement is not.
     """
-    import jax
     import numpy as np
+
+    return [float(np.median(t)) for t in time_samples(calls, repeats, warmup)]
+
+
+def time_samples(
+    calls: Sequence[tuple[Callable[..., Any], tuple]], repeats: int = 20, warmup: int = 2
+) -> list[list[float]]:
+    """Every wall time of :func:`time_interleaved`'s round-robin (one list per call)."""
+    import jax
 
     for fn, args in calls:
         for _ in range(warmup):
@@ -51,7 +59,24 @@ def time_interleaved(
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times[i].append(time.perf_counter() - t0)
-    return [float(np.median(t)) for t in times]
+    return times
+
+
+def spread(samples: Sequence[float]) -> dict[str, float]:
+    """``{"median", "q1", "q3"}`` of timing samples (seconds)."""
+    import numpy as np
+
+    q1, median, q3 = np.percentile(np.asarray(samples), [25, 50, 75])
+    return {"median": float(median), "q1": float(q1), "q3": float(q3)}
+
+
+def load_average() -> list[float]:
+    """The machine's 1, 5 and 15 minute load averages (``/proc/loadavg``; empty elsewhere)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return [float(v) for v in f.read().split()[:3]]
+    except OSError:
+        return []
 
 
 def env_info() -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Data-parallel gradient averaging on a ResNet-18-sized tree: bytes from HLO and step time.
 
 ``python -m jaxcomp.bench data_parallel [--json PATH] [--repeats R] [--workers W]
-[--scaling 2,4,8] [--only power_sgd,top_k]``
+[--scaling 2,4,8] [--only power_sgd,top_k] [--tables codecs,scaling,feedback]
+[--feedback-repeats R]``
 
 The parameter tree has the shapes of kuangliu's CIFAR ResNet-18 in Flax layout (11,173,962
 parameters; conv kernels ``[kh, kw, in, out]``, BatchNorm scales and biases, a 512x10 head).
@@ -24,6 +25,13 @@ Two tables:
    (ring all-gather: ``(W-1)`` operands; all-to-all: ``(W-1)/W`` of the operand; ring
    all-reduce: ``2 (W-1)/W`` of the operand): all-gather traffic grows linearly with W,
    two-phase stays flat.
+
+3. ``feedback``: what error feedback costs. An MLP of 4,197,376 parameters (1024-2048-1024,
+   two weight matrices and their biases), 2 workers; each row times the reducer alone
+   (``tx.update`` of ``compressed_mean`` inside ``shard_map``, state donated as in a training
+   step), every row round-robin in one run; ``step_time_s`` is the median and
+   ``step_time_q1_s``/``step_time_q3_s`` the interquartile range. ``ratio_to_plain`` is a
+   ``+ef``/``+ef21`` row's median over the same codec's without feedback.
 
 On the CPU backend a 16-bit ``psum`` travels as ``float32`` (JAX-NOTES §2): the ``cast``
 row on the ``psum`` path shows twice its payload; its ``two_phase`` row keeps ``u16``.
@@ -99,9 +107,9 @@ def codec_table() -> list[tuple[str, str, object]]:
     c = compressors
     return [
         ("dense_pmean", "dense", lambda: transforms.compressed_mean(c.identity(), path="dense")),
-        ("power_sgd_r1", "low_rank", lambda: transforms.compressed_mean(ef(c.power_sgd(1)))),
-        ("power_sgd_r2", "low_rank", lambda: transforms.compressed_mean(ef(c.power_sgd(2)))),
-        ("power_sgd_r4", "low_rank", lambda: transforms.compressed_mean(ef(c.power_sgd(4)))),
+        ("power_sgd_r1", "codec", lambda: transforms.compressed_mean(ef(c.power_sgd(1)))),
+        ("power_sgd_r2", "codec", lambda: transforms.compressed_mean(ef(c.power_sgd(2)))),
+        ("power_sgd_r4", "codec", lambda: transforms.compressed_mean(ef(c.power_sgd(4)))),
         ("top_k_10%", "all_gather", lambda: transforms.compressed_mean(ef(c.top_k(0.1)))),
         ("top_k_1%", "all_gather", lambda: transforms.compressed_mean(ef(c.top_k(0.01)))),
         (
@@ -126,7 +134,7 @@ def codec_table() -> list[tuple[str, str, object]]:
         ),
         (
             "accordion_psgd_r2/r1",
-            "low_rank(low)",
+            "codec(low)",
             lambda: transforms.accordion(interval_steps=10**6),  # stays in its first interval
         ),
     ]
@@ -148,15 +156,56 @@ def scaling_table() -> list[tuple[str, str, object]]:
     return rows
 
 
-class _Step:
-    """A jitted data-parallel ``tx.update`` with its initial state and per-worker gradients."""
+def feedback_table() -> list[tuple[str, str, object]]:
+    """(label, label of the same codec without feedback, reducer factory) of the EF table."""
+    ef, ef21 = feedback.error_feedback, feedback.ef21
+    c = compressors
+    rows = [("dense_pmean", "", lambda: transforms.compressed_mean(c.identity(), path="dense"))]
+    for label, make in (
+        ("power_sgd_r2", lambda: c.power_sgd(2)),
+        ("top_k_1%", lambda: c.top_k(0.01)),
+        ("top_k_1%_blockwise", lambda: c.top_k(0.01, method="blockwise")),
+        ("quantize_8", lambda: c.quantize(8)),
+    ):
+        wraps = [("", lambda codec: codec), ("+ef", ef)]
+        if label.startswith("top_k_1%"):
+            wraps.append(("+ef21", ef21))
+        for suffix, wrap in wraps:
+            rows.append(
+                (
+                    label + suffix,
+                    label if suffix else "",
+                    lambda make=make, wrap=wrap: transforms.compressed_mean(wrap(make())),
+                )
+            )
+    return rows
 
-    def __init__(self, reducer, params, mesh):
-        self.tx = optax.chain(reducer, optax.sgd(0.1, momentum=0.9))
-        specs = transforms.state_specs(self.tx, params, mesh)
+
+def mlp_shapes() -> dict:
+    """An MLP 1024-2048-1024 (4,197,376 float32 parameters) as ``ShapeDtypeStruct``s."""
+    f32 = jnp.float32
+    return {
+        "w1": jax.ShapeDtypeStruct((1024, 2048), f32),
+        "b1": jax.ShapeDtypeStruct((2048,), f32),
+        "w2": jax.ShapeDtypeStruct((2048, 1024), f32),
+        "b2": jax.ShapeDtypeStruct((1024,), f32),
+    }
+
+
+class _Step:
+    """A jitted data-parallel ``tx.update`` with its initial state and per-worker gradients.
+
+    ``optimizer=False`` times the reducer alone; ``donate=True`` threads the state through
+    calls with its buffers donated, as a training step does (then call it with no arguments).
+    """
+
+    def __init__(self, reducer, params, mesh, *, optimizer=True, donate=False):
+        self.tx = optax.chain(reducer, optax.sgd(0.1, momentum=0.9)) if optimizer else reducer
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
-        init = jax.shard_map(self.tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
-        self.state = jax.jit(init)(zeros)
+        with jax.set_mesh(mesh):  # the two-phase path sizes its state by the workers
+            state = jax.jit(self.tx.init)(zeros)
+        specs = comm.state_specs(state, comm.DATA)
+        self.state = comm.place_state(state, mesh, comm.DATA)
         self.params = jax.device_put(zeros, NamedSharding(mesh, P()))
 
         def body(params, state, grads):
@@ -165,10 +214,20 @@ class _Step:
 
         out = (P(), specs)
         in_specs = (P(), specs, P(comm.DATA))
-        self.fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out))
+        sharded = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out)
+        self.fn = jax.jit(sharded, donate_argnums=(1,) if donate else ())
 
     def args(self, grads):
         return self.params, self.state, grads
+
+    def threaded(self, grads):
+        """A no-argument call that runs one step and keeps the new (donated) state."""
+
+        def call():
+            updates, self.state = self.fn(self.params, self.state, grads)
+            return updates
+
+        return call
 
 
 def worker_grads(params, mesh, seed=0):
@@ -208,6 +267,44 @@ def _bytes_sent(opt_state) -> float:
     return float(state.bytes_sent)
 
 
+def run_feedback(repeats: int, workers: int = 2) -> list[dict]:
+    """The ``feedback`` table (see the module docstring)."""
+    params = mlp_shapes()
+    mesh = comm.make_mesh([(comm.DATA, workers)], devices=jax.devices()[:workers])
+    grads = worker_grads(params, mesh, seed=2)
+    rows = feedback_table()
+    steps = [_Step(make(), params, mesh, optimizer=False, donate=True) for _, _, make in rows]
+    load_before = _common.load_average()
+    samples = _common.time_samples([(s.threaded(grads), ()) for s in steps], repeats=repeats)
+    load_after = _common.load_average()
+    results, medians = [], {}
+    for (label, plain, _), times in zip(rows, samples):
+        stats = _common.spread(times)
+        medians[label] = stats["median"]
+        results.append(
+            {
+                "table": "feedback",
+                "codec": label,
+                "workers": workers,
+                "params": sum(math.prod(s.shape) for s in jax.tree.leaves(params)),
+                "step_time_s": stats["median"],
+                "step_time_q1_s": stats["q1"],
+                "step_time_q3_s": stats["q3"],
+                "ratio_to_plain": stats["median"] / medians[plain] if plain else None,
+                "repeats": repeats,
+                "load_before": load_before,
+                "load_after": load_after,
+            }
+        )
+        ratio = f"  x{results[-1]['ratio_to_plain']:.2f}" if plain else ""
+        print(
+            f"  {label:24s} {stats['median'] * 1e3:8.2f} ms  "
+            f"[{stats['q1'] * 1e3:.2f}, {stats['q3'] * 1e3:.2f}]{ratio}",
+            flush=True,
+        )
+    return results
+
+
 def run(
     workers: int, repeats: int, scaling: tuple[int, ...], only: tuple[str, ...] = ()
 ) -> list[dict]:
@@ -216,11 +313,12 @@ def run(
     assert num == RESNET18_PARAMS, num
     dense_bytes = 4 * num
     results = []
-
-    mesh = comm.make_mesh([(comm.DATA, workers)], devices=jax.devices()[:workers])
-    grads = worker_grads(params, mesh)
-    dense = _Step(codec_table()[0][2](), params, mesh)
-    for label, path, make in codec_table():
+    rows = codec_table() if workers else []
+    if rows:
+        mesh = comm.make_mesh([(comm.DATA, workers)], devices=jax.devices()[:workers])
+        grads = worker_grads(params, mesh)
+        dense = _Step(rows[0][2](), params, mesh)
+    for label, path, make in rows:
         if only and label != "dense_pmean" and not any(label.startswith(o) for o in only):
             continue
         step = dense if label == "dense_pmean" else _Step(make(), params, mesh)
@@ -284,14 +382,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=8, help="workers of the codec table")
     p.add_argument("--scaling", default="2,4,8", help="worker counts of the scaling table")
     p.add_argument("--only", default="", help="comma-separated codec label prefixes to run")
+    p.add_argument(
+        "--tables", default="codecs,scaling,feedback", help="tables to run (comma-separated)"
+    )
+    p.add_argument("--feedback-repeats", type=int, default=40, help="timings per feedback row")
     args = p.parse_args(argv)
-    scaling = tuple(int(w) for w in args.scaling.split(",") if w)
+    tables = set(args.tables.split(","))
+    scaling = tuple(int(w) for w in args.scaling.split(",") if w) if "scaling" in tables else ()
     only = tuple(o for o in args.only.split(",") if o)
-    results = run(args.workers, args.repeats, scaling, only)
+    workers = args.workers if "codecs" in tables else 0
+    results = run(workers, args.repeats, scaling, only)
+    if "feedback" in tables:
+        results += run_feedback(args.feedback_repeats)
     codecs = [r for r in results if r["table"] == "codecs"]
     print()
     _common.print_table(
-        codecs,
+        codecs or [{}],
         [
             ("codec", "s"),
             ("path", "s"),
@@ -314,6 +420,18 @@ def main(argv: list[str] | None = None) -> int:
             ("workers", "d"),
             ("hlo_bytes_per_step", ".0f"),
             ("traffic_bytes_per_worker", ".0f"),
+        ],
+    )
+    fed = [r for r in results if r["table"] == "feedback"]
+    print()
+    _common.print_table(
+        fed or [{}],
+        [
+            ("codec", "s"),
+            ("step_time_s", ".4f"),
+            ("step_time_q1_s", ".4f"),
+            ("step_time_q3_s", ".4f"),
+            ("ratio_to_plain", ".2f"),
         ],
     )
     widened = ("cast_bf16", "psum")  # CPU backend: the 16-bit all-reduce runs in f32

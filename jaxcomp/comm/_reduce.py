@@ -253,9 +253,10 @@ def two_phase_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
         if axis_name is not None:
             moved = jax.tree.map(lambda p: lax.all_to_all(p, axis_name, 0, 0, tiled=True), moved)
         mine = decode_mean(codec, moved, chunk)
-        corrected = mine + _protocol.this_worker(state.server_residual)
+        _protocol.this_worker(state.server_residual)  # checks the layout
+        corrected = mine[None] + state.server_residual.value  # [1, chunk]: updated in place
         server_payload, server, decoded = compressors.compress_and_decode(
-            codec, corrected, _protocol.this_worker(state.server), k_server
+            codec, corrected[0], _protocol.this_worker(state.server), k_server
         )
         # phase 2: everyone gathers every re-compressed chunk
         gathered = _protocol.all_gather(server_payload, axis_name)
@@ -263,7 +264,7 @@ def two_phase_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
         new_state = TwoPhaseReduce(
             _protocol.per_worker(send, axis_name),
             _protocol.per_worker(server, axis_name),
-            _protocol.per_worker(corrected - decoded, axis_name),
+            _protocol.per_worker(corrected - decoded[None], axis_name, stacked=True),
         )
         echo = echo.reshape(-1)[:n].reshape(like.shape)
         return mean.reshape(like.shape), echo, new_state

@@ -140,10 +140,15 @@ def num_workers(axis_name: str | None) -> int | None:
     return None
 
 
-def per_worker(tree: Any, axis_name: str | None) -> PerWorker:
+def per_worker(tree: Any, axis_name: str | None, *, stacked: bool = False) -> PerWorker:
     """Wraps this worker's ``tree`` as :class:`PerWorker`: a leading axis of size 1, varying
-    over ``axis_name`` (inside ``shard_map``)."""
-    tree = jax.tree.map(lambda leaf: jnp.asarray(leaf)[None], tree)
+    over ``axis_name`` (inside ``shard_map``). ``stacked``: the leaves already have it.
+
+    Computing an update in the ``[1, ...]`` layout (``x[None] + part.value``) and wrapping it
+    with ``stacked=True`` lets XLA write a donated state in place; slicing to ``[...]`` and
+    adding the axis back makes it copy the buffer."""
+    if not stacked:
+        tree = jax.tree.map(lambda leaf: jnp.asarray(leaf)[None], tree)
     if axis_name is not None and axis_name in manual_axes():
         tree = to_varying(tree, axis_name)
     return PerWorker(tree)

@@ -17,10 +17,12 @@ EF21 and AQ-SGD copy ``x`` into their estimates, residual EF leaves its residual
 A channel's state accepts only the shape and dtype it was initialised with (a clear error
 names both). Per-sample buffers are declared (``Channel.sample_fields``) and indexed by sample
 id with one rule everywhere (:func:`read_rows` / :func:`write_rows`): an id outside
-``[0, num_samples)`` reads a NaN row and writes nothing (never a clamped or wrapped row), and
-an id repeated within one batch reads the row as it was before the batch at every occurrence
-and writes the last occurrence's value (the same at both ends, so mirrors stay identical).
-Check ids on the host before the step with :func:`check_sample_ids`.
+``[0, num_samples)`` reads a NaN row and writes nothing (never a clamped or wrapped row): that
+sample's output is NaN, and with a codec that couples rows (a tensor-wide quantization scale)
+the whole batch's is, so the loss is non-finite rather than silently wrong. An id repeated
+within one batch reads the row as it was before the batch at every occurrence and writes the
+last occurrence's value (the same at both ends, so mirrors stay identical). Check ids on the
+host before the step with :func:`check_sample_ids`.
 """
 
 from __future__ import annotations

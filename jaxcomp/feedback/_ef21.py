@@ -75,12 +75,13 @@ def ef21_reduction(buffer_dtype=None) -> _compensate.Feedback:
     def reduce(x, memory, run, axis_name):
         g = _protocol.this_worker(memory.estimate)
         _channel.check_buffer(g, x, False, buffer_dtype is None, name)
-        old = g.astype(x.dtype)
-        mean_delta, echo, aux = run(x - old)
+        old = memory.estimate.value.astype(x.dtype)  # [1, ...]: updated in place by XLA
+        mean_delta, echo, aux = run(x - old[0])
         mean = memory.mean.astype(x.dtype) + mean_delta
-        g_new = (old + echo).astype(g.dtype)
-        out = EF21Memory(_protocol.per_worker(g_new, axis_name), mean.astype(memory.mean.dtype))
-        return mean, g_new.astype(x.dtype), out, aux
+        g_new = (old + echo[None]).astype(g.dtype)
+        estimate = _protocol.per_worker(g_new, axis_name, stacked=True)
+        out = EF21Memory(estimate, mean.astype(memory.mean.dtype))
+        return mean, g_new[0].astype(x.dtype), out, aux
 
     def dense(x, mean, memory, axis_name):
         g = _protocol.per_worker(x.astype(memory.mean.dtype), axis_name)

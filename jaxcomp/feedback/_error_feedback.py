@@ -74,10 +74,12 @@ def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compen
     def reduce(x, memory, run, axis_name):
         e = _protocol.this_worker(memory.residual)
         _channel.check_buffer(e, x, False, residual_dtype is None, name)
-        corrected = x + e.astype(x.dtype)
-        mean, echo, aux = run(corrected)
-        e_new = new_residual(corrected, echo, decay).astype(e.dtype)
-        return mean, echo, ErrorFeedbackMemory(_protocol.per_worker(e_new, axis_name)), aux
+        # in the per-worker layout [1, ...]: XLA then updates the (donated) residual in place
+        corrected = x[None] + memory.residual.value.astype(x.dtype)
+        mean, echo, aux = run(corrected[0])
+        e_new = new_residual(corrected, echo[None], decay).astype(e.dtype)
+        memory = ErrorFeedbackMemory(_protocol.per_worker(e_new, axis_name, stacked=True))
+        return mean, echo, memory, aux
 
     def dense(x, mean, memory, axis_name):
         del x, mean, axis_name

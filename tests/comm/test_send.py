@@ -241,3 +241,35 @@ def test_bad_links_raise_clear_errors():
     int_state = comm.ChannelStates(jnp.zeros(3, jnp.int32), C.EmptyState())
     with pytest.raises(ValueError, match="floating-point"):
         comm.compressed_transfer(x, tokens, int_state, forward=C.identity())
+
+
+def counting_codec():
+    """Identity payloads; the state counts calls in row 0 of a ``[2, features]`` array, the
+    same shape as a 2-sample AQ-SGD cache (which the old shape heuristic mistook it for)."""
+
+    def init(x):
+        return jnp.zeros((2, *x.shape[1:]), jnp.float32)
+
+    def compress(x, state, key=None):
+        return x, state.at[0].add(1.0)
+
+    return C.Codec(init, compress, lambda p, like: p.astype(like.dtype), "counting")
+
+
+def test_only_declared_sample_fields_are_indexed_by_sample_id():
+    channel = F.aq_sgd(counting_codec(), num_samples=2, buffer_dtype=jnp.float32)
+    assert channel.sample_fields == ("estimate",)
+    like = jax.ShapeDtypeStruct((2, 3), jnp.float32)
+    states = comm.init_channel_states(channel, like)
+    stacked = jax.tree.map(lambda a: jnp.zeros((S, *a.shape), a.dtype), states)
+    tokens = comm.init_channel_states(None, like)
+    x = jnp.arange(6.0).reshape(2, 3)
+    _, new, _ = jax.jit(
+        lambda x, s: comm.compressed_transfer(
+            x, s, tokens, forward=channel, ids=jnp.array([1, 0]), slots=(SRC, DST)
+        )
+    )(x, stacked)
+    counts = np.asarray(new.send.codec)[SRC]
+    np.testing.assert_array_equal(counts, [[1.0] * 3, [0.0] * 3])  # the whole codec state
+    np.testing.assert_array_equal(np.asarray(new.send.estimate)[SRC], np.asarray(x)[[1, 0]])
+    np.testing.assert_array_equal(np.asarray(new.recv.estimate)[DST], np.asarray(x)[[1, 0]])

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
+from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import feedback
 
@@ -217,3 +218,37 @@ def test_ef21_init_gives_distinct_buffers_that_can_be_donated():
     send, recv = channel.init(jnp.ones((8, 6)))
     assert send.estimate is not recv.estimate
     jax.jit(lambda s, r: (s, r), donate_argnums=(0, 1))(send, recv)
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [
+        TOPK,
+        Q4,
+        compressors.sign(),
+        compressors.rand_k(0.25),
+        compressors.top_k(0.2, method="blockwise"),
+    ],
+    ids=lambda c: c.name,
+)
+def test_reduction_error_feedback_is_the_channels_error_feedback(codec):
+    """One error-feedback rule: the reduction wrapper keeps exactly the channel's residual."""
+    channel = feedback.error_feedback(codec)
+    x = jax.random.normal(KEY, (8, 6))
+    e = 0.3 * jax.random.normal(jax.random.key(1), (8, 6))
+    key = jax.random.key(2)
+
+    @jax.jit
+    def both(x, e):
+        payload, send = channel.send(x, feedback.ErrorFeedbackState(e, codec.init(x)), key)
+        x_hat, _ = channel.receive(payload, compressors.EmptyState(), x)
+        protocol = comm.plan_reduce(channel, x, min_compression_rate=0)
+        state = protocol.init(x, None)
+        state = state._replace(memory=feedback.ErrorFeedbackMemory(compressors.PerWorker(e[None])))
+        mean, echo, state = protocol.all_reduce(x, state, key, None)
+        return x_hat, send.residual, mean, echo, state.memory.residual.value[0]
+
+    x_hat, residual, mean, echo, reduced = both(x, e)
+    np.testing.assert_array_equal(reduced, residual)
+    np.testing.assert_array_equal(echo, x_hat)
+    np.testing.assert_allclose(mean, x_hat, rtol=1e-6)  # the mean of one worker

@@ -379,3 +379,40 @@ def test_bad_arguments_raise_clear_errors():
     state = tx.init(PARAMS)
     with pytest.raises(ValueError, match="does not match"):
         tx.update({"a": PARAMS["a"]}, state)
+
+
+def test_power_sgd_switches_under_set_mesh(mesh):
+    """A switch re-initialises the incoming PowerSGD Q inside the traced shard_map body; under
+    ``jax.set_mesh`` that must be a staged computation, not an eager PRNG key (issue 14)."""
+    tx = optax.chain(
+        transforms.accordion(
+            compressors.power_sgd(2), compressors.power_sgd(1), interval_steps=1, check_every=1
+        ),
+        optax.sgd(1e-3),
+    )
+    dp = transforms.data_parallel(mlp_loss, tx, mesh)
+    fresh = np.asarray(compressors.power_sgd(1).init(PARAMS["a"]).q)
+    modes, switched = [LOW], 0
+    with jax.set_mesh(mesh):
+        state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})
+        for _ in range(4):
+            state, metrics = dp.step(state, BATCH)
+            modes.append(int(transforms.accordion_metrics(state.opt_state)["modes"]["a"]))
+            if modes[-2:] == [LOW, HIGH]:  # switched at this interval end: Q restarted
+                high = state.opt_state[0].leaves["a"].high.q.q
+                np.testing.assert_array_equal(np.asarray(high), fresh)
+                switched += 1
+    assert switched and np.isfinite(float(metrics["loss"]))
+
+
+def test_init_runs_outside_shard_map_and_places_on_the_mesh(mesh):
+    tx = transforms.accordion(interval_steps=2)
+    state = tx.init(PARAMS)  # where optax users call it: no mesh, no shard_map
+    leaf = state.leaves["a"]
+    assert leaf.accum.value.shape == (1, 16, 16) and leaf.memory.residual.value.shape == (1, 16, 16)
+    placed = comm.place_state(state, mesh, comm.DATA)
+    assert placed.leaves["a"].accum.value.shape == (W, 16, 16)
+    assert placed.leaves["a"].accum.value.sharding.spec == P(comm.DATA)
+    assert placed.leaves["a"].low.q.q.sharding.spec == P()
+    specs = comm.state_specs(state, comm.DATA)
+    assert specs.leaves["a"].memory.residual.value == P(comm.DATA) and specs.count == P()
