@@ -40,11 +40,12 @@ def state_specs(state: Any, axis_name: str) -> Any:
     Use them as ``shard_map`` in/out specs of a placed state (see :func:`place_state`).
 
     Example:
+      >>> import jax.numpy as jnp
       >>> from jaxcomp import comm, compressors, feedback, transforms
       >>> tx = transforms.compressed_mean(feedback.error_feedback(compressors.top_k(0.1)))
       >>> specs = comm.state_specs(tx.init({"w": jnp.zeros((8, 8))}), "data")
       >>> specs.leaves["w"].memory.residual.value
-      PartitionSpec('data',)
+      P('data',)
     """
     return _map(lambda leaf, per: P(axis_name) if per else P(), state)
 
