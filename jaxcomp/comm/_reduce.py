@@ -228,7 +228,7 @@ def two_phase_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
         return TwoPhaseReduce(
             _protocol.PerWorker(jax.tree.map(lambda s: s[None], send)),
             _init_codec(codec, chunk),
-            _protocol.PerWorker(jnp.zeros((1, *chunk.shape), chunk.dtype)),
+            _protocol.per_worker_zeros(chunk),
         )
 
     def all_reduce(x, state, key, axis_name):

@@ -154,6 +154,11 @@ def per_worker(tree: Any, axis_name: str | None, *, stacked: bool = False) -> Pe
     return PerWorker(tree)
 
 
+def per_worker_zeros(like: Like, dtype: Any = None) -> PerWorker:
+    """A :class:`PerWorker` of zeros ``[1, *like.shape]`` (in ``dtype``, default ``like``'s)."""
+    return PerWorker(jnp.zeros((1, *like.shape), dtype or like.dtype))
+
+
 def this_worker(part: PerWorker) -> Any:
     """This worker's tree inside a :class:`PerWorker` (drops the leading axis of size 1)."""
     if not isinstance(part, PerWorker):

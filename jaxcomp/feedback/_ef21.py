@@ -67,10 +67,8 @@ def ef21_reduction(buffer_dtype=None) -> _compensate.Feedback:
     name = f"ef21({dtype_name})"
 
     def init(like):
-        dtype = buffer_dtype or like.dtype
-        return EF21Memory(
-            _protocol.PerWorker(jnp.zeros((1, *like.shape), dtype)), jnp.zeros(like.shape, dtype)
-        )
+        estimate = _protocol.per_worker_zeros(like, buffer_dtype)
+        return EF21Memory(estimate, jnp.zeros(like.shape, estimate.value.dtype))
 
     def reduce(x, memory, run, axis_name):
         g = _protocol.this_worker(memory.estimate)

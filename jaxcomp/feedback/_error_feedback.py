@@ -68,8 +68,7 @@ def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compen
     name = f"error_feedback(decay={decay:g}{dtype_name})"
 
     def init(like):
-        dtype = residual_dtype or like.dtype
-        return ErrorFeedbackMemory(_protocol.PerWorker(jnp.zeros((1, *like.shape), dtype)))
+        return ErrorFeedbackMemory(_protocol.per_worker_zeros(like, residual_dtype))
 
     def reduce(x, memory, run, axis_name):
         e = _protocol.this_worker(memory.residual)

@@ -285,7 +285,7 @@ def init_leaf(
     return AccordionLeaf(
         mode=jnp.asarray(LOW_COMPRESSION, jnp.int32),
         prev_norm=jnp.zeros((), jnp.float32),
-        accum=_protocol.PerWorker(jnp.zeros((1, *like.shape), wide)),
+        accum=_protocol.per_worker_zeros(like, wide),
         memory=memory,
         low=protocols[LOW_COMPRESSION].init(like, num_workers),
         high=protocols[HIGH_COMPRESSION].init(like, num_workers),
