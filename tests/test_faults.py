@@ -427,6 +427,23 @@ def _launch(workdir, signals=(), at=None) -> Result:
     return Result(proc.returncode, "".join(lines), stopped)
 
 
+@pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGINT),
+                                           (signal.SIGINT, signal.SIGINT)],
+                         ids=["term-then-int", "int-then-int"])  # fmt: skip
+def test_the_first_signal_asks_to_stop_and_the_second_aborts(first, second):
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    with train.StopOnSignal() as stop:
+        assert not stop.should_stop()
+        os.kill(os.getpid(), first)
+        assert stop.should_stop() and stop.signum == first
+        with pytest.raises(train.Aborted, match="aborted by a second signal") as info:
+            os.kill(os.getpid(), second)
+            for _ in range(1000):  # the handler runs between bytecodes
+                pass
+        assert info.value.signum == second
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
 def _interrupted_at(result: Result, name: str) -> int:
     m = re.search(rf"jaxcomp: interrupted by {name} after step (\d+) of 240; checkpoint saved",
                   result.out)  # fmt: skip
