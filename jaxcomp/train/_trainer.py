@@ -234,12 +234,7 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
         restored = ckpt.restore_latest(state)
         if restored is not None:
             _, state, saved_meta = restored
-            meta.update(saved_meta)
-            if meta["step"] > cfg.total_steps:
-                raise SetupError(
-                    f"workdir {workdir!r} holds a checkpoint at step {meta['step']}, past "
-                    f"config.total_steps = {cfg.total_steps}."
-                )
+            meta.update(saved_meta)  # its step <= total_steps: checked from its meta before
             say(f"  resumed from step {meta['step']}")
         writer.truncate_after(int(meta["step"]))  # a fresh start clears an old run's rows
     if lead:
