@@ -46,6 +46,18 @@ def nan_as_inf(a: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(a), jnp.inf, a)
 
 
+def has_nan(x: jax.Array) -> jax.Array:
+    """Whether ``x`` holds a NaN, from ``isnan(sum(x))``: a sum keeps NaN, unlike XLA:CPU's max.
+
+    Cheaper than :func:`nan_as_inf` inside a max: XLA:CPU runs a reduction of the raw input
+    in one vectorised kernel, while a select in front of it is materialised first (3.4 vs 2.1
+    ms for a quantize encode of 4M floats, vs 2.5 ms with this sum). Also true for +inf and
+    -inf together, and for a finite ``x`` whose float32 sum overflows both ways (magnitudes
+    near 1e38 / size); never false for a NaN.
+    """
+    return jnp.isnan(jnp.sum(x))
+
+
 def pow2_inverse(amax: jax.Array) -> jax.Array:
     """``2**-e`` for ``amax = m * 2**e``, ``m`` in ``[0.5, 1)``: multiplying by it is exact.
 

@@ -35,10 +35,12 @@ infinite scale and decodes to non-finite values; below 6.1e-5 the scale is subno
 up to a multiple of ``2**-24`` (6e-8), so the error is up to ``6e-8 / h`` *absolute* and a group
 whose max is far below that decodes with relative errors of 1 or more.
 
-Non-finite inputs are never made finite: a NaN or Inf in a scale group makes that group's scale
-``+inf`` (``lo``/``hi`` infinite for min-max), and every entry of the group decodes to NaN or
-+-Inf, for every size, jitted or not. (XLA:CPU's vectorised ``max`` drops NaN on large arrays,
-so the scales map NaN to ``+inf`` before reducing.) A zero-size input gives an empty payload
+Non-finite inputs are never made finite, for every size, jitted or not: an Inf makes its scale
+group's scale ``+inf`` (min-max: ``hi = +inf`` or ``lo = -inf``) and a NaN *anywhere* makes
+every scale ``+inf`` (min-max: ``hi``), so every entry of those groups decodes to NaN or +-Inf.
+XLA:CPU's vectorised ``max`` drops NaN on large arrays, so NaN is detected from the tensor's
+sum, which keeps it (a finite tensor whose float32 sum overflows both ways, magnitudes near
+``3e38 / size``, may be reported non-finite too). A zero-size input gives an empty payload
 (all-zero scales) and decodes to an empty array.
 """
 
@@ -204,19 +206,18 @@ def quantize(
         if scale == "minmax":
             if xf.size == 0:
                 return xf, jnp.zeros((2,), wire_dtype)
-            # a NaN makes hi = inf, so every entry decodes non-finite (mapping NaN to -inf for
-            # the min as well makes XLA:CPU fuse the two reductions ~10x slower)
+            # a NaN makes hi = inf, so every entry decodes non-finite
             lo = _outwards(jnp.min(xf), scale_dtype, False)
-            hi = _outwards(jnp.max(_checks.nan_as_inf(xf)), scale_dtype, True)
+            hi = jnp.where(_checks.has_nan(xf), jnp.inf, jnp.max(xf))
+            hi = _outwards(hi, scale_dtype, True)
             lo32, hi32 = lo.astype(jnp.float32), hi.astype(jnp.float32)
             span = hi32 - lo32
             v = (xf - lo32) / jnp.where(span > 0, span, 1.0) * levels
             codes = jnp.clip(_rounded(v, key, stochastic), 0.0, levels)
             return codes, _to_wire(jnp.stack([lo, hi]))
         red = () if scale == "tensor" else feature_axes(x.ndim)
-        absmax = jnp.max(
-            _checks.nan_as_inf(jnp.abs(xf)), axis=red or None, initial=0.0
-        )  # NaN -> inf: a non-finite group gets an infinite scale
+        absmax = jnp.max(jnp.abs(xf), axis=red or None, initial=0.0)  # Inf: its group's is inf
+        absmax = jnp.where(_checks.has_nan(xf), jnp.inf, absmax)  # NaN: every scale is inf
         s = _outwards(absmax, scale_dtype, True)
         s32 = jnp.expand_dims(s.astype(jnp.float32), red)
         v = xf / jnp.where(s32 > 0, s32, 1.0) * half
