@@ -7,20 +7,26 @@
   :func:`accordion_batch_size`: the same detector choosing the batch size.
 * :func:`data_parallel`: a jitted train step built on :func:`jaxcomp.comm.local_value_and_grad`.
 * :func:`ab_training`: AB-Training, group-local training of low-rank factors ``W = A·B`` with
-  periodic syncs (Coquelin et al., 2024), run by :func:`ab_data_parallel` on an :func:`ab_mesh`.
+  periodic syncs (Coquelin et al., 2024), configured by an :class:`ABConfig` and run by
+  :func:`ab_data_parallel` on an :func:`ab_mesh`.
 """
 
+from jaxcomp.transforms._ab_config import ABConfig
+from jaxcomp.transforms._ab_config import group_sizes
 from jaxcomp.transforms._ab_metrics import ab_metrics
 from jaxcomp.transforms._ab_metrics import ab_step_bytes
+from jaxcomp.transforms._ab_parallel import ABDataParallel
 from jaxcomp.transforms._ab_parallel import ab_data_parallel
 from jaxcomp.transforms._ab_parallel import ab_mesh
 from jaxcomp.transforms._ab_parallel import fit_rank_capacity
-from jaxcomp.transforms._ab_parallel import group_entry
-from jaxcomp.transforms._ab_parallel import per_group
+from jaxcomp.transforms._ab_parallel import per_worker
+from jaxcomp.transforms._ab_parallel import single_thread_lapack
+from jaxcomp.transforms._ab_parallel import worker_entry
 from jaxcomp.transforms._ab_schedule import ABPhase
 from jaxcomp.transforms._ab_schedule import ABSchedule
 from jaxcomp.transforms._ab_step import ABTrainingState
 from jaxcomp.transforms._ab_training import ab_training
+from jaxcomp.transforms._ab_training import ab_transform
 from jaxcomp.transforms._accordion import HIGH_COMPRESSION
 from jaxcomp.transforms._accordion import LOW_COMPRESSION
 from jaxcomp.transforms._accordion import UNCOMPRESSED
@@ -39,6 +45,8 @@ from jaxcomp.transforms._data_parallel import data_parallel
 from jaxcomp.transforms._regime import critical_regime
 
 __all__ = (
+    "ABConfig",
+    "ABDataParallel",
     "ABPhase",
     "ABSchedule",
     "ABTrainingState",
@@ -47,9 +55,12 @@ __all__ = (
     "ab_metrics",
     "ab_step_bytes",
     "ab_training",
+    "ab_transform",
     "fit_rank_capacity",
-    "group_entry",
-    "per_group",
+    "group_sizes",
+    "per_worker",
+    "single_thread_lapack",
+    "worker_entry",
     "HIGH_COMPRESSION",
     "LOW_COMPRESSION",
     "UNCOMPRESSED",

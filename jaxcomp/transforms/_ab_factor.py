@@ -28,7 +28,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jax.sharding import get_abstract_mesh
 
+from jaxcomp.comm import to_varying
+from jaxcomp.comm import varying_axes
 from jaxcomp.transforms._ab_layout import FactorSpec
 
 
@@ -57,9 +61,31 @@ def cutoff_rank(s: jax.Array, cutoff: float) -> jax.Array:
     return jnp.maximum(jnp.sum(s > cutoff * s[0]), 1).astype(jnp.int32)
 
 
+def _thin_svd(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return jnp.linalg.svd(w, full_matrices=False)
+
+
 def svd(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Thin SVD in ``float32`` (as the reference), ``(u [m, n], s [n], vh [n, n])``."""
-    return jnp.linalg.svd(w.astype(jnp.float32), full_matrices=False)
+    """Thin SVD in ``float32`` (as the reference), ``(u [m, n], s [n], vh [n, n])``.
+
+    Inside ``shard_map`` on a value that varies over mesh axes, the SVD runs in a nested
+    ``shard_map`` with ``check_vma=False`` and its results are cast back to varying. This works
+    around a JAX limitation (jax 0.10.2): the TPU lowering of ``jnp.linalg.svd`` (the QDWH
+    iteration) starts its loop carry with an unvarying ``True`` and fails with "scan body
+    function carry input and carry output must have equal types ... bool[]{V:axis}" on varying
+    inputs (``tests/upstream/test_tpu_svd_varying.py``). Nothing is communicated either way.
+    """
+    w = w.astype(jnp.float32)
+    axes = tuple(sorted(varying_axes(w)))
+    if not axes:
+        return _thin_svd(w)
+    local = jax.shard_map(
+        _thin_svd, mesh=get_abstract_mesh(), in_specs=P(), out_specs=P(),
+        axis_names=frozenset(), check_vma=False,
+    )  # fmt: skip
+    # check_vma=False types the results as unvarying although they differ between workers:
+    # restore the truth at once (a later collective would otherwise treat them as equal).
+    return to_varying(local(w), axes)
 
 
 def factors_from_svd(
@@ -119,18 +145,35 @@ def resize_rank_axis(x: jax.Array, capacity: int, axis: int) -> jax.Array:
     return jnp.pad(x, pad)
 
 
-def map_like(tree: Any, like: Sequence[jax.Array], fn: Callable[[int, jax.Array], Any]) -> Any:
-    """Applies ``fn(i, leaf)`` to every subtree of ``tree`` shaped like the tuple ``like``.
+#: Optimizer-state fields that hold first moments (linear in the gradient, so a singular
+#: vector's sign flip flips them); other factor-shaped fields (Adam's ``nu``, ...) are only moved.
+FIRST_MOMENTS = ("mu", "trace", "momentum", "m", "exp_avg")
+
+
+def _field_name(path: Sequence[Any]) -> str | None:
+    for k in reversed(path):
+        name = getattr(k, "name", None) or getattr(k, "key", None)
+        if isinstance(name, str):
+            return name
+    return None
+
+
+def map_moments(
+    tree: Any, like: Sequence[jax.Array], fn: Callable[[int, jax.Array, bool], Any]
+) -> Any:
+    """Applies ``fn(i, leaf, first_moment)`` to every subtree of ``tree`` shaped like ``like``.
 
     Optimizer states (``optax.scale_by_adam``'s ``mu`` and ``nu``, momentum traces, ...) hold
     one subtree per parameter tree; for the tuple of factors those subtrees have the tuple's
-    structure and shapes. Counters and other leaves are left alone. This is the generic form
-    of the reference's ``change_adam_shapes`` (which knows Adam's and SGD's buffers by name).
+    structure and shapes. Counters, hyperparameters and other leaves are left alone. This is
+    the generic form of the reference's ``change_adam_shapes`` (which knows Adam's and SGD's
+    buffers by name).
 
     Args:
       tree: an optimizer state.
       like: the factor tuple the state was initialised for.
-      fn: called as ``fn(index_in_like, leaf)``.
+      fn: called as ``fn(index_in_like, leaf, first_moment)``; ``first_moment`` tells whether
+        the subtree's field is one of :data:`FIRST_MOMENTS`.
 
     Returns:
       ``tree`` with the matching subtrees replaced.
@@ -147,9 +190,57 @@ def map_like(tree: Any, like: Sequence[jax.Array], fn: Callable[[int, jax.Array]
         leaves, treedef = jax.tree.flatten(node)
         return treedef == like_def and [tuple(getattr(x, "shape", ())) for x in leaves] == shapes
 
-    def apply(node: Any) -> Any:
+    def apply(path: Any, node: Any) -> Any:
         if matches(node):
-            return tuple(fn(i, x) for i, x in enumerate(node))
+            first = _field_name(path) in FIRST_MOMENTS
+            return tuple(fn(i, x, first) for i, x in enumerate(node))
         return node
 
-    return jax.tree.map(apply, tree, is_leaf=matches)
+    return jax.tree_util.tree_map_with_path(apply, tree, is_leaf=matches)
+
+
+def map_like(tree: Any, like: Sequence[jax.Array], fn: Callable[[int, jax.Array], Any]) -> Any:
+    """:func:`map_moments` without the first-moment flag: ``fn(index_in_like, leaf)``."""
+    return map_moments(tree, like, lambda i, x, _: fn(i, x))
+
+
+def match_columns(old_a: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+    r"""Which old factor column each new singular vector continues, and with which sign.
+
+    With :math:`\hat a_j` the old ``A``'s columns normalised and :math:`u_i` the new left
+    singular vectors, new vector ``i`` continues old column
+    :math:`j_i = \arg\max_j |\hat a_j^\top u_i|` when that overlap exceeds :math:`1/\sqrt2`
+    (then the match is one-to-one for orthonormal bases), with sign
+    :math:`\operatorname{sign}(\hat a_{j_i}^\top u_i)`; otherwise it is a new direction
+    (sign 0: its moments start at zero).
+
+    Args:
+      old_a: ``[m, c]``, the factor before the re-factorisation (zero columns allowed).
+      u: ``[m, >= c]``, the new left singular vectors.
+
+    Returns:
+      ``(index int32[c], sign float32[c])`` with sign in ``{-1, 0, 1}``.
+    """
+    c = old_a.shape[-1]
+    old = old_a.astype(jnp.float32)
+    norm = jnp.linalg.norm(old, axis=0)
+    dirs = old / jnp.where(norm > 0, norm, 1.0)
+    overlap = dirs.T @ u[:, :c].astype(jnp.float32)  # [old, new]
+    index = jnp.argmax(jnp.abs(overlap), axis=0).astype(jnp.int32)
+    value = overlap[index, jnp.arange(c)]
+    sign = jnp.where(jnp.abs(value) > 2**-0.5, jnp.sign(value), 0.0)
+    return index, sign
+
+
+def align_moment(
+    x: jax.Array, index: jax.Array, sign: jax.Array, axis: int, first_moment: bool
+) -> jax.Array:
+    """Moves a moment's rank entries along ``axis`` to ``index`` and applies ``sign``.
+
+    First moments take the sign; others (second moments) only ``|sign|`` (0 or 1).
+    """
+    moved = jnp.take(x, index, axis=axis)
+    factor = sign if first_moment else jnp.abs(sign)
+    shape = [1] * x.ndim
+    shape[axis] = -1
+    return (moved * factor.reshape(shape)).astype(x.dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,18 +12,18 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp.comm import GROUP
-from jaxcomp.comm import MEMBER
 from jaxcomp.comm import CollectiveReport
-from jaxcomp.comm import measure_collectives
+from jaxcomp.comm import collective_report
+from jaxcomp.transforms._ab_config import ABConfig
+from jaxcomp.transforms._ab_config import num_a_groups
 from jaxcomp.transforms._ab_layout import build_layout
 from jaxcomp.transforms._ab_schedule import STEP_KINDS
 from jaxcomp.transforms._ab_schedule import ABPhase
 from jaxcomp.transforms._ab_step import ABTrainingState
-from jaxcomp.transforms._ab_sync import num_a_groups
-from jaxcomp.transforms._ab_training import _transform
-from jaxcomp.transforms._ab_training import ab_training
-from jaxcomp.transforms._ab_training import config_of
+from jaxcomp.transforms._ab_step import Ctx
+from jaxcomp.transforms._ab_step import init_state
+from jaxcomp.transforms._ab_topology import topology
+from jaxcomp.transforms._ab_training import update_kind
 
 
 def ab_metrics(
@@ -30,13 +31,13 @@ def ab_metrics(
 ) -> dict[str, Any]:
     """Phase, step, per-layer rank and parameter-level compression of an AB-Training state.
 
-    Works on a per-group state (:func:`~jaxcomp.transforms.per_group`; all groups share these
+    Works on a per-worker state (:func:`~jaxcomp.transforms.per_worker`; all workers share these
     values) and inside the train step on a worker's state; it only reads shapes, ``count``,
     ``phase`` and ``rank``.
 
     Args:
       state: the :class:`~jaxcomp.transforms.ABTrainingState`.
-      params: the dense parameters (per group or not, like ``state``); only shapes are used.
+      params: the dense parameters (per worker or not, like ``state``); only shapes are used.
       exclude: the ``exclude`` given to :func:`~jaxcomp.transforms.ab_training`; with it the
         result also has ``rank_by_layer``, ``{parameter path: rank}``.
 
@@ -79,65 +80,98 @@ def ab_metrics(
     return metrics
 
 
-def _abstract(tree: Any, mesh: jax.sharding.Mesh, lead: tuple[int, ...], spec: P) -> Any:
-    sharding = NamedSharding(mesh, spec)
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+
+
+def collectives_by_role(hlo_text: str) -> dict[str, CollectiveReport]:
+    """A compiled AB program's collectives, split by the group role that runs them.
+
+    The factor training of each role runs under ``jax.named_scope("ab_role_a")`` (or ``_b``),
+    which the compiled HLO keeps in each instruction's ``op_name``. A worker of role ``r``
+    runs the shared collectives and those of its role: inside the role ``cond`` of a
+    rectangular mesh it never reaches the other branch, and on a flat axis the other role's
+    rings have it in no source-target pair.
+
+    Returns:
+      ``{"a": ..., "b": ..., "shared": ...}`` reports; ``"a"`` and ``"b"`` include the shared
+      collectives.
+    """
+    ops = {}
+    for line in hlo_text.splitlines():
+        name, op = _NAME.match(line), _OP_NAME.search(line)
+        if name and op:
+            ops[name.group(1)] = op.group(1)
+    report = collective_report(hlo_text)
+    tagged = {"a": [], "b": [], "shared": []}
+    for r in report.records:
+        op = ops.get(r.name, "")
+        role = "a" if "ab_role_a" in op else "b" if "ab_role_b" in op else "shared"
+        tagged[role].append(r)
+    shared = tuple(tagged["shared"])
+    unknown = report.unknown_trip_counts
+    return {
+        "a": CollectiveReport(shared + tuple(tagged["a"]), unknown),
+        "b": CollectiveReport(shared + tuple(tagged["b"]), unknown),
+        "shared": CollectiveReport(shared, unknown),
+    }
+
+
+def _abstract(tree: Any, sharding: NamedSharding, lead: int) -> Any:
     return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype, sharding=sharding), tree
+        lambda x: jax.ShapeDtypeStruct((lead, *x.shape), x.dtype, sharding=sharding), tree
     )
 
 
 def ab_step_bytes(
     params: Any,
     mesh: jax.sharding.Mesh,
+    config: ABConfig,
     *,
     state: ABTrainingState | None = None,
     kinds: tuple[str, ...] = STEP_KINDS,
-    **ab_training_kwargs: Any,
 ) -> dict[str, dict[str, CollectiveReport]]:
     """Collectives of one AB-Training update per step kind and group role, read from HLO.
 
-    Each kind is compiled on its own (``step_kind=...``) and, for AB kinds, once per role, so
-    the reports are what one worker of that role sends; nothing runs.
+    Each kind of the transform's update is compiled on its own (grads in, no model), and its
+    collectives are split by role (:func:`collectives_by_role`), so the reports are what one
+    worker of that role sends; nothing runs.
 
     Args:
-      params: the dense parameters (arrays or ``ShapeDtypeStruct``s, not per group).
-      mesh: the :func:`~jaxcomp.transforms.ab_mesh`.
-      state: a (not per-group) state or its ``ShapeDtypeStruct``s, e.g. with a cut capacity
-        from :func:`~jaxcomp.transforms.fit_rank_capacity`; default: ``tx.init(params)``.
+      params: the dense parameters (arrays or ``ShapeDtypeStruct``s, not per worker).
+      mesh: a mesh with ``config.axis_name`` (e.g. :func:`~jaxcomp.transforms.ab_mesh`).
+      config: the :class:`~jaxcomp.transforms.ABConfig`.
+      state: a (not per-worker) state or its ``ShapeDtypeStruct``s, e.g. with a cut capacity
+        from :func:`~jaxcomp.transforms.fit_rank_capacity`; default: the initial state.
       kinds: which of :data:`STEP_KINDS` to compile.
-      **ab_training_kwargs: the arguments of :func:`~jaxcomp.transforms.ab_training`.
 
     Returns:
       ``{kind: {role: report}}`` with roles ``"a"`` and ``"b"`` for the AB kinds of modes with
       A-groups, ``"b"`` in ``only-b`` mode, and ``"all"`` for the dense kinds.
     """
-    tx = ab_training(**ab_training_kwargs)
-    cfg = config_of(tx)
     if state is None:
-        state = jax.eval_shape(tx.init, params)
-    groups, members = mesh.shape[GROUP], mesh.shape[MEMBER]
-    workers = P((GROUP, MEMBER))
-    args = (
-        _abstract(params, mesh, (groups * members,), workers),
-        _abstract(state, mesh, (groups,), P(GROUP)),
-        _abstract(params, mesh, (groups,), P(GROUP)),
-    )
-    num_a = num_a_groups(cfg.sync_mode, groups)
+        state = jax.eval_shape(lambda p: init_state(config, p), params)
+    axes = config.axis_name
+    n = math.prod(mesh.shape[a] for a in axes)
+    workers = NamedSharding(mesh, P(axes))
+    args = (_abstract(params, workers, n), _abstract(state, workers, n),
+            _abstract(params, workers, n))  # fmt: skip
+    sizes = config.group_sizes([mesh.shape[a] for a in axes])
+    roles = ("a", "b") if num_a_groups(config.sync_mode, len(sizes)) else ("b",)
     out: dict[str, dict[str, CollectiveReport]] = {}
     for kind in kinds:
-        roles = ("all",) if kind.startswith("dense") else (("a", "b") if num_a else ("b",))
-        out[kind] = {}
-        for role in roles:
-            update = _transform(cfg, kind, None if role == "all" else role).update
 
-            def body(grads, state, params, update=update):
-                grads, state, params = jax.tree.map(lambda x: x[0], (grads, state, params))
-                updates, state = update(grads, state, params)
-                return jax.tree.map(lambda x: x[None], (updates, state))
+        def body(grads, state, params, kind=kind):
+            grads, state, params = jax.tree.map(lambda x: x[0], (grads, state, params))
+            ctx = Ctx(config, build_layout(params, config.exclude), topology(config))
+            lr = jnp.asarray(config.lr_schedule()(state.count), jnp.float32)
+            new, state = update_kind(ctx, kind, grads, state, params, lr)
+            return jax.tree.map(lambda x: x[None], (new, state))
 
-            fn = jax.shard_map(
-                body, mesh=mesh, in_specs=(workers, P(GROUP), P(GROUP)),
-                out_specs=(P(GROUP), P(GROUP)),
-            )  # fmt: skip
-            out[kind][role] = measure_collectives(jax.jit(fn), *args)
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axes),) * 3, out_specs=(P(axes),) * 2)
+        text = jax.jit(fn).lower(*args).compile().as_text()
+        split = collectives_by_role(text)
+        out[kind] = (
+            {"all": split["shared"]} if kind.startswith("dense") else {r: split[r] for r in roles}
+        )
     return out

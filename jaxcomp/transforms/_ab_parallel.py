@@ -1,9 +1,9 @@
-"""Grouped data parallelism for AB-Training: the mesh, the per-group layout, the train step.
+"""Grouped data parallelism for AB-Training: the mesh, the per-worker layout, the train step.
 
-During AB phases the groups hold different factors and weights, so every AB-Training array
-carries a leading axis of one entry per group, sharded over :data:`~jaxcomp.comm.GROUP` and
-replicated over :data:`~jaxcomp.comm.MEMBER` (:func:`per_group`). Inside ``shard_map`` each
-worker sees its group's entry.
+During AB phases the workers hold different factors and weights, so every AB-Training array
+carries a leading axis of one entry per worker, sharded over ``ABConfig.axis_name``
+(:func:`per_worker`); inside ``shard_map`` each worker sees its own entry. The train step runs
+the compiled programs of :mod:`._ab_programs` in the order the step index asks for.
 """
 
 from __future__ import annotations
@@ -11,28 +11,32 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.comm import GROUP
 from jaxcomp.comm import MEMBER
-from jaxcomp.comm import local_value_and_grad
 from jaxcomp.comm import make_mesh
-from jaxcomp.comm import varying_axes
 from jaxcomp.transforms import _ab_factor as F
+from jaxcomp.transforms import _ab_programs
+from jaxcomp.transforms._ab_config import ABConfig
+from jaxcomp.transforms._ab_config import num_a_groups
+from jaxcomp.transforms._ab_metrics import collectives_by_role
 from jaxcomp.transforms._ab_step import ABTrainingState
-from jaxcomp.transforms._data_parallel import DataParallel
+from jaxcomp.transforms._ab_step import init_state
 from jaxcomp.transforms._data_parallel import TrainState
 
 
 def ab_mesh(num_groups: int, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
     """The ``(group, member)`` mesh: the data-parallel workers split into ``num_groups`` groups.
+
+    For groups of unequal size use a flat mesh (``comm.make_mesh([("data", N)])``) with
+    ``ABConfig(axis_name="data", group_size=...)``.
 
     Args:
       num_groups: number of independent groups; must divide the number of devices.
@@ -56,116 +60,186 @@ def ab_mesh(num_groups: int, devices: Sequence[jax.Device] | None = None) -> jax
     if len(devices) % num_groups:
         raise ValueError(
             f"num_groups={num_groups} does not divide the data axis of {len(devices)} devices; "
-            f"use one of {[g for g in range(1, len(devices) + 1) if len(devices) % g == 0]}."
+            f"use one of {[g for g in range(1, len(devices) + 1) if len(devices) % g == 0]}, "
+            "or a flat axis with ABConfig(group_size=...) for unequal groups."
         )
     return make_mesh([(GROUP, num_groups), (MEMBER, len(devices) // num_groups)], devices)
 
 
-def per_group(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-    """Copies every leaf once per group: ``[G, ...]``, sharded over ``group``.
+def per_worker(
+    tree: Any, mesh: jax.sharding.Mesh, axis_name: str | Sequence[str] = (GROUP, MEMBER)
+) -> Any:
+    """Copies every leaf once per worker: ``[N, ...]``, sharded over ``axis_name``.
 
     Use it on the parameters and the :func:`~jaxcomp.transforms.ab_training` state (from
     ``tx.init`` on the unstacked parameters) before the first step.
     """
-    groups = mesh.shape[GROUP]
-    sharding = NamedSharding(mesh, P(GROUP))
-
-    def stack(x):
-        x = np.asarray(x)
-        return jax.device_put(np.broadcast_to(x, (groups, *x.shape)), sharding)
-
-    return jax.tree.map(stack, tree)
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    return _ab_programs.per_worker(tree, mesh, axes)
 
 
-def group_entry(tree: Any, group: int = 0) -> Any:
-    """One group's entry of a per-group tree (a host copy)."""
-    return jax.tree.map(lambda x: np.asarray(x)[group], tree)
+def worker_entry(tree: Any, worker: int = 0) -> Any:
+    """One worker's entry of a per-worker tree (a host copy)."""
+    return jax.tree.map(lambda x: np.asarray(x)[worker], tree)
+
+
+def single_thread_lapack() -> None:
+    """Limits the BLAS libraries loaded in this process (OpenBLAS) to one thread each.
+
+    JAX's CPU LAPACK kernels (``svd``, ``qr``, ``eigh``) call SciPy's OpenBLAS. With several
+    CPU devices in one process every device thread calls it at once and each call starts its
+    own worker threads, which spin: measured on 2 cores with 8 devices, one 256x256 SVD per
+    device took 150-380 ms instead of 28 ms, an AB re-factorisation step 0.7-1.5 s instead of
+    65 ms, and beside a CPU-busy process 64-107 s (XLA aborts a collective that waits 40 s).
+    """
+    import scipy.linalg.cython_lapack  # noqa: F401  (loads the library the kernels use)
+    import threadpoolctl
+
+    threadpoolctl.threadpool_limits(limits=1, user_api="blas")
+
+
+def _many_local_cpu_devices(mesh: jax.sharding.Mesh) -> bool:
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return len(local) > 1 and all(d.platform == "cpu" for d in local)
+
+
+class ABDataParallel(NamedTuple):
+    """What :func:`ab_data_parallel` returns.
+
+    Attributes:
+      init: ``init(params) -> TrainState`` (per-worker parameters and optimizer state).
+      step: ``step(state, batch, step=None) -> (state, metrics)``; ``step`` is the host's step
+        index, read from ``state.step`` (a wait for the previous step) when not given.
+      shard_batch: places a host batch on the mesh (``step`` calls it too).
+      state_sharding: ``state_sharding(params) -> TrainState`` of ``NamedSharding``s.
+      mesh: the mesh.
+      axis_name: the workers' axes.
+      config: the :class:`~jaxcomp.transforms.ABConfig`.
+      compile: ``compile(state, batch)``: compiles every program ahead of time (arrays or
+        ``ShapeDtypeStruct``s) and returns them by name.
+      step_bytes: ``step_bytes(state, batch) -> {kind: {role: bytes}}``: collective bytes per
+        worker of each step kind, read from the compiled programs' HLO; roles ``"a"``/``"b"``
+        (and their worker-weighted ``"mean"``) for AB kinds, ``"all"`` for dense ones.
+    """
+
+    init: Callable[[Any], TrainState]
+    step: Callable[..., tuple[TrainState, dict[str, Any]]]
+    shard_batch: Callable[[Any], Any]
+    state_sharding: Callable[[Any], TrainState]
+    mesh: jax.sharding.Mesh
+    axis_name: tuple[str, ...]
+    config: ABConfig
+    compile: Callable[..., dict[str, Any]]
+    step_bytes: Callable[..., dict[str, dict[str, float]]]
 
 
 def ab_data_parallel(
     loss_fn: Callable[..., Any],
-    tx: optax.GradientTransformation,
+    config: ABConfig,
     mesh: jax.sharding.Mesh,
     *,
     has_aux: bool = False,
     donate: bool = True,
-) -> DataParallel:
-    """A jitted grouped data-parallel train step for :func:`~jaxcomp.transforms.ab_training`.
+) -> ABDataParallel:
+    """A grouped data-parallel trainer for :func:`~jaxcomp.transforms.ab_training`.
 
-    The grouped counterpart of :func:`~jaxcomp.transforms.data_parallel`, with the same
-    :class:`~jaxcomp.transforms.DataParallel` interface: ``state = dp.init(params)``;
-    ``state, metrics = dp.step(state, batch)``. Parameters and optimizer state are laid out
-    per group (:func:`per_group`), since the groups' weights differ during AB phases. Each
-    worker takes the gradient of its shard of ``batch`` with
-    :func:`jaxcomp.comm.local_value_and_grad` (no hidden all-reduce); ``tx`` does all the
-    communication.
+    Each worker takes the gradient of its shard of ``batch`` with
+    :func:`jaxcomp.comm.local_value_and_grad` (no hidden all-reduce); the AB-Training steps do
+    all the communication. The step kinds run as separately compiled programs chosen on the
+    host (:mod:`jaxcomp.transforms._ab_programs`), each compiled before it first runs while
+    nothing else runs. On a CPU mesh of several local devices, OpenBLAS is limited to one
+    thread (:func:`single_thread_lapack`).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``), the
         mean over this worker's shard of the batch.
-      tx: the optimizer, :func:`~jaxcomp.transforms.ab_training` (last in any chain).
-      mesh: the :func:`ab_mesh`; ``batch`` leaves are split over both axes along their first
-        dimension.
+      config: the :class:`~jaxcomp.transforms.ABConfig`.
+      mesh: a mesh with ``config.axis_name`` (e.g. :func:`ab_mesh`); ``batch`` leaves are
+        split over those axes along their first dimension.
       has_aux: ``metrics["aux"]`` is ``aux`` averaged over all workers.
       donate: donate the old state's buffers to the new one.
 
     Returns:
-      A :class:`~jaxcomp.transforms.DataParallel` (``axis_name`` is ``("group", "member")``);
-      ``metrics["loss"]`` is the loss averaged over all workers; ``state_sharding(params)``
-      gives the per-group shardings (an orbax restore target).
+      An :class:`ABDataParallel`; ``metrics["loss"]`` is the loss averaged over all workers,
+      ``metrics["lr"]`` the learning rate used.
+
+    Raises:
+      ValueError: if ``config`` is not an ``ABConfig`` or the mesh lacks its axes.
 
     Example:
       >>> # mesh = ab_mesh(num_groups=2)
-      >>> # dp = ab_data_parallel(loss_fn, ab_training(1e-3, warmup_steps=..., ...), mesh)
+      >>> # dp = ab_data_parallel(loss_fn, ABConfig(1e-3, warmup_steps=..., ...), mesh)
       >>> # state = dp.init(params); state, metrics = dp.step(state, batch)
     """
-    axes = (GROUP, MEMBER)
+    if not isinstance(config, ABConfig):
+        raise ValueError(f"ab_data_parallel needs an ABConfig; got {type(config).__name__}.")
+    axes = config.axis_name
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"the mesh {dict(mesh.shape)} has no axis {missing} of "
+                         f"ABConfig.axis_name={axes}.")  # fmt: skip
+    sizes = config.group_sizes([mesh.shape[a] for a in axes])  # raises for impossible groups
+    if _many_local_cpu_devices(mesh):
+        single_thread_lapack()
+    programs = _ab_programs.Programs(config, loss_fn, mesh, has_aux, donate)
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(axes))
 
     def init(params):
         step0 = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-        return TrainState(step0, per_group(params, mesh), per_group(tx.init(params), mesh))
-
-    def body(state, batch):
-        params, opt_state = jax.tree.map(lambda x: x[0], (state.params, state.opt_state))
-        value, grads = local_value_and_grad(loss_fn, axes, has_aux=has_aux)(params, batch)
-        loss, aux = value if has_aux else (value, None)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        if any(MEMBER in varying_axes(u) for u in jax.tree.leaves(updates)):
-            raise ValueError(
-                "tx returned updates that differ between the members of a group: it must "
-                "average gradients within groups (use transforms.ab_training)."
-            )
-        params = optax.apply_updates(params, updates)
-        params, opt_state = jax.tree.map(lambda x: x[None], (params, opt_state))
-        metrics = {"loss": lax.pmean(loss, axes)}
-        if has_aux:
-            metrics["aux"] = jax.tree.map(lambda a: lax.pmean(a, axes), aux)
-        return TrainState(state.step + 1, params, opt_state), metrics
-
-    specs = TrainState(P(), P(GROUP), P(GROUP))
-    sharded = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axes)), out_specs=(specs, P()))
-    jitted = jax.jit(sharded, donate_argnums=(0,) if donate else ())
+        opt = jax.jit(lambda p: init_state(config, p))(params)
+        return TrainState(step0, per_worker(params, mesh, axes), per_worker(opt, mesh, axes))
 
     def shard_batch(batch):
         return jax.device_put(batch, split)
 
-    def step(state, batch):
-        return jitted(state, shard_batch(batch))
+    def step(state, batch, step=None):
+        t = int(state.step) if step is None else int(step)
+        batch = shard_batch(batch)
+        metrics = None
+        for name in _ab_programs.schedule_programs(config, t):
+            if name in ("dense", "ab"):
+                state, metrics = programs.run(name, state, batch)
+            else:
+                state = programs.run(name, state)
+        return state, metrics
 
     def state_sharding(params):
-        group = NamedSharding(mesh, P(GROUP))
-        opt_state = jax.eval_shape(tx.init, params)
-        return TrainState(
-            replicated,
-            jax.tree.map(lambda _: group, params),
-            jax.tree.map(lambda _: group, opt_state),
-        )
+        abstract = _ab_programs.abstract_train_state(config, params, mesh)
+        return jax.tree.map(lambda x: x.sharding, abstract)
 
-    return DataParallel(
-        init=init, step=step, shard_batch=shard_batch, state_sharding=state_sharding, mesh=mesh,
-        axis_name=axes,
-    )  # fmt: skip
+    def compile_all(state, batch):
+        return programs.compile_all(state, shard_abstract(batch))
+
+    def shard_abstract(batch):
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split)
+            if isinstance(x, jax.ShapeDtypeStruct) else shard_batch(x), batch,
+        )  # fmt: skip
+
+    def step_bytes(state, batch):
+        compiled = compile_all(state, batch)
+        return kind_bytes(config, sizes, {n: c.as_text() for n, c in compiled.items()})
+
+    return ABDataParallel(init, step, shard_batch, state_sharding, mesh, axes, config,
+                          compile_all, step_bytes)  # fmt: skip
+
+
+def kind_bytes(
+    config: ABConfig, sizes: Sequence[int], hlo: dict[str, str]
+) -> dict[str, dict[str, float]]:
+    """Collective bytes per worker of each step kind from the programs' compiled HLO texts."""
+    num_a = num_a_groups(config.sync_mode, len(sizes))
+    n_a, n = sum(sizes[:num_a]), sum(sizes)
+    by = {name: collectives_by_role(text) for name, text in hlo.items()}
+    total = lambda name, role: by[name][role].total_bytes  # noqa: E731
+    dense, refactor = total("dense", "shared"), total("refactor", "shared")
+    out = {"dense": {"all": dense}, "dense_then_refactor": {"all": dense + refactor}}
+    roles = ("a", "b") if num_a else ("b",)
+    for kind, extra in (("ab", 0.0), ("ab_then_sync", total("sync", "shared"))):
+        out[kind] = {r: total("ab", r) + extra for r in roles}
+        a = out[kind].get("a", 0.0)
+        out[kind]["mean"] = (n_a * a + (n - n_a) * out[kind]["b"]) / n
+    return out
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -185,8 +259,8 @@ def fit_rank_capacity(
     full-rank phases, so a host loop can keep them at full capacity there (for the next
     re-factorisation) and cut them right after it::
 
-      kind = schedule.step_kind(int(state.step))
-      state, metrics = dp.step(state, batch)  # recompiles once per new capacity
+      kind = config.schedule.step_kind(int(state.step))
+      state, metrics = dp.step(state, batch)  # compiles once per new capacity
       if kind == "dense_then_refactor":
           state = state._replace(opt_state=fit_rank_capacity(state.opt_state, multiple=8))
       elif kind == "ab_then_sync":
@@ -196,7 +270,7 @@ def fit_rank_capacity(
     nothing numerically; it is the reference's ``change_adam_shapes``.
 
     Args:
-      state: an :class:`~jaxcomp.transforms.ABTrainingState`, per group or not.
+      state: an :class:`~jaxcomp.transforms.ABTrainingState`, per worker or not.
       capacity: ``"rank"`` (the current ranks; reads them from the device), ``"full"``
         (``min(m, n)``) or one int per factorised parameter.
       multiple: round capacities up to a multiple of this (fewer recompilations).

@@ -1,86 +1,150 @@
-r"""Group roles and the four ways AB-Training syncs its groups (SPEC §3.4-3.5).
+r"""AB-Training's phase transitions: first factorisation, re-factorisation, and the group sync.
 
-Workers form ``G`` groups along the :data:`~jaxcomp.comm.GROUP` mesh axis, each of
-:data:`~jaxcomp.comm.MEMBER` workers. The first ``G // 2`` groups train ``A`` ("A-groups"), the
-others train ``B``; in ``only-b`` mode every group trains ``B``. Within a group all members hold
-the same values, so averaging over all workers equals averaging over the group axis, and that
-is the collective used here.
+All run inside ``shard_map`` on one worker's state (SPEC §3.3-3.5):
 
-With :math:`A_g, B_g` held by group :math:`g` (:math:`g < G_A` trained ``A``):
+* :func:`factorise_exact` (warm-up -> first AB phase): ``W = A B`` by SVD, no truncation (the
+  rank is the capacity);
+* :func:`refactor` (full-rank -> AB): SVD of the current dense weights, rank cut where
+  :math:`\sigma_i \le` ``low_rank_cutoff`` :math:`\cdot\,\sigma_0` (the largest rank over the
+  workers is agreed, as the reference); factor moments are aligned with the new singular
+  vectors (``align_moments``) and zeroed beyond the new rank (the reference's pad/truncate);
+* :func:`sync` (AB -> full-rank): the factors are averaged per ``sync_mode``, and the
+  non-factorised parameters per ``dense_sync``.
 
-* ``with-stale``: :math:`\bar A = \frac1G\sum_g A_g`, :math:`\bar B = \frac1G\sum_g B_g`
+Each ends with the reference's ``reset_opt`` when set. With ``A_w, B_w`` held by worker ``w``
+(``N`` workers, ``N_A`` of them in A-groups):
+
+* ``with-stale``: :math:`\bar A = \frac1N\sum_w A_w`, :math:`\bar B = \frac1N\sum_w B_w`
   (the untrained, stale copies included), :math:`W = \bar A \bar B`;
-* ``only-learned``: :math:`\bar A = \frac1{G_A}\sum_{g<G_A} A_g`,
-  :math:`\bar B = \frac1{G-G_A}\sum_{g\ge G_A} B_g`, :math:`W = \bar A \bar B`;
-* ``full``: :math:`W = \frac1G\sum_g A_g B_g` (a dense average);
-* ``only-b``: :math:`\bar B = \frac1G\sum_g B_g`, :math:`W = A \bar B` (``A = U`` everywhere).
+* ``only-learned``: :math:`\bar A` over the A-groups' workers, :math:`\bar B` over the
+  B-groups' workers, :math:`W = \bar A \bar B` (with one A-group in ``individual`` mode the
+  reference takes its first worker's ``A`` instead of the mean);
+* ``full``: :math:`W = \frac1N\sum_w A_w B_w` (a dense average);
+* ``only-b``: :math:`\bar B = \frac1N\sum_w B_w`, :math:`W = A \bar B` (``A = U`` everywhere).
+
+With ``comm_setup="groups"`` the members of a group hold equal values, so these are the
+group averages weighted by group size, as the reference's all-rank means.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from jaxcomp.comm import GROUP
-from jaxcomp.transforms._ab_factor import reconstruct
-from jaxcomp.transforms._ab_layout import FactorSpec
-
-SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
+from jaxcomp.comm import to_varying
+from jaxcomp.transforms import _ab_factor as F
+from jaxcomp.transforms._ab_step import ABTrainingState
+from jaxcomp.transforms._ab_step import Ctx
 
 
-def num_a_groups(sync_mode: str, num_groups: int) -> int:
-    """How many groups train ``A``: ``num_groups // 2``, or 0 in ``only-b`` mode."""
-    return 0 if sync_mode == "only-b" else num_groups // 2
+def _svds(ctx: Ctx, weights):
+    return [F.svd(F.to_matrix(w, s)) for w, s in zip(weights, ctx.layout.specs)]
 
 
-def is_a_group(num_a: int) -> jax.Array | bool:
-    """Whether this worker's group trains ``A`` (inside ``shard_map``)."""
-    if num_a == 0:
-        return False
-    return lax.axis_index(GROUP) < num_a
+def _factorise(ctx: Ctx, usv, state: ABTrainingState, rank: jax.Array) -> ABTrainingState:
+    """Factors of rank ``rank`` (``int32[L]``) from the SVDs ``usv``, at current capacity."""
+    a, b = [], []
+    for i, ((u, s, vh), x) in enumerate(zip(usv, state.a)):
+        y, z = F.factors_from_svd(
+            u, s, vh, rank[i], x.shape[-1], split_sigma=ctx.cfg.effective_split_sigma,
+            sigma_on_a=ctx.topo.is_a(), dtype=x.dtype,
+        )  # fmt: skip
+        a.append(y)
+        b.append(z)
+    return state._replace(rank=rank, a=tuple(a), b=tuple(b))
 
 
-def _masked_mean(x: jax.Array, keep: jax.Array | bool, count: int) -> jax.Array:
-    return lax.psum(jnp.where(keep, x, jnp.zeros_like(x)), GROUP) / count
+def reset_moments(state: ABTrainingState, params) -> ABTrainingState:
+    """The reference's ``reset_opt``: every moment zeroed, counters and the rest kept."""
+    zero = lambda i, x, first: jnp.zeros_like(x)  # noqa: E731
+    dense_like = tuple(params[0])
+    return state._replace(
+        dense_state=F.map_moments(state.dense_state, dense_like, zero),
+        other_state=F.map_moments(state.other_state, tuple(params[1]), zero),
+        a_state=F.map_moments(state.a_state, state.a, zero),
+        b_state=F.map_moments(state.b_state, state.b, zero),
+    )
 
 
-def sync_groups(
-    sync_mode: str,
-    a: Sequence[jax.Array],
-    b: Sequence[jax.Array],
-    specs: Sequence[FactorSpec],
-    *,
-    num_a: int,
-) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """Averages the groups' factors (inside ``shard_map``).
+def _finish(ctx: Ctx, state: ABTrainingState, pf, po) -> ABTrainingState:
+    if ctx.cfg.reset_opt:
+        state = reset_moments(state, (pf, po))
+    return state
 
-    Args:
-      sync_mode: one of :data:`SYNC_MODES`.
-      a, b: this worker's factors (``[m, c]`` and ``[c, n]`` per factorised parameter).
-      specs: the factorised parameters' :class:`~jaxcomp.transforms._ab_layout.FactorSpec`.
-      num_a: number of A-groups (:func:`num_a_groups`).
 
-    Returns:
-      ``(weights, a, b)``: the synced dense parameters (original shapes) and the synced factors
-      (unchanged in ``full`` mode, which averages the products instead).
+def factorise_exact(ctx: Ctx, state: ABTrainingState, params) -> ABTrainingState:
+    """Entering the first AB phase: factors of the current weights, rank = capacity."""
+    pf, po = ctx.layout.split(params)
+    caps = jnp.asarray([x.shape[-1] for x in state.a], jnp.int32).reshape(len(state.a))
+    state = _factorise(ctx, _svds(ctx, pf), state, caps)
+    return to_varying(_finish(ctx, state, pf, po), ctx.topo.axes)
+
+
+def refactor(ctx: Ctx, state: ABTrainingState, params):
+    """Full-rank -> AB: the truncated re-factorisation; returns ``(params, state)``."""
+    pf, po = ctx.layout.split(params)
+    if not pf:
+        return to_varying((params, _finish(ctx, state, pf, po)), ctx.topo.axes)
+    usv = _svds(ctx, pf)
+    rank = jnp.stack([F.cutoff_rank(s, ctx.cfg.low_rank_cutoff) for _, s, _ in usv])
+    rank = ctx.topo.agree_max(rank)  # the same rank on every worker, as the reference
+    caps = jnp.asarray([x.shape[-1] for x in state.a], jnp.int32)
+    old_a = state.a
+    state = _factorise(ctx, usv, state, jnp.minimum(rank, caps))
+    masks = [F.rank_mask(state.rank[i], x.shape[-1]) for i, x in enumerate(state.a)]
+    if ctx.cfg.align_moments:
+        match = [F.match_columns(x, u) for x, (u, _, _) in zip(old_a, usv)]
+        fix_a = lambda i, m, first: F.align_moment(m, *match[i], -1, first)  # noqa: E731
+        fix_b = lambda i, m, first: F.align_moment(m, *match[i], -2, first)  # noqa: E731
+        state = state._replace(
+            a_state=F.map_moments(state.a_state, state.a, fix_a),
+            b_state=F.map_moments(state.b_state, state.b, fix_b),
+        )
+    state = state._replace(
+        a_state=F.map_like(state.a_state, state.a, lambda i, m: m * masks[i].astype(m.dtype)),
+        b_state=F.map_like(
+            state.b_state, state.b, lambda i, m: m * masks[i][:, None].astype(m.dtype)
+        ),
+    )
+    specs = ctx.layout.specs
+    pf = tuple(F.reconstruct(x, y, s) for x, y, s in zip(state.a, state.b, specs))
+    state = _finish(ctx, state, pf, po)
+    return to_varying((ctx.layout.merge(pf, po), state), ctx.topo.axes)
+
+
+def sync_factors(ctx: Ctx, a, b):
+    """Averages the workers' factors per ``sync_mode``; returns ``(weights, a, b)``.
+
+    ``weights`` are the synced dense parameters (original shapes); the factors are unchanged
+    in ``full`` mode, which averages the products instead.
     """
+    topo, mode = ctx.topo, ctx.cfg.sync_mode
     a, b = tuple(a), tuple(b)
-    num_groups = lax.axis_size(GROUP)
-    if sync_mode == "with-stale":
-        a, b = lax.pmean((a, b), GROUP)
-    elif sync_mode == "only-learned":
-        trains_a = is_a_group(num_a)
-        if num_a:
-            a = tuple(_masked_mean(x, trains_a, num_a) for x in a)
-        b = tuple(_masked_mean(x, jnp.logical_not(trains_a), num_groups - num_a) for x in b)
-    elif sync_mode == "only-b":
-        b = lax.pmean(b, GROUP)
-    elif sync_mode != "full":
-        raise ValueError(f"sync_mode must be one of {SYNC_MODES}; got {sync_mode!r}.")
-    weights = tuple(reconstruct(x, y, s) for x, y, s in zip(a, b, specs))
-    if sync_mode == "full":
-        weights = lax.pmean(weights, GROUP)
+    if mode == "with-stale":
+        a, b = topo.all_mean((a, b))
+    elif mode == "only-learned":
+        trains_a = topo.is_a()
+        if topo.num_a:
+            a = topo.mean_over(a, trains_a, topo.a_workers())
+        b = topo.mean_over(b, jnp.logical_not(trains_a), topo.num_workers - topo.a_workers())
+    elif mode == "only-b":
+        b = topo.all_mean(b)
+    weights = tuple(F.reconstruct(x, y, s) for x, y, s in zip(a, b, ctx.layout.specs))
+    if mode == "full":
+        weights = topo.all_mean(weights)
     return weights, a, b
+
+
+def sync(ctx: Ctx, state: ABTrainingState, params):
+    """AB -> full-rank: the groups' factors and dense parameters synced; ``(params, state)``."""
+    _, po = ctx.layout.split(params)
+    weights, a, b = sync_factors(ctx, state.a, state.b)
+    rule = ctx.cfg.effective_dense_sync
+    # Non-factorised parameters already agree everywhere with one group or global reduction.
+    if ctx.topo.num_groups > 1 and not ctx.cfg.reduce_dense_globally:
+        if rule == "average":
+            po = ctx.topo.all_mean(po)
+        elif rule == "first":
+            po = ctx.topo.first(po)
+    state = _finish(ctx, state._replace(a=a, b=b), weights, po)
+    return to_varying((ctx.layout.merge(weights, po), state), ctx.topo.axes)

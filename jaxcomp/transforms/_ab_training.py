@@ -1,28 +1,25 @@
-r"""AB-Training (Coquelin et al., 2024) as an optax transform over grouped data-parallel workers.
+r"""AB-Training (Coquelin et al., 2024) as an optax optimizer alias over grouped workers.
 
-``update`` runs inside ``shard_map`` over a mesh with the :data:`~jaxcomp.comm.GROUP` and
-:data:`~jaxcomp.comm.MEMBER` axes (:func:`~jaxcomp.transforms.ab_mesh`), on per-worker dense
-gradients (:func:`jaxcomp.comm.local_value_and_grad`). Every step is one of four kinds
-(:data:`~jaxcomp.transforms._ab_schedule.STEP_KINDS`), chosen from the step count with
-``lax.switch``, so only the chosen kind's collectives run:
+``update`` runs inside ``shard_map`` over ``ABConfig.axis_name`` on per-worker dense gradients
+(:func:`jaxcomp.comm.local_value_and_grad`) and one worker's state. Every step is one of four
+kinds (:data:`~jaxcomp.transforms._ab_schedule.STEP_KINDS`), chosen from the step count with
+``lax.switch`` (the count is agreed over the workers first, so the predicate is uniform over
+every axis whose collectives the branches hold):
 
-* ``dense`` (warm-up and full-rank rebound): all gradients are averaged over all workers and the
-  dense weights take an inner-optimizer step;
-* ``dense_then_refactor``: the same, then every factorisable weight is re-split by SVD into
-  ``A·B`` truncated at the relative singular-value cutoff (rank agreed with a ``pmax``), and the
-  factor moments beyond the new rank are zeroed (the reference's pad/truncate);
-* ``ab``: the worker's group trains one factor; only that factor's gradient
-  (``G·Bᵀ`` or ``Aᵀ·G``) and the dense parameters' gradients are averaged, within the group; the
-  first AB step after warm-up first factorises exactly (no truncation);
-* ``ab_then_sync``: the same, then the groups are synced (:mod:`._ab_sync`).
+* ``dense`` (warm-up and full-rank rebound): :func:`._ab_step.dense_update`;
+* ``dense_then_refactor``: the same, then :func:`._ab_sync.refactor`;
+* ``ab``: :func:`._ab_step.ab_update` (the first AB step after warm-up first runs
+  :func:`._ab_sync.factorise_exact`);
+* ``ab_then_sync``: the same, then :func:`._ab_sync.sync`.
 
 The model always sees dense weights: ``update`` returns ``W_new - W_old`` with ``W = A·B``.
+:func:`~jaxcomp.transforms.ab_data_parallel` runs the same functions as separate compiled
+programs chosen on the host, which is faster on CPU than the ``lax.switch``.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -30,241 +27,174 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp.comm import GROUP
-from jaxcomp.comm import MEMBER
-from jaxcomp.transforms._ab_layout import FactorSpec
+from jaxcomp.comm import to_varying
+from jaxcomp.comm import varying_axes
+from jaxcomp.transforms._ab_config import ABConfig
+from jaxcomp.transforms._ab_layout import ABLayout
 from jaxcomp.transforms._ab_layout import build_layout
 from jaxcomp.transforms._ab_schedule import STEP_KINDS
 from jaxcomp.transforms._ab_schedule import ABPhase
 from jaxcomp.transforms._ab_schedule import ABSchedule
 from jaxcomp.transforms._ab_step import ABTrainingState
-from jaxcomp.transforms._ab_step import _Config
-from jaxcomp.transforms._ab_step import _Step
-from jaxcomp.transforms._ab_sync import SYNC_MODES
-from jaxcomp.transforms._ab_sync import num_a_groups
+from jaxcomp.transforms._ab_step import Ctx
+from jaxcomp.transforms._ab_step import ab_update
+from jaxcomp.transforms._ab_step import dense_update
+from jaxcomp.transforms._ab_step import init_state
+from jaxcomp.transforms._ab_sync import factorise_exact
+from jaxcomp.transforms._ab_sync import refactor
+from jaxcomp.transforms._ab_sync import sync
+from jaxcomp.transforms._ab_topology import topology
 
 
-def _check_config(cfg: _Config) -> None:
-    if cfg.sync_mode not in SYNC_MODES:
-        raise ValueError(f"sync_mode must be one of {SYNC_MODES}; got {cfg.sync_mode!r}.")
-    cutoff = cfg.low_rank_cutoff
-    if isinstance(cutoff, bool) or not isinstance(cutoff, (int, float)) or not 0 < cutoff < 1:
-        raise ValueError(f"low_rank_cutoff must be in (0, 1); got {cfg.low_rank_cutoff!r}.")
-    if isinstance(cfg.exclude, str) or not all(isinstance(n, str) for n in cfg.exclude):
-        raise ValueError(f"exclude must be a sequence of layer names; got {cfg.exclude!r}.")
-    if not (hasattr(cfg.inner, "init") and hasattr(cfg.inner, "update")):
-        raise ValueError(f"inner must be an optax GradientTransformation; got {cfg.inner!r}.")
-    mr = cfg.max_rank
-    if mr is not None and (
-        isinstance(mr, bool)
-        or not isinstance(mr, (int, float))
-        or (isinstance(mr, int) and mr < 1)
-        or (isinstance(mr, float) and not 0.0 < mr <= 1.0)
-    ):
-        raise ValueError(f"max_rank must be None, an int >= 1 or a float in (0, 1]; got {mr!r}.")
-    clip = cfg.max_grad_norm
-    if clip is not None and (
-        isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
-    ):
-        raise ValueError(f"max_grad_norm must be None or a number > 0; got {clip!r}.")
+def kind_index(schedule: ABSchedule, count: jax.Array) -> jax.Array:
+    """Index into :data:`STEP_KINDS` of the step with index ``count`` (traceable)."""
+    now, nxt = schedule.phase(count), schedule.phase(count + 1)
+    ab = now == ABPhase.AB
+    sync_ = ab & (nxt == ABPhase.FULL)
+    refactor_ = (now == ABPhase.FULL) & (nxt == ABPhase.AB)
+    return jnp.where(ab, jnp.where(sync_, 3, 2), jnp.where(refactor_, 1, 0)).astype(jnp.int32)
 
 
-def _capacity(spec: FactorSpec, max_rank: int | float | None) -> int:
-    if max_rank is None:
-        return spec.cols
-    if isinstance(max_rank, float):
-        return max(1, min(spec.cols, int(round(max_rank * spec.cols))))
-    return min(spec.cols, max_rank)
+def check_shapes(layout: ABLayout, state: ABTrainingState, grads: Any, params: Any) -> None:
+    """Raises ``ValueError`` if ``params``/``grads`` are not the tree the state was made for."""
+    if len(layout.specs) != len(state.a):
+        raise ValueError(
+            f"ab_training: params have {len(layout.specs)} factorised weights but the state "
+            f"was initialised for {len(state.a)}; pass the params given to init."
+        )
+    for s, a, b in zip(layout.specs, state.a, state.b):
+        if (a.shape[-2], b.shape[-1]) != (s.rows, s.cols):
+            raise ValueError(
+                f"ab_training: {s.path} has shape {s.shape} (tall view {s.rows}x{s.cols}) but "
+                f"the state's factors are {a.shape[-2]}x{b.shape[-1]}; pass the params given "
+                "to init."
+            )
+    try:
+        g_leaves = layout.treedef.flatten_up_to(grads)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"ab_training: grads do not have the params' structure: {e}") from e
+    for path, g, p in zip(layout.paths, g_leaves, layout.treedef.flatten_up_to(params)):
+        if g.shape != p.shape:
+            raise ValueError(f"ab_training: the gradient of {path} has shape {g.shape}, the "
+                             f"parameter {p.shape}.")  # fmt: skip
 
 
-def _init(cfg: _Config, params: Any) -> ABTrainingState:
+def update_kind(ctx: Ctx, kind: str, grads, state: ABTrainingState, params, lr):
+    """One step of a static ``kind`` (count not advanced): ``(new_params, state)``."""
+    if kind in ("dense", "dense_then_refactor"):
+        params, state = dense_update(ctx, grads, state, params, lr)
+        if kind == "dense_then_refactor":
+            params, state = refactor(ctx, state, params)
+        return params, state
+    first = state.count == ctx.cfg.warmup_steps
+    state = lax.cond(
+        first, functools.partial(factorise_exact, ctx),
+        lambda s, p: to_varying(s, ctx.topo.axes), state, params,
+    )  # fmt: skip
+    params, state = ab_update(ctx, grads, state, params, lr)
+    if kind == "ab_then_sync":
+        params, state = sync(ctx, state, params)
+    return params, state
+
+
+def advance(cfg: ABConfig, state: ABTrainingState, count: jax.Array) -> ABTrainingState:
+    """``count + 1`` and its phase, in the vma type of the incoming count."""
+    axes = tuple(sorted(varying_axes(state.count)))
+    count = to_varying(optax.safe_int32_increment(count), axes)
+    return state._replace(count=count, phase=to_varying(cfg.schedule.phase(count), axes))
+
+
+def update(cfg: ABConfig, grads: Any, state: ABTrainingState, params: Any = None, **extra):
+    """The transform's ``update``: the step kind chosen by ``lax.switch`` on the count."""
+    del extra
+    if params is None:
+        raise ValueError("ab_training needs params: call update(grads, state, params).")
     layout = build_layout(params, cfg.exclude)
-    fac, other = layout.split(params)
-    caps = [_capacity(s, cfg.max_rank) for s in layout.specs]
-    a = tuple(jnp.zeros((s.rows, c), x.dtype) for s, c, x in zip(layout.specs, caps, fac))
-    b = tuple(jnp.zeros((c, s.cols), x.dtype) for s, c, x in zip(layout.specs, caps, fac))
-    return ABTrainingState(
-        count=jnp.zeros([], jnp.int32),
-        phase=cfg.schedule.phase(0),
-        rank=jnp.asarray(caps, jnp.int32).reshape(len(caps)),
-        a=a,
-        b=b,
-        dense_state=cfg.inner.init(fac),
-        other_state=cfg.inner.init(other),
-        a_state=cfg.inner.init(a),
-        b_state=cfg.inner.init(b),
+    check_shapes(layout, state, grads, params)
+    ctx = Ctx(cfg, layout, topology(cfg))
+    count = state.count
+    if varying_axes(count) & set(ctx.topo.axes):
+        count = ctx.topo.agree_max(count)  # uniform (typed invariant) for the switch below
+    lr = jnp.asarray(cfg.lr_schedule()(count), jnp.float32)
+    branches = [functools.partial(update_kind, ctx, k) for k in STEP_KINDS]
+    new_params, state = lax.switch(kind_index(cfg.schedule, count), branches, grads, state,
+                                   params, lr)  # fmt: skip
+    updates = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_params, params)
+    return updates, advance(cfg, state, count)
+
+
+def ab_transform(config: ABConfig) -> optax.GradientTransformationExtraArgs:
+    """The optax transform of an :class:`~jaxcomp.transforms.ABConfig` (see :func:`ab_training`)."""
+    if not isinstance(config, ABConfig):
+        raise ValueError(f"ab_transform needs an ABConfig; got {type(config).__name__}.")
+    return optax.GradientTransformationExtraArgs(
+        functools.partial(init_state, config), functools.partial(update, config)
     )
 
 
-def _kind_index(schedule: ABSchedule, count: jax.Array) -> jax.Array:
-    now, nxt = schedule.phase(count), schedule.phase(count + 1)
-    ab = now == ABPhase.AB
-    sync = ab & (nxt == ABPhase.FULL)
-    refactor = (now == ABPhase.FULL) & (nxt == ABPhase.AB)
-    return jnp.where(ab, jnp.where(sync, 3, 2), jnp.where(refactor, 1, 0)).astype(jnp.int32)
-
-
-def _check_mesh() -> tuple[int, int]:
-    try:
-        return lax.axis_size(GROUP), lax.axis_size(MEMBER)
-    except NameError as e:
-        raise ValueError(
-            f"ab_training's update must run inside shard_map over a mesh with axes {GROUP!r} "
-            f"and {MEMBER!r} (see jaxcomp.transforms.ab_mesh and ab_data_parallel)."
-        ) from e
-
-
-def _update(
-    cfg: _Config,
-    grads: Any,
-    state: ABTrainingState,
-    params: Any,
-    *,
-    kind: str | None = None,
-    role: str | None = None,
-) -> tuple[Any, ABTrainingState]:
-    if params is None:
-        raise ValueError("ab_training needs params: call update(grads, state, params).")
-    num_groups, _ = _check_mesh()
-    step = _Step(cfg, build_layout(params, cfg.exclude), num_a_groups(cfg.sync_mode, num_groups),
-                 role)  # fmt: skip
-    t = state.count
-    lr = jnp.asarray(cfg.learning_rate(t), jnp.float32)
-    if kind is None:
-        branches = [lambda g, s, p, lr, k=k: step.run(k, g, s, p, lr) for k in STEP_KINDS]
-        new_params, state = lax.switch(
-            _kind_index(cfg.schedule, t), branches, grads, state, params, lr
-        )
-    else:
-        new_params, state = step.run(kind, grads, state, params, lr)
-        # A static kind that does not match the count poisons the step instead of silently
-        # training the wrong phase.
-        wrong = _kind_index(cfg.schedule, t) != STEP_KINDS.index(kind)
-        new_params = jax.tree.map(lambda x: jnp.where(wrong, jnp.nan, x), new_params)
-    count = optax.safe_int32_increment(t)
-    state = state._replace(count=count, phase=cfg.schedule.phase(count))
-    updates = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_params, params)
-    return updates, state
-
-
-def _transform(
-    cfg: _Config, kind: str | None = None, role: str | None = None
-) -> optax.GradientTransformationExtraArgs:
-    def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        return _update(cfg, updates, state, params, kind=kind, role=role)
-
-    return optax.GradientTransformationExtraArgs(functools.partial(_init, cfg), update_fn)
-
-
-def config_of(tx: optax.GradientTransformationExtraArgs) -> _Config:
-    """The validated configuration of a transform made by :func:`ab_training`."""
-    return tx.init.args[0]
-
-
-def ab_training(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    warmup_steps: int,
-    sync_every: int,
-    full_rank_steps: int,
-    inner: optax.GradientTransformation | None = None,
-    sync_mode: str = "with-stale",
-    low_rank_cutoff: float = 0.15,
-    split_sigma: bool = True,
-    exclude: Sequence[str] = (),
-    max_rank: int | float | None = None,
-    lr_rebound_steps: int = 0,
-    lr_rebound_floor: float = 1e-5,
-    max_grad_norm: float | None = None,
-    reduce_dense_globally: bool = False,
-    step_kind: str | None = None,
-) -> optax.GradientTransformationExtraArgs:
+def ab_training(learning_rate: optax.ScalarOrSchedule, **options: Any):
     r"""AB-Training: group-local training of low-rank factors with periodic syncs.
 
     Every factorisable weight (at least two non-trivial dimensions, not ``exclude``-d) is viewed
     as a tall matrix :math:`W = A B` (:math:`A = U\sqrt\Sigma`, :math:`B = \sqrt\Sigma V^\top`).
-    After ``warmup_steps`` of full-rank data parallelism, the workers' groups (the ``"group"``
-    mesh axis) train independently: the first half of the groups train :math:`A` with
+    After ``warmup_steps`` of full-rank data parallelism, the worker groups train
+    independently: the first half of the groups train :math:`A` with
     :math:`\partial L/\partial A = G B^\top`, the others :math:`B` with
     :math:`\partial L/\partial B = A^\top G`, and only that factor's gradient is averaged,
-    within the group (the ``"member"`` axis). At each multiple of ``sync_every`` the groups are
-    synced (``sync_mode``), ``full_rank_steps`` full-rank steps follow, and the weights are
-    re-factorised with the rank truncated where :math:`\sigma_i \le` ``low_rank_cutoff``
-    :math:`\cdot\,\sigma_0` (agreed across workers). Parameters that are not factorised (1-D,
-    excluded) are trained dense every step: averaged over all workers in full-rank steps,
-    within the group in AB steps (over all workers with ``reduce_dense_globally``), and averaged
-    over the groups at each sync.
+    within the group (nothing at all with ``comm_setup="individual"``). At each multiple of
+    ``sync_every`` the groups sync (``sync_mode``), ``full_rank_steps`` full-rank steps follow,
+    and the weights are re-factorised with the rank truncated where :math:`\sigma_i \le`
+    ``low_rank_cutoff`` :math:`\cdot\,\sigma_0` (agreed across workers). Parameters that are
+    not factorised (1-D, excluded) train dense every step, averaged over all workers in
+    full-rank steps and within the group in AB steps.
 
-    The transform holds the factors, ranks, step count and four inner-optimizer states (dense
+    The state holds the factors, ranks, step count and four inner-optimizer states (dense
     factorisable weights, other parameters, ``A``, ``B``), each updated only in the steps that
     train its parameters, so their moments persist across phases as in the reference's
-    per-parameter PyTorch state; moments of factor columns beyond a new rank are zeroed
-    (the reference's pad/truncate). It returns *dense* updates ``A'B' - W`` for the model's
-    weights, and applies the learning rate itself (so that the rebound can act):
-    :math:`\Delta = -\eta_t \cdot \mathrm{inner}(g)`.
+    per-parameter PyTorch state. ``update`` returns *dense* updates :math:`A'B' - W`.
 
-    ``update`` must run inside ``jax.shard_map`` over a mesh with axes ``"group"`` and
-    ``"member"`` (:func:`~jaxcomp.transforms.ab_mesh`), on *per-worker* gradients
-    (:func:`jaxcomp.comm.local_value_and_grad`), with the state laid out per group
-    (:func:`~jaxcomp.transforms.per_group`); :func:`~jaxcomp.transforms.ab_data_parallel` does
-    all of this. Place it last in a chain: its outputs are final updates.
+    **Why an optimizer alias, like** ``optax.adamw``: the transform keeps the factors in its
+    state and must move them by :math:`A \leftarrow A - \eta\,\mathrm{inner}(g)` itself, and
+    its syncs and re-factorisations are not linear in :math:`\eta`, so the learning rate (and
+    its rebound after each switch) cannot come from a later ``scale_by_learning_rate``. Put
+    gradient preprocessing before it in a chain and nothing after it.
+
+    ``update`` runs inside ``jax.shard_map`` over ``axis_name`` on *per-worker* gradients
+    (:func:`jaxcomp.comm.local_value_and_grad`) and that worker's state (the harness lays
+    states out with a leading worker axis, :func:`~jaxcomp.transforms.per_worker`).
+    ``init`` works anywhere (it has no collectives). :func:`~jaxcomp.transforms.ab_data_parallel`
+    does all of this, faster on CPU. On a multi-device CPU process, limit OpenBLAS to one
+    thread (:func:`~jaxcomp.transforms.single_thread_lapack`; the harness does): every device
+    runs its SVDs through it at once, and its spinning threads stall the others' collectives.
 
     Args:
       learning_rate: :math:`\eta`, a float or an optax schedule of the step count.
-      warmup_steps: full-rank steps before the first (untruncated) AB phase.
-      sync_every: ``S``, the cycle length; groups sync when the step count is a multiple of it.
-      full_rank_steps: ``D``, full-rank steps after each sync (``1 <= D < S``).
-      inner: gradient transformation that does **not** apply the learning rate; default
-        ``optax.scale_by_adam()``; the reference's AdamW is
-        ``optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(wd))``. It sees tuples
-        of arrays (dense weights, other parameters, factors), so use element-wise transforms.
-      sync_mode: ``"with-stale"``, ``"only-learned"``, ``"full"`` or ``"only-b"`` (every group
-        trains ``B``; ``A = U`` stays fixed and ``split_sigma`` is off), see
-        :mod:`jaxcomp.transforms._ab_sync`.
-      low_rank_cutoff: relative singular-value cutoff in (0, 1) for re-factorisations.
-      split_sigma: put :math:`\sqrt\Sigma` on both factors; if False, :math:`\Sigma` goes to
-        the factor the group trains.
-      exclude: names of layers kept full-rank (matched as contiguous path components, e.g.
-        ``"Conv_0"`` or ``"head/kernel"``); each must match some parameter.
-      max_rank: static rank capacity of the stored factors: ``None`` (full, ``min(m, n)``), an
-        int, or a fraction of ``min(m, n)``. Ranks above it are cut to it (also at the first,
-        otherwise untruncated, factorisation). Collectives carry the capacity, so set it, or
-        resize between steps with :func:`~jaxcomp.transforms.fit_rank_capacity`, to put the
-        compressed sizes on the wire.
-      lr_rebound_steps: ``R``: after each phase switch the rate restarts at
-        ``lr_rebound_floor`` and climbs back over ``R`` steps
-        (:meth:`~jaxcomp.transforms.ABSchedule.learning_rate`); 0 disables it.
-      lr_rebound_floor: the rate right after a switch (the reference's ``1e-5``).
-      max_grad_norm: clip the averaged gradients of the trained parameters to this global norm
-        (the reference uses 1.0), or None.
-      reduce_dense_globally: average the non-factorised parameters' gradients over all workers
-        in AB steps too (the reference averages them within the group).
-      step_kind: None (the step kind follows the count, one program for all phases) or one of
-        ``"dense"``, ``"dense_then_refactor"``, ``"ab"``, ``"ab_then_sync"`` to compile only
-        that kind, for host-driven loops (:meth:`~jaxcomp.transforms.ABSchedule.step_kind`) and
-        per-phase byte counts. A step whose count does not match it returns NaN updates.
+      **options: the other fields of :class:`~jaxcomp.transforms.ABConfig`
+        (``warmup_steps``, ``sync_every`` and ``full_rank_steps`` are required).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state
       :class:`~jaxcomp.transforms.ABTrainingState`.
 
     Raises:
-      ValueError: for invalid arguments (at construction), an ``exclude`` name that matches no
-        parameter (at ``init``), or an ``update`` outside a ``group``/``member`` ``shard_map``.
+      ValueError: for invalid options (at construction), an ``exclude`` name that matches no
+        parameter (at ``init``), params or grads other than init's, or an ``update`` outside a
+        ``shard_map`` over ``axis_name``.
 
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from jaxcomp import transforms
       >>> mesh = transforms.ab_mesh(num_groups=2, devices=jax.devices()[:4])
+      >>> config = transforms.ABConfig(1e-2, warmup_steps=2, sync_every=4, full_rank_steps=1)
       >>> tx = transforms.ab_training(1e-2, warmup_steps=2, sync_every=4, full_rank_steps=1)
       >>> params = {"w": jnp.ones((8, 4)) / 8, "b": jnp.zeros(4)}
+      >>> state = tx.init(params)  # works outside shard_map
       >>> loss_fn = lambda p, x: jnp.mean((x @ p["w"] + p["b"]) ** 2)
-      >>> dp = transforms.ab_data_parallel(loss_fn, tx, mesh)
-      >>> state = dp.init(params)
+      >>> dp = transforms.ab_data_parallel(loss_fn, config, mesh)
+      >>> train = dp.init(params)
       >>> for _ in range(6):
-      ...   state, metrics = dp.step(state, jnp.ones((8, 8)))
-      >>> int(transforms.ab_metrics(state.opt_state, state.params)["phase"])  # AB
+      ...   train, metrics = dp.step(train, jnp.ones((8, 8)))
+      >>> int(transforms.ab_metrics(train.opt_state, train.params)["phase"])  # AB
       1
 
     References:
@@ -274,46 +204,15 @@ def ab_training(
 
     .. warning::
       ``inner`` must not apply a learning rate: ``optax.adam(1e-3)`` as ``inner`` would scale
-      the step twice and flip its sign. Factor moments carry over re-factorisations by
-      position, as in the reference, so a singular vector whose sign flipped meets its old
-      moment with the opposite sign (the rebound's small rate limits the harm). The A/B role
-      is a ``lax.cond`` whose branches hold group-local collectives; that runs on the CPU
-      backend and has not been checked on multi-GPU NCCL here. With ``split_sigma=False``
-      and ``sync_mode="only-learned"`` the synced weight is ``(U Σ)(Σ Vᵀ)``, Σ counted twice
-      (the A-groups hold ``Σ`` on ``A``, the B-groups on ``B``), exactly as the reference does.
+      the step twice and flip its sign. With ``split_sigma=False`` and
+      ``sync_mode="only-learned"`` the synced weight is ``(U Σ)(Σ Vᵀ)``, Σ counted twice (the
+      A-groups hold ``Σ`` on ``A``, the B-groups on ``B``), exactly as the reference does.
 
     .. note::
-      Where the reference code is wrong this does the right thing (SPEC §3.8): dense
-      parameters are averaged over the groups at every sync (the reference skips this in
-      ``only-b`` mode, so with several groups they drift apart for good); ``warmup_steps=0``
-      works; an empty ``exclude`` excludes nothing; the rebound never drives the rate to
-      zero or below. The warm-up -> AB factorisation happens at the start of the first AB
-      step (exact, so the gradient is the same).
+      Where the reference code is wrong this does the right thing (SPEC §3.8):
+      ``warmup_steps=0`` works; an empty ``exclude`` excludes nothing; the rebound never drives
+      the rate to zero or below. Beyond the reference: moments follow the singular vectors
+      across re-factorisations (``align_moments``). The warm-up -> AB factorisation happens at
+      the start of the first AB step (exact, so the gradient is the same).
     """
-    if step_kind is not None and step_kind not in STEP_KINDS:
-        raise ValueError(f"step_kind must be None or one of {STEP_KINDS}; got {step_kind!r}.")
-    lr = learning_rate
-    if not callable(lr) and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr < 0):
-        raise ValueError(f"learning_rate must be a float >= 0 or a schedule; got {lr!r}.")
-    schedule = ABSchedule(warmup_steps, sync_every, full_rank_steps)
-    steps = lr_rebound_steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"lr_rebound_steps must be an int >= 0; got {steps!r}.")
-    floor = lr_rebound_floor
-    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not floor > 0:
-        raise ValueError(f"lr_rebound_floor must be a number > 0; got {floor!r}.")
-    cfg = _Config(
-        schedule=schedule,
-        learning_rate=schedule.learning_rate(learning_rate, lr_rebound_steps, lr_rebound_floor),
-        inner=optax.scale_by_adam() if inner is None else inner,
-        sync_mode=sync_mode,
-        low_rank_cutoff=low_rank_cutoff,
-        # only-b keeps A = U frozen everywhere, so Sigma sits on B (as the reference).
-        split_sigma=bool(split_sigma) and sync_mode != "only-b",
-        exclude=exclude if isinstance(exclude, str) else tuple(exclude),
-        max_rank=max_rank,
-        max_grad_norm=max_grad_norm,
-        reduce_dense_globally=bool(reduce_dense_globally),
-    )
-    _check_config(cfg)
-    return _transform(cfg, step_kind)
+    return ab_transform(ABConfig(learning_rate, **options))

@@ -1,0 +1,193 @@
+"""The compiled programs of grouped AB-Training data parallelism, and when each one runs.
+
+A step of :func:`~jaxcomp.transforms.ab_training` is one of four kinds; instead of one
+program that picks the kind with ``lax.switch`` (which on the XLA CPU backend costs as much as
+the step itself), the harness compiles five programs and the host strings them together by
+the step index (:func:`schedule_programs`):
+
+* ``dense``: gradients averaged over all workers, every parameter updated;
+* ``ab``: the group's factor and the non-factorised parameters updated, ``W = A B``;
+* ``factorise`` (before the first AB step), ``refactor`` (after the last full-rank step of a
+  cycle) and ``sync`` (after the last AB step of a cycle): the phase transitions, small
+  programs without the model.
+
+Every program is compiled ahead of time, before anything runs (:class:`Programs`), so that no
+compilation competes with a running multi-device step for the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp.comm import local_value_and_grad
+from jaxcomp.transforms import _ab_step
+from jaxcomp.transforms import _ab_sync
+from jaxcomp.transforms._ab_config import ABConfig
+from jaxcomp.transforms._ab_layout import build_layout
+from jaxcomp.transforms._ab_step import Ctx
+from jaxcomp.transforms._ab_topology import topology
+from jaxcomp.transforms._ab_training import advance
+from jaxcomp.transforms._ab_training import check_shapes
+from jaxcomp.transforms._data_parallel import TrainState
+
+#: The programs, in the order :func:`schedule_programs` may run them.
+PROGRAMS = ("factorise", "dense", "ab", "refactor", "sync")
+
+
+def schedule_programs(config: ABConfig, step: int) -> tuple[str, ...]:
+    """The programs that make up the step with index ``step`` (host ints)."""
+    kind = config.schedule.step_kind(step)
+    if kind.startswith("dense"):
+        return ("dense", "refactor") if kind == "dense_then_refactor" else ("dense",)
+    first = ("factorise",) if step == config.warmup_steps else ()
+    return (*first, "ab", *(("sync",) if kind == "ab_then_sync" else ()))
+
+
+def _unstack(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def _stack(tree):
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+@dataclasses.dataclass
+class Programs:
+    """The five programs of one config, loss and mesh, compiled on first use (ahead of time).
+
+    Attributes:
+      config: the :class:`~jaxcomp.transforms.ABConfig`.
+      loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      mesh: the mesh holding ``config.axis_name``.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      donate: donate the state's buffers to each program's result.
+    """
+
+    config: ABConfig
+    loss_fn: Callable[..., Any]
+    mesh: jax.sharding.Mesh
+    has_aux: bool = False
+    donate: bool = True
+
+    def __post_init__(self):
+        self._compiled: dict[tuple, Any] = {}  # a compile cache, not training state
+        self.axes = self.config.axis_name
+
+    # ---- bodies (inside shard_map, one worker's slice) ------------------------------------
+
+    def _ctx(self, params) -> Ctx:
+        return Ctx(self.config, build_layout(params, self.config.exclude), topology(self.config))
+
+    def _train_body(self, kind: str):
+        def body(state: TrainState, batch):
+            params, opt = _unstack((state.params, state.opt_state))
+            value, grads = local_value_and_grad(self.loss_fn, self.axes, has_aux=self.has_aux)(
+                params, batch
+            )
+            loss, aux = value if self.has_aux else (value, None)
+            ctx = self._ctx(params)
+            check_shapes(ctx.layout, opt, grads, params)
+            lr = jnp.asarray(self.config.lr_schedule()(opt.count), jnp.float32)
+            fn = _ab_step.dense_update if kind == "dense" else _ab_step.ab_update
+            params, opt = fn(ctx, grads, opt, params, lr)
+            opt = advance(self.config, opt, opt.count)
+            metrics = {"loss": lax.pmean(loss, self.axes), "lr": lr}
+            if self.has_aux:
+                metrics["aux"] = jax.tree.map(lambda a: lax.pmean(a, self.axes), aux)
+            return TrainState(state.step + 1, *_stack((params, opt))), metrics
+
+        return body
+
+    def _transition_body(self, name: str):
+        def body(state: TrainState):
+            params, opt = _unstack((state.params, state.opt_state))
+            ctx = self._ctx(params)
+            if name == "factorise":
+                opt = _ab_sync.factorise_exact(ctx, opt, params)
+            else:
+                params, opt = getattr(_ab_sync, name)(ctx, opt, params)
+            return TrainState(state.step, *_stack((params, opt)))
+
+        return body
+
+    def _sharded(self, name: str):
+        specs = TrainState(P(), P(self.axes), P(self.axes))
+        if name in ("dense", "ab"):
+            body = self._train_body(name)
+            fn = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(self.axes)),
+                               out_specs=(specs, P()))  # fmt: skip
+        else:
+            fn = jax.shard_map(self._transition_body(name), mesh=self.mesh, in_specs=(specs,),
+                               out_specs=specs)  # fmt: skip
+        return jax.jit(fn, donate_argnums=(0,) if self.donate else ())
+
+    # ---- compile and run ----------------------------------------------------------------
+
+    def compiled(self, name: str, *args):
+        """The compiled program ``name`` for arguments shaped like ``args``.
+
+        A program not compiled yet for these shapes is compiled here, after waiting for
+        ``args`` (so that no compilation runs beside a multi-device step).
+        """
+        key = (name, jax.tree.structure(args),
+               tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)))  # fmt: skip
+        if key not in self._compiled:
+            jax.block_until_ready([x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)])
+            abstract = jax.tree.map(_abstract, args)
+            self._compiled[key] = self._sharded(name).lower(*abstract).compile()
+        return self._compiled[key]
+
+    def run(self, name: str, state: TrainState, batch=None):
+        args = (state,) if batch is None else (state, batch)
+        return self.compiled(name, *args)(*args)
+
+    def compile_all(self, state: TrainState, batch) -> dict[str, Any]:
+        """Compiles every program for ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``s)."""
+        return {
+            name: self.compiled(name, state, batch) if name in ("dense", "ab")
+            else self.compiled(name, state)
+            for name in PROGRAMS
+        }  # fmt: skip
+
+
+def _abstract(x):
+    sharding = getattr(x, "sharding", None)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def per_worker(tree: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> Any:
+    """Copies every leaf once per worker: ``[N, ...]``, sharded over ``axes``."""
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    sharding = NamedSharding(mesh, P(axes))
+
+    def stack(x):
+        x = np.asarray(x)
+        return jax.device_put(np.broadcast_to(x, (n, *x.shape)), sharding)
+
+    return jax.tree.map(stack, tree)
+
+
+def abstract_train_state(
+    config: ABConfig, params: Any, mesh: jax.sharding.Mesh
+) -> TrainState:
+    """``ShapeDtypeStruct``s (with shardings) of the harness's train state for ``params``."""
+    axes = config.axis_name
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    workers = NamedSharding(mesh, P(axes))
+    opt = jax.eval_shape(lambda p: _ab_step.init_state(config, p), params)
+    lead = lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=workers)  # noqa: E731
+    return TrainState(
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+        jax.tree.map(lead, params),
+        jax.tree.map(lead, opt),
+    )
+
