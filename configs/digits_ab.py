@@ -36,7 +36,7 @@ def get_config(arg=None):
         sync_mode="with-stale",
         low_rank_cutoff=0.15,
         exclude=("fc1", "head"),
-        max_rank=0.25,  # factors travel at a capacity of 64 of 256 columns
+        max_rank_fraction=0.25,  # factors travel at a capacity of 64 of 256 columns
         inner="adam",
     )
     return c

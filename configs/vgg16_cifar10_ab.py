@@ -4,7 +4,7 @@ r"""AB-Training (Coquelin et al., 2024) on CIFAR-10 VGG-16, as the reference's
 steps followed by 60 full-rank steps, LR rebound over 267 steps, singular-value cutoff 0.15,
 AdamW 3e-3 with weight decay 0.1 and cosine decay, gradient clipping at 1.0. The first conv and
 the classifier stay full-rank. Factors are stored and sent at a rank capacity of a quarter of
-full rank (``max_rank=0.25``), so the truncation shows on the wire.
+full rank (``max_rank_fraction=0.25``), so the truncation shows on the wire.
 
 On a host with 8 GPUs (or a TPU v4-16 / v5e-8: 8 chips), after preparing CIFAR-10 once as
 array_record (nothing downloads at run time; ``tfds build`` needs TensorFlow, in any environment):
@@ -53,7 +53,7 @@ def get_config(arg=None):
         sync_mode="only-b",
         low_rank_cutoff=0.15,
         exclude=("block1/conv1", "head/fc"),
-        max_rank=0.25,
+        max_rank_fraction=0.25,
         lr_rebound_steps=267,
         max_grad_norm=1.0,
         inner="adamw",

@@ -112,6 +112,8 @@ class ABDataParallel(NamedTuple):
         index, read from ``state.step`` (a wait for the previous step) when not given.
       shard_batch: places a host batch on the mesh (``step`` calls it too).
       state_sharding: ``state_sharding(params) -> TrainState`` of ``NamedSharding``s.
+      abstract_state: ``abstract_state(params) -> TrainState`` of ``ShapeDtypeStruct``s with
+        their shardings (an orbax restore target, or :attr:`compile`'s input).
       mesh: the mesh.
       axis_name: the workers' axes.
       config: the :class:`~jaxcomp.transforms.ABConfig`.
@@ -126,6 +128,7 @@ class ABDataParallel(NamedTuple):
     step: Callable[..., tuple[TrainState, dict[str, Any]]]
     shard_batch: Callable[[Any], Any]
     state_sharding: Callable[[Any], TrainState]
+    abstract_state: Callable[[Any], TrainState]
     mesh: jax.sharding.Mesh
     axis_name: tuple[str, ...]
     config: ABConfig
@@ -160,8 +163,13 @@ def ab_data_parallel(
       donate: donate the old state's buffers to the new one.
 
     Returns:
-      An :class:`ABDataParallel`; ``metrics["loss"]`` is the loss averaged over all workers,
-      ``metrics["lr"]`` the learning rate used.
+      An :class:`ABDataParallel`. Its ``metrics``: ``loss`` (averaged over all workers) and
+      ``aux`` (with ``has_aux``), and per worker (``[N]`` arrays, combined on the host: no
+      collective is added to the step): ``lr`` (the learning rate used), ``finite`` (1 if
+      the loss and the worker's new parameters and optimizer state are finite; if any is 0,
+      keep the previous state, which is not donated with ``donate=False``), ``count``,
+      ``phase``, ``compression_ratio`` and ``mean_rank``
+      (:func:`~jaxcomp.transforms.ab_metrics`).
 
     Raises:
       ValueError: if ``config`` is not an ``ABConfig`` or the mesh lacks its axes.
@@ -195,17 +203,24 @@ def ab_data_parallel(
     def step(state, batch, step=None):
         t = int(state.step) if step is None else int(step)
         batch = shard_batch(batch)
-        metrics = None
+        metrics, finite = {}, []
         for name in _ab_programs.schedule_programs(config, t):
             if name in ("dense", "ab"):
-                state, metrics = programs.run(name, state, batch)
+                state, out = programs.run(name, state, batch)
+                metrics = {k: v for k, v in out.items() if k != "workers"}
+                metrics.update(out["workers"])
             else:
-                state = programs.run(name, state)
+                state, out = programs.run(name, state)
+                finite.append(out["workers"]["finite"])
+        for f in finite:  # the transitions' results must be finite too
+            metrics["finite"] = jnp.minimum(metrics["finite"], f)
         return state, metrics
 
+    def abstract_state(params):
+        return _ab_programs.abstract_train_state(config, params, mesh)
+
     def state_sharding(params):
-        abstract = _ab_programs.abstract_train_state(config, params, mesh)
-        return jax.tree.map(lambda x: x.sharding, abstract)
+        return jax.tree.map(lambda x: x.sharding, abstract_state(params))
 
     def compile_all(state, batch):
         return programs.compile_all(state, shard_abstract(batch))
@@ -220,8 +235,8 @@ def ab_data_parallel(
         compiled = compile_all(state, batch)
         return kind_bytes(config, sizes, {n: c.as_text() for n, c in compiled.items()})
 
-    return ABDataParallel(init, step, shard_batch, state_sharding, mesh, axes, config,
-                          compile_all, step_bytes)  # fmt: skip
+    return ABDataParallel(init, step, shard_batch, state_sharding, abstract_state, mesh, axes,
+                          config, compile_all, step_bytes)  # fmt: skip
 
 
 def kind_bytes(

@@ -7,9 +7,9 @@ the step index (:func:`schedule_programs`):
 
 * ``dense``: gradients averaged over all workers, every parameter updated;
 * ``ab``: the group's factor and the non-factorised parameters updated, ``W = A B``;
-* ``factorise`` (before the first AB step), ``refactor`` (after the last full-rank step of a
-  cycle) and ``sync`` (after the last AB step of a cycle): the phase transitions, small
-  programs without the model.
+* ``factorise`` (before the first AB step) and ``refactor`` (after the last full-rank step of
+  a cycle): one compiled program with an ``exact`` flag; ``sync`` (after the last AB step of a
+  cycle): the phase transitions, small programs without the model.
 
 Every program is compiled ahead of time, before anything runs (:class:`Programs`), so that no
 compilation competes with a running multi-device step for the CPU.
@@ -33,14 +33,15 @@ from jaxcomp.transforms import _ab_step
 from jaxcomp.transforms import _ab_sync
 from jaxcomp.transforms._ab_config import ABConfig
 from jaxcomp.transforms._ab_layout import build_layout
+from jaxcomp.transforms._ab_metrics import ab_metrics
 from jaxcomp.transforms._ab_step import Ctx
 from jaxcomp.transforms._ab_topology import topology
 from jaxcomp.transforms._ab_training import advance
 from jaxcomp.transforms._ab_training import check_shapes
 from jaxcomp.transforms._data_parallel import TrainState
 
-#: The programs, in the order :func:`schedule_programs` may run them.
-PROGRAMS = ("factorise", "dense", "ab", "refactor", "sync")
+#: The compiled programs; ``"factorise"`` in a schedule is ``"refactor"`` with ``exact``.
+PROGRAMS = ("dense", "ab", "refactor", "sync")
 
 
 def schedule_programs(config: ABConfig, step: int) -> tuple[str, ...]:
@@ -100,7 +101,8 @@ class Programs:
             fn = _ab_step.dense_update if kind == "dense" else _ab_step.ab_update
             params, opt = fn(ctx, grads, opt, params, lr)
             opt = advance(self.config, opt, opt.count)
-            metrics = {"loss": lax.pmean(loss, self.axes), "lr": lr}
+            workers = {"lr": lr, **_state_metrics(params, opt, loss)}
+            metrics = {"loss": lax.pmean(loss, self.axes), "workers": _stack(workers)}
             if self.has_aux:
                 metrics["aux"] = jax.tree.map(lambda a: lax.pmean(a, self.axes), aux)
             return TrainState(state.step + 1, *_stack((params, opt))), metrics
@@ -108,29 +110,40 @@ class Programs:
         return body
 
     def _transition_body(self, name: str):
-        def body(state: TrainState):
+        def body(state: TrainState, exact: jax.Array):
             params, opt = _unstack((state.params, state.opt_state))
             ctx = self._ctx(params)
-            if name == "factorise":
-                opt = _ab_sync.factorise_exact(ctx, opt, params)
-            else:
-                params, opt = getattr(_ab_sync, name)(ctx, opt, params)
-            return TrainState(state.step, *_stack((params, opt)))
+            if name == "sync":
+                params, opt = _ab_sync.sync(ctx, opt, params)
+            else:  # one program for both: the flag is an input (replicated, so uniform)
+                params, opt = _ab_sync.refactor(ctx, opt, params, exact=exact)
+            workers = _stack(_state_metrics(params, opt))
+            return TrainState(state.step, *_stack((params, opt))), {"workers": workers}
 
         return body
 
     def _sharded(self, name: str):
         specs = TrainState(P(), P(self.axes), P(self.axes))
         if name in ("dense", "ab"):
-            body = self._train_body(name)
-            fn = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(self.axes)),
-                               out_specs=(specs, P()))  # fmt: skip
+            metrics = {"loss": P(), "workers": P(self.axes)}
+            if self.has_aux:
+                metrics["aux"] = P()
+            in_specs = (specs, P(self.axes))
+            fn = jax.shard_map(self._train_body(name), mesh=self.mesh, in_specs=in_specs,
+                               out_specs=(specs, metrics))  # fmt: skip
         else:
-            fn = jax.shard_map(self._transition_body(name), mesh=self.mesh, in_specs=(specs,),
-                               out_specs=specs)  # fmt: skip
+            fn = jax.shard_map(self._transition_body(name), mesh=self.mesh,
+                               in_specs=(specs, P()),
+                               out_specs=(specs, {"workers": P(self.axes)}))  # fmt: skip
         return jax.jit(fn, donate_argnums=(0,) if self.donate else ())
 
     # ---- compile and run ----------------------------------------------------------------
+
+    def _args(self, name: str, state, batch=None):
+        if name in ("dense", "ab"):
+            return (state, batch)
+        flag = np.asarray(name == "factorise")
+        return (state, jax.device_put(flag, NamedSharding(self.mesh, P())))
 
     def compiled(self, name: str, *args):
         """The compiled program ``name`` for arguments shaped like ``args``.
@@ -138,6 +151,7 @@ class Programs:
         A program not compiled yet for these shapes is compiled here, after waiting for
         ``args`` (so that no compilation runs beside a multi-device step).
         """
+        name = "refactor" if name == "factorise" else name
         key = (name, jax.tree.structure(args),
                tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)))  # fmt: skip
         if key not in self._compiled:
@@ -147,16 +161,29 @@ class Programs:
         return self._compiled[key]
 
     def run(self, name: str, state: TrainState, batch=None):
-        args = (state,) if batch is None else (state, batch)
+        args = self._args(name, state, batch)
         return self.compiled(name, *args)(*args)
 
     def compile_all(self, state: TrainState, batch) -> dict[str, Any]:
         """Compiles every program for ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``s)."""
-        return {
-            name: self.compiled(name, state, batch) if name in ("dense", "ab")
-            else self.compiled(name, state)
-            for name in PROGRAMS
-        }  # fmt: skip
+        return {name: self.compiled(name, *self._args(name, state, batch)) for name in PROGRAMS}
+
+
+def _state_metrics(params, opt, loss=None) -> dict[str, jax.Array]:
+    """This worker's: whether its new state (and loss) is finite; count, phase and ranks.
+
+    Per worker (no collective): the host combines them over the workers.
+    """
+    leaves = [x for x in jax.tree.leaves((params, opt)) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    finite = jnp.stack([jnp.isfinite(x).all() for x in leaves]).all() if leaves else True
+    if loss is not None:
+        finite = finite & jnp.isfinite(loss)
+    out = {"finite": jnp.asarray(finite, jnp.int32)}
+    if loss is not None:
+        m = ab_metrics(opt, params)
+        out.update(count=opt.count, phase=m["phase"], compression_ratio=m["compression_ratio"],
+                   mean_rank=m["rank"].astype(jnp.float32).mean())  # fmt: skip
+    return out
 
 
 def _abstract(x):
@@ -176,9 +203,7 @@ def per_worker(tree: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> Any
     return jax.tree.map(stack, tree)
 
 
-def abstract_train_state(
-    config: ABConfig, params: Any, mesh: jax.sharding.Mesh
-) -> TrainState:
+def abstract_train_state(config: ABConfig, params: Any, mesh: jax.sharding.Mesh) -> TrainState:
     """``ShapeDtypeStruct``s (with shardings) of the harness's train state for ``params``."""
     axes = config.axis_name
     n = int(np.prod([mesh.shape[a] for a in axes]))
@@ -190,4 +215,3 @@ def abstract_train_state(
         jax.tree.map(lead, params),
         jax.tree.map(lead, opt),
     )
-

@@ -3,7 +3,7 @@ r"""AB-Training's phase transitions: first factorisation, re-factorisation, and 
 All run inside ``shard_map`` on one worker's state (SPEC §3.3-3.5):
 
 * :func:`factorise_exact` (warm-up -> first AB phase): ``W = A B`` by SVD, no truncation (the
-  rank is the capacity);
+  rank is the capacity; the weights are kept);
 * :func:`refactor` (full-rank -> AB): SVD of the current dense weights, rank cut where
   :math:`\sigma_i \le` ``low_rank_cutoff`` :math:`\cdot\,\sigma_0` (the largest rank over the
   workers is agreed, as the reference); factor moments are aligned with the new singular
@@ -74,23 +74,29 @@ def _finish(ctx: Ctx, state: ABTrainingState, pf, po) -> ABTrainingState:
 
 def factorise_exact(ctx: Ctx, state: ABTrainingState, params) -> ABTrainingState:
     """Entering the first AB phase: factors of the current weights, rank = capacity."""
-    pf, po = ctx.layout.split(params)
-    caps = jnp.asarray([x.shape[-1] for x in state.a], jnp.int32).reshape(len(state.a))
-    state = _factorise(ctx, _svds(ctx, pf), state, caps)
-    return to_varying(_finish(ctx, state, pf, po), ctx.topo.axes)
+    return refactor(ctx, state, params, exact=True)[1]
 
 
-def refactor(ctx: Ctx, state: ABTrainingState, params):
-    """Full-rank -> AB: the truncated re-factorisation; returns ``(params, state)``."""
+def refactor(ctx: Ctx, state: ABTrainingState, params, exact: bool | jax.Array = False):
+    """Full-rank -> AB: the truncated re-factorisation; returns ``(params, state)``.
+
+    With ``exact`` (a Python bool, or a traced one that the harness passes so that one
+    compiled program serves both transitions) this is :func:`factorise_exact` instead: rank =
+    capacity and the parameters are returned unchanged.
+    """
     pf, po = ctx.layout.split(params)
     if not pf:
         return to_varying((params, _finish(ctx, state, pf, po)), ctx.topo.axes)
     usv = _svds(ctx, pf)
-    rank = jnp.stack([F.cutoff_rank(s, ctx.cfg.low_rank_cutoff) for _, s, _ in usv])
-    rank = ctx.topo.agree_max(rank)  # the same rank on every worker, as the reference
     caps = jnp.asarray([x.shape[-1] for x in state.a], jnp.int32)
+    if exact is True:
+        rank = caps
+    else:
+        rank = jnp.stack([F.cutoff_rank(s, ctx.cfg.low_rank_cutoff) for _, s, _ in usv])
+        rank = jnp.minimum(ctx.topo.agree_max(rank), caps)  # the same on every worker
+        rank = jnp.where(exact, caps, rank)
     old_a = state.a
-    state = _factorise(ctx, usv, state, jnp.minimum(rank, caps))
+    state = _factorise(ctx, usv, state, rank)
     masks = [F.rank_mask(state.rank[i], x.shape[-1]) for i, x in enumerate(state.a)]
     if ctx.cfg.align_moments:
         match = [F.match_columns(x, u) for x, (u, _, _) in zip(old_a, usv)]
@@ -106,8 +112,10 @@ def refactor(ctx: Ctx, state: ABTrainingState, params):
             state.b_state, state.b, lambda i, m: m * masks[i][:, None].astype(m.dtype)
         ),
     )
-    specs = ctx.layout.specs
-    pf = tuple(F.reconstruct(x, y, s) for x, y, s in zip(state.a, state.b, specs))
+    if exact is not True:
+        specs = ctx.layout.specs
+        product = tuple(F.reconstruct(x, y, s) for x, y, s in zip(state.a, state.b, specs))
+        pf = tuple(jnp.where(exact, w, p) for w, p in zip(pf, product))
     state = _finish(ctx, state, pf, po)
     return to_varying((ctx.layout.merge(pf, po), state), ctx.topo.axes)
 
