@@ -131,7 +131,7 @@ def build_ab(
 
     def train_step(state, batch, key, step):
         del key
-        new, metrics = dp.step(state, batch, step=step)
+        new, metrics = dp.step(state, batch)
         workers = jax.device_get({k: v for k, v in metrics.items() if k not in ("loss", "aux")})
         if int(workers["count"].max()) != step + 1:
             raise ValueError(

@@ -13,6 +13,7 @@ workers and ``group_size = k``, there are ``N // k`` groups of ``k`` consecutive
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +45,8 @@ class ABConfig:
     r"""Every option of AB-Training (Coquelin et al., 2024), validated at construction.
 
     Attributes:
-      learning_rate: :math:`\eta`, a float ``>= 0`` or an optax schedule of the step count.
+      learning_rate: :math:`\eta`, a finite float ``>= 0`` or an optax schedule of the step
+        count.
       warmup_steps: full-rank steps before the first (untruncated) AB phase.
       sync_every: ``S``, the cycle length; groups sync when the step count is a multiple of it.
       full_rank_steps: ``D``, full-rank steps after each sync (``1 <= D < S``).
@@ -125,8 +127,9 @@ class ABConfig:
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         lr = self.learning_rate
-        if not callable(lr) and (not _is_number(lr) or lr < 0):
-            raise ValueError(f"learning_rate must be a float >= 0 or a schedule; got {lr!r}.")
+        if not callable(lr) and (not _is_number(lr) or not 0 <= lr < math.inf):
+            raise ValueError(f"learning_rate must be a finite float >= 0 or a schedule; got "
+                             f"{lr!r}.")  # fmt: skip
         ABSchedule(self.warmup_steps, self.sync_every, self.full_rank_steps)  # validates
         inner = optax.scale_by_adam() if self.inner is None else self.inner
         if not (hasattr(inner, "init") and hasattr(inner, "update")):

@@ -108,8 +108,8 @@ class ABDataParallel(NamedTuple):
 
     Attributes:
       init: ``init(params) -> TrainState`` (per-worker parameters and optimizer state).
-      step: ``step(state, batch, step=None) -> (state, metrics)``; ``step`` is the host's step
-        index, read from ``state.step`` (a wait for the previous step) when not given.
+      step: ``step(state, batch) -> (state, metrics)``; reads ``state.step`` on the host to
+        choose the programs (so it waits for the previous step to finish).
       shard_batch: places a host batch on the mesh (``step`` calls it too).
       state_sharding: ``state_sharding(params) -> TrainState`` of ``NamedSharding``s.
       abstract_state: ``abstract_state(params) -> TrainState`` of ``ShapeDtypeStruct``s with
@@ -200,8 +200,8 @@ def ab_data_parallel(
     def shard_batch(batch):
         return jax.device_put(batch, split)
 
-    def step(state, batch, step=None):
-        t = int(state.step) if step is None else int(step)
+    def step(state, batch):
+        t = int(state.step)  # the step kind picks the programs: read on the host
         batch = shard_batch(batch)
         metrics, finite = {}, []
         for name in _ab_programs.schedule_programs(config, t):

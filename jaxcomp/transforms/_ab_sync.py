@@ -129,17 +129,17 @@ def sync_factors(ctx: Ctx, a, b):
     topo, mode = ctx.topo, ctx.cfg.sync_mode
     a, b = tuple(a), tuple(b)
     if mode == "with-stale":
-        a, b = topo.all_mean((a, b))
+        a, b = topo.sync_mean((a, b))
     elif mode == "only-learned":
         trains_a = topo.is_a()
         if topo.num_a:
             a = topo.mean_over(a, trains_a, topo.a_workers())
         b = topo.mean_over(b, jnp.logical_not(trains_a), topo.num_workers - topo.a_workers())
     elif mode == "only-b":
-        b = topo.all_mean(b)
+        b = topo.sync_mean(b)
     weights = tuple(F.reconstruct(x, y, s) for x, y, s in zip(a, b, ctx.layout.specs))
     if mode == "full":
-        weights = topo.all_mean(weights)
+        weights = topo.sync_mean(weights)
     return weights, a, b
 
 
@@ -151,7 +151,7 @@ def sync(ctx: Ctx, state: ABTrainingState, params):
     # Non-factorised parameters already agree everywhere with one group or global reduction.
     if ctx.topo.num_groups > 1 and not ctx.cfg.reduce_dense_globally:
         if rule == "average":
-            po = ctx.topo.all_mean(po)
+            po = ctx.topo.sync_mean(po)
         elif rule == "first":
             po = ctx.topo.first(po)
     state = _finish(ctx, state._replace(a=a, b=b), weights, po)

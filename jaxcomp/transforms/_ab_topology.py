@@ -59,12 +59,16 @@ class Topology:
       sizes: the group sizes, first group first.
       num_a: how many (leading) groups train ``A``.
       rectangular: whether each group is a row of a ``(group, member)`` mesh.
+      members_agree: whether the members of a group hold equal values (rectangular layout,
+        ``comm_setup="groups"``): means over all workers then run over the group axis only,
+        the same numbers with a shorter ring.
     """
 
     axes: tuple[str, ...]
     sizes: tuple[int, ...]
     num_a: int
     rectangular: bool
+    members_agree: bool = False
 
     @property
     def num_workers(self) -> int:
@@ -105,6 +109,13 @@ class Topology:
         """Mean over all workers."""
         return lax.pmean(tree, self.axes)
 
+    def _sync_axes(self) -> tuple[str, ...]:
+        return self.axes[:1] if self.members_agree else self.axes
+
+    def sync_mean(self, tree: Any) -> Any:
+        """Mean over all workers of values that agree within groups if ``members_agree``."""
+        return lax.pmean(tree, self._sync_axes())
+
     def group_mean(self, tree: Any, groups: range | None = None) -> Any:
         """Mean within each worker's group.
 
@@ -128,12 +139,19 @@ class Topology:
         return jax.tree.map(lambda x: (x / size.astype(x.dtype)).astype(x.dtype), acc)
 
     def mean_over(self, tree: Any, keep: jax.Array | bool, count: int) -> Any:
-        """Mean over the ``count`` workers where ``keep`` holds (an all-worker ``psum``)."""
+        """Mean over the ``count`` workers where ``keep`` holds (a masked ``psum``).
+
+        ``keep`` must agree within groups if ``members_agree`` (then ``count`` is the number
+        of workers still, and the sum runs over the group axis times the group size).
+        """
         masked = jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros_like(x)), tree)
-        return jax.tree.map(lambda x: x / count, lax.psum(masked, self.axes))
+        scale = count / self.sizes[0] if self.members_agree else count
+        return jax.tree.map(lambda x: x / scale, lax.psum(masked, self._sync_axes()))
 
     def first(self, tree: Any) -> Any:
         """Worker 0's value, on every worker (a masked ``psum``: CPU has no broadcast)."""
+        if self.members_agree:
+            return self.mean_over(tree, lax.axis_index(self.axes[0]) == 0, self.sizes[0])
         return self.mean_over(tree, self.worker() == 0, 1)
 
     def agree_max(self, x: jax.Array) -> jax.Array:
@@ -153,4 +171,5 @@ def topology(cfg: ABConfig) -> Topology:
     rect = len(axes) == 2 and sizes == (axis_sizes[1],) * axis_sizes[0]
     if math.prod(axis_sizes) != sum(sizes):  # pragma: no cover - group_sizes guarantees it
         raise ValueError(f"groups {sizes} do not cover the {math.prod(axis_sizes)} workers.")
-    return Topology(axes, sizes, num_a_groups(cfg.sync_mode, len(sizes)), rect)
+    agree = rect and cfg.comm_setup == "groups"
+    return Topology(axes, sizes, num_a_groups(cfg.sync_mode, len(sizes)), rect, agree)

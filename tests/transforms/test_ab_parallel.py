@@ -1,11 +1,14 @@
 """AB-Training in a grouped data-parallel loop: truncation, capacity, checkpoints, errors."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import transforms
 
@@ -41,12 +44,12 @@ TX_KWARGS = dict(warmup_steps=2, sync_every=4, full_rank_steps=1, exclude=("head
 @pytest.fixture(scope="module")
 def grouped():
     mesh = transforms.ab_mesh(2, jax.devices()[:4])
-    tx = transforms.ab_training(1e-3, **TX_KWARGS)
-    return tx, transforms.ab_data_parallel(loss_fn, tx, mesh, donate=False)
+    config = transforms.ABConfig(1e-3, **TX_KWARGS)
+    return config, transforms.ab_data_parallel(loss_fn, config, mesh, donate=False)
 
 
 def test_truncation_cuts_the_rank_and_capacity_can_follow(grouped):
-    tx, dp = grouped
+    _, dp = grouped
     params, data = init_params(), batches(8)
     state = dp.init(params)
     for batch in data[:5]:
@@ -60,7 +63,7 @@ def test_truncation_cuts_the_rank_and_capacity_can_follow(grouped):
         transforms.ab_metrics(state.opt_state, state.params, exclude=())
     # 68 parameters, the (8, 6) kernel now trains as 2 * (8 + 6) = 28: 68 / 48
     np.testing.assert_allclose(metrics["compression_ratio"], 68 / 48, rtol=1e-6)
-    kernel = transforms.group_entry(state.params)["l1"]["kernel"]
+    kernel = transforms.worker_entry(state.params)["l1"]["kernel"]
     assert np.sum(np.linalg.svd(kernel, compute_uv=False) > 1e-5) == 2
     opt = state.opt_state  # factors and their moments beyond the rank are zero
     for x in (opt.a[0], opt.a_state.mu[0], opt.a_state.nu[0]):
@@ -69,8 +72,8 @@ def test_truncation_cuts_the_rank_and_capacity_can_follow(grouped):
         np.testing.assert_array_equal(np.asarray(x)[:, 2:], 0.0)
 
     fitted = state._replace(opt_state=transforms.fit_rank_capacity(state.opt_state))
-    assert [x.shape for x in fitted.opt_state.a] == [(2, 8, 2)]
-    assert [x.shape for x in fitted.opt_state.a_state.mu] == [(2, 8, 2)]
+    assert [x.shape for x in fitted.opt_state.a] == [(4, 8, 2)]  # 4 workers
+    assert [x.shape for x in fitted.opt_state.a_state.mu] == [(4, 8, 2)]
     for batch in data[5:8]:  # the same AB steps at capacity 6 and at capacity 2
         state, _ = dp.step(state, batch)
         fitted, _ = dp.step(fitted, batch)
@@ -78,22 +81,26 @@ def test_truncation_cuts_the_rank_and_capacity_can_follow(grouped):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
 
     full = transforms.fit_rank_capacity(fitted.opt_state, "full")
-    assert [x.shape for x in full.b] == [(2, 6, 6)]
+    assert [x.shape for x in full.b] == [(4, 6, 6)]
     np.testing.assert_array_equal(np.asarray(full.b[0])[:, 2:], 0.0)
 
 
 def test_capacity_sets_the_bytes_on_the_wire(grouped):
-    tx, dp = grouped
+    config, dp = grouped
     params = init_params()
-    mesh = dp.mesh
-    small = transforms.fit_rank_capacity(tx.init(params), [2])
+    small = transforms.fit_rank_capacity(transforms.ab_training(**_fields(config)).init(params),
+                                         [2])  # fmt: skip
     full, cut = (
-        transforms.ab_step_bytes(
-            params, mesh, state=s, kinds=("ab",), learning_rate=1e-3, **TX_KWARGS
-        )["ab"]["a"].total_bytes  # fmt: skip
+        transforms.ab_step_bytes(params, dp.mesh, config, state=s, kinds=("ab",))["ab"][
+            "a"
+        ].total_bytes
         for s in (None, small)
     )
     assert full - cut == compressors.wire_bytes(jnp.zeros((8, 6 - 2)))
+
+
+def _fields(config):
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
 def test_a_checkpoint_mid_ab_phase_restores_and_continues_identically(grouped, tmp_path):
@@ -127,21 +134,33 @@ def test_a_checkpoint_mid_ab_phase_restores_and_continues_identically(grouped, t
     [
         (dict(low_rank_cutoff=0.0), "low_rank_cutoff must be in"),
         (dict(low_rank_cutoff=1.0), "low_rank_cutoff must be in"),
-        (dict(low_rank_cutoff=1.5), "low_rank_cutoff must be in"),
+        (dict(low_rank_cutoff=float("nan")), "low_rank_cutoff must be in"),
         (dict(sync_mode="stale"), "sync_mode must be one of"),
-        (dict(max_rank=0), "max_rank"),
-        (dict(max_rank=1.5), "max_rank"),
-        (dict(step_kind="sync"), "step_kind"),
+        (dict(comm_setup="ring"), "comm_setup must be one of"),
+        (dict(dense_sync="mean"), "dense_sync must be None or one of"),
+        (dict(max_rank=0), "max_rank must be None or an int >= 1"),
+        (dict(max_rank=0.5), "max_rank must be None or an int >= 1"),
+        (dict(max_rank_fraction=0.0), r"max_rank_fraction must be None or in \(0, 1\]"),
+        (dict(max_rank_fraction=2), r"max_rank_fraction must be None or in \(0, 1\]"),
         (dict(full_rank_steps=4), "full_rank_steps must be <"),
+        (dict(warmup_steps=2.0), "warmup_steps must be an int"),
         (dict(exclude="head"), "exclude must be a sequence"),
         (dict(inner=0.9), "inner must be an optax GradientTransformation"),
         (dict(learning_rate=-1.0), "learning_rate must be"),
+        (dict(learning_rate=float("nan")), "learning_rate must be"),
         (dict(lr_rebound_steps=-2), "lr_rebound_steps must be an int >= 0"),
         (dict(lr_rebound_floor=0.0), "lr_rebound_floor must be a number > 0"),
         (dict(max_grad_norm="1"), "max_grad_norm must be None or a number > 0"),
+        (dict(reset_opt=1), "reset_opt must be a bool"),
+        (dict(axis_name=("group", "group")), "axis_name has a repeated axis"),
+        (dict(axis_name=3), "axis_name must be a mesh axis name"),
+        (dict(group_size=0), "group_size must be None or an int >= 1"),
+        (dict(group_size=2, num_groups=2), "give group_size or num_groups, not both"),
     ],
 )
 def test_bad_arguments_raise_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        transforms.ABConfig(**{"learning_rate": 1e-3, **TX_KWARGS, **kwargs})
     with pytest.raises(ValueError, match=match):
         transforms.ab_training(**{"learning_rate": 1e-3, **TX_KWARGS, **kwargs})
 
@@ -153,16 +172,35 @@ def test_group_count_must_divide_the_data_axis():
         transforms.ab_mesh(0, jax.devices()[:8])
 
 
+def test_groupings_the_workers_cannot_form_are_errors_naming_the_problem():
+    flat = comm.make_mesh([("data", 4)], jax.devices()[:4])
+    too_big = transforms.ABConfig(1e-3, **TX_KWARGS, axis_name="data", group_size=5)
+    with pytest.raises(ValueError, match="group_size=5 is larger than the 4 workers"):
+        transforms.ab_data_parallel(loss_fn, too_big, flat)
+    typo = transforms.ABConfig(1e-3, **TX_KWARGS, axis_name=("groups", "member"))
+    with pytest.raises(ValueError, match=r"has no axis \['groups'\]"):
+        transforms.ab_data_parallel(loss_fn, typo, transforms.ab_mesh(2, jax.devices()[:4]))
+    with pytest.raises(ValueError, match="needs an ABConfig"):
+        transforms.ab_data_parallel(loss_fn, transforms.ab_training(1e-3, **TX_KWARGS), flat)
+
+
 def test_excluded_name_matching_nothing_raises_at_init():
     tx = transforms.ab_training(1e-3, **{**TX_KWARGS, "exclude": ("classifier",)})
     with pytest.raises(ValueError, match=r"exclude: \['classifier'\] match no parameter"):
         tx.init(init_params())
 
 
-def test_update_outside_a_group_member_shard_map_raises():
+def test_update_outside_shard_map_or_with_other_params_raises():
     tx = transforms.ab_training(1e-3, **TX_KWARGS)
     params = init_params()
-    with pytest.raises(ValueError, match="inside shard_map"):
-        tx.update(params, tx.init(params), params)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="inside shard_map over a mesh with the axes"):
+        tx.update(params, state, params)
     with pytest.raises(ValueError, match="needs params"):
-        tx.update(params, tx.init(params))
+        tx.update(params, state)
+    wider = {**params, "l1": {"kernel": jnp.zeros((8, 7)), "bias": jnp.zeros(7)}}
+    with pytest.raises(ValueError, match=r"l1/kernel has shape \(8, 7\).*state's factors are 8x6"):
+        tx.update(wider, state, wider)
+    bad_grads = {**params, "head": {"kernel": jnp.zeros((6, 3)), "bias": jnp.zeros(2)}}
+    with pytest.raises(ValueError, match=r"gradient of head/kernel has shape \(6, 3\)"):
+        tx.update(bad_grads, state, params)

@@ -15,30 +15,28 @@ from jaxcomp.comm import MEMBER
 GROUPS, MEMBERS = 4, 2
 
 
-def synced(sync_mode, count=3):
-    """One ``ab_then_sync`` step with learning rate 0, from hand-made per-group factors.
+def synced(sync_mode, count=3, **options):
+    """One ``ab_then_sync`` step (count 3) with learning rate 0, from hand-made factors.
 
     Group g (0..3) holds ``A = (g + 1) * ones(4, 2)`` (``ones`` in only-b, where A = U is
-    shared), ``B = 10 (g + 1) * I`` and ``bias = g``; groups 0 and 1 are the A-groups.
+    shared), ``B = 10 (g + 1) * I`` and ``bias = g``; groups 0 and 1 are the A-groups. The
+    public transform runs in a user's ``shard_map`` on per-worker states.
     """
     mesh = transforms.ab_mesh(GROUPS, jax.devices()[: GROUPS * MEMBERS])
-    tx = transforms.ab_training(
-        0.0, warmup_steps=1, sync_every=4, full_rank_steps=1, sync_mode=sync_mode,
-        step_kind="ab_then_sync",
-    )  # fmt: skip
+    tx = transforms.ab_training(0.0, warmup_steps=1, sync_every=4, full_rank_steps=1,
+                                sync_mode=sync_mode, **options)  # fmt: skip
     params = {"w": jnp.zeros((4, 2)), "bias": jnp.zeros(3)}
-    g = np.arange(GROUPS, dtype=np.float32)[:, None, None]
-    a = np.ones((GROUPS, 4, 2), np.float32) * (1 if sync_mode == "only-b" else g + 1)
+    g = np.repeat(np.arange(GROUPS, dtype=np.float32), MEMBERS)[:, None, None]  # per worker
+    a = np.ones((GROUPS * MEMBERS, 4, 2), np.float32) * (1 if sync_mode == "only-b" else g + 1)
     b = 10 * (g + 1) * np.eye(2, dtype=np.float32)
-    state, stacked = transforms.per_group((tx.init(params), params), mesh)
-    group = NamedSharding(mesh, P(GROUP))
+    state, stacked = transforms.per_worker((tx.init(params), params), mesh)
+    workers = NamedSharding(mesh, P((GROUP, MEMBER)))
+    put = lambda x: jax.device_put(x, workers)  # noqa: E731
     state = state._replace(
-        count=jax.device_put(np.full(GROUPS, count, np.int32), group),  # step 3: sync at its end
-        a=(jax.device_put(a, group),),
-        b=(jax.device_put(b, group),),
+        count=put(np.full(GROUPS * MEMBERS, count, np.int32)), a=(put(a),), b=(put(b),)
     )
-    stacked["bias"] = jax.device_put(np.repeat(g[:, 0], 3, axis=1), group)
-    stacked["w"] = jax.device_put(a @ b, group)
+    stacked["bias"] = put(np.repeat(g[:, 0], 3, axis=1))
+    stacked["w"] = put(a @ b)
 
     def body(state, params):
         state, params = jax.tree.map(lambda x: x[0], (state, params))
@@ -47,7 +45,8 @@ def synced(sync_mode, count=3):
         new = jax.tree.map(lambda p, u: p + u, params, updates)
         return jax.tree.map(lambda x: x[None], (new, state))
 
-    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(GROUP), out_specs=(P(GROUP), P(GROUP))))
+    spec = P((GROUP, MEMBER))
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, spec)))
     new, state = run(state, stacked)
     return np.asarray(new["w"]), np.asarray(new["bias"]), state
 
@@ -57,28 +56,36 @@ def synced(sync_mode, count=3):
 #   only-learned: mean(1, 2) * mean(30, 40) = 1.5 * 35 = 52.5
 #   full:         mean(1*10, 2*20, 3*30, 4*40) = 300 / 4 = 75
 #   only-b:       1 * mean(10, 20, 30, 40) = 25
+# The biases, by the reference's rule: averaged (mean(0, 1, 2, 3) = 1.5) with
+# comm_setup="groups" except in only-b, where its DDP re-wrap broadcasts rank 0's (0).
 @pytest.mark.parametrize(
-    "sync_mode,weight,a_after,b_after",
-    [("with-stale", 62.5, 2.5, 25.0), ("only-learned", 52.5, 1.5, 35.0), ("full", 75.0, None, None),
-     ("only-b", 25.0, 1.0, 25.0)],
+    "sync_mode,weight,a_after,b_after,bias",
+    [("with-stale", 62.5, 2.5, 25.0, 1.5), ("only-learned", 52.5, 1.5, 35.0, 1.5),
+     ("full", 75.0, None, None, 1.5), ("only-b", 25.0, 1.0, 25.0, 0.0)],
 )  # fmt: skip
-def test_sync_modes_give_the_hand_computed_averages(sync_mode, weight, a_after, b_after):
-    w, bias, state = synced(sync_mode)
-    np.testing.assert_allclose(w, np.full((GROUPS, 4, 2), weight), rtol=1e-6)
-    # dense parameters are averaged over the groups at every sync (only-b too: see ab_training)
-    np.testing.assert_allclose(bias, np.full((GROUPS, 3), 1.5), rtol=1e-6)
+def test_sync_modes_give_the_hand_computed_averages(sync_mode, weight, a_after, b_after, bias):
+    w, got_bias, state = synced(sync_mode)
+    n = GROUPS * MEMBERS
+    np.testing.assert_allclose(w, np.full((n, 4, 2), weight), rtol=1e-6)
+    np.testing.assert_allclose(got_bias, np.full((n, 3), bias), rtol=1e-6)
     if a_after is not None:
-        np.testing.assert_allclose(
-            np.asarray(state.a[0]), np.full((GROUPS, 4, 2), a_after), rtol=1e-6
-        )
-        want_b = np.broadcast_to(b_after * np.eye(2), (GROUPS, 2, 2))
+        np.testing.assert_allclose(np.asarray(state.a[0]), np.full((n, 4, 2), a_after), rtol=1e-6)
+        want_b = np.broadcast_to(b_after * np.eye(2), (n, 2, 2))
         np.testing.assert_allclose(np.asarray(state.b[0]), want_b, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(state.phase), transforms.ABPhase.FULL)
 
 
-def test_a_static_step_kind_at_the_wrong_step_poisons_the_update():
-    w, bias, _ = synced("with-stale", count=2)  # step 2 is an "ab" step, not "ab_then_sync"
-    assert np.isnan(w).all() and np.isnan(bias).all()
+@pytest.mark.parametrize(
+    "dense_sync,want", [("average", [1.5] * 4), ("first", [0.0] * 4), ("keep", [0, 1, 2, 3])]
+)
+def test_dense_sync_options(dense_sync, want):
+    _, bias, _ = synced("only-b", dense_sync=dense_sync)
+    np.testing.assert_allclose(bias[::MEMBERS, 0], want, rtol=1e-6)
+
+
+def test_individual_mode_takes_worker_0s_biases_at_a_sync_as_the_reference():
+    _, bias, _ = synced("with-stale", comm_setup="individual")
+    np.testing.assert_allclose(bias, 0.0)
 
 
 PARAMS = {
@@ -95,7 +102,7 @@ KWARGS = dict(
 @pytest.fixture(scope="module")
 def step_bytes():
     mesh = transforms.ab_mesh(2, jax.devices()[:8])
-    return transforms.ab_step_bytes(PARAMS, mesh, **KWARGS)
+    return transforms.ab_step_bytes(PARAMS, mesh, transforms.ABConfig(**KWARGS))
 
 
 def _groups_and_bytes(report):
@@ -140,7 +147,8 @@ def test_group_and_member_axes_are_the_mesh_axes():
 def test_reduce_dense_globally_averages_dense_parameters_over_all_workers():
     mesh = transforms.ab_mesh(2, jax.devices()[:8])
     kwargs = {**KWARGS, "reduce_dense_globally": True}
-    report = transforms.ab_step_bytes(PARAMS, mesh, kinds=("ab",), **kwargs)["ab"]["b"]
+    config = transforms.ABConfig(**kwargs)
+    report = transforms.ab_step_bytes(PARAMS, mesh, config, kinds=("ab",))["ab"]["b"]
     state = jax.eval_shape(transforms.ab_training(**kwargs).init, PARAMS)
     by_group = {}
     for r in report.records:

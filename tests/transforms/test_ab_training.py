@@ -5,14 +5,16 @@ the full batch, the SPEC §3.5 state machine, ``jax.grad`` of the explicitly fac
 ``W = A @ B`` for the AB steps, and plain optax data-parallel steps otherwise.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
+from jax.sharding import PartitionSpec as P
 
+from jaxcomp import comm
 from jaxcomp import transforms
 from jaxcomp.transforms import ABPhase
 from jaxcomp.transforms import ABSchedule
@@ -100,7 +102,7 @@ def factored_grads(role, a, b, other, batch):
         w = products(factor, b) if role == "a" else products(a, factor)
         return loss_fn(assemble(w, other), batch)
 
-    return clip(jax.grad(factored_loss, (0, 1))(a if role == "a" else b, other))
+    return jax.grad(factored_loss, (0, 1))(a if role == "a" else b, other)
 
 
 @jax.jit
@@ -131,12 +133,17 @@ class Reference:
         for n in FACTORED:
             self.a[n], self.b[n] = split(self.params[n]["kernel"], self.sigma_on)
 
-    def step(self, t, batch):
+    def grads(self, batch):
+        """Unclipped AB-step gradients ``(factor, other)`` at this group's weights."""
+        return factored_grads(self.role, self.a, self.b, self.other, batch)
+
+    def step(self, t, batch, grads=None):
+        """One step; an AB step may be given its (unclipped) ``grads`` instead of a batch."""
         lr, phase = self.lr(t), int(self.sched.phase(t))
         if phase == ABPhase.AB:
             if t == WARMUP:
                 self.factorise()
-            g_factor, g_other = factored_grads(self.role, self.a, self.b, self.other, batch)
+            g_factor, g_other = clip(self.grads(batch) if grads is None else grads)
             if self.role == "a":
                 self.a, self.st_a = adamw(g_factor, self.st_a, self.a, lr)
             else:
@@ -156,8 +163,10 @@ class Reference:
                 self.params = assemble(products(self.a, self.b), self.other)
 
 
-def make_tx(every=EVERY, **kwargs):
-    return transforms.ab_training(
+def make_config(every=EVERY, **kwargs):
+    """Moments carry over by position (``align_moments=False``), as the reference does."""
+    kwargs.setdefault("align_moments", False)
+    return transforms.ABConfig(
         BASE_LR, warmup_steps=WARMUP, sync_every=every, full_rank_steps=FULL, inner=INNER,
         low_rank_cutoff=1e-6, exclude=("head",), lr_rebound_steps=REBOUND, max_grad_norm=0.05,
         **kwargs,
@@ -176,7 +185,7 @@ def test_one_group_without_truncation_is_plain_data_parallel_training():
     full-rank rebound, re-factorisation; with AdamW, clipping and the LR rebound.
     """
     mesh = transforms.ab_mesh(1, jax.devices()[:4])
-    dp = transforms.ab_data_parallel(loss_fn, make_tx(), mesh)
+    dp = transforms.ab_data_parallel(loss_fn, make_config(), mesh)
     params = init_params(jax.random.key(0))
     state, ref = dp.init(params), Reference(params, role="b")
     phases = []
@@ -184,41 +193,133 @@ def test_one_group_without_truncation_is_plain_data_parallel_training():
         want_loss = jax.jit(loss_fn)(ref.params, batch)
         state, metrics = dp.step(state, batch)
         ref.step(t, batch)
-        assert_params_close(transforms.group_entry(state.params), ref.params)
+        assert_params_close(transforms.worker_entry(state.params), ref.params)
         np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-5)
-        phases.append(int(jax.jit(transforms.ab_metrics)(state.opt_state, state.params)["phase"]))
+        np.testing.assert_allclose(metrics["lr"], ref.lr(t), rtol=1e-6)
+        phases.append(int(np.max(metrics["phase"])))
     assert phases == [int(ref.sched.phase(t + 1)) for t in range(13)]
     assert set(phases) == {ABPhase.WARMUP, ABPhase.AB, ABPhase.FULL}
 
 
-@pytest.fixture(scope="module")
-def two_groups():
-    """G = 2 groups of 2, ``split_sigma=False``: group 0 trains A, group 1 trains B.
-
-    First AB phase: steps 3 to 7; the groups sync at the end of step 7.
-    """
-    mesh = transforms.ab_mesh(2, jax.devices()[:4])
-    dp = transforms.ab_data_parallel(loss_fn, make_tx(every=8, split_sigma=False), mesh)
-    return mesh, dp
-
-
-def test_each_group_trains_its_factor_on_its_own_data(two_groups):
-    _, dp = two_groups
-    params = init_params(jax.random.key(1))
+def _run_groups(config, mesh, params, batches, refs, shard_of_worker, group_of_worker):
+    """Steps the harness and one reference per group; group g's AB steps see its shards."""
+    dp = transforms.ab_data_parallel(loss_fn, config, mesh)
     state = dp.init(params)
-    refs = [Reference(params, r, sigma_on=r, every=8) for r in ("a", "b")]
-    for t, (x, y) in enumerate(make_batches(WARMUP + 3)):
+    for t, (x, y) in enumerate(batches):
         state, _ = dp.step(state, (x, y))
         for g, ref in enumerate(refs):
-            # warm-up steps see the whole batch; AB steps only the group's half
-            batch = (x, y) if t < WARMUP else (x[8 * g : 8 * g + 8], y[8 * g : 8 * g + 8])
-            ref.step(t, batch)
-    groups = [transforms.group_entry(state.params, g) for g in range(2)]
-    for got, ref in zip(groups, refs):
-        assert_params_close(got, ref.params)
-    assert not np.allclose(groups[0]["l1"]["kernel"], groups[1]["l1"]["kernel"])
-    for g, ref in enumerate(refs):  # the factors too (SVD columns are defined up to sign)
-        opt = transforms.group_entry(state.opt_state, g)
+            rows = np.concatenate([shard_of_worker(w) for w in range(len(group_of_worker))
+                                   if group_of_worker[w] == g])  # fmt: skip
+            ref.step(t, (x, y) if t < WARMUP else (x[rows], y[rows]))
+    return state
+
+
+def test_each_group_trains_its_factor_on_its_own_data():
+    """2 groups of 2, ``split_sigma=False``: group 0 trains A, group 1 trains B."""
+    mesh = transforms.ab_mesh(2, jax.devices()[:4])
+    params = init_params(jax.random.key(1))
+    refs = [Reference(params, r, sigma_on=r, every=8) for r in ("a", "b")]
+    state = _run_groups(make_config(every=8, split_sigma=False), mesh, params,
+                        make_batches(WARMUP + 3), refs, lambda w: np.arange(4 * w, 4 * w + 4),
+                        [0, 0, 1, 1])  # fmt: skip
+    workers = [transforms.worker_entry(state.params, w) for w in range(4)]
+    for w, got in enumerate(workers):
+        assert_params_close(got, refs[w // 2].params)
+    assert not np.allclose(workers[0]["l1"]["kernel"], workers[2]["l1"]["kernel"])
+    for w, ref in ((0, refs[0]), (2, refs[1])):  # the factors too (SVD columns up to sign)
+        opt = transforms.worker_entry(state.opt_state, w)
         for i, n in enumerate(FACTORED):
             np.testing.assert_allclose(abs(opt.a[i]), abs(ref.a[n]), rtol=2e-4, atol=2e-5)
             np.testing.assert_allclose(abs(opt.b[i]), abs(ref.b[n]), rtol=2e-4, atol=2e-5)
+
+
+def test_unequal_groups_on_a_flat_axis_train_and_sync_as_the_reference():
+    """5 workers, group_size 2: groups of 3 (trains A) and 2 (trains B), as the reference
+    spreads the remainder; the with-stale sync averages over workers (3:2)."""
+    mesh = comm.make_mesh([("data", 5)], jax.devices()[:5])
+    config = make_config(every=8, axis_name="data", group_size=2)
+    params = init_params(jax.random.key(2))
+    refs = [Reference(params, r, every=8) for r in ("a", "b")]
+    batches = make_batches(WARMUP + 5, n=15)  # steps 3-7 AB, the sync at the end of step 7
+    state = _run_groups(config, mesh, params, batches[:-1], refs,
+                        lambda w: np.arange(3 * w, 3 * w + 3), [0, 0, 0, 1, 1])  # fmt: skip
+    for w in range(5):
+        assert_params_close(transforms.worker_entry(state.params, w), refs[w // 3].params)
+    # the last AB step, then the sync: A and B averaged over the 5 workers
+    dp = transforms.ab_data_parallel(loss_fn, config, mesh)
+    state, _ = dp.step(state, batches[-1])
+    x, y = batches[-1]
+    refs[0].step(WARMUP + 4, (x[:9], y[:9]))
+    refs[1].step(WARMUP + 4, (x[9:], y[9:]))
+    want = {}
+    for n in FACTORED:
+        a = (3 * refs[0].a[n] + 2 * refs[1].a[n]) / 5
+        b = (3 * refs[0].b[n] + 2 * refs[1].b[n]) / 5
+        want[n] = untall(a @ b, SHAPES[n])
+    for w in range(5):
+        got = transforms.worker_entry(state.params, w)
+        for n in FACTORED:
+            np.testing.assert_allclose(got[n]["kernel"], want[n], rtol=2e-4, atol=2e-5)
+
+
+def test_individual_workers_train_factors_on_their_own_gradients():
+    """``comm_setup="individual"``: a worker's factor sees only its own shard's gradient; the
+    biases and the head take the mean over the group's workers (SPEC §3.4)."""
+    mesh = transforms.ab_mesh(2, jax.devices()[:4])
+    config = make_config(every=8, comm_setup="individual")
+    params = init_params(jax.random.key(3))
+    dp = transforms.ab_data_parallel(loss_fn, config, mesh)
+    state = dp.init(params)
+    refs = [Reference(params, "a" if w < 2 else "b", every=8) for w in range(4)]
+    for t, (x, y) in enumerate(make_batches(WARMUP + 3)):
+        state, _ = dp.step(state, (x, y))
+        if t < WARMUP:
+            for ref in refs:
+                ref.step(t, (x, y))
+            continue
+        if t == WARMUP:
+            for ref in refs:
+                ref.factorise()
+        own = [refs[w].grads((x[4 * w : 4 * w + 4], y[4 * w : 4 * w + 4])) for w in range(4)]
+        for w, ref in enumerate(refs):
+            g = w // 2
+            other = jax.tree.map(lambda p, q: (p + q) / 2, own[2 * g][1], own[2 * g + 1][1])
+            ref.step(t, None, grads=(own[w][0], other))
+    for w, ref in enumerate(refs):
+        assert_params_close(transforms.worker_entry(state.params, w), ref.params)
+    kernels = [transforms.worker_entry(state.params, w)["l1"]["kernel"] for w in range(4)]
+    assert not np.allclose(kernels[0], kernels[1])  # members of a group differ
+
+
+def _user_loop_step(config, mesh):
+    """The public transform (``lax.switch`` on the count) in a user's own ``shard_map``."""
+    tx = transforms.ab_training(**{f.name: getattr(config, f.name)
+                                   for f in dataclasses.fields(config)})  # fmt: skip
+    axes = config.axis_name
+
+    def body(params, opt_state, batch):
+        params, opt_state = jax.tree.map(lambda x: x[0], (params, opt_state))
+        _, grads = comm.local_value_and_grad(loss_fn, axes)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return jax.tree.map(lambda x: x[None], (params, opt_state))
+
+    spec = P(axes)
+    return tx, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+
+
+def test_the_optax_transform_equals_the_harness_programs():
+    """``tx.update`` (one program, ``lax.switch``) == the harness's programs, every kind."""
+    mesh = transforms.ab_mesh(2, jax.devices()[:4])
+    config = make_config(every=4, split_sigma=False, align_moments=True)
+    params = init_params(jax.random.key(4))
+    tx, step = _user_loop_step(config, mesh)
+    dp = transforms.ab_data_parallel(loss_fn, config, mesh)
+    state = dp.init(params)
+    p, o = transforms.per_worker((params, tx.init(params)), mesh)  # init outside shard_map
+    batches = make_batches(11)  # warm-up, AB, sync, full rank + re-factorisation, AB
+    for x, y in batches:
+        state, _ = dp.step(state, (x, y))
+        p, o = step(p, o, dp.shard_batch((x, y)))
+    assert_params_close(p, state.params, rtol=1e-5, atol=1e-6)
+    assert_params_close(o, state.opt_state)  # moments: float32 rounding of fused programs
