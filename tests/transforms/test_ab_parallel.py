@@ -85,6 +85,15 @@ def test_truncation_cuts_the_rank_and_capacity_can_follow(grouped):
     np.testing.assert_array_equal(np.asarray(full.b[0])[:, 2:], 0.0)
 
 
+def test_a_multi_device_cpu_harness_runs_openblas_on_one_thread(grouped):
+    """Several CPU devices in one process call LAPACK at once; multi-threaded OpenBLAS then
+    stalls their collectives (see ``tests/train/test_ab_contention.py``)."""
+    import threadpoolctl
+
+    blas = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+    assert blas and all(i["num_threads"] == 1 for i in blas), blas
+
+
 def test_capacity_sets_the_bytes_on_the_wire(grouped):
     config, dp = grouped
     params = init_params()
