@@ -1,32 +1,54 @@
-"""AB-Training traffic: HLO bytes per step by phase vs plain data parallelism, on VGG-16.
+"""AB-Training: bytes per phase vs plain data parallelism (VGG-16, from HLO) and step time per
+step kind vs a dense data-parallel step (the digits MLP, timed).
 
-``python -m jaxcomp.bench ab_training [--json PATH] [--models ...] [--rank-fractions ...]``
+``python -m jaxcomp.bench ab_training [--json PATH] [--models ...] [--rank-fractions ...]
+[--repeats N] [--no-bytes] [--no-time] [--trainer-runs N]``
 
-Nothing is trained: every step kind of :func:`jaxcomp.transforms.ab_training` is compiled on
-its own for the parameter shapes of a VGG-16 (``vgg16_cifar``: 13 convolutions and a 512 -> 10
-classifier, 15M parameters; ``vgg16_timm``: the paper's timm ``vgg16`` with its 7x7 and 1x1
-``pre_logits`` convolutions, 134M), on 8 workers in 2 groups of 4 (the paper's CIFAR-10 VGG-16
-run: 8 GPUs, ``group_size`` 4), and the collectives are read from the compiled HLO. The first
-convolution and the classifier stay full-rank (``features.0``, ``head.fc`` in the reference).
+**Bytes** (nothing is trained): every step kind of :func:`jaxcomp.transforms.ab_training` is
+compiled on its own for the parameter shapes of a VGG-16 (``vgg16_cifar``: 13 convolutions and
+a 512 -> 10 classifier, 15M parameters; ``vgg16_timm``: the paper's timm ``vgg16`` with its 7x7
+and 1x1 ``pre_logits`` convolutions, 134M), on 8 workers in 2 groups of 4 (the paper's CIFAR-10
+VGG-16 run: 8 GPUs, ``group_size`` 4), and the collectives are read from the compiled HLO. The
+first convolution and the classifier stay full-rank (``features.0``, ``head.fc`` in the
+reference). Per worker and step: ``dp_hlo_bytes_per_step`` is a plain data-parallel step
+(``pmean`` of all gradients over the 8 workers, then Adam). AB steps are averaged over the
+group roles (half the groups train A, half B; ``only-b``: all train B). Ranks after a
+truncated re-factorisation depend on the trained weights, so the truncated AB phase is reported
+for *assumed* ranks, a fraction of ``min(m, n)`` per layer (``rank_fraction``), with the
+factors cut to that capacity (:func:`~jaxcomp.transforms.fit_rank_capacity`). Phases:
+``warmup`` and ``full`` (dense), ``refactor`` (the last full-rank step of a cycle, plus the rank
+agreement), ``ab_untruncated`` (the first AB phase), ``ab`` (truncated), ``sync`` (the last AB
+step of a cycle), ``cycle`` (the mean over one steady-state cycle of ``S`` steps: ``D``
+full-rank and ``S - D`` AB steps; the paper's ``S = 759, D = 60``; ``traffic_reduction`` is
+``1 - cycle / dp``) and ``run`` (the whole 15000-step run of that config). These records have
+``step_time_s = None``: a 15M/134M-parameter step is not timed on CPU.
 
-Per worker and step: ``dp_hlo_bytes_per_step`` is a plain data-parallel step (``pmean`` of all
-gradients over the 8 workers, then Adam). AB steps are averaged over the group roles (half the
-groups train A, half B; ``only-b``: all train B). Ranks after a truncated re-factorisation
-depend on the trained weights, which are not available here, so the truncated AB phase is
-reported for *assumed* ranks, a fraction of ``min(m, n)`` per layer (``rank_fraction``), with
-the factors cut to that capacity (:func:`~jaxcomp.transforms.fit_rank_capacity`).
+**Time**: the model, mesh and options of ``configs/digits_ab.py`` (the MLP 64-256-256-256-10,
+8 workers in 2 groups, rank capacity 64 of 256, ``fc1`` and ``head`` full-rank), batch 128.
+Each step kind runs as :func:`~jaxcomp.transforms.ab_data_parallel` runs it (the dense or AB
+program, then the transition's), and ``ab (lax.switch)`` is the optax transform's single
+program at an AB step; the baseline is a dense data-parallel step (``pmean`` + Adam,
+replicated parameters) of the same model. Like the baseline, these run without the harness's
+finiteness check; ``full_checked`` is the dense kind with it. All are timed round-robin, one
+call each per round, ``--repeats`` rounds: ``step_time_s`` and ``dense_step_time_s`` are medians, with their
+quartiles (``*_q25_s``, ``*_q75_s``); ``time_ratio_to_dense`` is the median of the per-round
+ratios, with its quartiles. The machine's load average is recorded before and after.
 
-Phases: ``warmup`` and ``full`` (dense), ``refactor`` (the last full-rank step of a cycle, plus
-the rank agreement), ``ab_untruncated`` (the first AB phase, full-rank factors), ``ab``
-(truncated), ``sync`` (the last AB step of a cycle, with the sync), and ``cycle``: the mean over
-one steady-state cycle of ``S`` steps (``D`` full-rank steps, ``S - D`` AB steps; the paper's
-``S = 759, D = 60``), whose ``traffic_reduction`` is ``1 - cycle / dp``; ``run``: the mean over
-the whole 15000-step run of that config, warm-up (4330 steps) and first AB phase included.
+``--trainer-runs N`` also runs ``configs/digits_dense.py`` and ``configs/digits_ab.py`` through
+the trainer N times each, alternating, with the same steps, evaluation and checkpoint settings,
+and records their wall times (phase ``trainer_run``).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
 
 from jaxcomp.bench import _common
 
@@ -41,8 +63,11 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxcomp import comm  # noqa: E402
+from jaxcomp import models  # noqa: E402
 from jaxcomp import transforms  # noqa: E402
+from jaxcomp.transforms import _ab_programs  # noqa: E402
 from jaxcomp.transforms._ab_layout import build_layout  # noqa: E402
+from jaxcomp.transforms._ab_parallel import kind_bytes  # noqa: E402
 from jaxcomp.transforms._ab_schedule import STEP_KINDS  # noqa: E402
 
 VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
@@ -108,12 +133,11 @@ def capacity(cols: int, fraction: float) -> int:
 def measure(model: str, sync_mode: str, fractions: list[float], groups: int) -> list[dict]:
     params = vgg16_params(model)
     mesh = transforms.ab_mesh(groups, jax.devices()[:8])
-    kwargs = dict(
-        learning_rate=1e-3, warmup_steps=WARMUP, sync_every=CYCLE,
-        full_rank_steps=FULL_RANK_STEPS, exclude=EXCLUDE, sync_mode=sync_mode,
+    config = transforms.ABConfig(
+        1e-3, warmup_steps=WARMUP, sync_every=CYCLE, full_rank_steps=FULL_RANK_STEPS,
+        exclude=EXCLUDE, sync_mode=sync_mode,
     )  # fmt: skip
-    tx = transforms.ab_training(**kwargs)
-    state = jax.eval_shape(tx.init, params)
+    state = jax.eval_shape(transforms.ab_transform(config).init, params)
     dp = dp_step_bytes(params, mesh)
 
     def mean(reports):  # average over the workers' roles
@@ -121,8 +145,9 @@ def measure(model: str, sync_mode: str, fractions: list[float], groups: int) -> 
         weights = {"a": num_a, "b": groups - num_a, "all": groups}
         return sum(weights[r] * rep.total_bytes for r, rep in reports.items()) / groups
 
-    full = transforms.ab_step_bytes(params, mesh, state=state, **kwargs)
-    base = dict(model=model, sync_mode=sync_mode, dp_hlo_bytes_per_step=dp, groups=groups)
+    full = transforms.ab_step_bytes(params, mesh, config, state=state)
+    base = dict(model=model, sync_mode=sync_mode, dp_hlo_bytes_per_step=dp, groups=groups,
+                step_time_s=None, dense_step_time_s=None)  # fmt: skip
 
     def record(phase, nbytes, fraction=None, **extra):
         return {**base, "phase": phase, "rank_fraction": fraction, "hlo_bytes_per_step": nbytes,
@@ -141,8 +166,8 @@ def measure(model: str, sync_mode: str, fractions: list[float], groups: int) -> 
     for fraction in fractions:
         caps = [capacity(x.shape[-1], fraction) for x in state.a]
         cut = jax.eval_shape(lambda s, c=caps: transforms.fit_rank_capacity(s, c), state)
-        low = transforms.ab_step_bytes(params, mesh, state=cut, kinds=("ab", "ab_then_sync"),
-                                       **kwargs)  # fmt: skip
+        low = transforms.ab_step_bytes(params, mesh, config, state=cut,
+                                       kinds=("ab", "ab_then_sync"))  # fmt: skip
         ab, sync = mean(low["ab"]), mean(low["ab_then_sync"])
         cycle = (
             (FULL_RANK_STEPS - 1) * dense + refactor + (CYCLE - FULL_RANK_STEPS - 1) * ab + sync
@@ -199,17 +224,191 @@ def run_mean(kind_bytes_first: dict, kind_bytes: dict) -> float:
     return total / RUN_STEPS
 
 
+# ---- step time per kind (the digits MLP of configs/digits_ab.py) ----------------------------
+
+KIND_PHASE = {"dense": "full", "dense_then_refactor": "refactor", "ab": "ab",
+              "ab_then_sync": "sync", "ab (lax.switch)": "ab_switch",
+              "dense (finite check)": "full_checked"}  # fmt: skip
+
+
+def _digits():
+    model = models.get_model("mlp", hidden=(256, 256, 256))
+    params = tuple(v["params"] for v in model.init(jax.random.key(0)))
+
+    def loss_fn(params, batch):
+        logits, _ = model.apply(tuple({"params": p} for p in params), batch["x"], train=True)
+        return model.loss_fn(logits, batch["label"])
+
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((128, *model.input_shape)).astype(np.float32),
+             "label": rng.integers(0, 10, 128).astype(np.int32)}  # fmt: skip
+    return loss_fn, params, batch
+
+
+def _dense_dp(loss_fn, params, batch, mesh):
+    """The baseline: local gradients, ``pmean`` over all workers, Adam; replicated params."""
+    axes = tuple(mesh.axis_names)
+    tx = optax.adam(1e-3)
+
+    def body(params, opt, batch):
+        _, grads = comm.local_value_and_grad(loss_fn, axes)(params, batch)
+        updates, opt = tx.update(lax.pmean(grads, axes), opt, params)
+        return optax.apply_updates(params, updates), opt
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axes)),
+                               out_specs=(P(), P())))  # fmt: skip
+    rep = NamedSharding(mesh, P())
+    args = (jax.device_put(params, rep), jax.device_put(tx.init(params), rep),
+            jax.device_put(batch, NamedSharding(mesh, P(axes))))  # fmt: skip
+    compiled = fn.lower(*args).compile()
+    return (lambda: compiled(*args)), comm.collective_report(compiled.as_text()).total_bytes
+
+
+def _switch_step(config, loss_fn, params, batch, mesh, count):
+    """The optax transform's single ``lax.switch`` program, at a step of index ``count``."""
+    tx = transforms.ab_transform(config)
+    axes = config.axis_name
+
+    def body(params, opt, batch):
+        params, opt = jax.tree.map(lambda x: x[0], (params, opt))
+        _, grads = comm.local_value_and_grad(loss_fn, axes)(params, batch)
+        updates, opt = tx.update(grads, opt, params)
+        return jax.tree.map(lambda x: x[None], (optax.apply_updates(params, updates), opt))
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
+    p, o = transforms.per_worker((params, tx.init(params)), mesh)
+    o = o._replace(count=jax.device_put(np.full(mesh.size, count, np.int32), o.count.sharding))
+    args = (p, o, jax.device_put(batch, NamedSharding(mesh, P(axes))))
+    compiled = fn.lower(*args).compile()
+    return lambda: compiled(*args)
+
+
+def _quartiles(x) -> tuple[float, float, float]:
+    q25, q50, q75 = np.percentile(np.asarray(x), [25, 50, 75])
+    return float(q50), float(q25), float(q75)
+
+
+def time_kinds(repeats: int) -> list[dict]:
+    """Step time per kind vs the dense data-parallel step, round-robin (see the docstring)."""
+    loss_fn, params, batch = _digits()
+    mesh = transforms.ab_mesh(2, jax.devices()[:8])
+    config = transforms.ABConfig(
+        1e-3, warmup_steps=60, sync_every=40, full_rank_steps=5, exclude=("fc1", "head"),
+        max_rank_fraction=0.25,
+    )  # fmt: skip
+    dp = transforms.ab_data_parallel(loss_fn, config, mesh, donate=False)  # one-thread LAPACK
+    # like the baseline, no finiteness check (one more row times the dense kind with it)
+    programs = _ab_programs.Programs(config, loss_fn, mesh, donate=False, check_finite=False)
+    guarded = _ab_programs.Programs(config, loss_fn, mesh, donate=False)
+    state = dp.init(params)
+    sharded = dp.shard_batch(batch)
+    factored = programs.run("factorise", state)[0]  # AB steps start from exact factors
+    run = programs.run
+    calls = {
+        "dense": lambda: run("dense", state, sharded),
+        "dense_then_refactor": lambda: run("refactor", run("dense", state, sharded)[0]),
+        "ab": lambda: run("ab", factored, sharded),
+        "ab_then_sync": lambda: run("sync", run("ab", factored, sharded)[0]),
+        "ab (lax.switch)": _switch_step(config, loss_fn, params, batch, mesh, count=61),
+        "dense (finite check)": lambda: guarded.run("dense", state, sharded),
+    }
+    dense_call, dp_bytes = _dense_dp(loss_fn, params, batch, mesh)
+    texts = {n: c.as_text() for n, c in programs.compile_all(state, sharded).items()}
+    sizes = config.group_sizes([mesh.shape[a] for a in config.axis_name])
+    by_kind = kind_bytes(config, sizes, texts)
+    names = ["dense_dp", *calls]
+    fns = [dense_call, *calls.values()]
+    for fn in fns:  # warm up (and compile)
+        for _ in range(2):
+            jax.block_until_ready(fn())
+    times = {n: [] for n in names}
+    load_before = os.getloadavg()[0]
+    for _ in range(repeats):
+        for n, fn in zip(names, fns):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[n].append(time.perf_counter() - t0)
+    load_after = os.getloadavg()[0]
+    dense = _quartiles(times["dense_dp"])
+    rows = []
+    for kind in calls:
+        key = {"ab (lax.switch)": "ab", "dense (finite check)": "dense"}.get(kind, kind)
+        t = _quartiles(times[kind])
+        ratio = _quartiles(np.asarray(times[kind]) / np.asarray(times["dense_dp"]))
+        b = by_kind[key]
+        rows.append({
+            "model": "mlp_digits", "sync_mode": config.sync_mode,
+            "phase": KIND_PHASE[kind], "step_kind": kind,
+            "hlo_bytes_per_step": b.get("mean", b.get("all")), "dp_hlo_bytes_per_step": dp_bytes,
+            "step_time_s": t[0], "step_time_q25_s": t[1], "step_time_q75_s": t[2],
+            "dense_step_time_s": dense[0], "dense_step_time_q25_s": dense[1],
+            "dense_step_time_q75_s": dense[2], "time_ratio_to_dense": ratio[0],
+            "time_ratio_q25": ratio[1], "time_ratio_q75": ratio[2], "repeats": repeats,
+            "load_before": load_before, "load_after": load_after,
+        })  # fmt: skip
+    return rows
+
+
+def trainer_runs(runs: int, steps: int = 300) -> list[dict]:
+    """Wall times of digits_dense and digits_ab through the trainer, alternating."""
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    if not (repo / "configs" / "digits_ab.py").exists():
+        raise ValueError(f"--trainer-runs needs the repository's configs/ (not found in {repo}).")
+    sets = [f"total_steps={steps}", "eval_every=100", "checkpoint_every=100", "log_every=25"]
+    walls: dict[str, list[float]] = {"digits_dense": [], "digits_ab": []}
+    summaries = {}
+    load_before = os.getloadavg()[0]
+    for _ in range(runs):
+        for name in walls:
+            with tempfile.TemporaryDirectory() as workdir:
+                cmd = [sys.executable, "-m", "jaxcomp.main", "--config",
+                       f"configs/{name}.py", "--workdir", workdir]  # fmt: skip
+                cmd += [x for s in sets for x in ("--set", s)]
+                subprocess.run(cmd, cwd=repo, check=True, capture_output=True)
+                with open(os.path.join(workdir, "summary.json")) as f:
+                    summaries[name] = json.load(f)
+            walls[name].append(summaries[name]["wall_time_s"])
+            print(f"  {name}: {walls[name][-1]:.1f} s", flush=True)
+    dense, ab = _quartiles(walls["digits_dense"]), _quartiles(walls["digits_ab"])
+    ratio = _quartiles(np.asarray(walls["digits_ab"]) / np.asarray(walls["digits_dense"]))
+    return [{
+        "model": "mlp_digits", "sync_mode": summaries["digits_ab"].get("sync_mode"),
+        "phase": "trainer_run", "steps": steps,
+        "hlo_bytes_per_step": summaries["digits_ab"]["wire_bytes_per_step"],
+        "dp_hlo_bytes_per_step": summaries["digits_dense"]["wire_bytes_per_step"],
+        "step_time_s": ab[0] / steps, "dense_step_time_s": dense[0] / steps,
+        "wall_time_s": ab[0], "wall_time_q25_s": ab[1], "wall_time_q75_s": ab[2],
+        "dense_wall_time_s": dense[0], "dense_wall_time_q25_s": dense[1],
+        "dense_wall_time_q75_s": dense[2], "time_ratio_to_dense": ratio[0],
+        "time_ratio_q25": ratio[1], "time_ratio_q75": ratio[2], "repeats": runs,
+        "load_before": load_before, "load_after": os.getloadavg()[0],
+    }]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _common.parser(__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["vgg16_cifar", "vgg16_timm"])
     p.add_argument("--sync-modes", nargs="+", default=["only-b", "with-stale"])
     p.add_argument("--rank-fractions", nargs="+", type=float, default=[0.05, 0.1, 0.25])
     p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--no-bytes", action="store_true", help="skip the VGG-16 byte analysis")
+    p.add_argument("--no-time", action="store_true", help="skip the step timing")
+    p.add_argument(
+        "--trainer-runs",
+        type=int,
+        default=0,
+        help="also time N alternating digits_dense / digits_ab trainer runs",
+    )
     args = p.parse_args(argv)
     results = []
-    for model in args.models:
-        for mode in args.sync_modes:
-            results += measure(model, mode, args.rank_fractions, args.groups)
+    if not args.no_time:
+        results += time_kinds(max(args.repeats, 1))
+    if args.trainer_runs:
+        results += trainer_runs(args.trainer_runs)
+    if not args.no_bytes:
+        for model in args.models:
+            for mode in args.sync_modes:
+                results += measure(model, mode, args.rank_fractions, args.groups)
     print()
     _common.print_table(
         results,
@@ -221,10 +420,13 @@ def main(argv: list[str] | None = None) -> int:
             ("hlo_bytes_per_step", ".4g"),
             ("dp_hlo_bytes_per_step", ".4g"),
             ("ratio_to_dp", ".3f"),
+            ("step_time_s", ".4f"),
+            ("dense_step_time_s", ".4f"),
+            ("time_ratio_to_dense", ".3f"),
             ("compression_ratio", ".2f"),
             ("traffic_reduction", ".3f"),
         ],
     )
     _common.write_json(args.json, "ab_training", results, cycle=CYCLE,
-                       full_rank_steps=FULL_RANK_STEPS)  # fmt: skip
+                       full_rank_steps=FULL_RANK_STEPS, load=list(os.getloadavg()))  # fmt: skip
     return 0

@@ -71,6 +71,8 @@ class Programs:
       mesh: the mesh holding ``config.axis_name``.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       donate: donate the state's buffers to each program's result.
+      check_finite: report whether each worker's loss and new state are finite (one pass
+        over what a program writes); if False, ``finite`` is always 1.
     """
 
     config: ABConfig
@@ -78,6 +80,7 @@ class Programs:
     mesh: jax.sharding.Mesh
     has_aux: bool = False
     donate: bool = True
+    check_finite: bool = True
 
     def __post_init__(self):
         self._compiled: dict[tuple, Any] = {}  # a compile cache, not training state
@@ -101,7 +104,9 @@ class Programs:
             fn = _ab_step.dense_update if kind == "dense" else _ab_step.ab_update
             params, opt = fn(ctx, grads, opt, params, lr)
             opt = advance(self.config, opt, opt.count)
-            workers = {"lr": lr, **_state_metrics(params, opt, loss)}
+            changed = (params, opt.dense_state, opt.other_state) if kind == "dense" else (
+                params, opt.a, opt.b, opt.a_state, opt.b_state, opt.other_state)  # fmt: skip
+            workers = {"lr": lr, **_state_metrics(self.check_finite, changed, params, opt, loss)}
             metrics = {"loss": lax.pmean(loss, self.axes), "workers": _stack(workers)}
             if self.has_aux:
                 metrics["aux"] = jax.tree.map(lambda a: lax.pmean(a, self.axes), aux)
@@ -117,7 +122,8 @@ class Programs:
                 params, opt = _ab_sync.sync(ctx, opt, params)
             else:  # one program for both: the flag is an input (replicated, so uniform)
                 params, opt = _ab_sync.refactor(ctx, opt, params, exact=exact)
-            workers = _stack(_state_metrics(params, opt))
+            changed = (params, opt.a, opt.b, opt.a_state, opt.b_state)
+            workers = _stack(_state_metrics(self.check_finite, changed, params, opt))
             return TrainState(state.step, *_stack((params, opt))), {"workers": workers}
 
         return body
@@ -169,13 +175,15 @@ class Programs:
         return {name: self.compiled(name, *self._args(name, state, batch)) for name in PROGRAMS}
 
 
-def _state_metrics(params, opt, loss=None) -> dict[str, jax.Array]:
-    """This worker's: whether its new state (and loss) is finite; count, phase and ranks.
+def _state_metrics(check: bool, changed, params, opt, loss=None) -> dict[str, jax.Array]:
+    """This worker's: whether what the program changed (and the loss) is finite; count, phase
+    and ranks.
 
-    Per worker (no collective): the host combines them over the workers.
+    Per worker (no collective): the host combines them over the workers. Only the parts of
+    the state a program writes are checked (the rest was checked when it was written).
     """
-    leaves = [x for x in jax.tree.leaves((params, opt)) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    finite = jnp.stack([jnp.isfinite(x).all() for x in leaves]).all() if leaves else True
+    leaves = [x for x in jax.tree.leaves(changed) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    finite = jnp.stack([jnp.isfinite(x).all() for x in leaves]).all() if leaves and check else True
     if loss is not None:
         finite = finite & jnp.isfinite(loss)
     out = {"finite": jnp.asarray(finite, jnp.int32)}
