@@ -30,9 +30,9 @@ program, then the transition's), and ``ab (lax.switch)`` is the optax transform'
 program at an AB step; the baseline is a dense data-parallel step (``pmean`` + Adam,
 replicated parameters) of the same model. Like the baseline, these run without the harness's
 finiteness check; ``full_checked`` is the dense kind with it. All are timed round-robin, one
-call each per round, ``--repeats`` rounds: ``step_time_s`` and ``dense_step_time_s`` are medians, with their
-quartiles (``*_q25_s``, ``*_q75_s``); ``time_ratio_to_dense`` is the median of the per-round
-ratios, with its quartiles. The machine's load average is recorded before and after.
+call each per round, ``--repeats`` rounds: ``step_time_s`` and ``dense_step_time_s`` are
+medians, with their quartiles (``*_q25_s``, ``*_q75_s``); ``time_ratio_to_dense`` is the
+median of the per-round ratios, with its quartiles. The machine's load average is recorded before and after.
 
 ``--trainer-runs N`` also runs ``configs/digits_dense.py`` and ``configs/digits_ab.py`` through
 the trainer N times each, alternating, with the same steps, evaluation and checkpoint settings,
