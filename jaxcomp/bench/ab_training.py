@@ -32,7 +32,8 @@ replicated parameters) of the same model. Like the baseline, these run without t
 finiteness check; ``full_checked`` is the dense kind with it. All are timed round-robin, one
 call each per round, ``--repeats`` rounds: ``step_time_s`` and ``dense_step_time_s`` are
 medians, with their quartiles (``*_q25_s``, ``*_q75_s``); ``time_ratio_to_dense`` is the
-median of the per-round ratios, with its quartiles. The machine's load average is recorded before and after.
+median of the per-round ratios, with its quartiles. The machine's load average is recorded
+before and after.
 
 ``--trainer-runs N`` also runs ``configs/digits_dense.py`` and ``configs/digits_ab.py`` through
 the trainer N times each, alternating, with the same steps, evaluation and checkpoint settings,
