@@ -206,6 +206,26 @@ class ABConfig:
             cap = min(cap, max(1, int(round(self.max_rank_fraction * cols))))
         return cap
 
+    def members_agree(self, axis_sizes: Sequence[int]) -> bool:
+        """Whether the members of each group hold equal values: groups on the rows of a
+        ``(group, member)`` mesh with ``comm_setup="groups"``."""
+        rows = len(axis_sizes) == 2 and self.group_sizes(axis_sizes) == (
+            (axis_sizes[1],) * axis_sizes[0]
+        )
+        return rows and self.comm_setup == "groups"
+
+    def state_axes(self, mesh: Any) -> tuple[str, ...]:
+        """The mesh axes the per-worker state varies over: the group axis if the members of a
+        group agree (:meth:`members_agree`; one state entry per group), else every worker
+        axis (one entry per worker).
+
+        Args:
+          mesh: a mesh (or ``{axis: size}``) with the ``axis_name`` axes.
+        """
+        shape = dict(getattr(mesh, "shape", mesh))
+        sizes = [shape[a] for a in self.axis_name]
+        return self.axis_name[:1] if self.members_agree(sizes) else self.axis_name
+
     def group_sizes(self, axis_sizes: Sequence[int]) -> tuple[int, ...]:
         """The sizes of the worker groups on a mesh with these ``axis_name`` sizes."""
         n = 1

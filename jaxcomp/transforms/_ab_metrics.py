@@ -151,11 +151,11 @@ def ab_step_bytes(
     """
     if state is None:
         state = jax.eval_shape(lambda p: init_state(config, p), params)
-    axes = config.axis_name
-    n = math.prod(mesh.shape[a] for a in axes)
-    workers = NamedSharding(mesh, P(axes))
-    args = (_abstract(params, workers, n), _abstract(state, workers, n),
-            _abstract(params, workers, n))  # fmt: skip
+    axes, held = config.axis_name, config.state_axes(mesh)
+    n, k = math.prod(mesh.shape[a] for a in axes), math.prod(mesh.shape[a] for a in held)
+    workers, holders = NamedSharding(mesh, P(axes)), NamedSharding(mesh, P(held))
+    args = (_abstract(params, workers, n), _abstract(state, holders, k),
+            _abstract(params, holders, k))  # fmt: skip
     sizes = config.group_sizes([mesh.shape[a] for a in axes])
     roles = ("a", "b") if num_a_groups(config.sync_mode, len(sizes)) else ("b",)
     out: dict[str, dict[str, CollectiveReport]] = {}
@@ -168,7 +168,8 @@ def ab_step_bytes(
             new, state = update_kind(ctx, kind, grads, state, params, lr)
             return jax.tree.map(lambda x: x[None], (new, state))
 
-        fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axes),) * 3, out_specs=(P(axes),) * 2)
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(held), P(held)),
+                           out_specs=(P(held),) * 2)  # fmt: skip
         text = jax.jit(fn).lower(*args).compile().as_text()
         split = collectives_by_role(text)
         out[kind] = (

@@ -69,17 +69,19 @@ def ab_mesh(num_groups: int, devices: Sequence[jax.Device] | None = None) -> jax
 def per_worker(
     tree: Any, mesh: jax.sharding.Mesh, axis_name: str | Sequence[str] = (GROUP, MEMBER)
 ) -> Any:
-    """Copies every leaf once per worker: ``[N, ...]``, sharded over ``axis_name``.
+    """Copies every leaf once per entry of ``axis_name``: ``[N, ...]``, sharded over it.
 
     Use it on the parameters and the :func:`~jaxcomp.transforms.ab_training` state (from
-    ``tx.init`` on the unstacked parameters) before the first step.
+    ``tx.init`` on the unstacked parameters) before the first step, with ``axis_name`` the
+    worker axes or, as the harness does, ``config.state_axes(mesh)`` (one entry per group
+    when the members of a group agree).
     """
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     return _ab_programs.per_worker(tree, mesh, axes)
 
 
 def worker_entry(tree: Any, worker: int = 0) -> Any:
-    """One worker's entry of a per-worker tree (a host copy)."""
+    """Entry ``worker`` (a worker's, or a group's) of a per-worker tree (a host copy)."""
     return jax.tree.map(lambda x: np.asarray(x)[worker], tree)
 
 
@@ -107,7 +109,9 @@ class ABDataParallel(NamedTuple):
     """What :func:`ab_data_parallel` returns.
 
     Attributes:
-      init: ``init(params) -> TrainState`` (per-worker parameters and optimizer state).
+      init: ``init(params) -> TrainState``: parameters and optimizer state with a leading axis
+        over ``config.state_axes(mesh)``: one entry per group when the members of a group
+        agree (a ``(group, member)`` mesh with ``comm_setup="groups"``), else per worker.
       step: ``step(state, batch) -> (state, metrics)``; reads ``state.step`` on the host to
         choose the programs (so it waits for the previous step to finish).
       shard_batch: places a host batch on the mesh (``step`` calls it too).
@@ -195,11 +199,14 @@ def ab_data_parallel(
         single_thread_lapack()
     programs = _ab_programs.Programs(config, loss_fn, mesh, has_aux, donate, check_finite)
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(axes))
+    state_axes = config.state_axes(mesh)
 
     def init(params):
         step0 = jax.device_put(jnp.zeros((), jnp.int32), replicated)
         opt = jax.jit(lambda p: init_state(config, p))(params)
-        return TrainState(step0, per_worker(params, mesh, axes), per_worker(opt, mesh, axes))
+        return TrainState(
+            step0, per_worker(params, mesh, state_axes), per_worker(opt, mesh, state_axes)
+        )
 
     def shard_batch(batch):
         return jax.device_put(batch, split)

@@ -85,6 +85,7 @@ class Programs:
     def __post_init__(self):
         self._compiled: dict[tuple, Any] = {}  # a compile cache, not training state
         self.axes = self.config.axis_name
+        self.state_axes = self.config.state_axes(self.mesh)
 
     # ---- bodies (inside shard_map, one worker's slice) ------------------------------------
 
@@ -106,8 +107,9 @@ class Programs:
             opt = advance(self.config, opt, opt.count)
             changed = (params, opt.dense_state, opt.other_state) if kind == "dense" else (
                 params, opt.a, opt.b, opt.a_state, opt.b_state, opt.other_state)  # fmt: skip
+            loss = lax.pmean(loss, self.axes)  # non-finite if any worker's is
             workers = {"lr": lr, **_state_metrics(self.check_finite, changed, params, opt, loss)}
-            metrics = {"loss": lax.pmean(loss, self.axes), "workers": _stack(workers)}
+            metrics = {"loss": loss, "workers": _stack(workers)}
             if self.has_aux:
                 metrics["aux"] = jax.tree.map(lambda a: lax.pmean(a, self.axes), aux)
             return TrainState(state.step + 1, *_stack((params, opt))), metrics
@@ -129,9 +131,9 @@ class Programs:
         return body
 
     def _sharded(self, name: str):
-        specs = TrainState(P(), P(self.axes), P(self.axes))
+        specs = TrainState(P(), P(self.state_axes), P(self.state_axes))
         if name in ("dense", "ab"):
-            metrics = {"loss": P(), "workers": P(self.axes)}
+            metrics = {"loss": P(), "workers": P(self.state_axes)}
             if self.has_aux:
                 metrics["aux"] = P()
             in_specs = (specs, P(self.axes))
@@ -140,7 +142,7 @@ class Programs:
         else:
             fn = jax.shard_map(self._transition_body(name), mesh=self.mesh,
                                in_specs=(specs, P()),
-                               out_specs=(specs, {"workers": P(self.axes)}))  # fmt: skip
+                               out_specs=(specs, {"workers": P(self.state_axes)}))  # fmt: skip
         return jax.jit(fn, donate_argnums=(0,) if self.donate else ())
 
     # ---- compile and run ----------------------------------------------------------------
@@ -200,7 +202,7 @@ def _abstract(x):
 
 
 def per_worker(tree: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> Any:
-    """Copies every leaf once per worker: ``[N, ...]``, sharded over ``axes``."""
+    """Copies every leaf once per entry of ``axes``: ``[N, ...]``, sharded over them."""
     n = int(np.prod([mesh.shape[a] for a in axes]))
     sharding = NamedSharding(mesh, P(axes))
 
@@ -213,7 +215,7 @@ def per_worker(tree: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> Any
 
 def abstract_train_state(config: ABConfig, params: Any, mesh: jax.sharding.Mesh) -> TrainState:
     """``ShapeDtypeStruct``s (with shardings) of the harness's train state for ``params``."""
-    axes = config.axis_name
+    axes = config.state_axes(mesh)
     n = int(np.prod([mesh.shape[a] for a in axes]))
     workers = NamedSharding(mesh, P(axes))
     opt = jax.eval_shape(lambda p: _ab_step.init_state(config, p), params)

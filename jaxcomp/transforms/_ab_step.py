@@ -120,7 +120,7 @@ def dense_update(ctx: Ctx, grads, state: ABTrainingState, params, lr):
     pf, dense_state = inner_step(ctx.cfg, gf, state.dense_state, pf, lr, scale)
     po, other_state = inner_step(ctx.cfg, go, state.other_state, po, lr, scale)
     state = state._replace(dense_state=dense_state, other_state=other_state)
-    return to_varying((ctx.layout.merge(pf, po), state), ctx.topo.axes)
+    return to_varying((ctx.layout.merge(pf, po), state), ctx.topo.state_axes)
 
 
 def _factor_step(ctx: Ctx, role: str, gm, go_sq, lr, state: ABTrainingState, reduce):
@@ -138,7 +138,7 @@ def _factor_step(ctx: Ctx, role: str, gm, go_sq, lr, state: ABTrainingState, red
             b, b_state = inner_step(ctx.cfg, grads, state.b_state, state.b, lr, scale)
             b = tuple(y * m[:, None].astype(y.dtype) for y, m in zip(b, masks))
             state = state._replace(b=b, b_state=b_state)
-    return to_varying((state, scale), ctx.topo.axes)
+    return to_varying((state, scale), ctx.topo.state_axes)
 
 
 def _train_factors(ctx: Ctx, gm, go_sq, lr, state: ABTrainingState):
@@ -179,4 +179,4 @@ def ab_update(ctx: Ctx, grads, state: ABTrainingState, params, lr):
     po, other_state = inner_step(cfg, go, state.other_state, po, lr, scale)
     state = state._replace(other_state=other_state)
     pf = tuple(F.reconstruct(x, y, s) for x, y, s in zip(state.a, state.b, specs))
-    return to_varying((ctx.layout.merge(pf, po), state), topo.axes)
+    return to_varying((ctx.layout.merge(pf, po), state), topo.state_axes)

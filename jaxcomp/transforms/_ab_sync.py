@@ -86,7 +86,7 @@ def refactor(ctx: Ctx, state: ABTrainingState, params, exact: bool | jax.Array =
     """
     pf, po = ctx.layout.split(params)
     if not pf:
-        return to_varying((params, _finish(ctx, state, pf, po)), ctx.topo.axes)
+        return to_varying((params, _finish(ctx, state, pf, po)), ctx.topo.state_axes)
     usv = _svds(ctx, pf)
     caps = jnp.asarray([x.shape[-1] for x in state.a], jnp.int32)
     if exact is True:
@@ -117,7 +117,7 @@ def refactor(ctx: Ctx, state: ABTrainingState, params, exact: bool | jax.Array =
         product = tuple(F.reconstruct(x, y, s) for x, y, s in zip(state.a, state.b, specs))
         pf = tuple(jnp.where(exact, w, p) for w, p in zip(pf, product))
     state = _finish(ctx, state, pf, po)
-    return to_varying((ctx.layout.merge(pf, po), state), ctx.topo.axes)
+    return to_varying((ctx.layout.merge(pf, po), state), ctx.topo.state_axes)
 
 
 def sync_factors(ctx: Ctx, a, b):
@@ -155,4 +155,4 @@ def sync(ctx: Ctx, state: ABTrainingState, params):
         elif rule == "first":
             po = ctx.topo.first(po)
     state = _finish(ctx, state._replace(a=a, b=b), weights, po)
-    return to_varying((ctx.layout.merge(weights, po), state), ctx.topo.axes)
+    return to_varying((ctx.layout.merge(weights, po), state), ctx.topo.state_axes)

@@ -71,6 +71,11 @@ class Topology:
     members_agree: bool = False
 
     @property
+    def state_axes(self) -> tuple[str, ...]:
+        """The axes the state varies over (the group axis alone if the members agree)."""
+        return self.axes[:1] if self.members_agree else self.axes
+
+    @property
     def num_workers(self) -> int:
         return sum(self.sizes)
 
@@ -171,5 +176,5 @@ def topology(cfg: ABConfig) -> Topology:
     rect = len(axes) == 2 and sizes == (axis_sizes[1],) * axis_sizes[0]
     if math.prod(axis_sizes) != sum(sizes):  # pragma: no cover - group_sizes guarantees it
         raise ValueError(f"groups {sizes} do not cover the {math.prod(axis_sizes)} workers.")
-    agree = rect and cfg.comm_setup == "groups"
+    agree = cfg.members_agree(axis_sizes)
     return Topology(axes, sizes, num_a_groups(cfg.sync_mode, len(sizes)), rect, agree)

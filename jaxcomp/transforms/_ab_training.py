@@ -79,22 +79,30 @@ def check_shapes(layout: ABLayout, state: ABTrainingState, grads: Any, params: A
                              f"parameter {p.shape}.")  # fmt: skip
 
 
+def match_vma(tree: Any, like: Any) -> Any:
+    """``tree`` with every leaf also varying over the axes its counterpart in ``like`` varies
+    over, so that branches of a ``cond``/``switch`` return one type whatever the caller's
+    state layout (per worker or per group)."""
+    return jax.tree.map(lambda x, y: to_varying(x, tuple(sorted(varying_axes(y)))), tree, like)
+
+
 def update_kind(ctx: Ctx, kind: str, grads, state: ABTrainingState, params, lr):
     """One step of a static ``kind`` (count not advanced): ``(new_params, state)``."""
+    given = (params, state)
     if kind in ("dense", "dense_then_refactor"):
         params, state = dense_update(ctx, grads, state, params, lr)
         if kind == "dense_then_refactor":
             params, state = refactor(ctx, state, params)
-        return params, state
+        return match_vma((params, state), given)
     first = state.count == ctx.cfg.warmup_steps
     state = lax.cond(
-        first, functools.partial(factorise_exact, ctx),
-        lambda s, p: to_varying(s, ctx.topo.axes), state, params,
+        first, lambda s, p: match_vma(factorise_exact(ctx, s, p), s),
+        lambda s, p: match_vma(to_varying(s, ctx.topo.state_axes), s), state, params,
     )  # fmt: skip
     params, state = ab_update(ctx, grads, state, params, lr)
     if kind == "ab_then_sync":
         params, state = sync(ctx, state, params)
-    return params, state
+    return match_vma((params, state), given)
 
 
 def advance(cfg: ABConfig, state: ABTrainingState, count: jax.Array) -> ABTrainingState:

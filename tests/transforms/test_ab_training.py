@@ -222,12 +222,14 @@ def test_each_group_trains_its_factor_on_its_own_data():
     state = _run_groups(make_config(every=8, split_sigma=False), mesh, params,
                         make_batches(WARMUP + 3), refs, lambda w: np.arange(4 * w, 4 * w + 4),
                         [0, 0, 1, 1])  # fmt: skip
-    workers = [transforms.worker_entry(state.params, w) for w in range(4)]
-    for w, got in enumerate(workers):
-        assert_params_close(got, refs[w // 2].params)
-    assert not np.allclose(workers[0]["l1"]["kernel"], workers[2]["l1"]["kernel"])
-    for w, ref in ((0, refs[0]), (2, refs[1])):  # the factors too (SVD columns up to sign)
-        opt = transforms.worker_entry(state.opt_state, w)
+    # the members of a group agree: one state entry per group
+    assert jax.tree.leaves(state.params)[0].shape[0] == 2
+    groups = [transforms.worker_entry(state.params, g) for g in range(2)]
+    for got, ref in zip(groups, refs):
+        assert_params_close(got, ref.params)
+    assert not np.allclose(groups[0]["l1"]["kernel"], groups[1]["l1"]["kernel"])
+    for g, ref in enumerate(refs):  # the factors too (SVD columns are defined up to sign)
+        opt = transforms.worker_entry(state.opt_state, g)
         for i, n in enumerate(FACTORED):
             np.testing.assert_allclose(abs(opt.a[i]), abs(ref.a[n]), rtol=2e-4, atol=2e-5)
             np.testing.assert_allclose(abs(opt.b[i]), abs(ref.b[n]), rtol=2e-4, atol=2e-5)
@@ -295,7 +297,7 @@ def _user_loop_step(config, mesh):
     """The public transform (``lax.switch`` on the count) in a user's own ``shard_map``."""
     tx = transforms.ab_training(**{f.name: getattr(config, f.name)
                                    for f in dataclasses.fields(config)})  # fmt: skip
-    axes = config.axis_name
+    axes, held = config.axis_name, config.state_axes(mesh)
 
     def body(params, opt_state, batch):
         params, opt_state = jax.tree.map(lambda x: x[0], (params, opt_state))
@@ -304,8 +306,9 @@ def _user_loop_step(config, mesh):
         params = optax.apply_updates(params, updates)
         return jax.tree.map(lambda x: x[None], (params, opt_state))
 
-    spec = P(axes)
-    return tx, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    specs = (P(held), P(held), P(axes))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(held), P(held)))
+    return tx, jax.jit(fn)
 
 
 def test_the_optax_transform_equals_the_harness_programs():
@@ -316,7 +319,8 @@ def test_the_optax_transform_equals_the_harness_programs():
     tx, step = _user_loop_step(config, mesh)
     dp = transforms.ab_data_parallel(loss_fn, config, mesh)
     state = dp.init(params)
-    p, o = transforms.per_worker((params, tx.init(params)), mesh)  # init outside shard_map
+    held = config.state_axes(mesh)  # ("group",): one entry per group, as the harness
+    p, o = transforms.per_worker((params, tx.init(params)), mesh, held)  # init outside shard_map
     batches = make_batches(11)  # warm-up, AB, sync, full rank + re-factorisation, AB
     for x, y in batches:
         state, _ = dp.step(state, (x, y))
