@@ -217,6 +217,14 @@ def ab_training(learning_rate: optax.ScalarOrSchedule, **options: Any):
       A-groups hold ``Σ`` on ``A``, the B-groups on ``B``), exactly as the reference does.
 
     .. note::
+      Collectives in branches: a ``lax.cond``/``lax.switch`` whose branches hold a collective
+      over an axis must have a predicate uniform over that axis (all devices of each of the
+      collective's groups reach it; otherwise NCCL/TPU hang and the CPU backend aborts after
+      40 s). The step-kind ``switch`` branches on the step count, agreed over all workers;
+      the A/B role ``cond`` (rectangular mesh) varies only over the group axis and its
+      branches reduce only over the member axis; on a flat axis the role is never a branch
+      (:mod:`jaxcomp.transforms._ab_topology`).
+
       Where the reference code is wrong this does the right thing (SPEC §3.8):
       ``warmup_steps=0`` works; an empty ``exclude`` excludes nothing; the rebound never drives
       the rate to zero or below. Beyond the reference: moments follow the singular vectors
