@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxcomp import train
 from jaxcomp.main import load_config
 from jaxcomp.train import _trainer
 
@@ -56,11 +57,30 @@ def smoke_setup():
     return _trainer.setup(load_config(f"{REPO}/configs/digits_ab.py:smoke"))
 
 
-def test_a_state_whose_count_disagrees_with_the_trainer_step_is_an_error(smoke_setup):
-    s = smoke_setup
-    state = s.mode.init(jax.random.key(0))
-    batch, _ = s.train_loader.next(_trainer.data.LoaderState(0, 0))
+def _step(s, state, step):
+    batch, _ = s.train_loader.next(_trainer.data.LoaderState(0, step))
     key = _trainer._replicated(np.zeros(2, np.uint32), s.mesh)
-    placed = _trainer.place(batch, s.mode.batch_sharding)
-    with pytest.raises(ValueError, match="counts 0 steps but the trainer is at step 1"):
-        s.mode.train_step(state, placed, key, 1)
+    return s.mode.train_step(state, _trainer.place(batch, s.mode.batch_sharding), key, step)
+
+
+def test_a_state_ahead_of_the_trainer_step_is_an_error(smoke_setup):
+    s = smoke_setup
+    state, _ = _step(s, s.mode.init(jax.random.key(0)), 0)
+    with pytest.raises(ValueError, match="counts 1 steps but the trainer is at step 0"):
+        _step(s, state, 0)
+
+
+def test_an_overflowing_update_is_not_committed_and_the_next_steps_run():
+    # lr = 1e39 is inf in float32: loss and gradients are finite, the new state is not. A
+    # skipped step leaves the AB schedule where it was (as optax's count in the dense mode),
+    # so later trainer steps run the kind of the state's own step and are skipped too.
+    config = load_config(f"{REPO}/configs/digits_ab.py:smoke")
+    s = _trainer.setup(train.apply_overrides(config, {"lr": 1e39}))
+    state = s.mode.init(jax.random.key(0))
+    before = jax.tree.leaves(jax.device_get(state))
+    for step in range(3):  # dense (warm-up), then the AB step with the factorisation
+        state, metrics = _step(s, state, step)
+        assert np.isfinite(float(metrics["loss"])) and int(metrics["finite"]) == 0
+        assert metrics["wire_bytes"] == s.mode.dense_bytes  # the state's kind: still warm-up
+    for a, b in zip(before, jax.tree.leaves(jax.device_get(state)), strict=True):
+        np.testing.assert_array_equal(a, b)
