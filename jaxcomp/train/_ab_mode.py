@@ -26,7 +26,9 @@ size allowed, as the reference spreads the remainder workers). ``config.ab`` (al
 The learning rate is ``config.lr`` with ``config.schedule``; ``ab_training`` applies it (with
 the rebound). Every program (the dense and AB steps, the transitions, the finiteness check) is
 compiled here, before the first step; bytes per step are read from their HLO and reported per
-step by the step's kind.
+step by the step's kind. A step whose loss or new state is not finite is skipped (the state
+is kept, as ``_mode.commit_if_finite`` does in the other modes); the AB schedule then runs a
+step behind the trainer's count, as optax's ``count`` does in the dense mode.
 """
 
 from __future__ import annotations
