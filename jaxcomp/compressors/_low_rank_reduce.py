@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _low_rank
@@ -86,10 +87,14 @@ def power_sgd_protocol(
         p = _low_rank.orthogonalize(_protocol.psum(mat @ q_scaled, axis_name), epsilon)
         q = _protocol.psum(_low_rank.transposed_matmul(mat, p), axis_name) / num
         mean = outer_sum(p, q).reshape(shape).astype(x.dtype)
+        # the echo is the same reconstruction, recomputed (bit-identical) behind a barrier so
+        # that XLA fuses it into its consumer: error feedback's ``c - echo`` then reads c and
+        # writes the residual in one pass instead of re-reading the mean. Unused, it is dropped.
+        echo = outer_sum(*lax.optimization_barrier((p, q))).reshape(shape).astype(x.dtype)
         # as the codec: a dependent (zero) column of P keeps its old Q column, and a
         # non-finite mean leaves the whole warm start as it was
         alive = jnp.any(p != 0, axis=0, keepdims=True) & jnp.all(jnp.isfinite(q))
-        return mean, mean, LowRankReduce(_low_rank.PowerSGDState(jnp.where(alive, q, q_old)))
+        return mean, echo, LowRankReduce(_low_rank.PowerSGDState(jnp.where(alive, q, q_old)))
 
     def wire_bytes(like, num_workers):
         del num_workers
