@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxcomp import comm
 from jaxcomp import compressors
@@ -138,3 +139,14 @@ def test_bad_arguments_raise_clear_errors():
         transforms.accordion_batch_size(optax.sgd(0.1), interval_steps=2, lr_scaling="cubic")
     with pytest.raises(ValueError, match="small_steps"):
         transforms.accordion_batch_size(optax.sgd(0.1), interval_steps=2, small_steps=0)
+
+
+def test_init_runs_outside_shard_map_and_places_on_the_mesh(mesh):
+    inner = optax.chain(transforms.compressed_mean(compressors.quantize(8)), optax.sgd(0.1))
+    tx = transforms.accordion_batch_size(inner, interval_steps=2)
+    state = tx.init(PARAMS)  # axis "data", but no mesh and no shard_map needed
+    assert state.accum.value["w"].shape == (1, 4, 3) and state.grads.value["b"].shape == (1, 3)
+    placed = comm.place_state(state, comm.make_mesh([(comm.DATA, 4)], jax.devices()[:4]), comm.DATA)
+    assert placed.accum.value["w"].shape == (4, 4, 3)
+    assert placed.accum.value["w"].sharding.spec == P(comm.DATA)
+    assert placed.every_k.sharding.spec == P()
