@@ -110,7 +110,9 @@ def ef21(
 
     Returns:
       A :class:`Channel`. ``dense_send`` / ``dense_receive`` set the estimates to ``x`` (the
-      uncompressed warm-up fills them).
+      uncompressed warm-up fills them). The state accepts only the shape (and, without
+      ``buffer_dtype``, the dtype) given to ``init``. Without ``num_samples`` its ``feedback``
+      runs EF21 around a multi-worker reduction (:func:`ef21_reduction`).
 
     Example:
       >>> import jax.numpy as jnp

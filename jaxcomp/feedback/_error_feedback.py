@@ -113,7 +113,10 @@ def error_feedback(
 
     Returns:
       A :class:`Channel` whose sender state is an :class:`ErrorFeedbackState`. Uncompressed
-      transfers (``dense_send``) leave the residual untouched.
+      transfers (``dense_send``) leave the residual untouched. ``send`` accepts only the shape
+      (and, without ``residual_dtype``, the dtype) given to ``init``. Its ``feedback`` is the
+      same rule around a multi-worker reduction (:func:`error_feedback_reduction`; without
+      per-sample buffers), which the data-parallel transforms run.
 
     Example:
       >>> import jax.numpy as jnp

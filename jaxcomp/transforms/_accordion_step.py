@@ -1,0 +1,292 @@
+"""Accordion's state and its ``init``/``update`` as module-level functions of a frozen config.
+
+:func:`jaxcomp.transforms.accordion` validates its arguments into an :class:`AccordionConfig`
+and returns ``init_accordion`` and ``update_accordion`` bound to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxcomp import compressors
+from jaxcomp import feedback
+from jaxcomp.comm import _reduce
+from jaxcomp.comm import _reduce_plan
+from jaxcomp.compressors import _protocol
+from jaxcomp.transforms import _compressed_mean as _cm
+from jaxcomp.transforms import _regime
+
+LOW_COMPRESSION = 0  #: critical regime: the low-compression codec (e.g. PowerSGD rank 2)
+HIGH_COMPRESSION = 1  #: otherwise: the high-compression codec (e.g. PowerSGD rank 1)
+UNCOMPRESSED = -1  #: reported for parameters averaged uncompressed in both modes
+
+
+class AccordionLeaf(NamedTuple):
+    """Per-parameter state of :func:`accordion` (parameters compressed in some mode).
+
+    Attributes:
+      mode: ``int32[]``, :data:`LOW_COMPRESSION` or :data:`HIGH_COMPRESSION` (replicated).
+      prev_norm: ``float32[]``, the regime statistic at the last check (replicated).
+      accum: :class:`~jaxcomp.compressors.PerWorker` of ``[1, *shape]``: this worker's sum of
+        its local gradients over the current interval (before compression and feedback).
+      memory: the channels' error-compensation memory, shared by both modes (e.g.
+        :class:`~jaxcomp.feedback.ErrorFeedbackMemory`);
+        :class:`~jaxcomp.compressors.EmptyState` without feedback.
+      low: reduction state of the low-compression codec's protocol.
+      high: reduction state of the high-compression codec's protocol.
+    """
+
+    mode: jax.Array
+    prev_norm: jax.Array
+    accum: _protocol.PerWorker
+    memory: Any
+    low: Any
+    high: Any
+
+
+class AccordionState(NamedTuple):
+    """State of :func:`accordion`.
+
+    Attributes:
+      count: ``int32[]``, steps taken; interval ``e = count // interval_steps``.
+      key: ``uint32[2]``, raw PRNG key data for stochastic codecs.
+      last_lr: ``float32[]``, the learning rate seen at the last step (NaN before any).
+      bytes_sent: ``float32[]``, bytes this worker put into collectives at the last step.
+      leaves: per parameter, an :class:`AccordionLeaf`, or a
+        :class:`jaxcomp.comm.DenseReduce` for parameters never compressed.
+    """
+
+    count: jax.Array
+    key: jax.Array
+    last_lr: jax.Array
+    bytes_sent: jax.Array
+    leaves: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AccordionConfig:
+    """The validated static configuration of :func:`accordion` (see its arguments).
+
+    ``low`` and ``high`` are channels with the same error compensation, ``feedback``.
+    """
+
+    low: feedback.Channel
+    high: feedback.Channel
+    feedback: feedback.Feedback | None
+    interval_steps: int
+    check_every: int
+    eta: Any
+    learning_rate: Any
+    axis_name: str | None
+    reset_on_switch: bool
+    reset_memory_on_switch: bool
+    statistic: str
+    path: str
+    min_compression_rate: float
+    min_ndim: int
+    seed: int
+
+    def protocols(self, like: Any, name: str = "", quiet: bool = True):
+        """``{mode: protocol}`` of one parameter (without the feedback), or ``None`` when both
+        modes average it uncompressed."""
+        plan = functools.partial(
+            _reduce_plan.plan_reduce, like=like, path=self.path, name=name, quiet=quiet,
+            min_compression_rate=self.min_compression_rate, min_ndim=self.min_ndim,
+        )  # fmt: skip
+        out = {LOW_COMPRESSION: plan(self.low.codec), HIGH_COMPRESSION: plan(self.high.codec)}
+        if all(p.name == "dense" for p in out.values()):
+            return None
+        return out
+
+
+def is_leaf_state(node: Any) -> bool:
+    return isinstance(node, (AccordionLeaf, _reduce.DenseReduce))
+
+
+# ----------------------------------------------------------------------------------------------
+# init
+
+
+def init_leaf(
+    config: AccordionConfig, like: Any, num_workers: int | None, name: str = "", quiet=True
+):
+    """The state of one parameter: an :class:`AccordionLeaf` (or ``DenseReduce``)."""
+    protocols = config.protocols(like, name, quiet)
+    if protocols is None:
+        return _reduce.DenseReduce()
+    wide = jnp.promote_types(like.dtype, jnp.float32)  # an interval's sum, even of bf16
+    memory = compressors.EmptyState() if config.feedback is None else config.feedback.init(like)
+    return AccordionLeaf(
+        mode=jnp.asarray(LOW_COMPRESSION, jnp.int32),
+        prev_norm=jnp.zeros((), jnp.float32),
+        accum=_protocol.per_worker_zeros(like, wide),
+        memory=memory,
+        low=protocols[LOW_COMPRESSION].init(like, num_workers),
+        high=protocols[HIGH_COMPRESSION].init(like, num_workers),
+    )
+
+
+def init_accordion(config: AccordionConfig, params: Any) -> AccordionState:
+    """``accordion``'s ``init`` (outside ``shard_map``; see :func:`accordion`)."""
+    num_workers = _protocol.num_workers(config.axis_name)
+    flat, treedef = jax.tree.flatten(params)
+    names = _cm.leaf_names(params)
+    leaves = [init_leaf(config, p, num_workers, n, False) for p, n in zip(flat, names)]
+    return AccordionState(
+        count=jnp.zeros((), jnp.int32),
+        key=_cm.seed_key(config.seed),
+        last_lr=jnp.asarray(jnp.nan, jnp.float32),
+        bytes_sent=jnp.zeros((), jnp.float32),
+        leaves=jax.tree.unflatten(treedef, leaves),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# update
+
+
+def switch(config, protocols, leaf, new_mode, like, num_workers, zero_memory):
+    """Sets the mode; on a change re-initialises the incoming codec's state (and, with
+    ``zero_memory``, the compensation memory). Traced: the fresh states are staged computations
+    (no eager PRNG key inside ``shard_map``)."""
+    changed = new_mode != leaf.mode
+    states = {LOW_COMPRESSION: leaf.low, HIGH_COMPRESSION: leaf.high}
+    if config.reset_on_switch:
+        for mode, protocol in protocols.items():
+            take = jnp.logical_and(changed, new_mode == mode)
+            fresh = protocol.init(like, num_workers)
+            states[mode] = jax.tree.map(
+                lambda f, o, take=take: jnp.where(take, f, o), fresh, states[mode]
+            )
+    memory = leaf.memory
+    if zero_memory and config.feedback is not None:
+        fresh = config.feedback.init(like)
+        memory = jax.tree.map(lambda f, o: jnp.where(changed, f, o), fresh, memory)
+    return leaf._replace(
+        mode=new_mode, memory=memory, low=states[LOW_COMPRESSION], high=states[HIGH_COMPRESSION]
+    )
+
+
+def reduce_leaf(config, protocols, g, leaf, key):
+    """Averages one parameter with the codec of its mode, inside the shared compensation."""
+
+    def run(c):
+        def branch(mode):
+            def reduce(c, low, high):
+                states = {LOW_COMPRESSION: low, HIGH_COMPRESSION: high}
+                mean, echo, states[mode] = protocols[mode].all_reduce(
+                    c, states[mode], key, config.axis_name
+                )
+                return mean, echo, (states[LOW_COMPRESSION], states[HIGH_COMPRESSION])
+
+            return reduce
+
+        return lax.cond(
+            leaf.mode == LOW_COMPRESSION,
+            branch(LOW_COMPRESSION),
+            branch(HIGH_COMPRESSION),
+            c,
+            leaf.low,
+            leaf.high,
+        )
+
+    if config.feedback is None:
+        mean, _, (low, high) = run(g)
+        memory = leaf.memory
+    else:
+        mean, _, memory, (low, high) = config.feedback.reduce(g, leaf.memory, run, config.axis_name)
+    return mean, leaf._replace(memory=memory, low=low, high=high)
+
+
+def end_of_interval(config, protocols, leaf, stat, like, end, interval, num_workers):
+    """Periodic check (at interval ends with ``interval % T == 0``), accumulator reset."""
+    check = jnp.logical_and(end, interval % config.check_every == 0)
+    critical = _regime.critical_regime(leaf.prev_norm, stat, config.eta, interval == 0)
+    decided = jnp.where(critical, LOW_COMPRESSION, HIGH_COMPRESSION).astype(jnp.int32)
+    new_mode = jnp.where(check, decided, leaf.mode)
+    leaf = switch(
+        config, protocols, leaf, new_mode, like, num_workers, config.reset_memory_on_switch
+    )
+    accum = jnp.where(end, 0, leaf.accum.value).astype(leaf.accum.value.dtype)
+    return leaf._replace(
+        prev_norm=jnp.where(check, stat, leaf.prev_norm), accum=_protocol.PerWorker(accum)
+    )
+
+
+def update_accordion(
+    config: AccordionConfig, updates: Any, state: AccordionState, params: Any = None, **extra
+) -> tuple[Any, AccordionState]:
+    """``accordion``'s ``update`` (inside ``shard_map`` over ``config.axis_name``)."""
+    del params
+    axis_name = config.axis_name
+    _cm.check_tree(updates, state.leaves, "accordion")
+    num = _protocol.axis_size(axis_name)
+    flat, treedef = jax.tree.flatten(updates)
+    leaf_states = treedef.flatten_up_to(state.leaves)
+    names = _cm.leaf_names(updates)
+    count = state.count
+    lr = _regime.current_lr(config.learning_rate, extra, count)
+    lr_drop = None if lr is None else lr < state.last_lr
+    key = _cm.step_key(state.key, count)
+
+    means, new_leaves, detect, protocols_of = [], [], [], {}
+    sent = jnp.zeros((), jnp.float32)
+    for i, (g, leaf) in enumerate(zip(flat, leaf_states)):
+        expected = jax.eval_shape(lambda g=g: init_leaf(config, g, num))
+        _cm.check_leaf_state(leaf, expected, names[i], g, "accordion")
+        protocols = config.protocols(g)
+        if protocols is None:
+            means.append(_protocol.pmean(g, axis_name))
+            new_leaves.append(leaf)
+            if axis_name is not None:
+                sent += compressors.dense_bytes(g)
+            continue
+        if lr is not None:
+            # the reference's decay switch keeps the memory even with --zero-memory
+            low_now = jnp.where(lr_drop, LOW_COMPRESSION, leaf.mode)
+            leaf = switch(config, protocols, leaf, low_now, g, num, False)
+        accum = leaf.accum.value + g[None].astype(leaf.accum.value.dtype)
+        leaf = leaf._replace(accum=_protocol.PerWorker(accum))
+        mean, leaf = reduce_leaf(config, protocols, g, leaf, jax.random.fold_in(key, i))
+        if axis_name is not None:
+            b_low = protocols[LOW_COMPRESSION].wire_bytes(g, num)
+            b_high = protocols[HIGH_COMPRESSION].wire_bytes(g, num)
+            sent += jnp.where(leaf.mode == LOW_COMPRESSION, b_low, b_high).astype(jnp.float32)
+        means.append(mean)
+        new_leaves.append(leaf)
+        detect.append(i)
+        protocols_of[i] = protocols
+
+    interval = count // config.interval_steps
+    end = (count + 1) % config.interval_steps == 0
+    if detect:
+        accums = [new_leaves[i].accum.value for i in detect]
+
+        def statistics(accums):  # the replicated regime statistic (one tiny all-reduce)
+            norms = jnp.stack([_regime.local_norm(a) for a in accums])
+            return _regime.replicated_norms(norms, axis_name, config.statistic)
+
+        # only the small statistic crosses the cond: no param-sized buffer is copied
+        stats = lax.cond(end, statistics, lambda _: jnp.zeros((len(detect),), jnp.float32), accums)
+        for j, i in enumerate(detect):
+            new_leaves[i] = end_of_interval(
+                config, protocols_of[i], new_leaves[i], stats[j], flat[i], end, interval, num
+            )
+        if axis_name is not None:
+            sent += jnp.where(end, 4.0 * len(detect), 0.0)
+    new_state = AccordionState(
+        count=optax.safe_increment(count),
+        key=state.key,
+        last_lr=state.last_lr if lr is None else lr,
+        bytes_sent=sent,
+        leaves=treedef.unflatten(new_leaves),
+    )
+    return treedef.unflatten(means), new_state
