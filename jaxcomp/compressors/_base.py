@@ -99,16 +99,13 @@ def compress_and_decode(
     Error-feedback senders need what the receiver will see. Decoding a bit-packed payload right
     after packing it lets XLA fuse unpack into pack and recompute the quantization once per
     unpacked element (10-30x slower on CPU); codecs with a ``roundtrip`` fast path decode from
-    the unpacked codes instead, with identical results. Codecs without one but with a fused
-    ``decode_sum`` decode the single payload with it (TopK: one flat scatter-add), which is
-    also exactly what a receiver of gathered payloads adds for this one.
+    the unpacked codes instead, with identical results. Others decode with ``decompress``,
+    which XLA fuses with an error-feedback residual where it is elementwise (blockwise TopK's
+    mask; a scatter, as exact TopK's, it is not).
     """
     if codec.roundtrip is not None:
         return codec.roundtrip(x, state, key)
     payload, new_state = codec.compress(x, state, key)
-    if codec.decode_sum is not None:  # e.g. TopK: one flat scatter-add, ~2x a 3-D scatter
-        stacked = jax.tree.map(lambda leaf: leaf[None], payload)
-        return payload, new_state, codec.decode_sum(stacked, x).astype(x.dtype)
     return payload, new_state, codec.decompress(payload, x)
 
 
