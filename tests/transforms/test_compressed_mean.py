@@ -294,10 +294,10 @@ def test_unhandled_shape_falls_back_to_dense_with_a_logged_reason(mesh, caplog):
     np.testing.assert_allclose(np.asarray(means["conv"]), g["conv"].mean(0), rtol=1e-6)
 
 
-def test_static_option_under_inject_hyperparams_gets_a_clear_error(mesh):
+def test_static_option_under_inject_hyperparams_gets_a_clear_error():
     tx = optax.inject_hyperparams(transforms.compressed_mean)(compressors.top_k(0.1))
     with pytest.raises(ValueError, match="static_args"):
-        jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()), PARAMS)
+        jax.eval_shape(tx.init, PARAMS)
 
 
 def test_inject_hyperparams_with_static_args_equals_the_plain_transform(mesh):
