@@ -41,12 +41,14 @@ class ArraySource:
       array([4, 0])
     """
 
-    def __init__(self, arrays: Mapping[str, np.ndarray]):
+    def __init__(self, arrays: Mapping[str, np.ndarray], num_classes: int | None = None):
         lengths = {k: len(v) for k, v in arrays.items()}
         if len(set(lengths.values())) != 1:
             raise ValueError(f"all arrays must have the same length; got {lengths}.")
         self.arrays = {k: np.asarray(v) for k, v in arrays.items()}
         self._len = next(iter(lengths.values()))
+        #: classes of ``label`` (the vocabulary for token labels); ``None`` if not declared
+        self.num_classes = num_classes
 
     def __len__(self) -> int:
         return self._len
@@ -91,7 +93,7 @@ def digits(split: str = "train", *, flat: bool = True, test_fraction: float = 0.
     n_test = int(round(len(x) * test_fraction))
     idx = order[n_test:] if split == "train" else order[:n_test]
     x = x[idx] if flat else x[idx].reshape(-1, 8, 8, 1)
-    return ArraySource({"x": x, "label": y[idx]})
+    return ArraySource({"x": x, "label": y[idx]}, num_classes=10)
 
 
 def pydoc_corpus() -> tuple[bytes, str]:
@@ -116,10 +118,11 @@ def token_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     return np.asarray(tokens)[idx]
 
 
-def lm_source(windows: np.ndarray) -> ArraySource:
-    """Next-token prediction pairs: ``x = w[:, :-1]``, ``label = w[:, 1:]`` (int32)."""
+def lm_source(windows: np.ndarray, vocab_size: int = 256) -> ArraySource:
+    """Next-token prediction pairs: ``x = w[:, :-1]``, ``label = w[:, 1:]`` (int32); the
+    vocabulary (``num_classes``) is ``vocab_size`` (256 byte values by default)."""
     w = windows.astype(np.int32)
-    return ArraySource({"x": w[:, :-1], "label": w[:, 1:]})
+    return ArraySource({"x": w[:, :-1], "label": w[:, 1:]}, num_classes=vocab_size)
 
 
 def pydoc_text(
@@ -185,4 +188,4 @@ def synthetic_images(
     labels = rng.integers(0, num_classes, num_examples).astype(np.int32)
     centers = np.random.default_rng(42).normal(0, 1, (num_classes, *shape)).astype(np.float32)
     x = centers[labels] + rng.normal(0, 1, (num_examples, *shape)).astype(np.float32)
-    return ArraySource({"x": x.astype(np.float32), "label": labels})
+    return ArraySource({"x": x.astype(np.float32), "label": labels}, num_classes=num_classes)

@@ -2,7 +2,8 @@
 and the alpha-beta cost model that predicts whether compression pays on a given link.
 
 * Studies (``configs/studies/NAME.py``, run with ``python -m jaxcomp.study run NAME --workdir
-  DIR``): :func:`load_study`, :func:`cells`, :func:`direction_presets`, :func:`run_study`.
+  DIR``): :func:`load_study`, :func:`cells`, :func:`direction_presets`, :func:`preset_overrides`, :func:`select`,
+  :func:`run_study`.
 * The report: :func:`write_report` (markdown table, CSVs, PNG plots), :func:`read_runs`,
   :func:`aggregate`.
 * The cost model: :func:`link`, :func:`collective_time`, :func:`communication_time`,
@@ -22,6 +23,7 @@ from jaxcomp.study._cost import pipeline_step_time
 from jaxcomp.study._cost import predicted_speedups
 from jaxcomp.study._cost import speedup
 from jaxcomp.study._cost import step_time
+from jaxcomp.study._grid import PRESETS
 from jaxcomp.study._grid import SMOKE
 from jaxcomp.study._grid import Cell
 from jaxcomp.study._grid import Study
@@ -29,6 +31,8 @@ from jaxcomp.study._grid import cell_config
 from jaxcomp.study._grid import cells
 from jaxcomp.study._grid import direction_presets
 from jaxcomp.study._grid import load_study
+from jaxcomp.study._grid import preset_overrides
+from jaxcomp.study._grid import select
 from jaxcomp.study._report import Run
 from jaxcomp.study._report import aggregate
 from jaxcomp.study._report import read_runs
@@ -37,6 +41,7 @@ from jaxcomp.study._write import write_report
 
 __all__ = (
     "DEFAULT_LATENCY_S",
+    "PRESETS",
     "SMOKE",
     "Cell",
     "Run",
@@ -46,6 +51,8 @@ __all__ = (
     "cells",
     "direction_presets",
     "load_study",
+    "preset_overrides",
+    "select",
     "read_runs",
     "run_study",
     "write_report",

@@ -2,13 +2,17 @@ r"""``python -m jaxcomp.study``: run a study, report on it, or list the studies.
 
   python -m jaxcomp.study list
   python -m jaxcomp.study run paper1_direction --workdir runs/paper1_direction [--smoke]
-      [--set KEY=VALUE ...]
+      [--set KEY=VALUE ...] [--preset forward-only|backward-only|both] [--cells PATTERN ...]
   python -m jaxcomp.study report runs/paper1_direction [--out DIR] [--compute_s SECONDS]
 
 ``run`` runs every cell not yet finished (a rerun after a kill continues where it stopped),
 then writes the report; ``--set`` adds overrides to every cell (Python literals, as
-``jaxcomp.main``'s). A bad study, config or workdir exits with one ``error:`` line (status 2);
-a study with failed cells exits with status 1.
+``jaxcomp.main``'s: ``--set pipeline.forward.fraction=0.05``); ``--preset`` moves every cell's
+pipeline codec to the activations only, the activation-gradients only or both (uncompressed
+cells stay so); ``--cells`` runs only the cells whose names match the shell-style patterns.
+A bad study, config or workdir exits with one ``error:`` line (status 2); a study with failed
+cells exits with status 1; SIGINT/SIGTERM finish the running cell's step, save its checkpoint
+and exit with status 75 (rerun the same command to continue).
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+from jaxcomp.study._grid import PRESETS
+
+EXIT_INTERRUPTED = 75  # as jaxcomp.main: the study is resumable
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -28,6 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--smoke", action="store_true", help="every cell for 2 steps")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="an override for every cell (repeatable)")  # fmt: skip
+    run.add_argument("--preset", default=None, choices=PRESETS,
+                     help="every cell's pipeline codec on these directions")  # fmt: skip
+    run.add_argument("--cells", action="append", default=[], metavar="PATTERN",
+                     help="run only the cells matching PATTERN (repeatable)")  # fmt: skip
     run.add_argument("--studies_dir", default=None, help="where study files live")
     run.add_argument("--cpu_devices", type=int, default=8, help="fake CPU devices")
     run.add_argument(
@@ -68,7 +80,13 @@ def _compile_cache(args) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, compile_cache: bool = False) -> int:
+    """Runs the CLI with ``argv``; returns the exit status.
+
+    ``compile_cache``: turn on JAX's persistent compilation cache (``--compile_cache``) for
+    this process. Only the command-line process does (it is process-wide JAX configuration);
+    a caller of this function keeps its own.
+    """
     args = parse_args(argv)
     try:
         if args.command == "list":
@@ -90,16 +108,36 @@ def main(argv=None) -> int:
                 process_id=None,
             )  # fmt: skip
         )
-        _compile_cache(args)
+        if compile_cache:
+            _compile_cache(args)
         from jaxcomp import train
         from jaxcomp.study import _grid
         from jaxcomp.study import _runner
         from jaxcomp.study import _write
 
         study = _grid.load_study(args.study, args.studies_dir)
-        statuses = _runner.run_study(
-            study, args.workdir, smoke=args.smoke, extra=train.parse_overrides(args.set)
-        )
+        try:
+            statuses = _runner.run_study(
+                study,
+                args.workdir,
+                smoke=args.smoke,
+                extra=train.parse_overrides(args.set),
+                preset=args.preset,
+                only=args.cells,
+            )
+        except train.Interrupted as e:
+            print(f"interrupted ({e}): the running cell saved its checkpoint; rerun the same "
+                  "command to continue.", file=sys.stderr, flush=True)  # fmt: skip
+            return EXIT_INTERRUPTED
+        except train.Aborted as e:
+            print(f"{e} The cell's last finished checkpoint is kept; rerun to continue.",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            sys.stdout.flush()
+            os._exit(128 + e.signum)  # as jaxcomp.main: no wait for background saves
+        except KeyboardInterrupt:  # between cells: no trainer handler was installed
+            print("interrupted between cells; rerun the same command to continue.",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return 128 + 2
         paths = _write.write_report(args.workdir)
         print(f"report: {paths['markdown']}")
         failed = sorted(k for k, v in statuses.items() if v == "failed")
@@ -117,4 +155,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(compile_cache=True))

@@ -19,6 +19,7 @@ names its workdir.
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import itertools
 import os
@@ -75,6 +76,75 @@ def direction_presets(codec: Any, other: Any = "identity") -> dict[str, dict[str
         "backward-only": {"pipeline.forward": other, "pipeline.backward": codec},
         "both": {"pipeline.forward": codec, "pipeline.backward": codec},
     }
+
+
+#: the CLI's ``--preset`` names (see :func:`preset_overrides`)
+PRESETS = ("forward-only", "backward-only", "both")
+
+
+def _is_identity(spec: Any) -> bool:
+    name = spec if isinstance(spec, str) else dict(spec).get("name")
+    return name in (None, "identity")
+
+
+def preset_overrides(config, preset: str) -> dict[str, Any]:
+    """Overrides moving a pipeline config's codec to the named direction(s) (``--preset``).
+
+    The codec is the config's ``pipeline.forward`` one, or its ``pipeline.backward`` one when
+    the forward is ``identity``; a config with both directions ``identity`` is left as it is
+    (an uncompressed baseline stays one). So ``--preset forward-only`` turns a study of codec
+    levels on both directions into the same study on the activations only.
+
+    Args:
+      config: a full config (``mode = "pipeline"``).
+      preset: one of :data:`PRESETS`.
+
+    Returns:
+      ``{"pipeline.forward": ..., "pipeline.backward": ...}`` (``{}`` for an uncompressed one).
+
+    Raises:
+      ValueError: for an unknown preset, a config not in pipeline mode, or one with
+        per-boundary codecs (``pipeline.boundaries``), which a preset cannot move.
+
+    Example:
+      >>> import ml_collections
+      >>> c = ml_collections.ConfigDict({"mode": "pipeline", "pipeline": {"forward": "sign"}})
+      >>> preset_overrides(c, "backward-only")
+      {'pipeline.forward': 'identity', 'pipeline.backward': 'sign'}
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; the presets are {list(PRESETS)}.")
+    if config.get("mode") != "pipeline":
+        raise ValueError(f"preset {preset!r} needs mode 'pipeline'; got {config.get('mode')!r}.")
+    pipe = dict(config.get("pipeline") or {})
+    if pipe.get("boundaries") is not None:
+        raise ValueError(
+            f"preset {preset!r} cannot move per-boundary codecs (pipeline.boundaries)."
+        )
+    fwd, bwd = pipe.get("forward", "identity"), pipe.get("backward", "identity")
+    if _is_identity(fwd) and _is_identity(bwd):
+        return {}
+    codec = bwd if _is_identity(fwd) else fwd
+    codec = codec if isinstance(codec, str) else dict(codec)
+    return direction_presets(codec)[preset]
+
+
+def select(grid: list[Cell], patterns) -> list[Cell]:
+    """The cells whose names match any of the shell-style ``patterns`` (all if none given).
+
+    Raises:
+      ValueError: if a pattern matches no cell (naming a few cell names).
+    """
+    if not patterns:
+        return list(grid)
+    out = []
+    for pattern in patterns:
+        hits = [c for c in grid if fnmatch.fnmatchcase(c.name, pattern)]
+        if not hits:
+            names = [c.name for c in grid[:3]]
+            raise ValueError(f"--cells {pattern!r} matches no cell; cells are named like {names}.")
+        out += [c for c in hits if c not in out]
+    return [c for c in grid if c in out]
 
 
 def repo_configs_dir() -> pathlib.Path:

@@ -13,6 +13,7 @@ import json
 import os
 import time
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 from jaxcomp.study import _grid
@@ -66,12 +67,13 @@ def _check_manifest(workdir: str, manifest: dict, study: _grid.Study) -> None:
     if not os.path.exists(path):
         return
     old = read_manifest(workdir)
-    for key in ("study", "smoke", "extra"):
+    for key in ("study", "smoke", "extra", "preset"):
         if old.get(key) != manifest[key]:
             raise ValueError(
                 f"{workdir!r} holds study {old.get('study')!r} (smoke={old.get('smoke')}, "
-                f"extra={old.get('extra')}); this run is {manifest['study']!r} "
-                f"(smoke={manifest['smoke']}, extra={manifest['extra']}): use another --workdir."
+                f"extra={old.get('extra')}, preset={old.get('preset')}); this run is "
+                f"{manifest['study']!r} (smoke={manifest['smoke']}, extra={manifest['extra']}, "
+                f"preset={manifest['preset']}): use another --workdir."
             )
     before = {c["name"]: c["overrides"] for c in old["cells"]}
     for cell in manifest["cells"]:
@@ -88,6 +90,8 @@ def run_study(
     *,
     smoke: bool = False,
     extra: Mapping[str, Any] | None = None,
+    preset: str | None = None,
+    only: Sequence[str] = (),
     train_fn=None,
     log=print,
 ) -> dict[str, str]:
@@ -102,17 +106,27 @@ def run_study(
       smoke: run every cell for 2 steps (:data:`SMOKE`); a smoke study and a full one never
         share a workdir.
       extra: overrides for every cell (applied last), e.g. from ``--set``.
+      preset: ``"forward-only"``, ``"backward-only"`` or ``"both"``: every cell's codec moved
+        to those directions (:func:`~jaxcomp.study._grid.preset_overrides`); a preset study and
+        another never share a workdir.
+      only: shell-style patterns of the cell names to run now (``--cells``); the others are
+        left as they are (the report shows them as missing until they run).
       train_fn: ``(config, workdir) -> summary``; default :func:`jaxcomp.train.train_and_evaluate`.
       log: where progress lines go.
 
     Returns:
-      ``{cell name: status}`` after this call.
+      ``{cell name: status}`` of the chosen cells after this call.
     """
     extra = dict(extra or {})
     all_extra = {**extra, **(_grid.SMOKE if smoke else {})}
     grid = _grid.cells(study, all_extra)
     base = _grid.base_config(study)
     configs = {cell.name: _grid.cell_config(study, cell, base) for cell in grid}
+    if preset is not None:
+        moved = [_grid.preset_overrides(configs[c.name], preset) for c in grid]
+        grid = [c._replace(overrides={**c.overrides, **m}) for c, m in zip(grid, moved)]
+        configs = {cell.name: _grid.cell_config(study, cell, base) for cell in grid}
+    chosen = {c.name for c in _grid.select(grid, only)}
     manifest = {
         "study": study.name,
         "doc": study.doc,
@@ -120,6 +134,7 @@ def run_study(
         "config": study.config,
         "smoke": smoke,
         "extra": _jsonable(extra),
+        "preset": preset,
         "baseline": study.baseline,
         "axes": list(study.axes),
         "cells": [
@@ -142,6 +157,8 @@ def run_study(
         train_fn = train.train_and_evaluate
     statuses: dict[str, str] = {}
     for i, cell in enumerate(grid, 1):
+        if cell.name not in chosen:
+            continue
         cell_dir = os.path.join(workdir, cell.name)
         previous = read_cell_status(cell_dir)
         if previous and previous.get("status") in ("done", "diverged"):

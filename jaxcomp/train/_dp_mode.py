@@ -2,7 +2,7 @@
 
 ``config.data_parallel`` (all optional)::
 
-  transform = "accordion"        # or "compressed_mean"
+  transform = "accordion"        # or "compressed_mean", or "accordion_batch_size"
   low = {"name": "power_sgd", "rank": 2}     # accordion: critical regimes
   high = {"name": "power_sgd", "rank": 1}    # accordion: otherwise
   codec = {"name": "top_k", "fraction": 0.01, "feedback": "ef"}  # compressed_mean
@@ -11,6 +11,17 @@
   eta = 0.5                      # accordion: the critical-regime threshold
   error_feedback = True          # accordion
   min_compression_rate = 2.0     # leaves compressing less than this go dense
+  small_steps = 1                # accordion_batch_size: micro-batches per update, critical
+  large_steps = 8                # accordion_batch_size: micro-batches per update, otherwise
+  lr_scaling = "linear"          # accordion_batch_size: "linear", "sqrt" or "none"
+
+``accordion_batch_size`` is Accordion's batch-size variant: the same detector chooses how many
+``batch_size`` micro-batches make one update (``small_steps`` in critical regimes,
+``large_steps`` otherwise), the mean over them goes through ``compressed_mean(codec)`` and the
+optimizer once per update (:func:`jaxcomp.transforms.accordion_batch_size`). A training step is
+one micro-batch: ``total_steps`` counts micro-batches (equal epochs for every batch size), a
+step that completes no update sends nothing, and the detector's interval is
+``interval_epochs`` epochs of micro-batches. The metric ``every_k`` is the current choice.
 
 Parameters are replicated; each worker differentiates its shard of the batch with no hidden
 all-reduce (:func:`jaxcomp.comm.local_value_and_grad`) and the transform's payloads are the
@@ -45,8 +56,11 @@ DP_DEFAULTS = {
     "eta": 0.5,
     "error_feedback": True,
     "min_compression_rate": 2.0,
+    "small_steps": 1,
+    "large_steps": 8,
+    "lr_scaling": "linear",
 }
-TRANSFORMS = ("accordion", "compressed_mean")
+TRANSFORMS = ("accordion", "compressed_mean", "accordion_batch_size")
 
 
 def _reducer(cfg: dict, schedule, steps_per_epoch: int, num_samples: int):
@@ -71,6 +85,42 @@ def _reducer(cfg: dict, schedule, steps_per_epoch: int, num_samples: int):
         channel, comm.DATA, min_compression_rate=float(cfg["min_compression_rate"])
     )
     return tx, f"compressed_mean({channel.name})"
+
+
+def _transform(cfg: dict, config, schedule, steps_per_epoch: int, num_samples: int):
+    """``(transform, description)``: the reducer chained with the optimizer, or, for
+    ``accordion_batch_size``, the accumulation around ``chain(compressed_mean, optimizer)``."""
+    opt = _config.optimizer(config, schedule)
+    if cfg["transform"] != "accordion_batch_size":
+        reducer, name = _reducer(cfg, schedule, steps_per_epoch, num_samples)
+        return optax.chain(reducer, opt), name
+    channel = _config.build_channel(cfg["codec"], num_samples)
+    mean = transforms.compressed_mean(
+        channel, comm.DATA, min_compression_rate=float(cfg["min_compression_rate"])
+    )
+    small, large = int(cfg["small_steps"]), int(cfg["large_steps"])
+    tx = transforms.accordion_batch_size(
+        optax.chain(mean, opt),
+        interval_steps=int(cfg["interval_epochs"]) * steps_per_epoch,
+        small_steps=small,
+        large_steps=large,
+        check_every=int(cfg["check_every"]),
+        eta=float(cfg["eta"]),
+        learning_rate=schedule,
+        lr_scaling=cfg["lr_scaling"],
+        axis_name=comm.DATA,
+    )
+    return tx, f"accordion_batch_size({small} / {large} micro-batches, {channel.name})"
+
+
+def _reducer_state(opt_state):
+    """The reducer's state (its ``bytes_sent``: this step's bytes); under
+    ``accordion_batch_size`` the inner ``compressed_mean``'s, 0 bytes when no update ran."""
+    if isinstance(opt_state, transforms.AccordionBatchState):
+        inner = opt_state.inner[0]  # chain(compressed_mean, optimizer)
+        sent = jnp.where(opt_state.mini_step == 0, inner.bytes_sent, 0.0)
+        return inner._replace(bytes_sent=sent)
+    return opt_state[0]  # chain(reducer, optimizer)
 
 
 def _base_choice(name, value, allowed):
@@ -100,8 +150,7 @@ def build_data_parallel(
         raise ValueError(f"batch_size {config.batch_size} is not divisible by {workers} workers.")
     steps_per_epoch = max(1, num_train_samples // config.batch_size)
     schedule = _config.learning_rate(config)
-    reducer, name = _reducer(cfg, schedule, steps_per_epoch, num_train_samples)
-    tx = optax.chain(reducer, _config.optimizer(config, schedule))
+    tx, name = _transform(cfg, config, schedule, steps_per_epoch, num_train_samples)
 
     def loss_fn(params, batch):
         logits, _ = model.apply(tuple({"params": p} for p in params), batch["x"], train=True)
@@ -118,12 +167,14 @@ def build_data_parallel(
     @jax.jit
     def check(new, old, loss):
         finite = jnp.isfinite(loss) & _mode.all_finite(new.params)
-        reducer_state = new.opt_state[0]  # chain(reducer, optimizer)
+        reducer_state = _reducer_state(new.opt_state)
         out = {"finite": finite.astype(jnp.int32), "wire_bytes": reducer_state.bytes_sent}
         if is_accordion:
             modes = transforms.accordion_metrics(new.opt_state)["modes"]
             modes = jnp.stack([jnp.asarray(v) for v in jax.tree.leaves(modes)])
             out["low_compression_leaves"] = (modes == transforms.LOW_COMPRESSION).sum()
+        if isinstance(new.opt_state, transforms.AccordionBatchState):
+            out["every_k"] = new.opt_state.every_k
         return _mode.keep_if_finite(finite, new, old), out
 
     def train_step(state, batch, key, step):

@@ -97,8 +97,27 @@ def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
         )
         # --- Model & mode ----------------------------------------------------------------
         model = models.get_model(config.model_name, **dict(config.model))
+        check_outputs(model, config, train_src, eval_src)
         mode = build(config, model, mesh, len(train_src))
     return Setup(config, mesh, model, train_loader, eval_loader, mode)
+
+
+def check_outputs(model: models.StagedModel, config, *sources) -> None:
+    """A model with more or fewer outputs than the dataset has classes (its vocabulary, for a
+    language model) would train silently wrong (labels past the head one-hot to zeros).
+
+    Raises:
+      ValueError: naming both counts and the config key to set.
+    """
+    lm = model.task == "language_model"
+    key, what = ("vocab_size", "tokens") if lm else ("num_classes", "classes")
+    for src in sources:
+        classes = getattr(src, "num_classes", None)
+        if classes is not None and classes != model.num_outputs:
+            raise ValueError(
+                f"model {config.model_name!r} has {model.num_outputs} outputs but dataset "
+                f"{config.data_name!r} has {classes} {what}: set config.model.{key}={classes}."
+            )
 
 
 def place(batch: dict, sharding: jax.sharding.NamedSharding) -> dict:

@@ -19,6 +19,15 @@ from jaxcomp import train
         ({"mesh": [("data", 3), ("stage", -1)]}, "not a multiple of 3"),
         ({"batch_size": 60}, "not divisible by the 8 devices"),
         (
+            {"model": {"hidden": (8,), "num_classes": 12}},
+            r"model 'mlp' has 12 outputs but dataset 'digits' has 10 classes: set "
+            r"config.model.num_classes=10",
+        ),
+        (
+            {"data_name": "synthetic_images", "data": {"shape": (8,), "num_classes": 3}},
+            "has 10 outputs but dataset 'synthetic_images' has 3 classes",
+        ),
+        (
             {"data_parallel": {"codec": "top_k"}},
             r"unknown key\(s\) \['codec'\] in config.data_parallel",
         ),
