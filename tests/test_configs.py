@@ -10,7 +10,6 @@ import pathlib
 
 import pytest
 
-from jaxcomp import data
 from jaxcomp import main
 from jaxcomp import train
 
@@ -25,14 +24,6 @@ def load(path):
 
 
 PAPER_SCALE = [p for p in CONFIGS if load(p).get_config(None).data_name.startswith("tfds_")]
-
-
-@pytest.fixture(scope="module")
-def fake_tfds_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("fake_tfds"))
-    data.write_fake_tfds("cifar10", d, num_examples=32)
-    data.write_fake_tfds("tiny_shakespeare", d, num_chars=1200)
-    return d
 
 
 def test_the_paper_scale_configs_are_found():

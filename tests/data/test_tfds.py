@@ -84,48 +84,43 @@ def test_missing_dataset_is_a_clear_error_and_does_not_download(tmp_path):
 # --- paper-scale datasets: fake copies in tfds format, the crash, the prepare message ---------
 
 
-@pytest.fixture(scope="module")
-def fake_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("fake_tfds"))
-    data.write_fake_tfds("cifar10", d, num_examples=40)
-    data.write_fake_tfds("tiny_shakespeare", d, num_chars=600)
-    return d
+IMAGES, CHARS = 32, 1200  # tests/conftest.py's FAKE_IMAGES, FAKE_CHARS
 
 
-def test_get_dataset_forwards_a_tfds_name(fake_dir):
+def test_get_dataset_forwards_a_tfds_name(fake_tfds_dir):
     # was: TypeError: get_dataset() got multiple values for argument 'name'
-    src = data.get_dataset("tfds_images", "train", name="cifar10", data_dir=fake_dir)
-    assert len(src) == 40 and src.num_classes == 10
-    text = data.get_dataset("tfds_text", "test", name="tiny_shakespeare", data_dir=fake_dir)
+    src = data.get_dataset("tfds_images", "train", name="cifar10", data_dir=fake_tfds_dir)
+    assert len(src) == IMAGES and src.num_classes == 10
+    text = data.get_dataset("tfds_text", "test", name="tiny_shakespeare", data_dir=fake_tfds_dir)
     assert text.arrays["x"].shape[1:] == (128,)
     with pytest.raises(ValueError, match="unknown argument"):
         data.get_dataset("digits", "train", name="cifar10")
 
 
-def test_fake_cifar10_reads_through_the_registered_builder(fake_dir):
-    src = data.tfds_images("cifar10", "train", data_dir=fake_dir, normalize="cifar")
+def test_fake_cifar10_reads_through_the_registered_builder(fake_tfds_dir):
+    src = data.tfds_images("cifar10", "train", data_dir=fake_tfds_dir, normalize="cifar")
     rows = src.__getitems__(list(range(len(src))))
-    assert rows["x"].shape == (40, 32, 32, 3) and rows["x"].dtype == np.float32
-    np.testing.assert_array_equal(np.sort(rows["label"]), np.repeat(np.arange(10), 4))
+    assert rows["x"].shape == (IMAGES, 32, 32, 3) and rows["x"].dtype == np.float32
+    np.testing.assert_array_equal(np.sort(rows["label"]), np.sort(np.arange(IMAGES) % 10))
     # class-dependent images: every image is nearer its own class mean than any other's
     means = np.stack([rows["x"][rows["label"] == c].mean(0) for c in range(10)])
     dist = ((rows["x"][:, None] - means[None]) ** 2).sum(axis=(2, 3, 4))
     np.testing.assert_array_equal(dist.argmin(1), rows["label"])
-    assert len(data.tfds_images("cifar10", "test", data_dir=fake_dir)) == 40
+    assert len(data.tfds_images("cifar10", "test", data_dir=fake_tfds_dir)) == IMAGES
     assert "tensorflow" not in sys.modules
 
 
-def test_fake_text_is_a_slice_of_the_pydoc_corpus_per_split(fake_dir):
+def test_fake_text_is_a_slice_of_the_pydoc_corpus_per_split(fake_tfds_dir):
     corpus = data.pydoc_corpus()[0].decode("utf-8", errors="ignore")
     for i, split in enumerate(("train", "validation", "test")):
-        src = data.tfds_text(split=split, data_dir=fake_dir, seq_len=8)  # tiny_shakespeare
-        expected = np.frombuffer(corpus[600 * i : 600 * i + 8].encode(), np.uint8)
+        src = data.tfds_text(split=split, data_dir=fake_tfds_dir, seq_len=8)  # tiny_shakespeare
+        expected = np.frombuffer(corpus[CHARS * i : CHARS * i + 8].encode(), np.uint8)
         np.testing.assert_array_equal(src.arrays["x"][0], expected)
 
 
-def test_write_fake_tfds_refuses_an_existing_dataset_and_bad_arguments(fake_dir, tmp_path):
+def test_write_fake_tfds_refuses_an_existing_dataset_and_bad_arguments(fake_tfds_dir, tmp_path):
     with pytest.raises(ValueError, match="already exists"):
-        data.write_fake_tfds("cifar10", fake_dir)
+        data.write_fake_tfds("cifar10", fake_tfds_dir)
     with pytest.raises(ValueError, match="name must be one of"):
         data.write_fake_tfds("imagenet2012", str(tmp_path))
     with pytest.raises(ValueError, match="num_examples"):
@@ -146,31 +141,31 @@ def test_missing_dataset_is_one_line_naming_the_prepare_command(reader, tmp_path
     assert data.prepare_message(name, "train", str(tmp_path)) in msg
 
 
-def _copy_with_damaged_shard(fake_dir, tmp_path, damage):
+def _copy_with_damaged_shard(fake_tfds_dir, tmp_path, damage):
     import glob
     import shutil
 
     d = str(tmp_path / "damaged")
-    shutil.copytree(fake_dir, d)
+    shutil.copytree(fake_tfds_dir, d)
     (shard,) = glob.glob(f"{d}/cifar10/*/cifar10-train.array_record-*")
     with open(shard, "r+b") as f:
         damage(f)
     return d
 
 
-def test_truncated_shard_is_a_clear_error_when_opened(fake_dir, tmp_path):
-    d = _copy_with_damaged_shard(fake_dir, tmp_path, lambda f: f.truncate(4096))
+def test_truncated_shard_is_a_clear_error_when_opened(fake_tfds_dir, tmp_path):
+    d = _copy_with_damaged_shard(fake_tfds_dir, tmp_path, lambda f: f.truncate(4096))
     with pytest.raises(ValueError, match="may be damaged: prepare the dataset again"):
         data.tfds_images("cifar10", "train", data_dir=d)
     data.tfds_images("cifar10", "test", data_dir=d)  # the intact split still reads
 
 
-def test_overwritten_bytes_are_a_clear_error_not_garbage_images(fake_dir, tmp_path):
+def test_overwritten_bytes_are_a_clear_error_not_garbage_images(fake_tfds_dir, tmp_path):
     def scribble(f):
         f.seek(2000)
         f.write(b"\xff" * 64)
 
-    d = _copy_with_damaged_shard(fake_dir, tmp_path, scribble)
+    d = _copy_with_damaged_shard(fake_tfds_dir, tmp_path, scribble)
     with pytest.raises(ValueError, match="may be damaged"):
         src = data.tfds_images("cifar10", "train", data_dir=d)
         src.__getitems__(list(range(len(src))))

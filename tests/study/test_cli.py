@@ -1,4 +1,5 @@
-"""``python -m jaxcomp.study``: the example study runs in smoke mode and reports (subprocess)."""
+"""``python -m jaxcomp.study``: a few smoke cells of the example study through the real CLI
+(subprocess), every study's cell configs, one smoke cell per study, and the CLI's exits."""
 
 import csv
 import os
@@ -6,9 +7,24 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
+from jaxcomp import study
+from jaxcomp import train
+from jaxcomp.study import __main__ as cli
+from jaxcomp.study import _grid
+from jaxcomp.study import _runner
+
 ROOT = pathlib.Path(__file__).parents[2]
+STUDIES = sorted(p.stem for p in (ROOT / "configs" / "studies").glob("*.py"))
+#: 6 of paper1_direction's 28 cells: dense and TopK both ways with Adam, 2-bit quantization of
+#: the activations with SGD-momentum, 2 seeds each
+CELLS = [
+    "dense__optimizer=adam__*",
+    "topk10-both__optimizer=adam__*",
+    "quant2-forward-only__*sgdm*",
+]
 
 
 def study_cli(*args, cwd=None):
@@ -27,18 +43,19 @@ def study_cli(*args, cwd=None):
 @pytest.fixture(scope="module")
 def smoke_study(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("paper1_direction_smoke")
-    result = study_cli("run", "paper1_direction", "--workdir", str(workdir), "--smoke")
+    cells = [a for c in CELLS for a in ("--cells", c)]
+    result = study_cli("run", "paper1_direction", "--workdir", str(workdir), "--smoke", *cells)
     return workdir, result
 
 
-def test_paper1_direction_smoke_runs_every_cell_and_reports(smoke_study):
+def test_paper1_direction_smoke_runs_the_chosen_cells_and_reports(smoke_study):
     workdir, result = smoke_study
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "[28/28] quant2-both__optimizer=sgdm__seed1: done" in result.stdout
+    assert "[28/28] quant2-both__optimizer=sgdm__seed1" not in result.stdout
+    assert "[20/28] quant2-forward-only__optimizer=sgdm__seed1: done" in result.stdout
+    assert result.stdout.count(": running") == 6
     md = (workdir / "report.md").read_text()
-    assert "28 of 28 runs done, 0 diverged" in md
-    table = [line for line in md.splitlines() if line.startswith("| ") and "variant" not in line]
-    assert len(table) == 14  # 7 variants x 2 optimizers, seeds aggregated
+    assert "6 of 28 runs done, 0 diverged" in md
     with open(workdir / "report.csv") as f:
         rows = {(r["variant"], r["optimizer"]): r for r in csv.DictReader(f)}
     dense, both = rows[("dense", "adam")], rows[("topk10 both", "adam")]
@@ -47,13 +64,15 @@ def test_paper1_direction_smoke_runs_every_cell_and_reports(smoke_study):
     assert float(rows[("quant2 forward-only", "sgdm")]["seeds"]) == 2
     for png in ("accuracy_vs_bytes.png", "curves.png"):
         assert (workdir / png).read_bytes()[:4] == b"\x89PNG"
+    assert (workdir / ".jax_cache").is_dir()  # the CLI process turns the cache on
 
 
 def test_a_rerun_skips_the_finished_cells_and_report_writes_elsewhere(smoke_study, tmp_path):
     workdir, _ = smoke_study
-    again = study_cli("run", "paper1_direction", "--workdir", str(workdir), "--smoke")
+    cells = [a for c in CELLS for a in ("--cells", c)]
+    again = study_cli("run", "paper1_direction", "--workdir", str(workdir), "--smoke", *cells)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("done already") == 28 and "running" not in again.stdout
+    assert again.stdout.count("done already") == 6 and "running" not in again.stdout
     out = tmp_path / "report"
     result = study_cli("report", str(workdir), "--out", str(out), "--compute_s", "0.001")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -66,4 +85,48 @@ def test_cli_errors_are_one_line():
     assert result.stderr.startswith("error: unknown study 'no_such_study'")
     assert result.stderr.count("\n") == 1
     listed = study_cli("list")
-    assert listed.returncode == 0 and "paper1_direction" in listed.stdout
+    assert listed.returncode == 0 and all(name in listed.stdout for name in STUDIES)
+
+
+# --- every study file (in-process) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", STUDIES)
+def test_every_study_documents_itself_and_its_cells_are_valid_configs(name):
+    s = study.load_study(name)
+    assert f"python -m jaxcomp.study run {name} --workdir" in s.doc
+    assert "Expected runtime" in s.doc and "Finding" in s.doc
+    assert len(s.seeds) >= 2 and set(s.axes.get("optimizer", {})) >= {"adam", "sgdm"}
+    base = _grid.base_config(s)
+    for cell in study.cells(s):
+        study.cell_config(s, cell, base)  # raises naming the cell if an override is wrong
+
+
+#: the studies whose mode no other study test runs (the pipeline ones run through the CLI above)
+RUN_IN_TESTS = ["accordion_powersgd", "accordion_batch_size"]
+
+
+@pytest.mark.parametrize("name", RUN_IN_TESTS)
+def test_a_study_of_each_mode_runs_a_smoke_cell(name, tmp_path):
+    s = study.load_study(name)
+    last = list(s.variants)[-1]  # the most involved variant (Accordion, EF21, AQ-SGD, ...)
+    cell = next(c for c in study.cells(s) if c.variant == last)
+    statuses = study.run_study(s, str(tmp_path), smoke=True, only=[cell.name], log=lambda *_: None)
+    assert statuses == {cell.name: "done"}
+
+
+# --- the CLI as a function: signals and process-wide settings ----------------------------------
+
+
+def test_an_interrupted_study_exits_75_and_the_function_leaves_jax_config_alone(
+    monkeypatch, tmp_path
+):
+    def interrupted(*args, **kwargs):
+        raise train.Interrupted(15, 3, "stopped by SIGTERM after step 3; checkpoint saved.")
+
+    monkeypatch.setattr(_runner, "run_study", interrupted)
+    before = jax.config.jax_compilation_cache_dir
+    code = cli.main(["run", "paper1_direction", "--workdir", str(tmp_path / "w")])
+    assert code == cli.EXIT_INTERRUPTED == 75
+    assert jax.config.jax_compilation_cache_dir == before  # only the CLI process sets it
+    assert not (tmp_path / "w" / ".jax_cache").exists()

@@ -5,6 +5,7 @@ import json
 import os
 import textwrap
 
+import ml_collections
 import pytest
 
 from jaxcomp import study
@@ -313,3 +314,76 @@ def test_report_of_an_unfinished_study(tiny, tmp_path):
     assert rows[1]["final_acc_on"] is None and rows[1]["speedup_1gbit"] is None
     md = open(study.write_report(workdir)["markdown"]).read()
     assert "2 of 8 runs done, 0 diverged" in md and "| dense | sgd | 0/2 (2 unfinished) |" in md
+
+
+# --- presets and cell selection ---------------------------------------------------------------
+
+TOPK = {"name": "top_k", "fraction": 0.1}
+
+
+@pytest.mark.parametrize(
+    "forward, backward, preset, expected",
+    [
+        (TOPK, "identity", "backward-only",
+         {"pipeline.forward": "identity", "pipeline.backward": TOPK}),
+        ("identity", TOPK, "both", {"pipeline.forward": TOPK, "pipeline.backward": TOPK}),
+        (TOPK, {"name": "quantize", "bits": 8}, "forward-only",
+         {"pipeline.forward": TOPK, "pipeline.backward": "identity"}),
+        ("identity", "identity", "both", {}),  # an uncompressed baseline stays one
+        ({"name": "identity"}, "identity", "forward-only", {}),
+    ],
+)  # fmt: skip
+def test_preset_moves_the_cells_codec_to_the_named_directions(forward, backward, preset, expected):
+    config = ml_collections.ConfigDict(
+        {"mode": "pipeline", "pipeline": {"forward": forward, "backward": backward}}
+    )
+    assert study.preset_overrides(config, preset) == expected
+
+
+@pytest.mark.parametrize(
+    "config, preset, error",
+    [
+        ({"mode": "pipeline", "pipeline": {}}, "forward", "unknown preset 'forward'"),
+        ({"mode": "data_parallel"}, "both", "needs mode 'pipeline'; got 'data_parallel'"),
+        ({"mode": "pipeline", "pipeline": {"boundaries": [{}]}}, "both", "per-boundary codecs"),
+    ],
+)
+def test_preset_errors_name_the_problem(config, preset, error):
+    with pytest.raises(ValueError, match=error):
+        study.preset_overrides(ml_collections.ConfigDict(config), preset)
+
+
+def test_select_keeps_grid_order_and_rejects_a_pattern_matching_nothing(tiny):
+    grid = study.cells(tiny)
+    chosen = study.select(grid, ["topk*seed1", "dense__optimizer=adam__seed0"])
+    assert [c.name for c in chosen] == [
+        "dense__optimizer=adam__seed0",
+        "topk-10__optimizer=adam__seed1",
+        "topk-10__optimizer=sgd__seed1",
+    ]
+    assert study.select(grid, []) == grid
+    with pytest.raises(ValueError, match=r"--cells 'sign\*' matches no cell"):
+        study.select(grid, ["sign*"])
+
+
+def test_run_study_with_cells_and_a_preset(tiny, tmp_path):
+    workdir, calls, configs = str(tmp_path / "w"), [], {}
+    inner = fake_train(calls)
+
+    def train_fn(config, cell_dir):
+        configs[os.path.basename(cell_dir)] = config
+        return inner(config, cell_dir)
+
+    statuses = study.run_study(tiny, workdir, preset="backward-only", only=["*adam__seed0"],
+                               train_fn=train_fn, log=lambda *_: None)  # fmt: skip
+    assert calls == ["dense__optimizer=adam__seed0", "topk-10__optimizer=adam__seed0"]
+    assert set(statuses) == set(calls)
+    topk = configs["topk-10__optimizer=adam__seed0"].pipeline
+    assert (topk.forward, topk.backward.to_dict()) == ("identity", TOPK)
+    assert configs["dense__optimizer=adam__seed0"].pipeline.backward == "identity"
+    manifest = json.load(open(os.path.join(workdir, "study.json")))
+    assert manifest["preset"] == "backward-only" and len(manifest["cells"]) == 8
+    md_path = study.write_report(workdir)["markdown"]
+    assert "2 of 8 runs done" in open(md_path).read()  # the others show as missing
+    with pytest.raises(ValueError, match="preset=backward-only.*preset=None.*another --workdir"):
+        study.run_study(tiny, workdir, train_fn=train_fn, log=lambda *_: None)
