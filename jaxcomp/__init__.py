@@ -10,7 +10,8 @@
   ``accordion_batch_size``, ``ab_training``.
 
 The training harness (:mod:`jaxcomp.models`, :mod:`jaxcomp.data`, :mod:`jaxcomp.train`,
-``python -m jaxcomp.main``) is imported on first attribute access, so ``import jaxcomp`` stays
+``python -m jaxcomp.main``) and the studies (:mod:`jaxcomp.study`, ``python -m jaxcomp.study``)
+are imported on first attribute access, so ``import jaxcomp`` stays
 light (no Flax model zoo, scikit-learn, orbax or matplotlib); benchmarks run with
 ``python -m jaxcomp.bench``.
 """
@@ -27,7 +28,7 @@ from jaxcomp.compressors import wire_bytes
 
 __version__ = "0.1.0"
 
-_LAZY_SUBPACKAGES = ("data", "models", "train")
+_LAZY_SUBPACKAGES = ("data", "models", "train", "study")
 
 
 def __getattr__(name):
@@ -44,6 +45,7 @@ __all__ = (
     "measure_collectives",
     "models",
     "pipeline",
+    "study",
     "train",
     "transforms",
     "wire_bytes",

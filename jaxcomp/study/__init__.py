@@ -2,8 +2,8 @@
 and the alpha-beta cost model that predicts whether compression pays on a given link.
 
 * Studies (``configs/studies/NAME.py``, run with ``python -m jaxcomp.study run NAME --workdir
-  DIR``): :func:`load_study`, :func:`cells`, :func:`direction_presets`, :func:`preset_overrides`, :func:`select`,
-  :func:`run_study`.
+  DIR``): :func:`load_study`, :func:`cells`, :func:`direction_presets`,
+  :func:`preset_overrides`, :func:`select`, :func:`run_study`.
 * The report: :func:`write_report` (markdown table, CSVs, PNG plots), :func:`read_runs`,
   :func:`aggregate`.
 * The cost model: :func:`link`, :func:`collective_time`, :func:`communication_time`,
