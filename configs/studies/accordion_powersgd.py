@@ -10,8 +10,8 @@ The digits MLP on 8 data-parallel fake CPU devices (``configs/digits_accordion.p
 variants are Accordion with the same codec on both sides (the same error feedback, the same
 bytes accounting). 4 variants x 2 optimizers x 2 seeds = 16 runs.
 
-Expected runtime: see docs/results/accordion_powersgd/report.md (measured there; ~5-8 minutes
-on 2 CPU cores). ``--smoke``: 16 runs of 2 steps.
+Expected runtime: 218 s (3.6 min) measured for the whole study on 2 shared CPU cores (load
+average 5.9-6.0; docs/results/accordion_powersgd/report.md). ``--smoke``: 16 runs of 2 steps.
 
 Finding tested (Agarwal et al., 2021, abstract; SPEC.md sections 2.1, 2.6): Accordion reaches
 the accuracy of low compression (rank 2) while sending close to the bytes of high compression

@@ -9,9 +9,9 @@ The digits MLP (64-256-256-256-10) cut into 4 pipeline stages on 8 fake CPU devi
 off; TopK keeps 10% per sample, quantization sends 2-bit codes with a per-feature fp16 scale;
 7 variants x 2 optimizers x 2 seeds = 28 runs.
 
-Expected runtime: about 10-15 minutes on 2 CPU cores (one run, TopK both ways with Adam:
-21 s wall time at load average 5); the whole study has not been run yet (the studies are run
-when the other issues have landed). ``--smoke``: 28 runs of 2 steps, ~2 minutes.
+Expected runtime: 319 s (5.3 min) measured for the whole study on 2 shared CPU cores (load
+average 0.6 at the start, rising to ~5; docs/results/paper1_direction/report.md).
+``--smoke``: 28 runs of 2 steps, ~2 minutes.
 
 Finding tested (Rudakov et al., 2024, abstract; SPEC.md section 1.1): gradients need milder
 compression than activations, i.e. compressing only the backward hurts more than compressing
