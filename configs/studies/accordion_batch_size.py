@@ -13,7 +13,7 @@ of 11), the detector checked every 2 epochs, eta 0.5; a large batch accumulates 
 and communicates once (the report's bytes per step are per micro-batch step). 3 variants x 2
 optimizers x 2 seeds = 12 runs.
 
-Expected runtime: 107 s (1.8 min) measured for the whole study on 2 shared CPU cores (load
+Expected runtime: 105 s (1.8 min) measured for the whole study on 2 shared CPU cores (load
 average 8.5; docs/results/accordion_batch_size/report.md). ``--smoke``: 12 runs of 2 steps.
 
 Finding tested (Agarwal et al., 2021, abstract; SPEC.md sections 2.1, 2.5, 2.6): the detector

@@ -10,7 +10,7 @@ The digits MLP on 8 data-parallel fake CPU devices (``configs/digits_accordion.p
 variants are Accordion with the same codec on both sides (the same error feedback, the same
 bytes accounting). 4 variants x 2 optimizers x 2 seeds = 16 runs.
 
-Expected runtime: 218 s (3.6 min) measured for the whole study on 2 shared CPU cores (load
+Expected runtime: 196 s (3.3 min) measured for the whole study on 2 shared CPU cores (load
 average 5.9-6.0; docs/results/accordion_powersgd/report.md). ``--smoke``: 16 runs of 2 steps.
 
 Finding tested (Agarwal et al., 2021, abstract; SPEC.md sections 2.1, 2.6): Accordion reaches

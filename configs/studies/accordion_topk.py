@@ -11,7 +11,7 @@ variants are Accordion with the same codec on both sides. TopK keeps the largest
 each layer's gradient entries (the authors' CIFAR-10 pair). 4 variants x 2 optimizers x 2 seeds
 = 16 runs.
 
-Expected runtime: 200 s (3.3 min) measured for the whole study on 2 shared CPU cores (load
+Expected runtime: 199 s (3.3 min) measured for the whole study on 2 shared CPU cores (load
 average 5.9-8.5; docs/results/accordion_topk/report.md). ``--smoke``: 16 runs of 2 steps.
 
 Finding tested (Agarwal et al., 2021, abstract; SPEC.md sections 2.1, 2.6): Accordion reaches

@@ -11,7 +11,7 @@ often), evaluated every 100 steps with compression on and off; activation-gradie
 uncompressed, so that the forward compression is the only difference; 7 variants x 2
 optimizers x 2 seeds = 28 runs.
 
-Expected runtime: 442 s (7.4 min) measured for the whole study on 2 shared CPU cores (load
+Expected runtime: 440 s (7.3 min) measured for the whole study on 2 shared CPU cores (load
 average 5.8-6.1; docs/results/paper1_aqsgd/report.md). ``--smoke``: 28 runs of 2 steps.
 
 Finding tested (Rudakov et al., 2024, abstract; SPEC.md section 1.1): with AQ-SGD + TopK, a

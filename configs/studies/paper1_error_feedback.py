@@ -9,7 +9,7 @@ The digits MLP cut into 4 pipeline stages on 8 fake CPU devices (``configs/digit
 400 steps, evaluated every 100 steps with compression on and off; 5 variants x 2 optimizers x
 2 seeds = 20 runs.
 
-Expected runtime: 305 s (5.1 min) measured for the whole study on 2 shared CPU cores (load
+Expected runtime: 303 s (5.1 min) measured for the whole study on 2 shared CPU cores (load
 average 5.8-6.7; docs/results/paper1_error_feedback/report.md). ``--smoke``: 20 runs of 2 steps.
 
 Findings tested (Rudakov et al., 2024, abstract; SPEC.md sections 1.1, 1.5): error feedback

@@ -10,7 +10,7 @@ The digits MLP (64-256-256-256-10) cut into 4 pipeline stages on 8 fake CPU devi
 (``configs/digits_pipeline.py``), 400 steps, evaluated every 100 steps; 7 variants x 2
 optimizers x 2 seeds = 28 runs.
 
-Expected runtime: 365 s (6.1 min) measured for the whole study on 2 shared CPU cores (load
+Expected runtime: 363 s (6.1 min) measured for the whole study on 2 shared CPU cores (load
 average 5.9-6.7; docs/results/paper1_topk_sweep/report.md). ``--smoke``: 28 runs of 2 steps.
 
 Findings tested (Rudakov et al., 2024, abstract; SPEC.md section 1.1): K = 10% is the lowest
