@@ -4,8 +4,9 @@ layer, η = 0.5, checked every 10 epochs; 4 workers of batch 128
 (global 512), SGD momentum 0.9, weight decay 1e-4, lr 0.1 divided by 10 at epochs 150 and 250,
 300 epochs. An LR drop switches every layer to low compression, as in the reference.
 
-Deviations: GroupNorm instead of BatchNorm (worker-local statistics would need their own
-reduction); no 5-epoch linear LR warm-up to 4x.
+BatchNorm with per-worker statistics, evaluation with worker 0's, as the PowerSGD variant.
+
+Deviations: no 5-epoch linear LR warm-up to 4x.
 
 On a host with 4 GPUs (or a TPU v4-8), after preparing CIFAR-10 once as array_record (nothing
 downloads at run time; ``tfds build`` needs TensorFlow, in any environment):

@@ -100,8 +100,51 @@ class StagedModel(NamedTuple):
 
     @property
     def has_batch_stats(self) -> bool:
+        return bool(self.batch_stats_segments)
+
+    @property
+    def batch_stats_segments(self) -> tuple[str, ...]:
+        """Names of the segments that keep BatchNorm running statistics."""
         variables = jax.eval_shape(lambda k: self.init(k), jax.random.key(0))
-        return any("batch_stats" in v for v in variables)
+        return tuple(name for v in variables for name in v.get("batch_stats", {}))
+
+    def with_batch_axis(self, axis_name: str | None) -> StagedModel:
+        """The same model with its BatchNorm statistics synchronised over a mesh axis.
+
+        Inside ``shard_map`` over ``axis_name`` each BatchNorm then normalises with, and
+        updates its running averages from, the statistics of the batch concatenated over the
+        axis (SyncBatchNorm): mean of the workers' means, variance from the mean of their
+        squared deviations around it. Outside such a ``shard_map`` the model only runs with
+        ``train=False`` (running statistics). The parameters and state are unchanged.
+
+        Args:
+          axis_name: the data axis, or ``None`` for per-worker statistics.
+
+        Returns:
+          A :class:`StagedModel` whose segments carry ``batch_axis=axis_name``.
+
+        Raises:
+          ValueError: if a segment keeping BatchNorm statistics has no ``batch_axis`` field.
+
+        Example:
+          >>> from jaxcomp import models
+          >>> model = models.resnet18(width=8, blocks=(1, 1), cuts=()).with_batch_axis("data")
+          >>> model.segments[0][1].batch_axis
+          'data'
+        """
+        stateful = set(self.batch_stats_segments)
+        fields = {n: getattr(m, "__dataclass_fields__", {}) for n, m in self.segments}
+        missing = sorted(n for n in stateful if "batch_axis" not in fields[n])
+        if missing:
+            raise ValueError(
+                f"{self.name}: segments {missing} keep BatchNorm statistics but cannot "
+                "synchronise them (their module has no batch_axis field)."
+            )
+        segments = tuple(
+            (n, m.clone(batch_axis=axis_name) if "batch_axis" in fields[n] else m)
+            for n, m in self.segments
+        )
+        return self._replace(segments=segments)
 
     def stage_fns(self, train: bool = True) -> tuple[Callable[[Any, jax.Array], jax.Array], ...]:
         """Pure ``stage_fn(params, x) -> y`` per stage (the pipeline contract).

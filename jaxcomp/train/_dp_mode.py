@@ -14,6 +14,8 @@
   small_steps = 1                # accordion_batch_size: micro-batches per update, critical
   large_steps = 8                # accordion_batch_size: micro-batches per update, otherwise
   lr_scaling = "linear"          # accordion_batch_size: "linear", "sqrt" or "none"
+  sync_batch_stats = False       # BatchNorm: per-worker statistics (False) or SyncBatchNorm
+  eval_batch_stats = "worker0"   # BatchNorm, per worker: evaluate with "worker0"'s or "mean"
 
 ``accordion_batch_size`` is Accordion's batch-size variant: the same detector chooses how many
 ``batch_size`` micro-batches make one update (``small_steps`` in critical regimes,
@@ -25,8 +27,19 @@ step that completes no update sends nothing, and the detector's interval is
 
 Parameters are replicated; each worker differentiates its shard of the batch with no hidden
 all-reduce (:func:`jaxcomp.comm.local_value_and_grad`) and the transform's payloads are the
-only gradient traffic. BatchNorm statistics would need their own reduction: build the model
-with ``norm="group"``.
+only gradient traffic.
+
+BatchNorm running statistics are model state. By default each worker keeps its own
+(``[W, ...]`` sharded over data), normalising with its own shard's batch statistics and
+sending nothing for them: Accordion's reference all-reduces parameter gradients only and never
+touches the BN buffers. Evaluation then uses worker 0's running statistics, as the
+reference's logged test accuracy does (each rank evaluates its own model; the logs are rank
+0's); ``eval_batch_stats="mean"`` uses the mean of the workers' running means and variances
+instead (timm's ``distribute_bn``). ``sync_batch_stats=True`` normalises with the statistics of
+the whole global batch, as PyTorch's SyncBatchNorm (AB-Training's VGG and ImageNet configs):
+the statistics are then replicated, and their all-reduces (forward: mean and variance,
+backward: their cotangents; measured on the compiled gradient, 20 bytes per channel per step
+on CPU) are counted in ``wire_bytes``.
 """
 
 from __future__ import annotations
@@ -43,7 +56,9 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import transforms
 from jaxcomp.models import _staged
+from jaxcomp.train import _batch_stats
 from jaxcomp.train import _config
+from jaxcomp.train import _dense
 from jaxcomp.train import _mode
 
 DP_DEFAULTS = {
@@ -59,6 +74,8 @@ DP_DEFAULTS = {
     "small_steps": 1,
     "large_steps": 8,
     "lr_scaling": "linear",
+    "sync_batch_stats": False,
+    "eval_batch_stats": "worker0",
 }
 TRANSFORMS = ("accordion", "compressed_mean", "accordion_batch_size")
 
@@ -140,11 +157,14 @@ def build_data_parallel(
         raise ValueError(
             f"data_parallel mode needs a mesh with only a 'data' axis; got {dict(mesh.shape)}."
         )
-    if model.has_batch_stats:
-        raise ValueError(
-            f"data_parallel mode: {model.name} keeps BatchNorm statistics; build it with "
-            "norm='group' (config.model.norm)."
-        )
+    _base_choice(
+        "config.data_parallel.eval_batch_stats", cfg["eval_batch_stats"], _batch_stats.EVAL_WITH
+    )
+    sync = cfg["sync_batch_stats"]
+    if not isinstance(sync, bool):
+        raise ValueError(f"config.data_parallel.sync_batch_stats must be a bool; got {sync!r}.")
+    if sync:
+        model = model.with_batch_axis(comm.DATA)
     workers = mesh.shape[comm.DATA]
     if config.batch_size % workers:
         raise ValueError(f"batch_size {config.batch_size} is not divisible by {workers} workers.")
@@ -152,23 +172,29 @@ def build_data_parallel(
     schedule = _config.learning_rate(config)
     tx, name = _transform(cfg, config, schedule, steps_per_epoch, num_train_samples)
 
-    def loss_fn(params, batch):
-        logits, _ = model.apply(tuple({"params": p} for p in params), batch["x"], train=True)
-        return model.loss_fn(logits, batch["label"]), _staged.accuracy(logits, batch["label"])
+    stats = _batch_stats.BatchStats(per_worker=not sync, eval_with=cfg["eval_batch_stats"])
 
-    dp = transforms.data_parallel(loss_fn, tx, mesh, has_aux=True, donate=False)
+    def loss_fn(params, model_state, batch):
+        variables = _mode.join_variables(params, stats.unwrap(model_state))
+        logits, new = model.apply(variables, batch["x"], train=True)
+        new_state = stats.wrap(_mode.split_variables(new)[1])
+        loss = model.loss_fn(logits, batch["label"])
+        return loss, (_staged.accuracy(logits, batch["label"]), new_state)
+
+    dp = transforms.data_parallel(loss_fn, tx, mesh, has_aux=True, has_state=True, donate=False)
     batch_sharding = NamedSharding(mesh, P(comm.DATA))
     is_accordion = cfg["transform"] == "accordion"
 
     def init(key):
-        params, _ = _mode.split_variables(jax.jit(model.init)(key))
-        return dp.init(params)
+        params, model_state = _mode.split_variables(jax.jit(model.init)(key))
+        return dp.init(params, stats.wrap(model_state))
 
     @jax.jit
     def check(new, old, loss):
-        finite = jnp.isfinite(loss) & _mode.all_finite(new.params)
+        finite = jnp.isfinite(loss) & _mode.all_finite(new.params, new.model_state)
         reducer_state = _reducer_state(new.opt_state)
-        out = {"finite": finite.astype(jnp.int32), "wire_bytes": reducer_state.bytes_sent}
+        wire = reducer_state.bytes_sent + sync_bytes  # BatchNorm sync: every micro-step
+        out = {"finite": finite.astype(jnp.int32), "wire_bytes": wire}
         if is_accordion:
             modes = transforms.accordion_metrics(new.opt_state)["modes"]
             modes = jnp.stack([jnp.asarray(v) for v in jax.tree.leaves(modes)])
@@ -185,11 +211,20 @@ def build_data_parallel(
 
     @jax.jit
     def eval_step(state, batch):
-        logits, _ = model.apply(tuple({"params": p} for p in state.params), batch["x"])
+        variables = _mode.join_variables(state.params, stats.for_eval(state.model_state))
+        logits, _ = model.apply(variables, batch["x"])
         return _mode.eval_sums(model, logits, batch)
 
     params_abs = jax.eval_shape(model.init, jax.random.key(0))
     dense = 4.0 * _mode.param_count([v["params"] for v in params_abs])
+    sync_bytes = 0.0
+    if sync and model.has_batch_stats:
+        # synchronised statistics are replicated, like the parameters
+        params_a, state_a = comm.place_state(_mode.split_variables(params_abs), mesh, comm.DATA)
+        batch_abs = _dense.abstract_batch(model, config.batch_size, batch_sharding)
+        sync_bytes = _batch_stats.gradient_collective_bytes(
+            loss_fn, mesh, comm.DATA, params_a, state_a, batch_abs
+        )
     return _mode.Mode(
         name="data_parallel",
         mesh=mesh,
@@ -200,5 +235,9 @@ def build_data_parallel(
         wire_bytes=math.nan,  # the transform reports each step's bytes (modes switch)
         dense_bytes=dense,
         description=f"data parallel over {workers} workers, {name}, optax.{config.optax_name}",
-        extra={"reducer": name},
+        extra={
+            "reducer": name,
+            "batch_stats": stats.describe(model.has_batch_stats),
+            "batch_stats_bytes": sync_bytes,
+        },
     )

@@ -1,4 +1,10 @@
-"""A data-parallel train step: local gradients, a compressing optax chain, replicated params."""
+"""A data-parallel train step: local gradients, a compressing optax chain, replicated params.
+
+A model with mutable state (BatchNorm running statistics) passes ``has_state=True``: its state
+travels in :attr:`TrainState.model_state`, per worker where declared
+:class:`~jaxcomp.compressors.PerWorker` (each worker's own statistics), replicated otherwise
+(statistics the model synchronises itself, e.g. a BatchNorm with ``axis_name``).
+"""
 
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from jaxcomp.comm import _placement
 
 
 class TrainState(NamedTuple):
-    """Replicated parameters and the optimizer state (per-worker leaves sharded over data).
+    """Replicated parameters, the optimizer state and the model state (per-worker leaves sharded).
 
     Attributes:
       step: ``int32[]``, updates applied.
@@ -28,23 +34,27 @@ class TrainState(NamedTuple):
         owned by one worker (error-feedback residuals, Accordion accumulators, marked
         :class:`~jaxcomp.compressors.PerWorker`) are ``[W, ...]`` sharded over the data axis,
         the rest replicated.
+      model_state: the model's mutable state (``has_state``; ``()`` otherwise), laid out the
+        same way: :class:`~jaxcomp.compressors.PerWorker` parts ``[W, ...]`` sharded over
+        data, the rest replicated.
     """
 
     step: jax.Array
     params: Any
     opt_state: Any
+    model_state: Any = ()
 
 
 class DataParallel(NamedTuple):
     """What :func:`data_parallel` returns.
 
     Attributes:
-      init: ``init(params) -> TrainState``, placed on the mesh.
+      init: ``init(params, model_state=()) -> TrainState``, placed on the mesh.
       step: ``step(state, batch) -> (state, metrics)``, jitted; ``batch`` leaves are split
         over the data axis along their first dimension; ``metrics["loss"]`` is the mean loss.
       shard_batch: places a host batch on the mesh (``step`` calls it too).
-      state_sharding: ``state_sharding(params) -> TrainState`` of ``NamedSharding``s, e.g.
-        for an orbax restore target.
+      state_sharding: ``state_sharding(params, model_state=()) -> TrainState`` of
+        ``NamedSharding``s, e.g. for an orbax restore target.
       mesh: the mesh.
       axis_name: the data axis.
     """
@@ -52,7 +62,7 @@ class DataParallel(NamedTuple):
     init: Callable[[Any], TrainState]
     step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
     shard_batch: Callable[[Any], Any]
-    state_sharding: Callable[[Any], TrainState]
+    state_sharding: Callable[..., TrainState]
     mesh: jax.sharding.Mesh
     axis_name: str
 
@@ -64,6 +74,7 @@ def data_parallel(
     *,
     axis_name: str = _mesh.DATA,
     has_aux: bool = False,
+    has_state: bool = False,
     donate: bool = True,
 ) -> DataParallel:
     """A jitted data-parallel train step whose gradient averaging is done by ``tx``.
@@ -81,6 +92,12 @@ def data_parallel(
       axis_name: the data axis.
       has_aux: ``loss_fn`` returns ``(loss, aux)``; ``metrics["aux"]`` is ``aux`` averaged
         over workers.
+      has_state: the model has mutable state (BatchNorm statistics): ``loss_fn(params,
+        model_state, batch)`` returns ``(loss, model_state)`` (``(loss, (aux, model_state))``
+        with ``has_aux``), and the new state is kept in ``TrainState.model_state``. Parts
+        declared :class:`~jaxcomp.compressors.PerWorker` (leading axis 1 inside the step) are
+        each worker's own; the rest must come out the same on every worker (the step raises
+        otherwise).
       donate: donate the old state's buffers to the new one.
 
     Returns:
@@ -102,17 +119,30 @@ def data_parallel(
         with jax.set_mesh(mesh):
             return jax.jit(tx.init)(params)
 
-    def init(params):
+    def init(params, model_state=()):
         # copy first: a replicated device_put aliases the caller's buffer, which step donates
         params = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params), replicated)
         step0 = jax.device_put(jnp.zeros((), jnp.int32), replicated)
         opt_state = _placement.place_state(init_opt(params), mesh, axis_name)
-        return TrainState(step0, params, opt_state)
+        return TrainState(step0, params, opt_state, _place_model_state(model_state))
+
+    def _place_model_state(model_state):
+        if jax.tree.leaves(model_state) and not has_state:
+            raise ValueError("a model_state was given to a data_parallel built without has_state.")
+        return _placement.place_state(model_state, mesh, axis_name)
+
+    def model_loss(params, model_state, batch):
+        """``loss_fn`` as ``(params, model_state, batch) -> (loss, (aux, model_state))``."""
+        if has_state:
+            loss, out = loss_fn(params, model_state, batch)
+            return (loss, out) if has_aux else (loss, (None, out))
+        out = loss_fn(params, batch)
+        return (out[0], (out[1], model_state)) if has_aux else (out, (None, model_state))
 
     def body(state, batch):
-        grad_fn = _local.local_value_and_grad(loss_fn, axis_name, has_aux=has_aux)
-        value, grads = grad_fn(state.params, batch)
-        loss, aux = value if has_aux else (value, None)
+        grad_fn = _local.local_value_and_grad(model_loss, axis_name, has_aux=True)
+        (loss, (aux, model_state)), grads = grad_fn(state.params, state.model_state, batch)
+        _check_model_state(model_state, state.model_state)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         bad = [
             jax.tree_util.keystr(path)
@@ -129,7 +159,26 @@ def data_parallel(
         metrics = {"loss": lax.pmean(loss, axis_name)}
         if has_aux:
             metrics["aux"] = jax.tree.map(lambda a: lax.pmean(a, axis_name), aux)
-        return TrainState(state.step + 1, params, opt_state), metrics
+        return TrainState(state.step + 1, params, opt_state, model_state), metrics
+
+    def _check_model_state(new, old):
+        if jax.tree.structure(new) != jax.tree.structure(old):
+            raise ValueError(
+                "loss_fn returned a model_state of another structure than it was given: "
+                f"{jax.tree.structure(new)} vs {jax.tree.structure(old)}."
+            )
+        specs = _placement.state_specs(old, axis_name)
+        flags = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+        bad = [
+            jax.tree_util.keystr(path)
+            for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(new)[0], flags)
+            if spec == P() and axis_name in _local.varying_axes(x)
+        ]
+        if bad:
+            raise ValueError(
+                f"model_state leaves {bad[:3]} differ per worker but are not declared PerWorker: "
+                f"declare them compressors.PerWorker or synchronise them over {axis_name!r}."
+            )
 
     def _step(layout, state, batch):
         treedef, flat_specs = layout
@@ -164,11 +213,13 @@ def data_parallel(
     # so that jax.jit-style tools (comm.measure_collectives) can compile it without running
     step.lower = lambda state, batch: jitted.lower(layout_of(state), state, shard_batch(batch))
 
-    def state_sharding(params):
+    def state_sharding(params, model_state=()):
         with jax.set_mesh(mesh):
             abstract = jax.eval_shape(tx.init, params)
-        placed = _placement.place_state(abstract, mesh, axis_name)
-        opt = jax.tree.map(lambda s: s.sharding, placed)
-        return TrainState(replicated, jax.tree.map(lambda _: replicated, params), opt)
+        shardings = [
+            jax.tree.map(lambda s: s.sharding, _placement.place_state(a, mesh, axis_name))
+            for a in (abstract, jax.eval_shape(lambda m: m, model_state))
+        ]
+        return TrainState(replicated, jax.tree.map(lambda _: replicated, params), *shardings)
 
     return DataParallel(init, step, shard_batch, state_sharding, mesh, axis_name)

@@ -23,6 +23,6 @@ def digits_config(**overrides) -> ml_collections.ConfigDict:
     return c
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a pure function: module-scoped fixtures may use it
 def make_config():
     return digits_config
