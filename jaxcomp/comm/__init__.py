@@ -11,7 +11,9 @@
   :func:`compressed_pmean` runs it inside any ``shard_map`` body;
 * per-worker state on a mesh: :func:`place_state` and :func:`state_specs`;
 * compressed point-to-point sends whose backward is compressed too (:func:`compressed_ppermute`,
-  and :func:`compressed_transfer`, its single-device simulation).
+  and :func:`compressed_transfer`, its single-device simulation);
+* the collective-uniformity check: every ``cond``/``switch``/``while`` holding a collective over
+  axis ``a`` is decided uniformly over ``a`` (:func:`check_collective_uniformity`).
 """
 
 from jaxcomp.comm._hlo import CollectiveRecord
@@ -47,6 +49,11 @@ from jaxcomp.comm._send import compressed_ppermute
 from jaxcomp.comm._send import compressed_transfer
 from jaxcomp.comm._send import init_channel_states
 from jaxcomp.comm._send import seed_backward_state
+from jaxcomp.comm._uniformity import NonUniformCollectiveError
+from jaxcomp.comm._uniformity import UniformityReport
+from jaxcomp.comm._uniformity import Violation
+from jaxcomp.comm._uniformity import check_collective_uniformity
+from jaxcomp.comm._uniformity import collective_uniformity
 
 __all__ = (
     "DATA",
@@ -58,10 +65,15 @@ __all__ = (
     "CollectiveReport",
     "DenseReduce",
     "GatherReduce",
+    "NonUniformCollectiveError",
     "PATHS",
     "PsumReduce",
     "TwoPhaseReduce",
+    "UniformityReport",
+    "Violation",
     "backward_token",
+    "check_collective_uniformity",
+    "collective_uniformity",
     "collective_report",
     "compressed_pmean",
     "compressed_ppermute",
