@@ -5,10 +5,14 @@ processes, loads the config, applies ``--set`` overrides (:func:`jaxcomp.train.a
 and calls :func:`jaxcomp.train.train_and_evaluate`.
 
 On CPU it gives JAX ``--cpu_devices`` (default 8) fake devices *before* JAX starts its backend,
-so the default 4-stage pipeline runs on one machine. For several hosts pass
-``--coordinator_address``, ``--num_processes`` and ``--process_id`` (or set
-``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); CPU processes talk over
-gloo.
+so the default 4-stage pipeline runs on one machine. Several processes (hosts) are joined with
+``jax.distributed.initialize`` (:func:`distributed_plan`): explicit ``--coordinator_address``,
+``--num_processes`` and ``--process_id`` (or ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
+``JAX_PROCESS_ID``) win; otherwise ``--distributed=auto`` (the default) lets JAX detect the
+cluster when a multi-process SLURM job (``srun``), Open MPI (``mpirun``) or a multi-host TPU
+slice on GKE is in the environment, ``--distributed=on`` always asks JAX to detect it (a Cloud
+TPU VM pod, found through its metadata server), ``--distributed=off`` never joins. CPU processes
+talk over gloo.
 
 The config file is loaded as ml_collections' ``config_flags`` does (``path.py:arg`` calls
 ``get_config(arg)``); ``arg`` must be one the file accepts: its ``ARGS`` tuple, by default
@@ -35,6 +39,7 @@ import sys
 EXIT_SETUP = 2
 EXIT_NONFINITE = 3
 EXIT_INTERRUPTED = 75
+DISTRIBUTED = ("auto", "on", "off")
 
 
 class UsageError(ValueError):
@@ -49,6 +54,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--coordinator_address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))
     p.add_argument("--num_processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
     p.add_argument("--process_id", type=int, default=_env_int("JAX_PROCESS_ID"))
+    p.add_argument(
+        "--distributed",
+        choices=DISTRIBUTED,
+        default="auto",
+        help="join the other processes of a cluster with jax.distributed.initialize(): 'auto' "
+        "when a multi-process SLURM/Open MPI/GKE TPU environment is detected, 'on' always "
+        "(auto-detection by JAX, e.g. a Cloud TPU VM pod), 'off' never; explicit "
+        "--coordinator_address/--num_processes/--process_id win",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -95,6 +109,69 @@ def load_config(spec: str):
     return config
 
 
+def _positive_env(environ, name: str) -> int:
+    try:
+        return int(environ.get(name, ""))
+    except ValueError:
+        return 0
+
+
+def detected_cluster(environ=None) -> str | None:
+    """The multi-process cluster environment JAX will find, or ``None`` (a single process).
+
+    Only environments with more than one process count: a one-task SLURM allocation or a
+    single-host TPU VM runs alone.
+    """
+    environ = os.environ if environ is None else environ
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(k in environ for k in slurm) and _positive_env(environ, "SLURM_NTASKS") > 1:
+        return "slurm"
+    if "OMPI_MCA_orte_hnp_uri" in environ and _positive_env(environ, "OMPI_COMM_WORLD_SIZE") > 1:
+        return "open_mpi"
+    hosts = environ.get("TPU_PROCESS_ADDRESSES") or environ.get("TPU_WORKER_HOSTNAMES") or ""
+    if len([h for h in hosts.split(",") if h.strip()]) > 1:
+        return "tpu_pod"
+    return None
+
+
+def distributed_plan(args, environ=None) -> dict | None:
+    """The keyword arguments for ``jax.distributed.initialize``, or ``None`` to run alone.
+
+    Explicit ``--coordinator_address``/``--num_processes``/``--process_id`` win over the
+    environment; with ``--distributed=auto`` a detected cluster (:func:`detected_cluster`)
+    initialises with no arguments (JAX reads the coordinator, process count and id from it);
+    ``--distributed=on`` does so even when nothing was detected, ``off`` never.
+
+    Raises:
+      UsageError: for an incomplete set of explicit flags, a process id out of range, or
+        ``--distributed=off`` together with explicit multi-process flags.
+    """
+    explicit = [args.coordinator_address, args.num_processes, args.process_id]
+    if args.num_processes is not None and args.num_processes < 1:
+        raise UsageError(f"--num_processes must be >= 1; got {args.num_processes}.")
+    if args.num_processes and args.num_processes > 1:
+        if args.distributed == "off":
+            raise UsageError("--distributed=off contradicts --num_processes > 1.")
+        if args.coordinator_address is None or args.process_id is None:
+            raise UsageError("multi-process runs need --coordinator_address and --process_id.")
+        if not 0 <= args.process_id < args.num_processes:
+            raise UsageError(
+                f"--process_id must be in [0, {args.num_processes}); got {args.process_id}."
+            )
+        return {
+            "coordinator_address": args.coordinator_address,
+            "num_processes": args.num_processes,
+            "process_id": args.process_id,
+        }
+    if args.num_processes == 1 or args.distributed == "off":
+        return None
+    if args.distributed == "on" or detected_cluster(environ) is not None:
+        # Partial explicit values (e.g. a coordinator address) still override detection.
+        names = ("coordinator_address", "num_processes", "process_id")
+        return {k: v for k, v in zip(names, explicit) if v is not None}
+    return None
+
+
 def setup_devices(args) -> None:
     """Fake CPU devices and multi-process initialisation, before JAX's backend starts."""
     flags = os.environ.get("XLA_FLAGS", "")
@@ -108,15 +185,14 @@ def setup_devices(args) -> None:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     except RuntimeError:  # backend already started (e.g. imported by a caller)
         pass
-    if args.num_processes and args.num_processes > 1:
-        if args.coordinator_address is None or args.process_id is None:
-            raise UsageError("multi-process runs need --coordinator_address and --process_id.")
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=args.coordinator_address,
-            num_processes=args.num_processes,
-            process_id=args.process_id,
-        )
+    plan = distributed_plan(args)
+    if plan is not None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU only
+        try:
+            jax.distributed.initialize(**plan)
+        except (ValueError, RuntimeError) as e:
+            where = detected_cluster() or "no cluster environment detected"
+            raise UsageError(f"jax.distributed.initialize failed ({where}): {e}") from e
 
 
 def _error(e: BaseException) -> int:
