@@ -193,7 +193,8 @@ def collective_uniformity(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     ``remat``; gradients count when ``fn`` takes them (the transposed program is traced).
 
     Args:
-      fn: the step, as it is called (jitted or not).
+      fn: the step, as it is called (jitted or not), or a traced program
+        (``jax.jit(f).trace(*args)``, a ``ClosedJaxpr``; then without ``args``).
       *args: its arguments: arrays or ``jax.ShapeDtypeStruct`` (with shardings where ``fn``
         needs them); nothing runs.
       **kwargs: its keyword arguments.
@@ -207,7 +208,12 @@ def collective_uniformity(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
       >>> comm.collective_uniformity(jnp.sin, jnp.ones(3)).violations
       ()
     """
-    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    if isinstance(fn, jax.stages.Traced):
+        closed = fn.jaxpr
+    elif isinstance(fn, core.ClosedJaxpr):
+        closed = fn
+    else:
+        closed = jax.make_jaxpr(fn)(*args, **kwargs)
     walker = _Walker()
     walker.walk(closed.jaxpr, manual=False, checked=True)
     return UniformityReport(walker.branches, walker.collectives, tuple(walker.violations))

@@ -212,6 +212,11 @@ def data_parallel(
 
     # so that jax.jit-style tools (comm.measure_collectives) can compile it without running
     step.lower = lambda state, batch: jitted.lower(layout_of(state), state, shard_batch(batch))
+    # ... trace it (comm.check_collective_uniformity) and export it for other platforms
+    step.trace = lambda state, batch: jitted.trace(layout_of(state), state, shard_batch(batch))
+    step.export = lambda state, batch, platforms: jax.export.export(jitted, platforms=platforms)(
+        layout_of(state), state, shard_batch(batch)
+    )
 
     def state_sharding(params, model_state=()):
         with jax.set_mesh(mesh):

@@ -1,0 +1,106 @@
+"""Pipeline ``step`` (compressed and dense) and ``evaluate`` lower for cuda and tpu for each link
+kind and schedule, with the payload dtypes on the sends and every branch uniform over the
+stage axis."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp import compressors as C
+from jaxcomp import feedback as F
+from jaxcomp import pipeline
+
+S, M, MB, D = 4, 4, 2, 16
+N = M * MB
+ACTIVATION = f"tensor<{MB}x{D}xf32>"  # one microbatch's activation, uncompressed
+
+LINKS = {
+    "identity": pipeline.link(),
+    "topk_ef": pipeline.link(
+        F.error_feedback(C.top_k(0.25, per_sample=True)), F.error_feedback(C.top_k(0.5))
+    ),
+    "quantize4": pipeline.link(
+        C.quantize(4, scale="feature"), C.quantize(4, rounding="stochastic")
+    ),
+    "shared_mask": pipeline.link(C.top_k(0.25, per_sample=True), mode="shared_mask"),
+    "ef21_bf16": pipeline.link(F.ef21(C.top_k(0.25)), F.ef21(C.cast("bfloat16"))),
+    "aq_sgd": pipeline.link(
+        F.aq_sgd(C.quantize(4), N), F.error_feedback(C.top_k(0.5), num_samples=N)
+    ),
+}
+SCHEDULES = tuple(getattr(pipeline, "SCHEDULES", ("gpipe",)))
+
+
+def _stage(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def _mse(y, labels):
+    return jnp.mean((y - labels) ** 2)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    rng = np.random.default_rng(0)
+    params = [
+        {"w": jnp.asarray(rng.normal(size=(D, D)) / 4, jnp.float32), "b": jnp.zeros((D,))}
+        for _ in range(S)
+    ]
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(N, D)), jnp.float32),
+        "label": jnp.asarray(rng.normal(size=(N, D)), jnp.float32),
+        "ids": jnp.arange(N, dtype=jnp.int32),
+    }
+    mesh = pipeline.pipeline_mesh(S, jax.devices()[:S])
+    packed = pipeline.pack_params(params, NamedSharding(mesh, P("stage")))
+    model = pipeline.StagedModel((_stage,) * S, _mse)
+    return mesh, model, packed, batch
+
+
+def _payload_types(channel, lowering):
+    like = jax.ShapeDtypeStruct((MB, D), jnp.float32)
+    payload = C.payload_shape(F.as_channel(channel).codec, like)
+    return {lowering.element_type(a.dtype) for a in jax.tree.leaves(payload)}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("name", sorted(LINKS))
+def test_pipeline_step_and_evaluate_export(name, schedule, setup, lowering):
+    mesh, model, packed, batch = setup
+    link = LINKS[name]
+    kwargs = {} if schedule == "gpipe" else {"schedule": schedule}
+    pipe = pipeline.gpipe(model, pipeline.PipelineConfig(M, link, **kwargs), mesh)
+    states = pipe.init(packed, batch)
+    key = jax.random.key(0)
+    sends = {}
+    for compress in (True, False):
+
+        def step(packed, batch, states, key, compress=compress):
+            return pipe.step(packed, batch, states, key, compress=compress)
+
+        exported = lowering.export(step, packed, batch, states, key, mesh=mesh)
+        sends[compress] = [
+            t for k, t in lowering.collectives(exported) if k == "collective_permute"
+        ]
+        lowering.uniform(step, packed, batch, states, key, mesh=mesh)
+
+    def evaluate(packed, batch, key):
+        return pipe.evaluate(packed, batch, key, compress=True)
+
+    lowering.uniform(evaluate, packed, batch, key, mesh=mesh)
+    evaluate = lowering.export(evaluate, packed, batch, key, mesh=mesh)
+    eval_sends = [t for k, t in lowering.collectives(evaluate) if k == "collective_permute"]
+
+    assert ACTIVATION in sends[False]  # compress=False sends dense
+    got = lowering.dtypes([("p", t) for t in sends[True]])
+    assert _payload_types(link.forward, lowering) <= got, sends[True]
+    if link.backward is not None:
+        assert _payload_types(link.backward, lowering) <= got, sends[True]
+    if name == "identity":
+        assert ACTIVATION in sends[True] and ACTIVATION in eval_sends
+    else:
+        assert ACTIVATION not in sends[True], sends[True]
+        assert ACTIVATION not in eval_sends, eval_sends
