@@ -16,6 +16,7 @@ BENCHMARKS = {
     "pipeline": "jaxcomp.bench.pipeline",
     "data_parallel": "jaxcomp.bench.data_parallel",
     "ab_training": "jaxcomp.bench.ab_training",
+    "device": "jaxcomp.bench.device",
 }
 USAGE = f"usage: python -m jaxcomp.bench {{{','.join(BENCHMARKS)}}} [--json PATH] [options]"
 

@@ -75,8 +75,10 @@ def codec_table(n: int) -> list[tuple[str, compressors.Codec, tuple[int, ...]]]:
 
 
 def hlo_payload_bytes(codec: compressors.Codec, shape: tuple[int, ...]) -> float:
-    """Per-device bytes of a ``ppermute`` of the payload under ``shard_map`` on 2 devices."""
-    mesh = comm.make_mesh([("x", 2)], devices=jax.devices()[:2])
+    """Per-device bytes of a ``ppermute`` of the payload under ``shard_map`` on 2 devices
+    (2 CPU devices on a one-accelerator machine)."""
+    devices = jax.devices() if len(jax.devices()) >= 2 else jax.devices("cpu")
+    mesh = comm.make_mesh([("x", 2)], devices=devices[:2])
 
     def send(x):
         payload, _ = codec.compress(x, codec.init(x), jax.random.key(0))
