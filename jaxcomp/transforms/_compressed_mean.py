@@ -31,13 +31,17 @@ class CompressedMeanState(NamedTuple):
       leaves: one reduction state per parameter (the state of its
         :func:`jaxcomp.comm.plan_reduce` protocol; per-worker parts in
         :class:`~jaxcomp.compressors.PerWorker`).
-      bytes_sent: ``float32[]``, bytes this worker put into collectives at the last step.
+      bytes_sent: ``float32[]``, bytes this worker put into collectives at the last step
+        (with an axis pair: into the compressed reduction over the slow axis).
+      fast_bytes_sent: ``float32[]``, bytes this worker put into the dense average over the
+        fast axis of an axis pair at the last step (0 without one).
     """
 
     count: jax.Array
     key: jax.Array
     leaves: Any
     bytes_sent: jax.Array
+    fast_bytes_sent: jax.Array
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,6 +88,20 @@ def check_axis_name(axis_name: Any) -> None:
     """Raises ``ValueError`` unless ``axis_name`` is a string or ``None``."""
     if axis_name is not None and not isinstance(axis_name, str):
         raise ValueError(f"axis_name must be a mesh axis name (str) or None; got {axis_name!r}.")
+
+
+def split_axes(axis_name: Any) -> tuple[str | None, str | None]:
+    """``(slow, fast)`` of a data axis or a ``(slow, fast)`` pair (``fast`` is ``None`` for
+    one axis); ``ValueError`` for anything else."""
+    if axis_name is None or isinstance(axis_name, str):
+        return axis_name, None
+    pair = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else ()
+    if len(pair) != 2 or not all(isinstance(a, str) for a in pair) or pair[0] == pair[1]:
+        raise ValueError(
+            "axis_name must be a mesh axis name (str), None, or a pair of distinct names "
+            f"(slow, fast); got {axis_name!r}."
+        )
+    return pair
 
 
 def check_tree(updates: Any, leaves: Any, who: str) -> None:
@@ -138,7 +156,7 @@ class MeanConfig:
     """The static configuration of :func:`compressed_mean` (validated, hashable)."""
 
     channel: feedback.Channel
-    axis_name: str | None
+    axis_name: str | tuple[str, str] | None
     path: str
     min_compression_rate: float
     min_ndim: int
@@ -163,7 +181,7 @@ class MeanConfig:
 
 def compressed_mean(
     compressor: compressors.Codec | feedback.Channel,
-    axis_name: str | None = _mesh.DATA,
+    axis_name: str | tuple[str, str] | None = _mesh.DATA,
     *,
     path: str = "auto",
     min_compression_rate: float = 2.0,
@@ -196,6 +214,18 @@ def compressed_mean(
     smaller than the array. The first ``warmup_steps`` steps are averaged uncompressed
     (error-feedback residuals untouched, EF21 estimates set to the dense values).
 
+    **Hierarchical meshes.** With ``axis_name=(slow, fast)`` the mean is over both axes: first
+    a dense ``pmean`` over ``fast`` (the links inside a host or slice: NVLink, ICI), then the
+    compressed reduction above over ``slow`` (between hosts: Ethernet, DCN) among the
+    :math:`W_{slow}` fast-group means, as hierarchical all-reduce and ZeRO++ do:
+
+    .. math::
+      \bar g = \frac{1}{W_{slow}} \sum_{s} D\Big(C\big(\tfrac{1}{W_{fast}}
+      \textstyle\sum_{f} g_{s,f} + e_s\big)\Big)
+
+    Only compressed payloads cross the slow links. Per-worker state belongs to a slow worker
+    (a fast group): place it with ``comm.place_state(state, mesh, slow)``.
+
     **State.** ``init(params)`` runs where optax users call it, outside ``shard_map``. What one
     worker owns (residuals, codec states) is marked :class:`~jaxcomp.compressors.PerWorker`
     with a leading axis of size 1, the view each worker has inside ``shard_map``;
@@ -206,7 +236,8 @@ def compressed_mean(
     Args:
       compressor: a codec (``compressors.top_k(0.01)``) or a channel
         (``feedback.error_feedback(...)``, ``feedback.ef21(...)``).
-      axis_name: the data-parallel mesh axis; ``None`` runs on one worker (no collective).
+      axis_name: the data-parallel mesh axis; ``None`` runs on one worker (no collective);
+        a pair ``(slow, fast)``: dense over ``fast``, compressed over ``slow``.
       path: ``"auto"``, ``"dense"``, ``"psum"``, ``"all_gather"``, ``"two_phase"`` or
         ``"codec"`` (the codec's own protocol).
       min_compression_rate: compress an array only if its payload is at least this many times
@@ -242,10 +273,10 @@ def compressed_mean(
     channel = feedback.as_channel(compressor)
     _reduce_plan.check_path(channel.codec, path)
     _reduce_plan.check_channel(channel)
-    check_axis_name(axis_name)
+    slow, fast = split_axes(axis_name)
     config = MeanConfig(
         channel=channel,
-        axis_name=axis_name,
+        axis_name=slow if fast is None else (slow, fast),
         path=path,
         min_compression_rate=static_number("min_compression_rate", min_compression_rate, 0),
         min_ndim=static_int("min_ndim", min_ndim, 0),
@@ -259,7 +290,7 @@ def compressed_mean(
 
 def init_mean(config: MeanConfig, params: Any) -> CompressedMeanState:
     """``compressed_mean``'s ``init``: plans every parameter and builds its state."""
-    num_workers = _protocol.num_workers(config.axis_name)
+    num_workers = _protocol.num_workers(split_axes(config.axis_name)[0])
     flat, treedef = jax.tree.flatten(params)
     protocols = config.protocols(params, quiet=False)
     leaves = [p.init(x, num_workers) for p, x in zip(protocols, flat)]
@@ -268,6 +299,7 @@ def init_mean(config: MeanConfig, params: Any) -> CompressedMeanState:
         key=seed_key(config.seed),
         leaves=jax.tree.unflatten(treedef, leaves),
         bytes_sent=jnp.zeros((), jnp.float32),
+        fast_bytes_sent=jnp.zeros((), jnp.float32),
     )
 
 
@@ -276,8 +308,13 @@ def update_mean(
 ) -> tuple[Any, CompressedMeanState]:
     """``compressed_mean``'s ``update`` (inside ``shard_map`` over ``config.axis_name``)."""
     del params
-    axis_name = config.axis_name
+    axis_name, fast = split_axes(config.axis_name)
     check_tree(updates, state.leaves, "compressed_mean")
+    fast_sent = jnp.zeros((), jnp.float32)
+    if fast is not None:  # dense over the fast links first: one value per fast group
+        _protocol.axis_size(fast)  # a clear error for a wrong axis or outside shard_map
+        updates = jax.tree.map(lambda g: lax.pmean(g, fast), updates)
+        fast_sent += sum(compressors.dense_bytes(g) for g in jax.tree.leaves(updates))
     num = _protocol.axis_size(axis_name)
     flat, treedef = jax.tree.flatten(updates)
     leaf_states = treedef.flatten_up_to(state.leaves)
@@ -311,5 +348,6 @@ def update_mean(
         key=state.key,
         leaves=treedef.unflatten(new_states),
         bytes_sent=sent,
+        fast_bytes_sent=fast_sent,
     )
     return treedef.unflatten(means), new_state
