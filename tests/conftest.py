@@ -1,6 +1,9 @@
 """Test-suite setup: 8 fake CPU devices, set before the JAX backend starts."""
 
+import contextlib
 import os
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
@@ -37,3 +40,27 @@ def pytest_collection_modifyitems(config, items):
             "test ids contain object addresses, which differ between xdist workers; pass "
             f"ids= to parametrize: {unstable[:3]}"
         )
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--set-mesh",
+        action="store_true",
+        help="run every test that takes a mesh fixture (mesh, stage_mesh, ...) inside "
+        "`with jax.set_mesh(mesh):`, JAX's recommended way to set a mesh; the code under test "
+        "must not depend on whether a mesh context is set",
+    )
+
+
+def _meshes(item):
+    args = getattr(item, "funcargs", {}) or {}
+    return [v for v in args.values() if isinstance(v, jax.sharding.Mesh)]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """With ``--set-mesh``: the test body runs under ``jax.set_mesh`` of its mesh fixture."""
+    meshes = _meshes(pyfuncitem) if pyfuncitem.config.getoption("--set-mesh") else []
+    ctx = jax.set_mesh(meshes[0]) if meshes else contextlib.nullcontext()
+    with ctx:
+        yield

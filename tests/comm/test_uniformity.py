@@ -133,3 +133,12 @@ def test_branches_outside_shard_map_and_without_collectives_are_ignored(mesh, x)
     assert comm.check_collective_uniformity(jax.jit(f), x).branches == 0
     report = comm.check_collective_uniformity(jax.jit(_sm(mesh, local)), x)
     assert (report.branches, report.collectives) == (0, 0)
+
+
+def test_the_set_mesh_option_wraps_tests_taking_a_mesh(mesh, request):
+    """``pytest --set-mesh`` (tests/conftest.py) runs this body under ``jax.set_mesh(mesh)``."""
+    current = jax.sharding.get_abstract_mesh()
+    if request.config.getoption("--set-mesh"):
+        assert tuple(current.axis_names) == tuple(mesh.axis_names)
+    else:
+        assert current.empty
