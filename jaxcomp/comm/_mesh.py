@@ -21,7 +21,12 @@ MEMBER = "member"  #: AB-Training: workers inside a group
 def make_mesh(
     axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | None = None
 ) -> jax.sharding.Mesh:
-    """Builds an (Explicit-axis) mesh from ``[(name, size), ...]``; one size may be ``-1``.
+    """Builds a mesh from ``[(name, size), ...]``; one size may be ``-1``.
+
+    Its axes are ``AxisType.Auto`` (``jax.sharding.Mesh``'s default, not ``jax.make_mesh``'s
+    Explicit): ``shard_map`` accepts inputs of any placement and XLA reshards them. Devices are
+    taken in ``jax.devices()`` order, process by process, so on several hosts the first axis
+    spans the hosts (the slow links) and the last stays inside one.
 
     Args:
       axes: axis names and sizes, outermost first; ``-1`` fills with the remaining devices.
