@@ -147,10 +147,13 @@ def distributed_plan(args, environ=None) -> dict | None:
         ``--distributed=off`` together with explicit multi-process flags.
     """
     explicit = [args.coordinator_address, args.num_processes, args.process_id]
+    # callers building their own Namespace without the flag (jaxcomp.study) keep the explicit-
+    # flags-only behaviour; the CLI's default is "auto"
+    mode = getattr(args, "distributed", "off")
     if args.num_processes is not None and args.num_processes < 1:
         raise UsageError(f"--num_processes must be >= 1; got {args.num_processes}.")
     if args.num_processes and args.num_processes > 1:
-        if args.distributed == "off":
+        if mode == "off" and hasattr(args, "distributed"):
             raise UsageError("--distributed=off contradicts --num_processes > 1.")
         if args.coordinator_address is None or args.process_id is None:
             raise UsageError("multi-process runs need --coordinator_address and --process_id.")
@@ -163,9 +166,9 @@ def distributed_plan(args, environ=None) -> dict | None:
             "num_processes": args.num_processes,
             "process_id": args.process_id,
         }
-    if args.num_processes == 1 or args.distributed == "off":
+    if args.num_processes == 1 or mode == "off":
         return None
-    if args.distributed == "on" or detected_cluster(environ) is not None:
+    if mode == "on" or detected_cluster(environ) is not None:
         # Partial explicit values (e.g. a coordinator address) still override detection.
         names = ("coordinator_address", "num_processes", "process_id")
         return {k: v for k, v in zip(names, explicit) if v is not None}

@@ -1,6 +1,7 @@
 """Joining the processes of a cluster: explicit flags win, SLURM/Open MPI/GKE TPU environments
 are detected, and a real 2-process SLURM-style launch forms one 2-process JAX system."""
 
+import argparse
 import os
 import pathlib
 import socket
@@ -120,3 +121,15 @@ def test_a_slurm_launch_joins_both_processes():
     assert [p.returncode for p in procs] == [0, 0], outs
     for rank, out in enumerate(outs):
         assert f"joined 2 {rank} 4" in out, out
+
+
+def test_a_namespace_without_the_flag_keeps_explicit_only():
+    """jaxcomp.study builds its own Namespace: no detection, explicit flags still work."""
+    bare = argparse.Namespace(coordinator_address=None, num_processes=None, process_id=None)
+    assert main.distributed_plan(bare, SLURM2) is None
+    two = argparse.Namespace(coordinator_address="h:1", num_processes=2, process_id=0)
+    assert main.distributed_plan(two, {}) == {
+        "coordinator_address": "h:1",
+        "num_processes": 2,
+        "process_id": 0,
+    }
