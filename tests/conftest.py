@@ -11,7 +11,6 @@ if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
-import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
