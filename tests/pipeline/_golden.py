@@ -1,0 +1,120 @@
+"""Numbers of the pipeline before the compact link-state layout (recorded at commit 7c1e877).
+
+``python tests/pipeline/_golden.py record`` ran the GPipe pipeline of that commit (link states
+with one slot per stage, backward by autodiff) on the cases below and wrote their loss,
+gradients and the *live* ends of every link state (boundary ``b``: forward sender ``b``,
+receiver ``b + 1``; backward sender ``b + 1``, receiver ``b``) to ``golden_v1.npz``.
+``test_golden.py`` runs today's pipeline on the same cases and compares. Every case's
+backward channel is stateless or keyed by sample id, so its numbers do not depend on the order
+in which a step's microbatches cross a boundary backward (that order changed: microbatch order
+now, reversed before).
+"""
+
+import importlib.util
+import pathlib
+import sys
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).parent
+GOLDEN = HERE / "golden_v1.npz"
+N = 8  # samples per batch (per-sample buffers)
+
+
+def conftest():
+    spec = importlib.util.spec_from_file_location("_pipeline_conftest", HERE / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cases():
+    """name -> (fixture kind, link, compress per step, data replicas)."""
+    from jaxcomp import compressors as C
+    from jaxcomp import feedback as F
+    from jaxcomp import pipeline
+
+    topk_ef = pipeline.link(
+        F.error_feedback(C.top_k(0.25, per_sample=True)),
+        F.error_feedback(C.top_k(0.5), num_samples=N),
+    )
+    aq = pipeline.link(F.aq_sgd(C.quantize(4), N), F.error_feedback(C.top_k(0.5), num_samples=N))
+    return {
+        "topk_ef": ("mlp", topk_ef, (True, True, True), 1),
+        "ef21_q8": ("mlp", pipeline.link(F.ef21(C.top_k(0.25)), C.quantize(8)), (True,) * 3, 1),
+        "aq_sgd": ("mlp", aq, (False, True, True), 1),
+        "shared_mask": (
+            "mlp", pipeline.link(C.top_k(0.25, per_sample=True), mode="shared_mask"),
+            (True, True), 1,
+        ),
+        "quant_stochastic": (
+            "mlp", pipeline.link(C.quantize(4, scale="feature"), C.quantize(4, rounding="stochastic")),
+            (True, True), 1,
+        ),
+        "cnn_aq": ("cnn", pipeline.link(F.aq_sgd(C.quantize(4), N), C.quantize(8)), (False, True), 1),
+        "replicas_topk_ef": ("mlp2", topk_ef, (True, True), 2),
+    }  # fmt: skip
+
+
+def fixture(kind):
+    c = conftest()
+    if kind == "mlp":
+        return c.make_mlp()
+    if kind == "cnn":
+        return c.make_cnn()
+    return c.make_mlp()  # 8 rows: 2 replicas x 4 microbatches x 1 row
+
+
+def old_ends(states):
+    """The live ends of the old layout's states, as numpy arrays in a flat list."""
+    import jax
+
+    out = []
+    for b, st in enumerate(states):
+        for direction, (send, recv) in (("forward", (b, b + 1)), ("backward", (b + 1, b))):
+            ends = getattr(st, direction)
+            for end, slot in (("send", send), ("recv", recv)):
+                out += [np.asarray(a[slot]) for a in jax.tree.leaves(getattr(ends, end))]
+    return out
+
+
+def record():
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxcomp import pipeline
+
+    jax.config.update("jax_disable_most_optimizations", True)  # as the pipeline tests run
+    arrays = {}
+    for name, (kind, link, schedule, replicas) in cases().items():
+        fx = fixture(kind)
+        mesh = pipeline.pipeline_mesh(4, jax.devices()[: 4 * replicas])
+        pipe = pipeline.gpipe(fx.model, pipeline.PipelineConfig(fx.M, link), mesh)
+        params = pipeline.pack_params(fx.params, NamedSharding(mesh, P("stage")))
+        batch = fx.batch
+        if replicas > 1:
+            batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        states = pipe.init(params, batch)
+        step = jax.jit(pipe.step, static_argnames="compress")
+        for i, compress in enumerate(schedule):
+            loss, grads, states, _ = step(params, batch, states, jax.random.key(i), compress)
+            arrays[f"{name}/{i}/loss"] = np.asarray(loss)
+            for j, g in enumerate(jax.tree.leaves(grads.unpack())):
+                arrays[f"{name}/{i}/grad/{j}"] = np.asarray(g)
+            if replicas > 1:
+                per = [jax.tree.map(lambda a, r=r: a[:, r], states) for r in range(replicas)]
+            else:
+                per = [states]
+            for r, st in enumerate(per):
+                for j, a in enumerate(old_ends(st)):
+                    arrays[f"{name}/{i}/ends/{r}/{j}"] = a
+    np.savez_compressed(GOLDEN, **arrays)
+    print(f"wrote {len(arrays)} arrays to {GOLDEN}")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["record"]:
+    import os
+
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    record()
