@@ -39,20 +39,26 @@ from jaxcomp.pipeline._config import StagedModel
 from jaxcomp.pipeline._config import link
 from jaxcomp.pipeline._config import pipeline_mesh
 from jaxcomp.pipeline._gpipe import gpipe
-from jaxcomp.pipeline._links import LinkState
+from jaxcomp.pipeline._gpipe import simulate
+from jaxcomp.pipeline._link_state import LinkState
+from jaxcomp.pipeline._link_state import LinkStates
 from jaxcomp.pipeline._links import link_key
 from jaxcomp.pipeline._params import PackedParams
 from jaxcomp.pipeline._params import ParamLayout
 from jaxcomp.pipeline._params import pack_params
 from jaxcomp.pipeline._params import param_layout
 from jaxcomp.pipeline._prepare import Pipeline
+from jaxcomp.pipeline._schedule import SCHEDULES
 from jaxcomp.pipeline._schedule import bubble_fraction
 from jaxcomp.pipeline._schedule import gpipe_segments
-from jaxcomp.pipeline._simulate import simulate
+from jaxcomp.pipeline._schedule import in_flight
+from jaxcomp.pipeline._schedule import ticks
 
 __all__ = (
+    "SCHEDULES",
     "Link",
     "LinkState",
+    "LinkStates",
     "PackedParams",
     "ParamLayout",
     "Pipeline",
@@ -61,10 +67,12 @@ __all__ = (
     "bubble_fraction",
     "gpipe",
     "gpipe_segments",
+    "in_flight",
     "link",
     "link_key",
     "pack_params",
     "param_layout",
     "pipeline_mesh",
     "simulate",
+    "ticks",
 )

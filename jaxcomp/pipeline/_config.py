@@ -30,6 +30,8 @@ from jaxcomp.comm import _send
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _cast
 from jaxcomp.feedback import _channel
+from jaxcomp.pipeline import _residuals
+from jaxcomp.pipeline import _schedule
 
 
 class StagedModel(NamedTuple):
@@ -98,15 +100,23 @@ def link(
 
 
 class PipelineConfig(NamedTuple):
-    """Static sizes and per-boundary links of a pipeline.
+    """Static sizes, per-boundary links and the schedule of a pipeline.
 
     Attributes:
-      num_microbatches: ``M``, the microbatches per step (GPipe needs ``M >= S``).
+      num_microbatches: ``M``, the microbatches per step (``M >= S``).
       links: one :class:`Link` per boundary (``S - 1``), or a single link used everywhere.
+      schedule: ``"gpipe"`` (every forward, then every backward: all ``M`` microbatches'
+        activations alive) or ``"1f1b"`` (PipeDream-flush: at most ``S``); same numbers.
+      checkpoint: ``None`` (a stage's backward uses the activations its forward saved),
+        ``True`` or a ``jax.checkpoint_policies`` name / policy callable: each stage runs under
+        ``jax.checkpoint`` with that policy, saving only its input (and what the policy keeps)
+        and recomputing the rest in the backward.
     """
 
     num_microbatches: int
     links: Link | tuple[Link, ...] = link()
+    schedule: str = "gpipe"
+    checkpoint: Any = None
 
 
 def resolve_links(config: PipelineConfig, num_stages: int) -> tuple[Link, ...]:
@@ -119,6 +129,8 @@ def resolve_links(config: PipelineConfig, num_stages: int) -> tuple[Link, ...]:
             f"num_microbatches must be >= the number of stages for a GPipe schedule; got "
             f"num_microbatches={m} with {num_stages} stages."
         )
+    _base.check_choice("schedule", config.schedule, _schedule.SCHEDULES)
+    _residuals.check_checkpoint(config.checkpoint)
     links = config.links
     if isinstance(links, Link):
         links = (links,) * (num_stages - 1)

@@ -1,32 +1,9 @@
-"""Boundary shapes, link states and the theoretical bytes per step.
-
-**Link-state layout.** Every leaf of a link's states has leading axis ``S`` (one slot per stage
-device; ``(S, D)`` with ``D`` data replicas), sharded over ``stage`` (and ``data``). For boundary
-``b`` the live slots are those of the devices at its ends:
-
-=====================  ===========  ==============================================
-state                  live slot    who holds it
-=====================  ===========  ==============================================
-``forward.send``       ``b``        stage ``b``, sender of activations
-``forward.recv``       ``b + 1``    stage ``b + 1``, receiver of activations
-``backward.send``      ``b + 1``    stage ``b + 1``, sender of gradients
-``backward.recv``      ``b``        stage ``b``, receiver of gradients
-=====================  ===========  ==============================================
-
-The other slots stay at their initial values. Distributed and simulated pipelines use the same
-layout, so their states compare slot for slot and a run can switch between them (the
-simulation reads and writes only the live rows, see ``compressed_transfer(slots=...)``). The
-dead slots cost memory: each device stores a slot of every boundary's states, which matters
-only for large per-sample buffers (AQ-SGD caches: ``S - 1`` times their live size; a leaf
-sharded over ``stage`` has the same block on every device, so a compact layout would have to
-stack the ends by role across boundaries instead of keeping one state per boundary).
-"""
+"""Boundary shapes, link checks, the keys of each send and the theoretical bytes per step."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,13 +12,6 @@ from jaxcomp.comm import _send
 from jaxcomp.compressors import _base
 from jaxcomp.feedback import _channel
 from jaxcomp.pipeline import _config
-
-
-class LinkState(NamedTuple):
-    """States of one boundary: forward and backward channel, both ends, one slot per stage."""
-
-    forward: _send.ChannelStates
-    backward: _send.ChannelStates
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
@@ -113,41 +83,6 @@ def check_links(links: Sequence[_config.Link], shapes: Sequence[Any]) -> None:
             _send.check_backward_state(bwd)
         except (ValueError, TypeError) as e:
             raise type(e)(f"links[{b}]: {e}") from e
-
-
-def init_link_states(
-    links: Sequence[_config.Link], shapes: Sequence[Any], lead: tuple[int, ...]
-) -> tuple[LinkState, ...]:
-    """Initial states of every link, each leaf broadcast to leading axes ``lead``."""
-
-    def expand(tree):
-        return jax.tree.map(lambda a: jnp.broadcast_to(a, (*lead, *jnp.shape(a))), tree)
-
-    return tuple(
-        LinkState(
-            expand(_send.init_channel_states(lk.forward, shape)),
-            expand(_send.init_channel_states(lk.backward, shape)),
-        )
-        for lk, shape in zip(links, shapes)
-    )
-
-
-def check_link_states(got: Any, expected: Any) -> None:
-    """Raises ``ValueError`` unless ``got`` has ``expected``'s structure, shapes and dtypes."""
-    g_leaves, g_def = jax.tree.flatten(got)
-    e_leaves, e_def = jax.tree.flatten(expected)
-    if g_def != e_def:
-        raise ValueError(
-            "link_states do not match this pipeline's links (use pipe.init(params, batch)); "
-            f"expected structure {e_def}, got {g_def}."
-        )
-    for path_leaf, g, e in zip(jax.tree_util.tree_leaves_with_path(expected), g_leaves, e_leaves):
-        if tuple(jnp.shape(g)) != tuple(e.shape) or g.dtype != e.dtype:
-            path = jax.tree_util.keystr(path_leaf[0])
-            raise ValueError(
-                f"link_states{path} has {g.dtype}{list(jnp.shape(g))}; this pipeline expects "
-                f"{e.dtype}{list(e.shape)} (initialise them for the same batch and microbatches)."
-            )
 
 
 def eval_links(links: Sequence[_config.Link]) -> tuple[_config.Link, ...]:

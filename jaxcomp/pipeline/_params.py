@@ -62,29 +62,46 @@ class ParamLayout:
             raise ValueError(
                 f"expected {self.num_stages} per-stage pytrees; got {len(stage_trees)}."
             )
-        parts: dict[str, list[list[jax.Array]]] = {g: [] for g, _ in self.lengths}
-        for s, (tree, treedef, slots) in enumerate(zip(stage_trees, self.treedefs, self.slots)):
-            leaves, got = jax.tree.flatten(tree)
-            if got != treedef:
-                raise ValueError(f"stage {s}'s pytree structure differs from the layout's.")
-            rows = {g: [] for g, _ in self.lengths}
-            for leaf, slot in zip(leaves, slots):
-                if jnp.ndim(leaf) == 0:  # a per-leaf scalar (e.g. an optax-style mask)
-                    leaf = jnp.broadcast_to(jnp.asarray(leaf), slot.shape)
-                if tuple(jnp.shape(leaf)) != slot.shape:
-                    raise ValueError(
-                        f"stage {s}: leaf of shape {jnp.shape(leaf)} where the layout has "
-                        f"{slot.shape}."
-                    )
-                rows[slot.group].append(jnp.ravel(jnp.asarray(leaf)).astype(slot.group))
-            for g, length in self.lengths:
-                used = sum(math.prod(sl.shape) for sl in slots if sl.group == g)
-                pad = [jnp.zeros((length - used,), g)] if length > used else []
-                parts[g].append(rows[g] + pad)
-        return {
-            g: jnp.stack([jnp.concatenate(r) if r else jnp.zeros((0,), g) for r in parts[g]])
-            for g, _ in self.lengths
-        }
+        rows = [self.pack_stage(s, tree) for s, tree in enumerate(stage_trees)]
+        return {g: jnp.stack([r[g] for r in rows]) for g, _ in self.lengths}
+
+    def pack_stage(self, stage: int, tree: Any) -> dict[str, jax.Array]:
+        """Stage ``stage``'s pytree as its packed vectors ``{name: [length]}`` (zero padded).
+
+        One ``concatenate`` per buffer: the transpose of :meth:`unpack_stage`.
+        """
+        leaves, got = jax.tree.flatten(tree)
+        if got != self.treedefs[stage]:
+            raise ValueError(f"stage {stage}'s pytree structure differs from the layout's.")
+        rows: dict[str, list[jax.Array]] = {g: [] for g, _ in self.lengths}
+        for leaf, slot in zip(leaves, self.slots[stage]):
+            if jnp.ndim(leaf) == 0:  # a per-leaf scalar (e.g. an optax-style mask)
+                leaf = jnp.broadcast_to(jnp.asarray(leaf), slot.shape)
+            if tuple(jnp.shape(leaf)) != slot.shape:
+                raise ValueError(
+                    f"stage {stage}: leaf of shape {jnp.shape(leaf)} where the layout has "
+                    f"{slot.shape}."
+                )
+            rows[slot.group].append(jnp.ravel(jnp.asarray(leaf)).astype(slot.group))
+        out = {}
+        for g, length in self.lengths:
+            used = sum(math.prod(sl.shape) for sl in self.slots[stage] if sl.group == g)
+            pad = [jnp.zeros((length - used,), g)] if length > used else []
+            parts = rows[g] + pad
+            out[g] = (
+                jnp.concatenate(parts)
+                if len(parts) > 1
+                else (parts[0] if parts else jnp.zeros((0,), g))
+            )
+        return out
+
+    def stage_bytes(self, stage: int) -> int:
+        """Bytes of stage ``stage``'s own leaves (without the padding)."""
+        return sum(math.prod(sl.shape) * np.dtype(sl.group).itemsize for sl in self.slots[stage])
+
+    def row_bytes(self) -> int:
+        """Bytes of one packed row (every buffer's length, padding included)."""
+        return sum(n * np.dtype(g).itemsize for g, n in self.lengths)
 
     def unpack_stage(self, stage: int, local: dict[str, jax.Array]) -> Any:
         """Stage ``stage``'s pytree from its packed vectors ``{name: [length]}``.

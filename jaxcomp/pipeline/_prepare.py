@@ -1,5 +1,5 @@
 """What the distributed and the simulated pipeline share: the :class:`Pipeline` interface and
-the trace-time checks that run before anything is compiled."""
+the trace-time preparation (checks and static shapes) that runs before anything is compiled."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ from typing import Any
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
+from jaxcomp.compressors import _base
 from jaxcomp.pipeline import _batch
 from jaxcomp.pipeline import _config
+from jaxcomp.pipeline import _link_state
 from jaxcomp.pipeline import _links
 from jaxcomp.pipeline import _params
 
@@ -20,10 +23,12 @@ class Pipeline(NamedTuple):
     :func:`~jaxcomp.pipeline.simulate`; both have the same signatures and numbers).
 
     ``step`` and ``evaluate`` validate their inputs and build the program in Python: wrap them
-    in ``jax.jit`` once and reuse the jitted function (called bare they retrace every time).
+    in ``jax.jit`` once and reuse the jitted function (called bare, each call re-checks its
+    inputs; the compiled program is reused).
 
     Attributes:
-      init: ``init(params, batch) -> link_states``: every link's initial states.
+      init: ``init(params, batch) -> link_states``: every link end's initial state, as
+        :class:`LinkStates` (each stage device holds the ends it owns).
       step: ``step(params, batch, link_states, key=None, compress=True) ->
         (loss, grads, link_states, metrics)``: one training step's loss, gradients (in the form
         of ``params``: a per-stage sequence or :class:`PackedParams`) and new link states.
@@ -37,29 +42,67 @@ class Pipeline(NamedTuple):
       bytes_per_step: ``bytes_per_step(params, batch, compress=True, train=True) -> dict`` with
         the theoretical ``wire_bytes`` (payload bytes per step and pipeline replica, forward and
         backward) and ``dense_bytes`` (the same sends uncompressed).
+      memory: ``memory(params, batch) -> dict``: the planned per-device memory of a training
+        step (see :func:`jaxcomp.pipeline.gpipe`).
       num_stages: ``S``.
       num_microbatches: ``M``.
       links: one :class:`Link` per boundary.
+      schedule: ``"gpipe"`` or ``"1f1b"``.
     """
 
     init: Callable[..., Any]
     step: Callable[..., Any]
     evaluate: Callable[..., Any]
     bytes_per_step: Callable[..., dict[str, int]]
+    memory: Callable[..., dict[str, int]]
     num_stages: int
     num_microbatches: int
     links: tuple[_config.Link, ...]
+    schedule: str
+
+
+class Static(NamedTuple):
+    """Everything derived from the shapes of (params, batch) at trace time (hashable)."""
+
+    layout: _params.ParamLayout
+    microbatch_size: int
+    inputs: tuple[jax.ShapeDtypeStruct, ...]  # per stage: its input for one microbatch
+    shapes: tuple[jax.ShapeDtypeStruct, ...]  # the S - 1 boundary activations
+    final: jax.ShapeDtypeStruct  # last stage output (one microbatch)
+    metrics_def: Any  # loss_fn metrics structure
+    metrics_leaves: tuple[jax.ShapeDtypeStruct, ...]
+    state_layout: _link_state.StateLayout
+    mask_layout: _params.ParamLayout  # shared-mask payloads kept per microbatch
+    payloads: tuple[Any, ...]  # per boundary: its shared-mask payload struct, or None
+
+    @property
+    def metrics(self) -> Any:
+        return jax.tree.unflatten(self.metrics_def, self.metrics_leaves)
 
 
 class Prepared(NamedTuple):
-    """Everything derived from (params, batch) at trace time."""
-
-    layout: _params.ParamLayout
+    static: Static
     batch: _batch.Batch
-    microbatch_size: int
-    shapes: tuple[jax.ShapeDtypeStruct, ...]  # the S - 1 boundary activations (one microbatch)
-    final: jax.ShapeDtypeStruct  # last stage output (one microbatch)
-    metrics: Any  # loss_fn metrics structure
+
+
+def split_loss(out: Any) -> tuple[jax.Array, dict]:
+    """``loss_fn`` output as ``(loss, metrics)``."""
+    if isinstance(out, tuple):
+        loss, metrics = out
+        return loss, dict(metrics)
+    return out, {}
+
+
+def _payload_layout(links, shapes, num):
+    payloads = tuple(
+        _base.payload_shape(lk.forward.codec, s) if lk.mode == "shared_mask" else None
+        for lk, s in zip(links, shapes)
+    )
+    trees = [
+        (payloads[d] if d < num - 1 else None, payloads[d - 1] if d > 0 else None)
+        for d in range(num)
+    ]
+    return payloads, _params.param_layout(trees)
 
 
 def prepare(
@@ -68,15 +111,15 @@ def prepare(
     num_microbatches: int,
     params: Any,
     batch: Any,
+    *,
     replicas: int = 1,
     need_ids: bool | None = None,
 ) -> Prepared:
     """Validates params and batch against the model and links (no FLOPs, nothing compiled)."""
     layout = _params.param_layout(params)
-    if layout.num_stages != model.num_stages:
-        raise ValueError(
-            f"params hold {layout.num_stages} stages; the model has {model.num_stages}."
-        )
+    num = model.num_stages
+    if layout.num_stages != num:
+        raise ValueError(f"params hold {layout.num_stages} stages; the model has {num}.")
     need = _links.needs_ids(links) if need_ids is None else need_ids
     parsed = _batch.parse_batch(batch, need)
     mb = _batch.check_batch(parsed, num_microbatches, replicas)
@@ -87,7 +130,14 @@ def prepare(
     shapes, final = _links.boundary_shapes(model, layout.structs(), x_mb, labels_mb)
     _links.check_links(links, shapes)
     metrics = jax.eval_shape(lambda y, lab: split_loss(model.loss_fn(y, lab))[1], final, labels_mb)
-    return Prepared(layout, parsed, mb, shapes, final, metrics)
+    inputs = (x_mb, *shapes)
+    payloads, mask_layout = _payload_layout(links, shapes, num)
+    leaves, treedef = jax.tree.flatten(metrics)
+    static = Static(
+        layout, mb, inputs, shapes, final, treedef, tuple(leaves),
+        _link_state.state_layout(links, shapes, num), mask_layout, payloads,
+    )  # fmt: skip
+    return Prepared(static, parsed)
 
 
 def check_compress(compress: Any) -> bool:
@@ -100,20 +150,12 @@ def check_compress(compress: Any) -> bool:
     return compress
 
 
-def split_loss(out: Any) -> tuple[jax.Array, dict]:
-    """``loss_fn`` output as ``(loss, metrics)``."""
-    if isinstance(out, tuple):
-        loss, metrics = out
-        return loss, dict(metrics)
-    return out, {}
-
-
 def with_bytes(
-    metrics: dict, prep: Prepared, links, num_microbatches: int, compress: bool, train: bool
+    metrics: dict, static: Static, links, num_microbatches: int, compress: bool, train: bool
 ) -> dict:
     """``metrics`` plus the static byte counts of the step (float32 scalars)."""
-    counts = _links.step_bytes(links, prep.shapes, num_microbatches, compress, train)
-    return {**metrics, **{k: jax.numpy.asarray(v, jax.numpy.float32) for k, v in counts.items()}}
+    counts = _links.step_bytes(links, static.shapes, num_microbatches, compress, train)
+    return {**metrics, **{k: jnp.asarray(v, jnp.float32) for k, v in counts.items()}}
 
 
 def eval_key(links: tuple[_config.Link, ...], key: Any, compress: bool) -> Any:
@@ -122,19 +164,3 @@ def eval_key(links: tuple[_config.Link, ...], key: Any, compress: bool) -> Any:
     if key is None and compress and any(lk.forward.codec.stochastic for lk in links):
         return jax.random.key(0)
     return key
-
-
-def bytes_per_step_fn(prepare_fn: Callable[..., Prepared], links, num_microbatches: int):
-    """The ``Pipeline.bytes_per_step`` of a pipeline whose ``prepare`` is ``prepare_fn``."""
-
-    def bytes_per_step(params, batch, compress=True, train=True):
-        prep = prepare_fn(params, batch, need_ids=False)
-        use = links if train else _links.eval_links(links)
-        return _links.step_bytes(use, prep.shapes, num_microbatches, compress, train)
-
-    return bytes_per_step
-
-
-def expected_states(links, prep: Prepared, lead: tuple[int, ...]) -> Any:
-    """The structure, shapes and dtypes of the link states ``init`` returns (no FLOPs)."""
-    return jax.eval_shape(lambda: _links.init_link_states(links, prep.shapes, lead))

@@ -1,12 +1,13 @@
-"""The GPipe forward ticks as every stage device runs them inside ``shard_map``.
+"""The tick program every stage device runs inside ``shard_map`` (GPipe or 1F1B).
 
-Each device holds its stage's packed parameters and, per boundary, the activation it last
-received. At every tick a ``lax.switch`` on the device's stage index runs *only its own stage*
-(or nothing, in a bubble), then each boundary active in this tick sends its activation with
-:func:`jaxcomp.comm.compressed_ppermute` from stage ``b`` to ``b + 1``: one ``ppermute`` per
-boundary with the single pair ``(b, b + 1)``, so every payload travels at its exact size
-(the other devices supply zeros of the right shape and send nothing). ``jax.grad`` of the
-ticks runs the backward in reverse tick order, with the gradients compressed by the same links.
+Per tick (:mod:`jaxcomp.pipeline._schedule`), a ``lax.switch`` on the device's stage index runs
+*only its own stage's op*: a forward (saving its residuals into the ring-buffer slot of the
+microbatch, :mod:`jaxcomp.pipeline._residuals`), a backward (from the saved residuals,
+accumulating the parameter gradient), or nothing. Then every boundary whose sender worked this
+tick sends, one ``ppermute`` with the single pair per boundary and direction
+(:mod:`jaxcomp.pipeline._exchange`); the receiver consumes it in the next tick. Only the stages
+active in a tick are compiled into its switch, and only the boundaries active in it send, so
+bubble ticks send nothing and touch no state.
 """
 
 from __future__ import annotations
@@ -16,50 +17,32 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
-from jaxcomp.comm import _send
-from jaxcomp.pipeline import _config
+from jaxcomp.pipeline import _exchange
 from jaxcomp.pipeline import _links
-from jaxcomp.pipeline import _params
 from jaxcomp.pipeline import _prepare
+from jaxcomp.pipeline import _residuals
 from jaxcomp.pipeline import _schedule
 
+F, B = _schedule.FORWARD, _schedule.BACKWARD
 
-class TickContext(NamedTuple):
-    """Static description of one pipeline program."""
 
-    model: _config.StagedModel
-    links: tuple[_config.Link, ...]
-    num_microbatches: int
-    layout: _params.ParamLayout
-    shapes: tuple[jax.ShapeDtypeStruct, ...]
-    final: jax.ShapeDtypeStruct
+class Carry(NamedTuple):
+    """What a device carries from tick to tick."""
+
+    acts: tuple[jax.Array, ...]  # per boundary: the activation last received (on b + 1)
+    cotangents: tuple[jax.Array, ...]  # per boundary: the gradient last received (on b)
+    residuals: dict[str, jax.Array]  # {dtype: [slots, R]}: saved residuals per microbatch
+    masks: dict[str, jax.Array]  # {dtype: [slots, P]}: shared-mask payloads per microbatch
+    grads: dict[str, jax.Array]  # {dtype: [L]}: this stage's accumulated gradient
+    states: dict[str, jax.Array]  # {dtype: [L_s]}: this device's link ends
+    loss: jax.Array
     metrics: Any
-    axes: tuple[str, ...]  # mesh axes every per-device value varies over
-    compress: bool
-    collect_outputs: bool
-
-
-class TickResult(NamedTuple):
-    loss_sum: jax.Array
-    metrics_sum: Any
-    fwd_states: tuple[_send.ChannelStates, ...]
-    tokens: tuple[_send.ChannelStates, ...]
-    outputs: jax.Array | None
-
-
-def _take(tree: Any, i: Any) -> Any:
-    if isinstance(i, int):
-        return jax.tree.map(lambda a: a[i], tree)
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
-
-
-def _clamp(i: Any, hi: int) -> Any:
-    """``i`` clipped to ``[0, hi]``; Python ints stay static (unrolled ticks)."""
-    return min(max(i, 0), hi) if isinstance(i, int) else jnp.clip(i, 0, hi)
+    outputs: jax.Array | None  # evaluation: the last stage's outputs per microbatch
 
 
 def _zeros(struct: Any, axes: tuple[str, ...]) -> Any:
@@ -67,121 +50,301 @@ def _zeros(struct: Any, axes: tuple[str, ...]) -> Any:
     return _local.to_varying(zeros, axes)
 
 
-def _branches(ctx: TickContext, active: tuple[bool, ...]):
-    """A branch per active stage plus a final idle branch, all with the same output type (only
-    the stages active in a tick are compiled into it)."""
-    stages, num = ctx.model.stages, len(ctx.model.stages)
-    final = ctx.final if ctx.collect_outputs else None
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
 
-    def idle(local, x_t, recv, labels_t):
-        del local, x_t, recv, labels_t
-        outs = tuple(_zeros(s, ()) for s in ctx.shapes)
-        loss, metrics = jnp.zeros((), jnp.float32), _zeros(ctx.metrics, ())
-        return _local.to_varying((outs, loss, metrics, _zeros(final, ())), ctx.axes)
 
-    def make(s):
-        def branch(local, x_t, recv, labels_t):
-            params = ctx.layout.unpack_stage(s, local)
-            y = stages[s](params, x_t if s == 0 else recv[s - 1])
-            outs = tuple(
-                y if b == s else jnp.zeros(sh.shape, sh.dtype) for b, sh in enumerate(ctx.shapes)
-            )
+def _take(tree: Any, i: Any) -> Any:
+    if isinstance(i, (int, np.integer)):
+        return jax.tree.map(lambda a: a[int(i)], tree)
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _tables(schedule: str, num: int, m_: int, train: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``[T, S]`` int32 tables of each stage's forward and backward microbatch (-1: none)."""
+    table = _schedule.ticks(schedule, num, m_, train)
+    fwd = np.full((len(table), num), -1, np.int32)
+    bwd = np.full((len(table), num), -1, np.int32)
+    for t, row in enumerate(table):
+        for s, op in enumerate(row):
+            if op is not None:
+                (fwd if op.kind == F else bwd)[t, s] = op.microbatch
+    return fwd, bwd
+
+
+def _row(table: np.ndarray, t: Any) -> Any:
+    """Row ``t`` of a table: Python ints for a static tick, a traced ``[S]`` array otherwise."""
+    return [int(v) for v in table[t]] if isinstance(t, int) else jnp.asarray(table)[t]
+
+
+def _branch(prog, plan, s: int, kind: str | None, has_f: bool, has_b: bool):
+    """Stage ``s``'s op of one tick as a switch branch, with the tick's uniform output type."""
+    st, num, axes = prog.static, prog.num_stages, prog.axes
+    res_struct = {} if plan is None else _res_struct(plan)
+    fns = prog.fns[s] if s is not None else None
+
+    def outputs(ys=None, res=None, loss=None, metrics=None, final=None, dxs=None, dparams=None):
+        out = {}
+        if has_f:
+            out["ys"] = tuple(
+                ys if (ys is not None and b == s) else _zeros(sh, ()) for b, sh in
+                enumerate(st.shapes)
+            )  # fmt: skip
+            if prog.train:
+                out["res"] = res if res is not None else _zeros(res_struct, ())
+            out["loss"] = loss if loss is not None else jnp.zeros((), jnp.float32)
+            out["metrics"] = metrics if metrics is not None else _zeros(st.metrics, ())
+            if prog.collect:
+                out["final"] = final if final is not None else _zeros(st.final, ())
+        if has_b:
+            out["dxs"] = tuple(
+                dxs if (dxs is not None and b == s - 1) else _zeros(sh, ()) for b, sh in
+                enumerate(st.shapes)
+            )  # fmt: skip
+            out["dparams"] = dparams if dparams is not None else _zeros(prog.grad_struct, ())
+        return _local.to_varying(out, axes)
+
+    def branch(local, x_in, acts, cotangents, res_row, lab_f, lab_b):
+        if kind is None:
+            return outputs()
+        params = st.layout.unpack_stage(s, local)
+        h = x_in if s == 0 else acts[s - 1]
+        if kind == F and not prog.train:
+            y = prog.model.stages[s](params, h)
             if s < num - 1:
-                loss, metrics = jnp.zeros((), jnp.float32), _zeros(ctx.metrics, ())
-                out = _zeros(final, ())
-            else:
-                loss, metrics = _prepare.split_loss(ctx.model.loss_fn(y, labels_t))
-                loss = loss.astype(jnp.float32)
-                metrics = jax.tree.map(lambda v: v.astype(jnp.float32), metrics)
-                out = y if final is not None else None
-            return _local.to_varying((outs, loss, metrics, out), ctx.axes)
+                return outputs(ys=y)
+            loss, metrics = _prepare.split_loss(prog.model.loss_fn(y, lab_f))
+            metrics = jax.tree.map(lambda v: v.astype(jnp.float32), metrics)
+            return outputs(loss=loss.astype(jnp.float32), metrics=metrics, final=y)
+        if kind == F:
+            out, aux, res = _residuals.forward(plan, fns, s, params, h, lab_f)
+            if s < num - 1:
+                return outputs(ys=out, res=res)
+            return outputs(res=res, loss=out, metrics=aux)
+        if s == num - 1:
+            ct = _local.to_varying(jnp.asarray(1.0 / prog.num_microbatches, jnp.float32), axes)
+        else:
+            ct = cotangents[s]
+        like = _zeros(st.inputs[s], axes)
+        dp, dx = _residuals.backward(plan, fns, s, params, res_row, ct, like, lab_b)
+        return outputs(dxs=dx, dparams=st.layout.pack_stage(s, dp))
 
-        return branch
-
-    return [make(s) for s in range(num) if active[s]] + [idle]
+    return branch
 
 
-def run_ticks(
-    ctx: TickContext,
-    local: dict[str, jax.Array],
-    x: Any,
-    labels: Any,
-    ids: jax.Array | None,
-    key: jax.Array | None,
-    fwd_states: tuple[_send.ChannelStates, ...],
-    tokens: tuple[_send.ChannelStates, ...],
-) -> TickResult:
-    """Runs the ``M + S - 1`` forward ticks on this device (inside ``shard_map``).
+class Program(NamedTuple):
+    """Everything static about one compiled program (hashable)."""
 
-    Args:
-      ctx: the static program description.
-      local: this stage's packed parameter vectors ``{dtype: [length]}``.
-      x: ``[M, mb, ...]`` inputs; labels: pytree of ``[M, mb, ...]``; ids: ``[M, mb]`` or None.
-      key: PRNG key (or ``None`` for deterministic codecs).
-      fwd_states: per boundary, the forward channel's states as this device holds them.
-      tokens: per boundary, the backward-state tokens (see :mod:`jaxcomp.comm._send`).
+    model: Any
+    links: tuple
+    fns: tuple
+    static: Any  # _prepare.Static
+    schedule: str
+    num_microbatches: int
+    axes: tuple[str, ...]
+    compress: bool
+    train: bool
+    collect: bool
 
-    Returns:
-      A :class:`TickResult`; ``loss_sum`` and ``metrics_sum`` are summed over microbatches and
-      non-zero on the last stage only.
-    """
-    num, m_ = len(ctx.model.stages), ctx.num_microbatches
+    @property
+    def num_stages(self) -> int:
+        return len(self.model.stages)
+
+    @property
+    def slots(self) -> int:
+        return _schedule.residual_slots(self.schedule, self.num_stages, self.num_microbatches)
+
+    @property
+    def grad_struct(self) -> dict:
+        return {g: jax.ShapeDtypeStruct((n,), g) for g, n in self.static.layout.lengths}
+
+
+def _res_struct(plan: _residuals.ResidualPlan) -> dict:
+    return {g: jax.ShapeDtypeStruct((n,), g) for g, n in plan.layout.lengths}
+
+
+def _mask_refs(prog, b: int):
+    """The slots of boundary ``b``'s shared-mask payloads in the mask ring's rows: the sent one
+    first in stage ``b``'s tree, the received one last in stage ``b + 1``'s."""
+    layout, n = prog.static.mask_layout, len(jax.tree.leaves(prog.static.payloads[b]))
+    receiver = layout.slots[b + 1]
+    return layout.slots[b][:n], receiver[len(receiver) - n :]
+
+
+def _write_payload(masks, slots, payload, slot, mine):
+    masks = dict(masks)
+    for sl, leaf in zip(slots, jax.tree.leaves(payload)):
+        buf = masks[sl.group]
+        n = int(np.prod(sl.shape))
+        old = lax.dynamic_slice(buf, (slot, sl.offset), (1, n))
+        new = jnp.where(mine, leaf.reshape(1, n).astype(buf.dtype), old)
+        masks[sl.group] = lax.dynamic_update_slice(buf, new, (slot, sl.offset))
+    return masks
+
+
+def _read_payload(masks, slots, struct, slot):
+    leaves = []
+    for sl in slots:
+        n = int(np.prod(sl.shape))
+        piece = lax.dynamic_slice(masks[sl.group], (slot, sl.offset), (1, n))
+        leaves.append(piece.reshape(sl.shape))
+    return jax.tree.unflatten(jax.tree.structure(struct), leaves)
+
+
+def _tick(prog, plan, carry, t, kinds, local, x, labels, ids, key, tables):
+    st, num = prog.static, prog.num_stages
     stage = lax.axis_index(_mesh.STAGE)
-    outputs = None
-    if ctx.collect_outputs:
-        outputs = _zeros(jax.ShapeDtypeStruct((m_, *ctx.final.shape), ctx.final.dtype), ctx.axes)
-    carry = (
-        tuple(_zeros(s, ctx.axes) for s in ctx.shapes),
-        tuple(fwd_states),
-        tuple(tokens),
-        _zeros(jax.ShapeDtypeStruct((), jnp.float32), ctx.axes),
-        _zeros(ctx.metrics, ctx.axes),
-        outputs,
+    row_f, row_b = _row(tables[0], t), _row(tables[1], t)
+    has_f, has_b = F in kinds, B in kinds
+    slots = prog.slots
+
+    order = [s for s in range(num) if kinds[s] is not None]
+    index = jnp.asarray([order.index(s) if s in order else len(order) for s in range(num)])
+    branches = [_branch(prog, plan, s, kinds[s], has_f, has_b) for s in order]
+    branches.append(_branch(prog, plan, None, None, has_f, has_b))
+
+    static = isinstance(t, int)
+    x_in = _take(x, (max(row_f[0], 0) if static else jnp.maximum(row_f[0], 0)))
+    last_f = row_f[num - 1] if kinds[num - 1] == F else 0
+    last_b = row_b[num - 1] if kinds[num - 1] == B else 0
+    lab_f, lab_b = _take(labels, last_f), _take(labels, last_b)
+    my_f = jnp.asarray(row_f)[stage]
+    my_b = jnp.asarray(row_b)[stage]
+    res_row = None
+    if has_b and prog.train:
+        res_row = {
+            g: lax.dynamic_index_in_dim(r, jnp.maximum(my_b, 0) % slots, 0, keepdims=False)
+            for g, r in carry.residuals.items()
+        }
+    out = lax.switch(
+        index[stage], branches, local, x_in, carry.acts, carry.cotangents, res_row, lab_f, lab_b
+    )
+    residuals, grads, loss, metrics, outputs = (
+        carry.residuals, carry.grads, carry.loss, carry.metrics, carry.outputs
+    )  # fmt: skip
+    if has_f:
+        loss = loss + out["loss"]
+        metrics = jax.tree.map(jnp.add, metrics, out["metrics"])
+        if prog.train:
+            slot = jnp.maximum(my_f, 0) % slots
+            is_f = my_f >= 0
+            residuals = {
+                g: lax.dynamic_update_index_in_dim(
+                    r, jnp.where(is_f, out["res"][g], lax.dynamic_index_in_dim(r, slot, 0, False)),
+                    slot, 0,
+                )
+                for g, r in residuals.items()
+            }  # fmt: skip
+        if prog.collect and kinds[num - 1] == F:
+            outputs = lax.dynamic_update_index_in_dim(outputs, out["final"], last_f, 0)
+    if has_b:
+        grads = {g: grads[g] + out["dparams"][g] for g in grads}
+
+    acts, cotangents = list(carry.acts), list(carry.cotangents)
+    states, masks = carry.states, carry.masks
+    for b, lk in enumerate(prog.links):
+        wire = _exchange.Wire(stage == b, stage == b + 1, _move(b), False)
+        if kinds[b] == F:
+            m = row_f[b]
+            acts[b], states, payloads = _exchange.send_forward(
+                lk, b, out["ys"][b], states, st.state_layout, _links.link_key(key, b, m),
+                None if ids is None else _take(ids, m), wire, prog.compress,
+            )  # fmt: skip
+            if payloads[0] is not None and prog.train:
+                sender, receiver = _mask_refs(prog, b)
+                masks = _write_payload(masks, sender, payloads[0], m % slots, stage == b)
+                masks = _write_payload(masks, receiver, payloads[1], m % slots, stage == b + 1)
+        if kinds[b + 1] == B:
+            m = row_b[b + 1]
+            payloads = (None, None)
+            if lk.mode == "shared_mask" and prog.compress:
+                sender, receiver = _mask_refs(prog, b)
+                struct = st.payloads[b]
+                payloads = (
+                    _read_payload(masks, sender, struct, m % slots),
+                    _read_payload(masks, receiver, struct, m % slots),
+                )
+            cotangents[b], states = _exchange.send_backward(
+                lk, b, out["dxs"][b], states, st.state_layout, payloads,
+                _links.link_key(key, b, m), None if ids is None else _take(ids, m), wire,
+                prog.compress,
+            )  # fmt: skip
+    return Carry(
+        tuple(acts), tuple(cotangents), residuals, masks, grads, states, loss, metrics, outputs
     )
 
-    def tick(carry, t, active):
-        recv, fwd, tok, loss_sum, metrics_sum, outputs = carry
-        recv, fwd, tok = list(recv), list(fwd), list(tok)
-        slots, position = [], 0
-        for is_active in active:  # stage -> its branch, idle stages -> the last branch
-            slots.append(position if is_active else sum(active))
-            position += is_active
-        index = jnp.asarray(slots, jnp.int32)[stage]
-        last_m = t - (num - 1)  # the microbatch the last stage works on (when active)
-        x_t = _take(x, _clamp(t, m_ - 1))
-        labels_t = _take(labels, _clamp(last_m, m_ - 1))
-        outs, loss_t, metrics_t, final = lax.switch(
-            index, _branches(ctx, active), local, x_t, tuple(recv), labels_t
-        )
-        for b, lk in enumerate(ctx.links):
-            if not active[b]:
-                continue  # stage b idles: boundary b sends nothing this tick
-            m = t - b
-            recv[b], fwd[b], tok[b] = _send.compressed_ppermute(
-                outs[b],
-                fwd[b],
-                tok[b],
-                forward=lk.forward,
-                backward=lk.backward,
-                axis_name=_mesh.STAGE,
-                source=b,
-                target=b + 1,
-                key=_links.link_key(key, b, m),
-                ids=None if ids is None else _take(ids, m),
-                mode=lk.mode,
-                compress=ctx.compress,
-            )
-        loss_sum = loss_sum + loss_t
-        metrics_sum = jax.tree.map(jnp.add, metrics_sum, metrics_t)
-        if outputs is not None and active[num - 1]:
-            outputs = lax.dynamic_update_index_in_dim(outputs, final, last_m, 0)
-        return tuple(recv), tuple(fwd), tuple(tok), loss_sum, metrics_sum, outputs
 
-    for seg in _schedule.gpipe_segments(num, m_):
-        if seg.length == 1:
-            carry = tick(carry, seg.start, seg.active)
-        else:
-            ts = jnp.arange(seg.start, seg.start + seg.length, dtype=jnp.int32)
-            carry, _ = lax.scan(lambda c, t, a=seg.active: (tick(c, t, a), None), carry, ts)
-    _, fwd, tok, loss_sum, metrics_sum, outputs = carry
-    return TickResult(loss_sum, metrics_sum, fwd, tok, outputs)
+def _move(b: int):
+    def move(tree, reverse):
+        pairs = [(b + 1, b)] if reverse else [(b, b + 1)]
+        return lax.ppermute(tree, _mesh.STAGE, pairs)
+
+    return move
+
+
+def plan_here(prog: Program, local: dict, labels: Any) -> _residuals.ResidualPlan:
+    """Plans the stages' saved residuals in this ``shard_map`` body (inputs varying as the
+    ticks pass them), so the plan matches what the ticks' pullbacks save."""
+    st, axes = prog.static, prog.axes
+    params = [st.layout.unpack_stage(s, local) for s in range(prog.num_stages)]
+    inputs = [_zeros(s, axes) for s in st.inputs]
+    return _residuals.plan(prog.fns, params, inputs, _take(labels, 0))
+
+
+def run(prog: Program, local, x, labels, ids, key, states) -> Carry:
+    """Runs every tick of ``prog`` on this device (inside ``shard_map``).
+
+    Args:
+      prog: the static :class:`Program`.
+      local: this stage's packed parameter vectors ``{dtype: [L]}`` (varying).
+      x: ``[M, mb, ...]`` inputs; labels: pytree of ``[M, mb, ...]``; ids: ``[M, mb]`` or None.
+      key: PRNG key (or ``None`` for deterministic codecs).
+      states: this device's packed link-state vectors ``{dtype: [L_s]}``.
+
+    Returns:
+      The final :class:`Carry`: ``loss`` and ``metrics`` are sums over microbatches (non-zero on
+      the last stage), ``grads`` this stage's gradient, ``states`` the new link ends.
+    """
+    st, num, axes, m_ = prog.static, prog.num_stages, prog.axes, prog.num_microbatches
+    tables = _tables(prog.schedule, num, m_, prog.train)
+    slots = prog.slots
+    x = _local.to_varying(x, axes)
+    labels = _local.to_varying(labels, axes)
+    residuals, masks, grads, plan = {}, {}, {}, None
+    if prog.train:
+        plan = plan_here(prog, local, labels)
+        residuals = {g: jnp.zeros((slots, n), g) for g, n in plan.layout.lengths}
+        masks = {g: jnp.zeros((slots, n), g) for g, n in st.mask_layout.lengths}
+        grads = {g: jnp.zeros((n,), g) for g, n in st.layout.lengths}
+    outputs = None
+    if prog.collect:
+        outputs = jnp.zeros((m_, *st.final.shape), st.final.dtype)
+    carry = Carry(
+        tuple(jnp.zeros(s.shape, s.dtype) for s in st.shapes),
+        tuple(jnp.zeros(s.shape, s.dtype) for s in st.shapes) if prog.train else (),
+        residuals,
+        masks,
+        grads,
+        states,
+        jnp.zeros((), jnp.float32),
+        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), st.metrics),
+        outputs,
+    )
+    carry = _local.to_varying(carry, axes)
+
+    def tick(c, t, kinds):
+        return _tick(prog, plan, c, t, kinds, local, x, labels, ids, key, tables)
+
+    for seg in _schedule.segments(prog.schedule, num, m_, prog.train):
+        if seg.length == seg.period:
+            for j, kinds in enumerate(seg.pattern):
+                carry = tick(carry, seg.start + j, kinds)
+            continue
+
+        def body(c, i, seg=seg):
+            for j, kinds in enumerate(seg.pattern):
+                c = tick(c, seg.start + i * seg.period + j, kinds)
+            return c, None
+
+        carry, _ = lax.scan(body, carry, jnp.arange(seg.length // seg.period, dtype=jnp.int32))
+    return carry

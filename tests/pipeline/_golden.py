@@ -39,6 +39,8 @@ def cases():
         F.error_feedback(C.top_k(0.5), num_samples=N),
     )
     aq = pipeline.link(F.aq_sgd(C.quantize(4), N), F.error_feedback(C.top_k(0.5), num_samples=N))
+    quant = pipeline.link(C.quantize(4, scale="feature"), C.quantize(4, rounding="stochastic"))
+    cnn_aq = pipeline.link(F.aq_sgd(C.quantize(4), N), C.quantize(8))
     return {
         "topk_ef": ("mlp", topk_ef, (True, True, True), 1),
         "ef21_q8": ("mlp", pipeline.link(F.ef21(C.top_k(0.25)), C.quantize(8)), (True,) * 3, 1),
@@ -47,11 +49,8 @@ def cases():
             "mlp", pipeline.link(C.top_k(0.25, per_sample=True), mode="shared_mask"),
             (True, True), 1,
         ),
-        "quant_stochastic": (
-            "mlp", pipeline.link(C.quantize(4, scale="feature"), C.quantize(4, rounding="stochastic")),
-            (True, True), 1,
-        ),
-        "cnn_aq": ("cnn", pipeline.link(F.aq_sgd(C.quantize(4), N), C.quantize(8)), (False, True), 1),
+        "quant_stochastic": ("mlp", quant, (True, True), 1),
+        "cnn_aq": ("cnn", cnn_aq, (False, True), 1),
         "replicas_topk_ef": ("mlp2", topk_ef, (True, True), 2),
     }  # fmt: skip
 

@@ -84,13 +84,13 @@ def _check_bytes(compiled, pipe, sim, params, batch, compress):
 
 
 def _assert_mirrors(states):
-    """EF21 / AQ-SGD: each receiver's estimate is bit-identical to its sender's, at the live
-    slots of both directions (forward: b -> b + 1, backward: b + 1 -> b)."""
-    for b, st in enumerate(states):
-        for ends, (send, recv) in ((st.forward, (b, b + 1)), (st.backward, (b + 1, b))):
+    """EF21 / AQ-SGD: each receiver's estimate is bit-identical to its sender's, in both
+    directions (forward: held by stages b -> b + 1, backward: b + 1 -> b)."""
+    for st in states.ends():
+        for ends in (st.forward, st.backward):
             if hasattr(ends.send, "estimate"):
                 np.testing.assert_array_equal(
-                    np.asarray(ends.send.estimate[send]), np.asarray(ends.recv.estimate[recv])
+                    np.asarray(ends.send.estimate), np.asarray(ends.recv.estimate)
                 )
 
 
@@ -104,10 +104,10 @@ def test_aq_sgd_warmup_fills_both_caches(mlp, stage_mesh, pack):
         mlp.params, mlp.batch, states, None, compress=False
     )
     h = mlp.batch["x"]
-    for b, st in enumerate(states):
+    for b, st in enumerate(states.ends()):
         h = mlp.model.stages[b](mlp.params[b], h)
-        sent = np.asarray(st.forward.send.estimate[b])
-        got = np.asarray(st.forward.recv.estimate[b + 1])
+        sent = np.asarray(st.forward.send.estimate)
+        got = np.asarray(st.forward.recv.estimate)
         np.testing.assert_array_equal(sent, got)
         np.testing.assert_allclose(sent, np.asarray(h, np.float16), rtol=1e-3, atol=1e-3)
 

@@ -1,0 +1,314 @@
+"""The step driver shared by :func:`~jaxcomp.pipeline.gpipe` and :func:`~jaxcomp.pipeline.simulate`.
+
+A pipeline is a static :class:`Spec`; ``init``, ``step``, ``evaluate``, ``bytes_per_step`` and
+``memory`` are the module-level functions below with the spec bound. Each validates its inputs
+(:func:`jaxcomp.pipeline._prepare.prepare`), then runs the spec's program: the tick program on
+the ``stage`` mesh (:mod:`jaxcomp.pipeline._ticks`, its ``shard_map`` built once per shape
+signature and cached) or the single-device one (:mod:`jaxcomp.pipeline._simulate`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp.comm import _local
+from jaxcomp.comm import _mesh
+from jaxcomp.pipeline import _batch
+from jaxcomp.pipeline import _config
+from jaxcomp.pipeline import _link_state
+from jaxcomp.pipeline import _links
+from jaxcomp.pipeline import _params
+from jaxcomp.pipeline import _prepare
+from jaxcomp.pipeline import _residuals
+from jaxcomp.pipeline import _schedule
+from jaxcomp.pipeline import _simulate
+from jaxcomp.pipeline import _ticks
+
+
+class Spec(NamedTuple):
+    """A pipeline, statically (hashable).
+
+    Attributes:
+      model: the :class:`StagedModel`.
+      links: one :class:`Link` per boundary.
+      num_microbatches: ``M``.
+      schedule: ``"gpipe"`` or ``"1f1b"``.
+      fns: the stages' objectives (:func:`jaxcomp.pipeline._residuals.stage_fns`).
+      mesh: the ``(data,) stage`` mesh, or ``None`` for the single-device simulation.
+      replicas: data replicas (``1`` without a ``data`` axis of size > 1).
+    """
+
+    model: _config.StagedModel
+    links: tuple[_config.Link, ...]
+    num_microbatches: int
+    schedule: str
+    fns: tuple[_residuals.StageFns, ...]
+    mesh: jax.sharding.Mesh | None
+    replicas: int
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        num = self.model.num_stages
+        return (num, self.replicas) if self.replicas > 1 else (num,)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return (_mesh.STAGE, _mesh.DATA) if self.replicas > 1 else (_mesh.STAGE,)
+
+    @property
+    def state_spec(self) -> P:
+        return P(_mesh.STAGE, _mesh.DATA) if self.replicas > 1 else P(_mesh.STAGE)
+
+    @property
+    def batch_spec(self) -> P:
+        return P(_mesh.DATA) if self.replicas > 1 else P()
+
+
+def _prepare_for(spec: Spec, params, batch, *, links=None, need_ids=None):
+    return _prepare.prepare(
+        spec.model, spec.links if links is None else links, spec.num_microbatches, params,
+        batch, replicas=spec.replicas, need_ids=need_ids,
+    )  # fmt: skip
+
+
+def init(spec: Spec, params: Any, batch: Any) -> _link_state.LinkStates:
+    """Every link end's initial state (see :class:`jaxcomp.pipeline.Pipeline`)."""
+    prep = _prepare_for(spec, params, batch, need_ids=False)
+    layout = prep.static.state_layout
+    shapes, lead = prep.static.shapes, spec.lead
+
+    def make():
+        buffers = _link_state.init_buffers(spec.links, shapes, layout)
+        return {
+            g: jnp.broadcast_to(b[:, None], (b.shape[0], *lead[1:], b.shape[1]))
+            if len(lead) > 1 else b
+            for g, b in buffers.items()
+        }  # fmt: skip
+
+    if spec.mesh is None:
+        return _link_state.LinkStates(jax.jit(make)(), layout)
+    sharding = NamedSharding(spec.mesh, spec.state_spec)
+    shardings = {g: sharding for g, _ in layout.packing.lengths}
+    return _link_state.LinkStates(jax.jit(make, out_shardings=shardings)(), layout)
+
+
+def _place(tree: Any, sharding: NamedSharding) -> Any:
+    """Puts ``tree`` on ``sharding`` inside or outside ``jit``, for Explicit and Auto meshes."""
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
+    if explicit:
+        return jax.sharding.reshard(tree, sharding)
+    return lax.with_sharding_constraint(tree, sharding)
+
+
+def _stage_buffers(spec: Spec, params: Any, layout: _params.ParamLayout) -> dict:
+    sharding = NamedSharding(spec.mesh, P(_mesh.STAGE))
+    if isinstance(params, _params.PackedParams):
+        return _place(params.buffers, sharding)
+    return _place(layout.pack(params), sharding)
+
+
+def _replica_key(spec: Spec, key):
+    if key is None or spec.replicas == 1:
+        return key
+    return jax.random.fold_in(key, lax.axis_index(_mesh.DATA))
+
+
+@functools.lru_cache(maxsize=64)
+def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool):
+    """The ``shard_map``-ed program of one shape signature (built once, then reused)."""
+    links = spec.links if train else _links.eval_links(spec.links)
+    prog = _ticks.Program(
+        spec.model, links, spec.fns, static, spec.schedule, spec.num_microbatches, spec.axes,
+        compress, train, not train,
+    )  # fmt: skip
+    m_, has_data = spec.num_microbatches, spec.replicas > 1
+
+    def body(buffers, inputs, labels, states, key, ids):
+        local = _local.to_varying({g: b[0] for g, b in buffers.items()}, spec.axes)
+        x, lab = _batch.microbatches(inputs, m_), _batch.microbatches(labels, m_)
+        ids = None if ids is None else _batch.microbatches(ids, m_)
+        key = _replica_key(spec, key)
+        if train:
+            mine = {g: b.reshape(b.shape[-1]) for g, b in states.items()}
+        else:  # compressed evaluation: fresh states of the plain forward codecs
+            full = _link_state.init_buffers(links, static.shapes, static.state_layout)
+            stage = lax.axis_index(_mesh.STAGE)
+            mine = {g: lax.dynamic_index_in_dim(b, stage, 0, False) for g, b in full.items()}
+        carry = _ticks.run(prog, local, x, lab, ids, key, _local.to_varying(mine, spec.axes))
+        loss = carry.loss / m_
+        metrics = jax.tree.map(lambda v: v / m_, carry.metrics)
+        if not train:
+            loss, metrics, outputs = lax.psum((loss, metrics, carry.outputs), _mesh.STAGE)
+            if has_data:
+                loss, metrics = lax.pmean((loss, metrics), _mesh.DATA)
+            return loss, metrics, _batch.unmicrobatch(outputs)
+        loss, metrics = lax.psum((loss, metrics), _mesh.STAGE)
+        grads = carry.grads
+        if has_data:
+            loss, metrics, grads = lax.pmean((loss, metrics, grads), _mesh.DATA)
+        new_states = {g: v.reshape(states[g].shape) for g, v in carry.states.items()}
+        return loss, {g: v[None] for g, v in grads.items()}, new_states, metrics
+
+    bs = spec.batch_spec
+    if train:
+        in_specs = (P(_mesh.STAGE), bs, bs, spec.state_spec, P(), bs)
+        out_specs = (P(), P(_mesh.STAGE), spec.state_spec, P())
+    else:
+        in_specs = (P(_mesh.STAGE), bs, bs, P(), P(), bs)
+        out_specs = (P(), P(), bs)
+    return jax.shard_map(body, mesh=spec.mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def _stage_params(params: Any) -> tuple[Any, ...]:
+    return params.unpack() if isinstance(params, _params.PackedParams) else tuple(params)
+
+
+def step(spec: Spec, params, batch, link_states, key=None, compress=True):
+    """One training step (see :class:`jaxcomp.pipeline.Pipeline`)."""
+    compress = _prepare.check_compress(compress)
+    prep = _prepare_for(spec, params, batch)
+    static, parsed = prep.static, prep.batch
+    _links.check_key(spec.links, key, compress)
+    _link_state.check_link_states(link_states, static.state_layout, spec.lead)
+    layout, m_ = static.layout, spec.num_microbatches
+    if spec.mesh is None:
+        x = _batch.microbatches(parsed.inputs, m_)
+        labels = _batch.microbatches(parsed.labels, m_)
+        ids = None if parsed.ids is None else _batch.microbatches(parsed.ids, m_)
+        loss, metrics, grads, states = _simulate.train(
+            spec, static, _stage_params(params), x, labels, ids, key, link_states.buffers,
+            compress,
+        )  # fmt: skip
+        if isinstance(params, _params.PackedParams):
+            grads = _params.PackedParams(layout.pack(grads), layout)
+        else:
+            grads = type(params)(grads)
+    else:
+        fn = _program(spec, static, compress, True)
+        loss, grads, states, metrics = fn(
+            _stage_buffers(spec, params, layout), parsed.inputs, parsed.labels,
+            link_states.buffers, key, parsed.ids,
+        )  # fmt: skip
+        if isinstance(params, _params.PackedParams):
+            grads = _params.PackedParams(grads, layout)
+        else:
+            grads = type(params)(layout.unpack(grads))
+    metrics = _prepare.with_bytes({"loss": loss, **metrics}, static, spec.links, m_, compress, True)
+    return loss, grads, _link_state.LinkStates(states, static.state_layout), metrics
+
+
+def evaluate(spec: Spec, params, batch, key=None, compress=False):
+    """Forward only (see :class:`jaxcomp.pipeline.Pipeline`)."""
+    compress = _prepare.check_compress(compress)
+    elinks = _links.eval_links(spec.links)
+    prep = _prepare_for(spec, params, batch, links=elinks, need_ids=False)
+    static, parsed, m_ = prep.static, prep.batch, spec.num_microbatches
+    key = _prepare.eval_key(spec.links, key, compress)
+    if spec.mesh is None:
+        x = _batch.microbatches(parsed.inputs, m_)
+        labels = _batch.microbatches(parsed.labels, m_)
+        states = _link_state.init_buffers(elinks, static.shapes, static.state_layout)
+        loss, metrics, ys = _simulate.evaluate(
+            spec, static, elinks, _stage_params(params), x, labels, key, states, compress
+        )
+        outputs = _batch.unmicrobatch(ys)
+    else:
+        fn = _program(spec, static, compress, False)
+        loss, metrics, outputs = fn(
+            _stage_buffers(spec, params, static.layout), parsed.inputs, parsed.labels, None,
+            key, None,
+        )  # fmt: skip
+    metrics = _prepare.with_bytes({"loss": loss, **metrics}, static, elinks, m_, compress, False)
+    return loss, metrics, outputs
+
+
+def bytes_per_step(spec: Spec, params, batch, compress=True, train=True) -> dict[str, int]:
+    """Theoretical bytes per step and pipeline replica (see :func:`jaxcomp.pipeline.gpipe`)."""
+    prep = _prepare_for(spec, params, batch, need_ids=False)
+    use = spec.links if train else _links.eval_links(spec.links)
+    return _links.step_bytes(use, prep.static.shapes, spec.num_microbatches, compress, train)
+
+
+def _plan(spec: Spec, static: _prepare.Static, labels: Any) -> _residuals.ResidualPlan:
+    """The residual plan the program makes (traced in a ``shard_map`` body on a mesh)."""
+    m_ = spec.num_microbatches
+    if spec.mesh is None:
+        lab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                           _batch.microbatches(labels, m_))  # fmt: skip
+        return _residuals.plan(spec.fns, static.layout.structs(), static.inputs, lab)
+    prog = _ticks.Program(
+        spec.model, spec.links, spec.fns, static, spec.schedule, m_, spec.axes, True, True,
+        False,
+    )  # fmt: skip
+    found = []
+
+    def probe(buffers, labels):
+        local = _local.to_varying({g: b[0] for g, b in buffers.items()}, spec.axes)
+        lab = _local.to_varying(_batch.microbatches(labels, m_), spec.axes)
+        found.append(_ticks.plan_here(prog, local, lab))
+        return jnp.zeros((), jnp.float32)
+
+    def struct(shape, dtype, pspec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(spec.mesh, pspec))
+
+    buffers = {
+        g: struct((spec.model.num_stages, n), g, P(_mesh.STAGE)) for g, n in static.layout.lengths
+    }
+    labels = jax.tree.map(lambda a: struct(a.shape, a.dtype, spec.batch_spec), labels)
+    fn = jax.shard_map(
+        probe, mesh=spec.mesh, in_specs=(P(_mesh.STAGE), spec.batch_spec), out_specs=P()
+    )
+    jax.eval_shape(fn, buffers, labels)
+    return found[0]
+
+
+def memory(spec: Spec, params, batch) -> dict[str, Any]:
+    """The planned per-device memory of a training step, in bytes.
+
+    Returns:
+      ``residual_bytes_per_stage`` (each stage's saved residuals per microbatch),
+      ``residual_row_bytes`` (one ring-buffer row: the largest stage's, per dtype),
+      ``in_flight`` (per stage, microbatches alive at once), ``residual_slots``,
+      ``ideal_activation_bytes`` (over the stages, the largest of a stage's residuals times its
+      in-flight microbatches), ``residual_buffer_bytes`` (what every device allocates for them),
+      ``link_state_bytes`` (one device's packed row of link states) and
+      ``live_link_state_bytes`` (per device, the bytes of its own ends).
+    """
+    prep = _prepare_for(spec, params, batch, need_ids=False)
+    static = prep.static
+    num, m_ = spec.model.num_stages, spec.num_microbatches
+    per_stage = _plan(spec, static, prep.batch.labels).stage_bytes()
+    if spec.mesh is None:  # one microbatch at a time, no ring buffer
+        flight, slots = (1,) * num, 1
+    else:
+        flight = _schedule.in_flight(spec.schedule, num, m_)
+        slots = _schedule.residual_slots(spec.schedule, num, m_)
+    row = (
+        max(per_stage)
+        if spec.mesh is None
+        else _plan(spec, static, prep.batch.labels).layout.row_bytes()
+    )
+    return {
+        "residual_bytes_per_stage": per_stage,
+        "residual_row_bytes": row,
+        "in_flight": flight,
+        "residual_slots": slots,
+        "ideal_activation_bytes": max(b * f for b, f in zip(per_stage, flight)),
+        "residual_buffer_bytes": slots * row,
+        "link_state_bytes": static.state_layout.row_bytes(),
+        "live_link_state_bytes": tuple(static.state_layout.device_bytes(d) for d in range(num)),
+    }
+
+
+def dtype_bytes(tree: dict[str, Any]) -> int:
+    """Bytes of ``{dtype: shape}`` buffers."""
+    return sum(int(np.prod(b.shape)) * np.dtype(g).itemsize for g, b in tree.items())
