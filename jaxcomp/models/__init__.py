@@ -1,9 +1,10 @@
 """Flax models cut into pipeline stages at named points.
 
-Every model is a :class:`StagedModel`: an ordered list of named segments cut after the names in
-``cuts``. ``stage_fns()`` gives the pure ``stage_fn(params, x) -> y`` per stage that the
-pipeline runs; ``apply`` runs the whole model (with BatchNorm statistics, for data-parallel
-modes).
+Every model is a :class:`FlaxStagedModel`: an ordered list of named segments cut after the
+names in ``cuts``. It is a :class:`StagedModel` (the class of :mod:`jaxcomp.pipeline`, re-exported
+here): ``stages`` are the pure ``stage_fn(params, x) -> y`` the pipeline runs, ``loss_fn`` the
+mean cross-entropy, so ``pipeline.gpipe(models.get_model(...), config, mesh)`` works as is;
+``apply`` runs the whole model (with BatchNorm statistics, for data-parallel modes).
 
 =============  =========================================  ==================================
 model          segments                                   default cuts (stages)
@@ -23,6 +24,7 @@ from jaxcomp.models._registry import MODELS
 from jaxcomp.models._registry import get_model
 from jaxcomp.models._resnet import resnet18
 from jaxcomp.models._staged import Chain
+from jaxcomp.models._staged import FlaxStagedModel
 from jaxcomp.models._staged import StagedModel
 from jaxcomp.models._staged import accuracy
 from jaxcomp.models._staged import cross_entropy
@@ -31,6 +33,7 @@ from jaxcomp.models._vgg import vgg16
 __all__ = (
     "MODELS",
     "Chain",
+    "FlaxStagedModel",
     "StagedModel",
     "accuracy",
     "cross_entropy",

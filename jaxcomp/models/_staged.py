@@ -5,24 +5,31 @@ Every model in :mod:`jaxcomp.models` is built as an ordered list of named *segme
 
   model = models.resnet18(cuts=("layer1", "layer2", "layer3"))   # paper 1's four stages
   variables = model.init(jax.random.key(0))                       # one dict per stage
-  fns = model.stage_fns()                                          # pure stage_fn(params, x) -> y
+  model.stages                                                     # pure stage_fn(params, x) -> y
   y = model.apply(variables, x)                                    # the whole model, in order
+  pipe = pipeline.gpipe(model, config, mesh)                       # a pipeline.StagedModel
 
-The pipeline only ever sees ``stage_fns()`` and ``[v["params"] for v in variables]``: pure
-functions of per-stage parameter pytrees, which may differ in structure from stage to stage.
+A :class:`FlaxStagedModel` *is* a :class:`jaxcomp.pipeline.StagedModel` (the one class of that
+name): its ``stages`` are the pure training-mode stage functions and its ``loss_fn`` the mean
+cross-entropy, so it feeds the pipeline directly with ``[v["params"] for v in variables]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
-from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+
+from jaxcomp.pipeline import _config as _pipeline_config
+
+StagedModel = _pipeline_config.StagedModel
 
 TASKS = ("classification", "language_model")
 
@@ -39,8 +46,9 @@ class Chain(nn.Module):
         return x
 
 
-class StagedModel(NamedTuple):
-    """A model cut into pipeline stages at named points.
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlaxStagedModel(StagedModel):
+    """A Flax model cut into pipeline stages at named points: a :class:`StagedModel`.
 
     Attributes:
       name: e.g. ``"resnet18"``.
@@ -50,6 +58,9 @@ class StagedModel(NamedTuple):
       input_dtype: dtype of the input (``float32`` images, ``int32`` tokens).
       num_outputs: classes, or vocabulary size for a language model.
       task: ``"classification"`` or ``"language_model"``.
+
+    As a :class:`StagedModel`, ``stages`` are ``stage_fns(train=True)`` and ``loss_fn`` the
+    mean cross-entropy.
     """
 
     name: str
@@ -69,11 +80,16 @@ class StagedModel(NamedTuple):
         return len(self.cuts) + 1
 
     @property
-    def stages(self) -> tuple[Chain, ...]:
+    def stage_modules(self) -> tuple[Chain, ...]:
         """One :class:`Chain` module per stage."""
         names = self.segment_names
         bounds = [0] + [names.index(c) + 1 for c in self.cuts] + [len(names)]
         return tuple(Chain(self.segments[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
+
+    @functools.cached_property
+    def stages(self) -> tuple[Callable[[Any, jax.Array], jax.Array], ...]:
+        """The pure training-mode stage functions (:meth:`stage_fns`), built once."""
+        return self.stage_fns(train=True)
 
     def dummy_input(self, batch_size: int = 2) -> jax.Array:
         return jnp.zeros((batch_size, *self.input_shape), self.input_dtype)
@@ -82,7 +98,7 @@ class StagedModel(NamedTuple):
         """Initialises every stage in order; returns one Flax variables dict per stage."""
         x = self.dummy_input(batch_size)
         out = []
-        for i, stage in enumerate(self.stages):
+        for i, stage in enumerate(self.stage_modules):
             variables = stage.init(jax.random.fold_in(key, i), x, False)
             x = stage.apply(variables, x, False)
             out.append(dict(variables))
@@ -93,7 +109,7 @@ class StagedModel(NamedTuple):
         variables = jax.eval_shape(lambda k: self.init(k, batch_size), jax.random.key(0))
         x = jax.ShapeDtypeStruct((batch_size, *self.input_shape), self.input_dtype)
         shapes = []
-        for stage, v in zip(self.stages[:-1], variables[:-1]):
+        for stage, v in zip(self.stage_modules[:-1], variables[:-1]):
             x = jax.eval_shape(lambda v, x, stage=stage: stage.apply(v, x, False), v, x)
             shapes.append(x)
         return tuple(shapes)
@@ -165,7 +181,7 @@ class StagedModel(NamedTuple):
 
             return stage_fn
 
-        return tuple(make(s) for s in self.stages)
+        return tuple(make(s) for s in self.stage_modules)
 
     def apply(
         self, variables: Sequence[dict], x: jax.Array, *, train: bool = False
@@ -177,7 +193,7 @@ class StagedModel(NamedTuple):
           statistics when ``train`` (unchanged otherwise).
         """
         new = []
-        for stage, v in zip(self.stages, variables):
+        for stage, v in zip(self.stage_modules, variables):
             if train and "batch_stats" in v:
                 x, updates = stage.apply(v, x, True, mutable=["batch_stats"])
                 new.append({**v, **updates})
@@ -186,7 +202,7 @@ class StagedModel(NamedTuple):
                 new.append(v)
         return x, tuple(new)
 
-    def loss_fn(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
+    def loss_fn(self, logits: jax.Array, labels: jax.Array) -> jax.Array:  # type: ignore[override]
         """Mean cross-entropy (per token for a language model)."""
         return cross_entropy(logits, labels)
 
@@ -213,8 +229,8 @@ def make_staged(
     input_dtype: Any,
     num_outputs: int,
     task: str,
-) -> StagedModel:
-    """Validates ``cuts`` against the segment names and builds a :class:`StagedModel`."""
+) -> FlaxStagedModel:
+    """Validates ``cuts`` against the segment names and builds a :class:`FlaxStagedModel`."""
     segments = tuple(segments)
     names = [n for n, _ in segments]
     cuts = tuple(default_cuts if cuts is None else cuts)
@@ -227,4 +243,4 @@ def make_staged(
         raise ValueError(f"{name}: cut points must be distinct and in model order; got {cuts}.")
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}; got {task!r}.")
-    return StagedModel(name, segments, cuts, tuple(input_shape), input_dtype, num_outputs, task)
+    return FlaxStagedModel(name, segments, cuts, tuple(input_shape), input_dtype, num_outputs, task)

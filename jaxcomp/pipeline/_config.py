@@ -34,20 +34,61 @@ from jaxcomp.pipeline import _residuals
 from jaxcomp.pipeline import _schedule
 
 
-class StagedModel(NamedTuple):
-    """A model cut into sequential stages.
+class StagedModel:
+    """A model cut into sequential stages: what a pipeline runs.
+
+    Build one from pure stage functions and a loss, ``StagedModel(stages, loss_fn)``. The
+    models of :mod:`jaxcomp.models` (``models.get_model(...)``) are StagedModels too, with Flax
+    initialisation and named cut points on top, so they feed :func:`gpipe` and
+    :func:`simulate` directly.
 
     Attributes:
       stages: ``S`` pure functions ``stage_fn(params, x) -> y`` (leading microbatch axis kept).
       loss_fn: ``loss_fn(y, labels) -> loss`` or ``(loss, metrics)``, microbatch means.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp import pipeline
+      >>> model = pipeline.StagedModel([lambda w, x: x @ w] * 2, lambda y, t: jnp.mean(y - t))
+      >>> model.num_stages
+      2
     """
 
-    stages: tuple[Callable[[Any, jax.Array], jax.Array], ...]
-    loss_fn: Callable[..., Any]
+    def __init__(self, stages: Sequence[Callable[[Any, jax.Array], jax.Array]], loss_fn: Callable):
+        self._stages = tuple(stages)
+        self._loss_fn = loss_fn
+
+    @property
+    def stages(self) -> tuple[Callable[[Any, jax.Array], jax.Array], ...]:
+        return self._stages
+
+    @property
+    def loss_fn(self) -> Callable[..., Any]:
+        return self._loss_fn
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def _replace(self, **changes: Any) -> StagedModel:
+        """A plain :class:`StagedModel` with ``stages`` and/or ``loss_fn`` replaced."""
+        unknown = sorted(set(changes) - {"stages", "loss_fn"})
+        if unknown:
+            raise ValueError(f"StagedModel has no field(s) {unknown}; it has stages, loss_fn.")
+        return StagedModel(changes.get("stages", self.stages), changes.get("loss_fn", self.loss_fn))
+
+    def __eq__(self, other: Any) -> bool:
+        if type(other) is not StagedModel or type(self) is not StagedModel:
+            return self is other
+        return (self.stages, self.loss_fn) == (other.stages, other.loss_fn)
+
+    def __hash__(self) -> int:
+        if type(self) is not StagedModel:
+            return id(self)
+        return hash((self.stages, self.loss_fn))
+
+    def __repr__(self) -> str:
+        return f"StagedModel({self.num_stages} stages)"
 
 
 class Link(NamedTuple):
@@ -149,7 +190,10 @@ def resolve_links(config: PipelineConfig, num_stages: int) -> tuple[Link, ...]:
 def check_model(model: StagedModel) -> None:
     """Raises unless ``model`` has at least two callable stages and a callable loss."""
     if not isinstance(model, StagedModel):
-        raise TypeError(f"model must be a pipeline.StagedModel; got {type(model).__name__}.")
+        raise TypeError(
+            f"model must be a pipeline.StagedModel (e.g. from jaxcomp.models.get_model); got "
+            f"{type(model).__name__}."
+        )
     if len(model.stages) < 2:
         raise ValueError(f"a pipeline needs at least 2 stages; got {len(model.stages)}.")
     if not all(callable(f) for f in model.stages) or not callable(model.loss_fn):

@@ -127,8 +127,8 @@ def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool):
     """The ``shard_map``-ed program of one shape signature (built once, then reused)."""
     links = spec.links if train else _links.eval_links(spec.links)
     prog = _ticks.Program(
-        spec.model, links, spec.fns, static, spec.schedule, spec.num_microbatches, spec.axes,
-        compress, train, not train,
+        spec.model.loss_fn, links, spec.fns, static, spec.schedule, spec.num_microbatches,
+        spec.axes, compress, train, not train,
     )  # fmt: skip
     m_, has_data = spec.num_microbatches, spec.replicas > 1
 
@@ -246,7 +246,7 @@ def _plan(spec: Spec, static: _prepare.Static, labels: Any) -> _residuals.Residu
                            _batch.microbatches(labels, m_))  # fmt: skip
         return _residuals.plan(spec.fns, static.layout.structs(), static.inputs, lab)
     prog = _ticks.Program(
-        spec.model, spec.links, spec.fns, static, spec.schedule, m_, spec.axes, True, True,
+        spec.model.loss_fn, spec.links, spec.fns, static, spec.schedule, m_, spec.axes, True, True,
         False,
     )  # fmt: skip
     found = []

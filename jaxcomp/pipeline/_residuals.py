@@ -70,28 +70,39 @@ def check_checkpoint(checkpoint: Any) -> None:
 
 
 class StageFns(NamedTuple):
-    """What one stage runs: ``objective(params, x, labels) -> (out, aux)``, where ``out`` is
-    the activation (or, for the last stage, the float32 loss and ``aux`` its metrics)."""
+    """What one stage runs.
+
+    Attributes:
+      objective: ``objective(params, x, labels) -> (out, aux)`` for training: ``out`` is the
+        activation (for the last stage: the float32 loss, ``aux`` its float32 metrics), the
+        stage wrapped per ``checkpoint``.
+      stage: the plain ``stage_fn(params, x) -> y`` (evaluation).
+      is_last: the last stage (its objective ends in the loss).
+      differentiate_input: not stage 0 (the batch inputs get no gradient).
+    """
 
     objective: Callable[..., Any]
+    stage: Callable[..., Any]
     is_last: bool
-    differentiate_input: bool  # stage 0 takes the batch inputs: no gradient for them
+    differentiate_input: bool
 
 
 def stage_fns(model: Any, checkpoint: Any, split_loss: Callable) -> tuple[StageFns, ...]:
     """The per-stage objectives of ``model`` (stages wrapped per ``checkpoint``)."""
-    num = len(model.stages)
+
+    stages, loss_fn = tuple(model.stages), model.loss_fn
+    num = len(stages)
 
     def make(s):
-        stage = checkpointed(model.stages[s], checkpoint)
+        stage = checkpointed(stages[s], checkpoint)
         if s < num - 1:
-            return StageFns(lambda p, x, labels: (stage(p, x), None), False, s > 0)
+            return StageFns(lambda p, x, labels: (stage(p, x), None), stages[s], False, s > 0)
 
         def last(p, x, labels):
-            loss, metrics = split_loss(model.loss_fn(stage(p, x), labels))
+            loss, metrics = split_loss(loss_fn(stage(p, x), labels))
             return loss.astype(jnp.float32), jax.tree.map(lambda v: v.astype(jnp.float32), metrics)
 
-        return StageFns(last, True, s > 0)
+        return StageFns(last, stages[s], True, s > 0)
 
     return tuple(make(s) for s in range(num))
 

@@ -101,12 +101,12 @@ def evaluate(
         states, loss_sum, metrics_sum = carry
         h = x[m]
         for s in range(num - 1):
-            y = model.stages[s](params[s], h)
+            y = spec.fns[s].stage(params[s], h)
             h, states, _ = _exchange.send_forward(
                 links[s], s, y, states, static.state_layout, _links.link_key(key, s, m), None,
                 _WIRE, compress,
             )  # fmt: skip
-        y = model.stages[num - 1](params[num - 1], h)
+        y = spec.fns[num - 1].stage(params[num - 1], h)
         loss, metrics = _prepare.split_loss(model.loss_fn(y, jax.tree.map(lambda a: a[m], labels)))
         loss_sum = loss_sum + loss.astype(jnp.float32)
         metrics_sum = jax.tree.map(lambda a, v: a + v.astype(jnp.float32), metrics_sum, metrics)

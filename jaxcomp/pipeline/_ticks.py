@@ -110,10 +110,10 @@ def _branch(prog, plan, s: int, kind: str | None, has_f: bool, has_b: bool):
         params = st.layout.unpack_stage(s, local)
         h = x_in if s == 0 else acts[s - 1]
         if kind == F and not prog.train:
-            y = prog.model.stages[s](params, h)
+            y = fns.stage(params, h)
             if s < num - 1:
                 return outputs(ys=y)
-            loss, metrics = _prepare.split_loss(prog.model.loss_fn(y, lab_f))
+            loss, metrics = _prepare.split_loss(prog.loss_fn(y, lab_f))
             metrics = jax.tree.map(lambda v: v.astype(jnp.float32), metrics)
             return outputs(loss=loss.astype(jnp.float32), metrics=metrics, final=y)
         if kind == F:
@@ -135,7 +135,7 @@ def _branch(prog, plan, s: int, kind: str | None, has_f: bool, has_b: bool):
 class Program(NamedTuple):
     """Everything static about one compiled program (hashable)."""
 
-    model: Any
+    loss_fn: Any
     links: tuple
     fns: tuple
     static: Any  # _prepare.Static
@@ -148,7 +148,7 @@ class Program(NamedTuple):
 
     @property
     def num_stages(self) -> int:
-        return len(self.model.stages)
+        return len(self.fns)
 
     @property
     def slots(self) -> int:

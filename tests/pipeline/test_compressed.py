@@ -1,6 +1,8 @@
 """Compressed links: distributed == simulated (loss, grads, link states over several steps),
 and the bytes the compiled program sends == the theoretical payload bytes."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -38,9 +40,16 @@ def _max_diff(a, b):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(LINKS))
-def test_distributed_equals_simulated_and_sends_theory_bytes(name, mlp, stage_mesh, pack, tools):
-    config = pipeline.PipelineConfig(mlp.M, LINKS[name])
+RUNS = [(n, "gpipe") for n in sorted(LINKS)] + [
+    (n, "1f1b") for n in ("aq_sgd", "ef21_bf16", "shared_mask", "topk_ef")
+]
+
+
+@pytest.mark.parametrize("name, schedule", RUNS)
+def test_distributed_equals_simulated_and_sends_theory_bytes(
+    name, schedule, mlp, stage_mesh, pack, tools
+):
+    config = pipeline.PipelineConfig(mlp.M, LINKS[name], schedule=schedule)
     pipe = pipeline.gpipe(mlp.model, config, stage_mesh)
     sim = pipeline.simulate(mlp.model, config)
     step = jax.jit(pipe.step, static_argnames="compress")
@@ -68,11 +77,28 @@ def test_distributed_equals_simulated_and_sends_theory_bytes(name, mlp, stage_me
         states, sim_states = new_states, s_states
 
 
+def _bytes_by_direction(report, hlo_text):
+    """Collective-permute bytes per direction, from each op's single source-target pair."""
+    pairs = dict(re.findall(r"%([\w.\-]+) = [^\n]*collective-permute[^\n]*"
+                            r"source_target_pairs=\{\{(\d+,\d+)\}\}", hlo_text))  # fmt: skip
+    out = {"forward": 0.0, "backward": 0.0}
+    for r in report.records:
+        if r.kind == "collective-permute":
+            src, dst = map(int, pairs[r.name].split(","))
+            out["forward" if dst == src + 1 else "backward"] += r.total_bytes
+    return out
+
+
 def _check_bytes(compiled, pipe, sim, params, batch, compress):
-    """The program's sends, read from its compiled HLO, are the theoretical payload bytes."""
+    """The program's sends, read from its compiled HLO, are the theoretical payload bytes, in
+    each direction."""
     counts = pipe.bytes_per_step(params, batch, compress=compress)
     assert counts == sim.bytes_per_step(params, batch, compress=compress)
-    report = comm.collective_report(compiled.as_text())
+    text = compiled.as_text()
+    report = comm.collective_report(text)
+    directions = _bytes_by_direction(report, text)
+    assert directions["forward"] == counts["forward_bytes"]
+    assert directions["backward"] == counts["backward_bytes"]
     by_kind = report.bytes_by_kind()
     assert by_kind.pop("collective-permute") == counts["wire_bytes"]
     assert by_kind == {"all-reduce": 4.0}  # the loss: no dense fallback anywhere
@@ -181,17 +207,19 @@ def test_compressed_evaluation_applies_each_forward_codec_with_the_documented_ke
     np.testing.assert_allclose(dense_loss, ref_loss, rtol=1e-5)
 
 
-def test_per_sample_buffers_are_updated_in_place(mlp, stage_mesh, pack):
+def test_per_sample_buffers_are_updated_in_place_and_cost_their_live_size(mlp, stage_mesh, pack):
     """AQ-SGD caches (forward) and per-sample EF residuals (backward) hold one row per sample
     of the dataset; a step touches only its rows, so its scratch memory must not scale with
-    them (no whole-buffer copy per send, nor per step)."""
+    them (no whole-buffer copy per send, nor per step). Each device stores only the ends it
+    owns: its share of the link states is its live size (a middle stage holds two caches and
+    one residual), not a slot of every boundary's."""
     num_samples = 1 << 16
     cache_bytes = num_samples * 16 * 2  # [N, width] float16
     link = pipeline.link(
         F.aq_sgd(C.quantize(4), num_samples),
         F.error_feedback(C.quantize(8), num_samples=num_samples),
     )
-    config = pipeline.PipelineConfig(mlp.M, link)
+    config = pipeline.PipelineConfig(mlp.M, link, schedule="1f1b")
     for pipe, params in (
         (pipeline.gpipe(mlp.model, config, stage_mesh), pack(mlp.params)),
         (pipeline.simulate(mlp.model, config), mlp.params),
@@ -203,3 +231,10 @@ def test_per_sample_buffers_are_updated_in_place(mlp, stage_mesh, pack):
             .compile()
         )
         assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes / 2
+    memory = pipe.memory(params, mlp.batch)
+    live = memory["live_link_state_bytes"]
+    assert live[1] == live[2] == 2 * cache_bytes + 2 * cache_bytes  # 2 caches, f32 residual
+    assert live[0] == cache_bytes and live[3] == cache_bytes + 2 * cache_bytes
+    distributed = pipeline.gpipe(mlp.model, config, stage_mesh).init(pack(mlp.params), mlp.batch)
+    per_device = sum(b.addressable_shards[0].data.nbytes for b in distributed.buffers.values())
+    assert per_device == memory["link_state_bytes"] == max(live)

@@ -1,4 +1,4 @@
-"""Identity links: the pipeline equals the unpipelined model (value, gradient, outputs)."""
+"""Identity links: both schedules equal the unpipelined model (value, gradient, outputs)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import comm
+from jaxcomp import models
 from jaxcomp import pipeline
 
 
@@ -27,24 +28,55 @@ def test_identity_mlp_matches_unpipelined(mlp, stage_mesh, pack, tools, form):
     tools.close(list(grads), ref_grads)
 
 
-def test_identity_heterogeneous_cnn_matches_unpipelined(cnn, stage_mesh, pack, tools):
-    pipe = pipeline.gpipe(cnn.model, pipeline.PipelineConfig(cnn.M), stage_mesh)
+@pytest.mark.parametrize("schedule", pipeline.SCHEDULES)
+def test_identity_heterogeneous_cnn_matches_unpipelined(cnn, stage_mesh, pack, tools, schedule):
+    config = pipeline.PipelineConfig(cnn.M, schedule=schedule)
+    pipe = pipeline.gpipe(cnn.model, config, stage_mesh)
     params = pack(cnn.params)
     states = pipe.init(params, cnn.batch)
     loss, grads, _, metrics = jax.jit(pipe.step)(params, cnn.batch, states, jax.random.key(0))
     ref_loss, ref_grads = tools.reference(cnn.model, cnn.params, cnn.batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     tools.close(grads.unpack(), ref_grads)
-    # evaluation: the last stage's outputs for the whole batch, and the loss_fn metrics
-    e_loss, e_metrics, logits = jax.jit(pipe.evaluate)(params, cnn.batch)
     h = cnn.batch["x"]
     for f, p in zip(cnn.model.stages, cnn.params):
         h = f(p, h)
+    accuracy = np.mean(np.argmax(np.asarray(h), -1) == np.asarray(cnn.batch["label"]))
+    np.testing.assert_allclose(metrics["accuracy"], accuracy, rtol=1e-6)
+    if schedule == "1f1b":
+        return  # evaluation is the same forward program under both schedules
+    # evaluation: the last stage's outputs for the whole batch, and the loss_fn metrics
+    e_loss, e_metrics, logits = jax.jit(pipe.evaluate)(params, cnn.batch)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(h), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(e_loss, ref_loss, rtol=1e-5)
-    accuracy = np.mean(np.argmax(np.asarray(h), -1) == np.asarray(cnn.batch["label"]))
     np.testing.assert_allclose(e_metrics["accuracy"], accuracy, rtol=1e-6)
-    np.testing.assert_allclose(metrics["accuracy"], accuracy, rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    """A 4-block GPT decoder from the model registry, cut after blocks 0, 1 and 2."""
+    model = models.get_model(
+        "gpt", vocab_size=32, seq_len=8, dim=16, num_blocks=4, num_heads=2,
+        cuts=("block0", "block1", "block2"),
+    )  # fmt: skip
+    params = [v["params"] for v in model.init(jax.random.key(0))]
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, size=(8, 8)), jnp.int32)
+    return model, params, {"x": tokens, "label": jnp.roll(tokens, -1, axis=1)}
+
+
+def test_identity_gpt_decoder_from_the_registry_gpipe_equals_1f1b_equals_unpipelined(
+    gpt, stage_mesh, pack, tools
+):
+    """``models.get_model`` feeds the pipeline as it is (one StagedModel class)."""
+    model, params, batch = gpt
+    assert isinstance(model, pipeline.StagedModel) and models.StagedModel is pipeline.StagedModel
+    ref_loss, ref_grads = tools.reference(model, params, batch)
+    packed = pack(params)
+    for schedule in pipeline.SCHEDULES:
+        pipe = pipeline.gpipe(model, pipeline.PipelineConfig(4, schedule=schedule), stage_mesh)
+        loss, grads, _, _ = jax.jit(pipe.step)(packed, batch, pipe.init(packed, batch), None)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+        tools.close(grads.unpack(), ref_grads, rtol=1e-4, atol=1e-6)
 
 
 def test_identity_with_data_axis_on_an_explicit_mesh_matches_unpipelined(tools):
@@ -52,7 +84,8 @@ def test_identity_with_data_axis_on_an_explicit_mesh_matches_unpipelined(tools):
     mesh = jax.make_mesh((2, 4), (comm.DATA, comm.STAGE))  # Explicit axes, 2 replicas
     local = {k: jnp.concatenate([v, v[::-1]]) for k, v in mlp.batch.items()}  # 2 x 8 rows
     batch = jax.device_put(local, NamedSharding(mesh, P(comm.DATA)))
-    pipe = pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M), mesh)
+    config = pipeline.PipelineConfig(mlp.M, schedule="1f1b")
+    pipe = pipeline.gpipe(mlp.model, config, mesh)
     states = pipe.init(mlp.params, batch)
     loss, grads, _, _ = jax.jit(pipe.step)(mlp.params, batch, states, jax.random.key(0))
     ref_loss, ref_grads = tools.reference(mlp.model, mlp.params, local)

@@ -43,8 +43,8 @@ def test_aq_sgd_warm_up_fills_the_caches_then_compresses(make_config):
     state = s.mode.init(jax.random.key(0))
     batch, _ = s.train_loader.next(s.train_loader.initial_state())
     state, m0 = s.mode.train_step(state, _place(s, batch), _key(s, 0), 0)  # warm-up: dense
-    cache = np.asarray(state.link_states[0].forward.send.estimate)  # [stage, samples, 16]
-    filled = np.flatnonzero(np.abs(cache).sum(axis=(0, 2)))
+    cache = np.asarray(state.link_states.ends()[0].forward.send.estimate)  # [samples, 16]
+    filled = np.flatnonzero(np.abs(cache).sum(axis=1))
     np.testing.assert_array_equal(np.sort(filled), np.sort(batch["ids"]))
     state, m1 = s.mode.train_step(state, _place(s, batch), _key(s, 1), steps_per_epoch)
     assert m0["finite"] == 1 and m1["finite"] == 1
