@@ -180,6 +180,42 @@ def residual_slots(schedule: str, num_stages: int, num_microbatches: int) -> int
     return min(num_stages, num_microbatches) if schedule == "1f1b" else num_microbatches
 
 
+@functools.lru_cache(maxsize=64)
+def write_slots(schedule: str, num_stages: int, num_microbatches: int) -> tuple[int, tuple]:
+    """Where each stage writes a residual row at each training tick, so that every tick writes
+    one row without reading the ring first: a forward writes its microbatch's slot, a backward
+    rewrites the slot it has just consumed, an idle stage writes a slot nobody holds or, when
+    every slot is alive (GPipe between its two phases), an extra scratch row.
+
+    Returns:
+      ``(rows, table)``: the ring's rows (``residual_slots``, or one more for the scratch row)
+      and the ``[T][S]`` table of row indices.
+
+    Example:
+      >>> write_slots("1f1b", 4, 8)[0], write_slots("gpipe", 4, 8)[0]
+      (4, 9)
+    """
+    slots = residual_slots(schedule, num_stages, num_microbatches)
+    alive: list[set[int]] = [set() for _ in range(num_stages)]
+    rows, out = slots, []
+    for row in ticks(schedule, num_stages, num_microbatches):
+        writes = []
+        for s, op in enumerate(row):
+            if op is None:
+                free = sorted(set(range(slots)) - alive[s])
+                rows = rows if free else slots + 1
+                writes.append(free[0] if free else slots)
+                continue
+            slot = op.microbatch % slots
+            if op.kind == FORWARD:
+                alive[s].add(slot)
+            else:
+                alive[s].discard(slot)
+            writes.append(slot)
+        out.append(tuple(writes))
+    return rows, tuple(out)
+
+
 def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
     """The idle fraction :math:`(S - 1) / (M + S - 1)` of each stage's ticks (both schedules)."""
     return (num_stages - 1) / (num_microbatches + num_stages - 1)

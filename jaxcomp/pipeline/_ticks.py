@@ -60,8 +60,9 @@ def _take(tree: Any, i: Any) -> Any:
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
 
-def _tables(schedule: str, num: int, m_: int, train: bool) -> tuple[np.ndarray, np.ndarray]:
-    """``[T, S]`` int32 tables of each stage's forward and backward microbatch (-1: none)."""
+def _tables(schedule: str, num: int, m_: int, train: bool) -> tuple[np.ndarray, ...]:
+    """``[T, S]`` int32 tables of each stage's forward and backward microbatch (-1: none) and,
+    for training, of the residual row it writes (:func:`_schedule.write_slots`)."""
     table = _schedule.ticks(schedule, num, m_, train)
     fwd = np.full((len(table), num), -1, np.int32)
     bwd = np.full((len(table), num), -1, np.int32)
@@ -69,7 +70,9 @@ def _tables(schedule: str, num: int, m_: int, train: bool) -> tuple[np.ndarray, 
         for s, op in enumerate(row):
             if op is not None:
                 (fwd if op.kind == F else bwd)[t, s] = op.microbatch
-    return fwd, bwd
+    if not train:
+        return fwd, bwd, None
+    return fwd, bwd, np.asarray(_schedule.write_slots(schedule, num, m_)[1], np.int32)
 
 
 def _row(table: np.ndarray, t: Any) -> Any:
@@ -104,7 +107,7 @@ def _branch(prog, plan, s: int, kind: str | None, has_f: bool, has_b: bool):
             out["dparams"] = dparams if dparams is not None else _zeros(prog.grad_struct, ())
         return _local.to_varying(out, axes)
 
-    def branch(local, x_in, acts, cotangents, res_row, lab_f, lab_b):
+    def branch(local, x_in, acts, cotangents, ring, slot_b, lab_f, lab_b):
         if kind is None:
             return outputs()
         params = st.layout.unpack_stage(s, local)
@@ -126,6 +129,9 @@ def _branch(prog, plan, s: int, kind: str | None, has_f: bool, has_b: bool):
         else:
             ct = cotangents[s]
         like = _zeros(st.inputs[s], axes)
+        # the ring is only read in here: a row sliced out inside the branch costs no copy
+        res_row = {g: lax.dynamic_index_in_dim(r, slot_b, 0, keepdims=False)
+                   for g, r in ring.items()}  # fmt: skip
         dp, dx = _residuals.backward(plan, fns, s, params, res_row, ct, like, lab_b)
         return outputs(dxs=dx, dparams=st.layout.pack_stage(s, dp))
 
@@ -208,33 +214,24 @@ def _tick(prog, plan, carry, t, kinds, local, x, labels, ids, key, tables):
     last_f = row_f[num - 1] if kinds[num - 1] == F else 0
     last_b = row_b[num - 1] if kinds[num - 1] == B else 0
     lab_f, lab_b = _take(labels, last_f), _take(labels, last_b)
-    my_f = jnp.asarray(row_f)[stage]
-    my_b = jnp.asarray(row_b)[stage]
-    res_row = None
-    if has_b and prog.train:
-        res_row = {
-            g: lax.dynamic_index_in_dim(r, jnp.maximum(my_b, 0) % slots, 0, keepdims=False)
-            for g, r in carry.residuals.items()
-        }
+    slot_b = jnp.maximum(jnp.asarray(row_b)[stage], 0) % slots
     out = lax.switch(
-        index[stage], branches, local, x_in, carry.acts, carry.cotangents, res_row, lab_f, lab_b
-    )
+        index[stage], branches, local, x_in, carry.acts, carry.cotangents, carry.residuals,
+        slot_b, lab_f, lab_b,
+    )  # fmt: skip
     residuals, grads, loss, metrics, outputs = (
         carry.residuals, carry.grads, carry.loss, carry.metrics, carry.outputs
     )  # fmt: skip
     if has_f:
         loss = loss + out["loss"]
         metrics = jax.tree.map(jnp.add, metrics, out["metrics"])
-        if prog.train:
-            slot = jnp.maximum(my_f, 0) % slots
-            is_f = my_f >= 0
+        if prog.train:  # one row per tick, written without reading the ring first: a
+            # select against the old row would make XLA keep a copy of the whole ring
+            slot = jnp.asarray(_row(tables[2], t))[stage]
             residuals = {
-                g: lax.dynamic_update_index_in_dim(
-                    r, jnp.where(is_f, out["res"][g], lax.dynamic_index_in_dim(r, slot, 0, False)),
-                    slot, 0,
-                )
+                g: lax.dynamic_update_index_in_dim(r, out["res"][g], slot, 0)
                 for g, r in residuals.items()
-            }  # fmt: skip
+            }
         if prog.collect and kinds[num - 1] == F:
             outputs = lax.dynamic_update_index_in_dim(outputs, out["final"], last_f, 0)
     if has_b:
@@ -313,7 +310,8 @@ def run(prog: Program, local, x, labels, ids, key, states) -> Carry:
     residuals, masks, grads, plan = {}, {}, {}, None
     if prog.train:
         plan = plan_here(prog, local, labels)
-        residuals = {g: jnp.zeros((slots, n), g) for g, n in plan.layout.lengths}
+        rows = _schedule.write_slots(prog.schedule, num, m_)[0]
+        residuals = {g: jnp.zeros((rows, n), g) for g, n in plan.layout.lengths}
         masks = {g: jnp.zeros((slots, n), g) for g, n in st.mask_layout.lengths}
         grads = {g: jnp.zeros((n,), g) for g, n in st.layout.lengths}
     outputs = None
