@@ -80,19 +80,20 @@ def _row(table: np.ndarray, t: Any) -> Any:
     return [int(v) for v in table[t]] if isinstance(t, int) else jnp.asarray(table)[t]
 
 
-def _branch(prog, plan, s: int, kind: str | None, has_f: bool, has_b: bool):
+def _branch(prog, plan, s: int | None, kinds: tuple, has_f: bool, has_b: bool):
     """Stage ``s``'s op of one tick as a switch branch, with the tick's uniform output type."""
     st, num, axes = prog.static, prog.num_stages, prog.axes
     res_struct = {} if plan is None else _res_struct(plan)
     fns = prog.fns[s] if s is not None else None
+    kind = kinds[s] if s is not None else None
 
     def outputs(ys=None, res=None, loss=None, metrics=None, final=None, dxs=None, dparams=None):
         out = {}
-        if has_f:
-            out["ys"] = tuple(
-                ys if (ys is not None and b == s) else _zeros(sh, ()) for b, sh in
-                enumerate(st.shapes)
-            )  # fmt: skip
+        if has_f:  # only the boundaries that send this tick (not every one: memory)
+            out["ys"] = {
+                b: ys if (ys is not None and b == s) else _zeros(sh, ())
+                for b, sh in enumerate(st.shapes) if kinds[b] == F
+            }  # fmt: skip
             if prog.train:
                 out["res"] = res if res is not None else _zeros(res_struct, ())
             out["loss"] = loss if loss is not None else jnp.zeros((), jnp.float32)
@@ -100,10 +101,10 @@ def _branch(prog, plan, s: int, kind: str | None, has_f: bool, has_b: bool):
             if prog.collect:
                 out["final"] = final if final is not None else _zeros(st.final, ())
         if has_b:
-            out["dxs"] = tuple(
-                dxs if (dxs is not None and b == s - 1) else _zeros(sh, ()) for b, sh in
-                enumerate(st.shapes)
-            )  # fmt: skip
+            out["dxs"] = {
+                b: dxs if (dxs is not None and b == s - 1) else _zeros(sh, ())
+                for b, sh in enumerate(st.shapes) if kinds[b + 1] == B
+            }  # fmt: skip
             out["dparams"] = dparams if dparams is not None else _zeros(prog.grad_struct, ())
         return _local.to_varying(out, axes)
 
@@ -206,8 +207,8 @@ def _tick(prog, plan, carry, t, kinds, local, x, labels, ids, key, tables):
 
     order = [s for s in range(num) if kinds[s] is not None]
     index = jnp.asarray([order.index(s) if s in order else len(order) for s in range(num)])
-    branches = [_branch(prog, plan, s, kinds[s], has_f, has_b) for s in order]
-    branches.append(_branch(prog, plan, None, None, has_f, has_b))
+    branches = [_branch(prog, plan, s, kinds, has_f, has_b) for s in order]
+    branches.append(_branch(prog, plan, None, kinds, has_f, has_b))
 
     static = isinstance(t, int)
     x_in = _take(x, (max(row_f[0], 0) if static else jnp.maximum(row_f[0], 0)))
