@@ -80,20 +80,21 @@ def _zeros(struct: Any, like: jax.Array) -> Any:
     return _local.to_varying(zeros, axes) if axes else zeros
 
 
-def _gated(active: Any, fn: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
+def gated(active: Any, fn: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
     """``fn()`` where ``active``; ``fallback()`` elsewhere (no work done on inactive devices)."""
     if active is True:
         return fn()
     return lax.cond(active, fn, fallback)
 
 
-def _keys(key):
+def fold_keys(key):
+    """``(forward key, backward key)`` of one send: ``fold_in(key, 0)``, ``fold_in(key, 1)``."""
     if key is None:
         return None, None
     return jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
 
 
-def _buffer_flags(channel: Any, state: Any) -> Any:
+def sample_buffer_flags(channel: Any, state: Any) -> Any:
     """Flags the leaves of a channel end's state that hold one row per sample id: those under
     the fields the channel declares (``Channel.sample_fields``, e.g. AQ-SGD's caches)."""
     fields = channel.sample_fields if channel.per_sample else ()
@@ -104,73 +105,154 @@ def _buffer_flags(channel: Any, state: Any) -> Any:
     )
 
 
-def _end(active, fn, fallback, state, ids, x, channel, slot):
-    """Runs one end of a channel, ``fn(state, ids) -> (out, state)``, where ``active``.
+class StateEnd(NamedTuple):
+    """One end of a channel in a :class:`ChannelStates` store: field ``"send"`` or ``"recv"``,
+    optionally row ``slot`` of states stacked on a leading axis.
 
-    Per-sample buffers (the fields the channel declares) stay out of the ``lax.cond``: only
-    this microbatch's rows enter it (with local ids ``0..mb-1``) and are written back outside,
-    unchanged where inactive, with the channel layer's id rule (an out-of-range id reads NaN
-    and writes nothing; a repeated id writes its last occurrence). A cond that carried the
-    whole buffer would copy it at every send (XLA does not update a conditional's operand in
-    place). With an int ``slot``, every leaf has a leading stage axis and this end is row
-    ``slot``: only that row (of a per-sample buffer: only its rows at ``ids``) is read and
-    written.
+    An *end accessor* (this, or the pipeline's packed-state one) runs a channel end with
+    ``run(active, fn, fallback, store, ids, x) -> (out, store)``: ``fn(state, ids) -> (out,
+    state)`` where ``active``, ``(fallback(), state)`` elsewhere, the state read from and
+    written back to ``store``.
     """
-    flags = (
-        _buffer_flags(channel, state) if ids is not None else jax.tree.map(lambda _: False, state)
-    )
-    by_rows = any(jax.tree.leaves(flags))
-    if slot is None and (active is True or not by_rows):
-        return _gated(active, lambda: fn(state, ids), lambda: (fallback(), state))
-    prefix = () if slot is None else (slot,)
 
-    def read(a, rows):
-        if rows:
-            return _channel.read_rows(a, ids, prefix)
-        return a if slot is None else a[slot]
+    field: str
+    channel: Any
+    slot: int | None = None
 
-    def write(a, rows, new):
-        if rows:
-            return _channel.write_rows(a, ids, new, prefix)
-        return new if slot is None else a.at[slot].set(new)
+    def run(self, active, fn, fallback, store, ids, x):
+        """Per-sample buffers (the fields the channel declares) stay out of the ``lax.cond``:
+        only this microbatch's rows enter it (with local ids ``0..mb-1``) and are written back
+        outside, unchanged where inactive, with the channel layer's id rule (an out-of-range id
+        reads NaN and writes nothing; a repeated id writes its last occurrence). A cond that
+        carried the whole buffer would copy it at every send (XLA does not update a
+        conditional's operand in place). With an int ``slot`` only that row (of a per-sample
+        buffer: only its rows at ``ids``) is read and written."""
+        state, slot = getattr(store, self.field), self.slot
+        flags = (
+            sample_buffer_flags(self.channel, state)
+            if ids is not None
+            else jax.tree.map(lambda _: False, state)
+        )
+        by_rows = any(jax.tree.leaves(flags))
+        if slot is None and (active is True or not by_rows):
+            out, new = gated(active, lambda: fn(state, ids), lambda: (fallback(), state))
+            return out, store._replace(**{self.field: new})
+        prefix = () if slot is None else (slot,)
 
-    part = jax.tree.map(read, state, flags)
-    local_ids = jnp.arange(x.shape[0], dtype=ids.dtype) if by_rows else ids
-    out, new = _gated(active, lambda: fn(part, local_ids), lambda: (fallback(), part))
-    return out, jax.tree.map(write, state, flags, new)
+        def read(a, rows):
+            if rows:
+                return _channel.read_rows(a, ids, prefix)
+            return a if slot is None else a[slot]
+
+        def write(a, rows, new):
+            if rows:
+                return _channel.write_rows(a, ids, new, prefix)
+            return new if slot is None else a.at[slot].set(new)
+
+        part = jax.tree.map(read, state, flags)
+        local_ids = jnp.arange(x.shape[0], dtype=ids.dtype) if by_rows else ids
+        out, new = gated(active, lambda: fn(part, local_ids), lambda: (fallback(), part))
+        return out, store._replace(**{self.field: jax.tree.map(write, state, flags, new)})
 
 
-def _exchange(channel, x, state, key, ids, is_sender, is_receiver, move, compress, slots):
-    """One channel's ``send -> move -> receive``, each end working only where it lives
-    (``slots``: the rows of the sender's and the receiver's state, or ``(None, None)``).
+def exchange(channel, x, store, ends, key, ids, is_sender, is_receiver, move, compress):
+    """One channel's ``send -> move -> receive``, each end working only where it lives.
 
-    Returns ``(decoded, new ChannelStates, payload sent, payload received)``.
+    Args:
+      channel: the :class:`~jaxcomp.feedback.Channel`.
+      x: what the sender sends (every device passes one of the same shape).
+      store: where both ends' states live; ``ends`` are the sender's and the receiver's end
+        accessors into it (:class:`StateEnd`, or the pipeline's packed ones).
+      key: the codec's key; ids: sample ids of ``x``'s rows (or ``None``).
+      is_sender, is_receiver: where each end lives (``True``, or a traced bool per device).
+      move: ``move(payload) -> payload`` from sender to receiver.
+      compress: ``False`` sends ``x`` dense and lets the channel observe it.
+
+    Returns:
+      ``(decoded, store, payload sent, payload received)`` (payloads ``None`` when dense).
     """
-    send_slot, recv_slot = slots
+    send_end, recv_end = ends
     if not compress:  # dense: the channel only observes x (EF21/AQ-SGD copy it)
-        _, send_state = _end(
+        _, store = send_end.run(
             is_sender, lambda st, i: (None, channel.dense_send(x, st, i)), lambda: None,
-            state.send, ids, x, channel, send_slot,
+            store, ids, x,
         )  # fmt: skip
         received = move(x)
-        _, recv_state = _end(
+        _, store = recv_end.run(
             is_receiver, lambda st, i: (None, channel.dense_receive(received, st, i)),
-            lambda: None, state.recv, ids, x, channel, recv_slot,
+            lambda: None, store, ids, x,
         )  # fmt: skip
-        return received, ChannelStates(send_state, recv_state), None, None
+        return received, store, None, None
 
     like = jax.ShapeDtypeStruct(x.shape, x.dtype)
     payload_struct = _base.payload_shape(channel.codec, like)
-    payload, send_state = _end(
+    payload, store = send_end.run(
         is_sender, lambda st, i: channel.send(x, st, key, i), lambda: _zeros(payload_struct, x),
-        state.send, ids, x, channel, send_slot,
+        store, ids, x,
     )  # fmt: skip
     received = move(payload)
-    y, recv_state = _end(
+    y, store = recv_end.run(
         is_receiver, lambda st, i: channel.receive(received, st, like, i),
-        lambda: jnp.zeros_like(x), state.recv, ids, x, channel, recv_slot,
+        lambda: jnp.zeros_like(x), store, ids, x,
     )  # fmt: skip
-    return y, ChannelStates(send_state, recv_state), payload, received
+    return y, store, payload, received
+
+
+def send_forward(forward, mode, compress, x, store, ends, key, ids, roles, move):
+    """A link's forward: ``x`` over the forward channel from the source to the target.
+
+    ``roles`` is ``(is_source, is_target)``, ``move(tree, reverse)`` carries a payload (back
+    when ``reverse``), ``key`` is the send's key (its forward key is ``fold_in(key, 0)``).
+
+    Returns:
+      ``(decoded, store, (sent, received))``: the payloads the shared-mask backward of this
+      microbatch needs (``(None, None)`` otherwise).
+    """
+    y, store, sent, received = exchange(
+        forward, x, store, ends, fold_keys(key)[0], ids, *roles, lambda t: move(t, False),
+        compress,
+    )  # fmt: skip
+    return y, store, (sent, received) if mode == "shared_mask" and compress else (None, None)
+
+
+def send_backward(forward, backward, mode, compress, g, store, ends, payloads, key, ids, roles,
+                  move):  # fmt: skip
+    """A link's backward: the gradient ``g`` from the target back to the source.
+
+    ``"shared_mask"`` mode sends ``g`` at the forward's kept positions (the transpose of
+    decoding the target's received payload's values; the source decodes them at its sent
+    payload's positions); a ``None`` backward channel sends ``g`` dense; otherwise the backward
+    channel (its ``ends`` in ``store``) compresses it with key ``fold_in(key, 1)``.
+
+    Returns:
+      ``(decoded gradient on the source, store)``.
+    """
+    is_source, is_target = roles
+    if mode == "shared_mask" and compress:
+        sent, received = payloads
+        like = jax.ShapeDtypeStruct(g.shape, g.dtype)
+
+        def gather():
+            def decode(v):
+                return forward.codec.decompress(received._replace(values=v), like)
+
+            return jax.vjp(decode, received.values)[1](g)[0]
+
+        vals = gated(is_target, gather, lambda: jnp.zeros_like(received.values))
+        vals = move(vals, True)
+        dx = gated(
+            is_source,
+            lambda: forward.codec.decompress(sent._replace(values=vals), like),
+            lambda: jnp.zeros_like(g),
+        )
+        return dx, store
+    if backward is None:
+        return move(g, True), store
+    dx, store, _, _ = exchange(
+        backward, g, store, ends, fold_keys(key)[1], ids, is_target, is_source,
+        lambda t: move(t, True), compress,
+    )  # fmt: skip
+    return dx, store
 
 
 def make_link(forward, backward, mode, compress, transport, roles, slots):
@@ -180,43 +262,21 @@ def make_link(forward, backward, mode, compress, transport, roles, slots):
     channel's sender lives at the source, the backward channel's at the target.
     """
     source_slot, target_slot = slots
+    fwd_ends = (StateEnd("send", forward, source_slot), StateEnd("recv", forward, target_slot))
+    bwd_ends = None
+    if backward is not None:
+        bwd_ends = (
+            StateEnd("send", backward, target_slot),
+            StateEnd("recv", backward, source_slot),
+        )
 
     def forward_pass(x, fwd, key, ids):
-        is_source, is_target = roles()
-        y, states, sent, received = _exchange(
-            forward, x, fwd, _keys(key)[0], ids[0], is_source, is_target,
-            lambda tree: transport(tree, False), compress, (source_slot, target_slot),
-        )  # fmt: skip
-        return y, states, (sent, received) if mode == "shared_mask" else (None, None)
+        return send_forward(forward, mode, compress, x, fwd, fwd_ends, key, ids[0], roles(),
+                            transport)  # fmt: skip
 
     def backward_pass(payloads, g, state, key, ids):
-        is_source, is_target = roles()
-        if mode == "shared_mask" and compress:
-            # send g at the forward's kept positions: the transpose of decoding the values
-            sent, received = payloads
-            like = jax.ShapeDtypeStruct(g.shape, g.dtype)
-
-            def gather():
-                def decode(v):
-                    return forward.codec.decompress(received._replace(values=v), like)
-
-                return jax.vjp(decode, received.values)[1](g)[0]
-
-            vals = _gated(is_target, gather, lambda: jnp.zeros_like(received.values))
-            vals = transport(vals, True)
-            dx = _gated(
-                is_source,
-                lambda: forward.codec.decompress(sent._replace(values=vals), like),
-                lambda: jnp.zeros_like(g),
-            )
-            return dx, state
-        if backward is None:
-            return transport(g, True), state
-        dx, state, _, _ = _exchange(
-            backward, g, state, _keys(key)[1], ids[1], is_target, is_source,
-            lambda tree: transport(tree, True), compress, (target_slot, source_slot),
-        )  # fmt: skip
-        return dx, state
+        return send_backward(forward, backward, mode, compress, g, state, bwd_ends, payloads,
+                             key, ids[1], roles(), transport)  # fmt: skip
 
     @jax.custom_vjp
     def link(x, fwd, token, key, ids):

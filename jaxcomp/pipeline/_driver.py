@@ -89,7 +89,7 @@ def init(spec: Spec, params: Any, batch: Any) -> _link_state.LinkStates:
     def make():
         buffers = _link_state.init_buffers(spec.links, shapes, layout)
         return {
-            g: jnp.broadcast_to(b[:, None], (b.shape[0], *lead[1:], b.shape[1]))
+            g: jnp.broadcast_to(b[:, None], (b.shape[0], *lead[1:], *b.shape[1:]))
             if len(lead) > 1 else b
             for g, b in buffers.items()
         }  # fmt: skip
@@ -97,7 +97,7 @@ def init(spec: Spec, params: Any, batch: Any) -> _link_state.LinkStates:
     if spec.mesh is None:
         return _link_state.LinkStates(jax.jit(make)(), layout)
     sharding = NamedSharding(spec.mesh, spec.state_spec)
-    shardings = {g: sharding for g, _ in layout.packing.lengths}
+    shardings = {name: sharding for name, _, _ in layout.buffers}
     return _link_state.LinkStates(jax.jit(make, out_shardings=shardings)(), layout)
 
 
@@ -138,7 +138,8 @@ def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool):
         ids = None if ids is None else _batch.microbatches(ids, m_)
         key = _replica_key(spec, key)
         if train:
-            mine = {g: b.reshape(b.shape[-1]) for g, b in states.items()}
+            lead = len(spec.lead)
+            mine = {g: b.reshape(b.shape[lead:]) for g, b in states.items()}
         else:  # compressed evaluation: fresh states of the plain forward codecs
             full = _link_state.init_buffers(links, static.shapes, static.state_layout)
             stage = lax.axis_index(_mesh.STAGE)

@@ -14,16 +14,21 @@ backward receiver  ``d``                 EF21 estimate of the activation-gradien
 =================  ====================  =================================================
 
 and nothing else. These four states (of whatever channels, shapes and dtypes the boundaries
-use) are packed, per dtype, into one vector per device, and the devices' vectors are stacked:
-:class:`LinkStates` holds ``{dtype: [S, L]}`` buffers (``[S, D, L]`` with ``D`` data replicas)
-sharded over ``stage``, where ``L`` is the largest device's need. So every device stores the
-live state of its own link ends (padded to the largest device's), and an AQ-SGD cache costs
-its live size; the simulation keeps the same layout and reads row ``d`` for device ``d``.
+use) are packed per device and the devices' packs are stacked: :class:`LinkStates` holds
+``{name: [S, ...]}`` buffers (``[S, D, ...]`` with ``D`` data replicas) sharded over ``stage``:
 
-Inside a program an end is read and written in place: fixed-size leaves as slices of the
-device's vector, per-sample buffers (leaves ``[N, ...]`` of a channel with per-sample state)
-only at the rows of the microbatch's sample ids; ids outside ``[0, N)`` read zeros and their
-writes are dropped (they never touch another leaf).
+* per dtype, one vector ``[S, L]`` of the fixed-size leaves (EF residuals, EF21 estimates),
+  ``L`` the largest device's need;
+* per-sample buffers (the fields a channel declares in ``Channel.sample_fields``, e.g.
+  AQ-SGD's caches ``[N, ...]``) side by side in a matrix ``[S, N, W]`` per dtype and ``N``,
+  each device's in its own columns, ``W`` the largest device's width.
+
+So every device stores the live state of its own link ends (padded to the largest device's),
+and an AQ-SGD cache costs its live size; the simulation keeps the same layout and reads row
+``d`` for device ``d``. Inside a program an end is read and written in place: fixed-size leaves
+as slices of the device's vector, per-sample buffers only at the rows of the microbatch's sample
+ids, with the feedback layer's rule (:func:`jaxcomp.feedback.read_rows`): an id outside
+``[0, N)`` reads NaN and writes nothing, a repeated id writes its last occurrence.
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ import numpy as np
 from jax import lax
 
 from jaxcomp.comm import _send
+from jaxcomp.comm import _send_vjp
 from jaxcomp.comm._send_vjp import ChannelStates
+from jaxcomp.feedback import _channel as _channel_rows
 from jaxcomp.pipeline import _config
-from jaxcomp.pipeline import _params
 
 ROLES = ("forward_send", "forward_recv", "backward_send", "backward_recv")
 
@@ -73,47 +79,58 @@ def _end_of(states: ChannelStates, role: str) -> Any:
     return states.send if role.endswith("send") else states.recv
 
 
-def per_sample_leaves(channel: Any, state: Any, like: Any) -> tuple[bool, ...]:
-    """Flags the leaves of a channel end's state that are per-sample buffers
-    ``[N, *like.shape[1:]]`` (indexed by sample ids)."""
-    if channel is None or not channel.per_sample:
+def per_sample_leaves(channel: Any, state: Any) -> tuple[bool, ...]:
+    """Flags the leaves of a channel end's state that hold one row per sample id (under the
+    fields the channel declares)."""
+    if channel is None:
         return tuple(False for _ in jax.tree.leaves(state))
-    feature = tuple(like.shape[1:])
-    return tuple(
-        len(a.shape) == len(like.shape) and tuple(a.shape[1:]) == feature
-        for a in jax.tree.leaves(state)
-    )
+    return tuple(jax.tree.leaves(_send_vjp.sample_buffer_flags(channel, state)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where one leaf lives: ``buffer`` (a plain vector: ``offset`` in it; a rows matrix:
+    first column ``offset``), and the leaf's ``shape`` and ``dtype``."""
+
+    buffer: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+    rows: bool
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape) if not self.rows else math.prod(self.shape[1:])
 
 
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
-    """Where every link end lives in the packed per-device vectors (static and hashable).
+    """Where every link end lives in the packed buffers (static and hashable).
 
     Attributes:
-      packing: the :class:`ParamLayout` of the per-device trees ``(forward sender, forward
-        receiver, backward sender, backward receiver)`` (``None`` where a device has no such
-        end).
+      places: per device, per leaf of its tree ``(forward sender, forward receiver, backward
+        sender, backward receiver)``, the leaf's :class:`Place`.
       roles: per device, per role, the ``(first, last + 1)`` leaf indices of that end.
       treedefs: per device, per role, the end's pytree structure.
-      per_sample: per device, per leaf, whether it is a per-sample buffer.
+      buffers: ``((name, shape without the stage axis, dtype), ...)``.
     """
 
-    packing: _params.ParamLayout
+    places: tuple[tuple[Place, ...], ...]
     roles: tuple[tuple[tuple[int, int], ...], ...]
     treedefs: tuple[tuple[Any, ...], ...]
-    per_sample: tuple[tuple[bool, ...], ...]
+    buffers: tuple[tuple[str, tuple[int, ...], str], ...]
 
     @property
     def num_stages(self) -> int:
-        return self.packing.num_stages
+        return len(self.places)
 
     def device_bytes(self, device: int) -> int:
         """Live bytes of ``device``'s ends (its own leaves, no padding)."""
-        return self.packing.stage_bytes(device)
+        return sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in self.places[device])
 
     def row_bytes(self) -> int:
-        """Bytes each device stores (the packed row, padding included)."""
-        return self.packing.row_bytes()
+        """Bytes each device stores (its share of every buffer, padding included)."""
+        return sum(math.prod(shape) * np.dtype(dt).itemsize for _, shape, dt in self.buffers)
 
 
 def _end_structs(links, shapes, num_stages):
@@ -138,39 +155,62 @@ def state_layout(
 ) -> StateLayout:
     """The compact layout of ``links``' states for boundary activations ``shapes``."""
     ends = _end_structs(links, shapes, num_stages)
-    trees = [tuple(st for st, _, _ in row) for row in ends]
-    packing = _params.param_layout(trees)
-    roles, treedefs, flags = [], [], []
+    sizes: dict[str, tuple] = {}  # buffer name -> (shape without stage axis, dtype)
+    places, roles, treedefs = [], [], []
     for row in ends:
-        start, ranges, defs, fl = 0, [], [], []
-        for st, ch, like in row:
-            n = len(jax.tree.leaves(st))
-            ranges.append((start, start + n))
+        used: dict[str, int] = {}
+        device_places, ranges, defs, start = [], [], [], 0
+        for st, ch, _ in row:
+            leaves = jax.tree.leaves(st)
+            for leaf, rows in zip(leaves, per_sample_leaves(ch, st)):
+                dt = np.dtype(leaf.dtype).name
+                shape = tuple(int(d) for d in leaf.shape)
+                name = f"{dt}[{shape[0]} rows]" if rows else dt
+                size = math.prod(shape[1:]) if rows else math.prod(shape)
+                device_places.append(Place(name, used.get(name, 0), shape, dt, rows))
+                used[name] = used.get(name, 0) + size
+            ranges.append((start, start + len(leaves)))
             defs.append(jax.tree.structure(st))
-            fl += per_sample_leaves(ch, st, like) if n else ()
-            start += n
+            start += len(leaves)
+        for name, n in used.items():
+            rows_of = next(p for p in device_places if p.buffer == name)
+            lead = (rows_of.shape[0],) if rows_of.rows else ()
+            old = sizes.get(name, ((*lead, 0), rows_of.dtype))[0]
+            sizes[name] = ((*lead, max(old[-1], n)), rows_of.dtype)
+        places.append(tuple(device_places))
         roles.append(tuple(ranges))
         treedefs.append(tuple(defs))
-        flags.append(tuple(fl))
-    return StateLayout(packing, tuple(roles), tuple(treedefs), tuple(flags))
+    buffers = tuple((name, *sizes[name]) for name in sorted(sizes))
+    return StateLayout(tuple(places), tuple(roles), tuple(treedefs), buffers)
 
 
 def init_buffers(
     links: Sequence[_config.Link], shapes: Sequence[Any], layout: StateLayout
 ) -> dict[str, jax.Array]:
-    """Every end's initial state, packed: ``{dtype: [S, L]}``."""
+    """Every end's initial state, packed: ``{name: [S, ...]}``."""
     trees = []
     for d in range(layout.num_stages):
         row = []
         for role in ROLES:
             b = owned_boundary(role, d, layout.num_stages)
-            if b is None:
-                row.append(None)
-            else:
+            if b is not None:
                 both = _send.init_channel_states(_channel(links[b], role), shapes[b])
                 row.append(_end_of(both, role))
-        trees.append(tuple(row))
-    return layout.packing.pack(trees)
+        trees.append(row)
+    out = {}
+    for name, shape, dt in layout.buffers:
+        per_device = []
+        for d, tree in enumerate(trees):
+            parts = [
+                leaf.reshape((leaf.shape[0], -1) if p.rows else (-1,)).astype(dt)
+                for leaf, p in zip(jax.tree.leaves(tree), layout.places[d]) if p.buffer == name
+            ]  # fmt: skip
+            used = sum(x.shape[-1] for x in parts)
+            if used < shape[-1]:
+                parts.append(jnp.zeros((*shape[:-1], shape[-1] - used), dt))
+            per_device.append(jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0])
+        out[name] = jnp.stack(per_device)
+    return out
 
 
 @jax.tree_util.register_pytree_node_class
@@ -209,17 +249,26 @@ class LinkStates:
           >>> states.ends()[1].forward.send.residual.shape  # boundary 1's sender, on stage 1
           (2, 2)
         """
+        layout = self.layout
         host = {g: np.asarray(b) for g, b in self.buffers.items()}
-        lead = next(iter(host.values())).ndim - 1 if host else 1
-        if lead == 2:
+        full = {name: len(shape) + 1 for name, shape, _ in layout.buffers}
+        if any(host[n].ndim > full[n] for n in host):
             if replica is None:
                 raise ValueError("these link states hold several data replicas; pass replica=.")
             host = {g: b[:, replica] for g, b in host.items()}
-        num = self.layout.num_stages
-        trees = [self.layout.packing.unpack_stage(d, {g: b[d] for g, b in host.items()})
-                 for d in range(num)]  # fmt: skip
+        trees = []
+        for d in range(layout.num_stages):
+            leaves = [
+                host[p.buffer][d][:, p.offset : p.offset + p.size].reshape(p.shape) if p.rows
+                else host[p.buffer][d][p.offset : p.offset + p.size].reshape(p.shape)
+                for p in layout.places[d]
+            ]  # fmt: skip
+            ends = []
+            for r, (first, last) in enumerate(layout.roles[d]):
+                ends.append(jax.tree.unflatten(layout.treedefs[d][r], leaves[first:last]))
+            trees.append(ends)
         out = []
-        for b in range(num - 1):
+        for b in range(layout.num_stages - 1):
             ends = {role: trees[owner(role, b)][ROLES.index(role)] for role in ROLES}
             out.append(
                 LinkState(
@@ -253,83 +302,95 @@ def check_link_states(got: Any, layout: StateLayout, lead: tuple[int, ...]) -> N
             "link_states hold ends of other shapes than this pipeline expects (initialise "
             "them for the same batch and microbatches)."
         )
-    for g, n in layout.packing.lengths:
-        b = got.buffers.get(g)
-        want = (*lead, n)
-        if b is None or tuple(jnp.shape(b)) != want or b.dtype != np.dtype(g):
+    for name, shape, dt in layout.buffers:
+        b = got.buffers.get(name)
+        want = (*lead, *shape)
+        if b is None or tuple(jnp.shape(b)) != want or b.dtype != np.dtype(dt):
             have = None if b is None else f"{b.dtype}{list(jnp.shape(b))}"
             raise ValueError(
-                f"link_states buffer {g!r} is {have}; this pipeline expects {g}{list(want)} "
+                f"link_states buffer {name!r} is {have}; this pipeline expects {dt}{list(want)} "
                 "(initialise them for the same batch and microbatches)."
             )
 
 
 class EndRef(NamedTuple):
-    """One end's place in the packed vectors, and how to index it.
+    """One end's place in the packed buffers, and how to index it.
 
-    ``row`` is ``None`` when the buffers are one device's vectors ``{dtype: [L]}`` (inside
-    ``shard_map``), or the owning device's row of stacked ``{dtype: [S, L]}`` buffers.
+    ``row`` is ``None`` when the buffers are one device's share (``{name: [L]}`` or
+    ``[N, W]``, inside ``shard_map``), or the owning device's row of stacked ``{name: [S,
+    ...]}`` buffers (the simulation).
     """
 
-    slots: tuple[Any, ...]
-    per_sample: tuple[bool, ...]
+    places: tuple[Place, ...]
     treedef: Any
     row: int | None
 
-    def _index(self, index):
-        return index if self.row is None else (self.row, index)
+    @property
+    def has_rows(self) -> bool:
+        return any(p.rows for p in self.places)
+
+    def _prefix(self) -> tuple:
+        return () if self.row is None else (self.row,)
+
+    def run(self, active, fn, fallback, buffers, ids, x):
+        """Runs the end, ``fn(state, ids) -> (out, state)``, where ``active`` (the end accessor
+        contract of :class:`jaxcomp.comm._send_vjp.StateEnd`): only the microbatch's rows of
+        per-sample buffers enter the ``lax.cond`` (with local ids ``0 .. mb - 1``), and the
+        state is written back to ``buffers`` outside it."""
+        rows = ids is not None and self.has_rows
+        part = self.read(buffers, ids if rows else None)
+        local_ids = jnp.arange(x.shape[0], dtype=ids.dtype) if rows else ids
+        out, new = _send_vjp.gated(active, lambda: fn(part, local_ids), lambda: (fallback(), part))
+        if not self.places:
+            return out, buffers
+        return out, self.write(buffers, ids if rows else None, new)
 
     def read(self, buffers: dict[str, jax.Array], ids: jax.Array | None) -> Any:
         """The end's state; per-sample buffers only at ``ids``'s rows (so they are ``[mb,
-        ...]`` and the channel indexes them with ``0 .. mb - 1``)."""
+        ...]`` and the channel indexes them with ``0 .. mb - 1``), or whole without ids."""
         leaves = []
-        for slot, rows in zip(self.slots, self.per_sample):
-            buf, size = buffers[slot.group], math.prod(slot.shape)
-            if rows and ids is not None:
-                index = _row_index(slot, ids, buf.shape[-1])
-                got = buf.at[self._index(index)].get(mode="fill", fill_value=0)
-                leaves.append(got.reshape((ids.shape[0], *slot.shape[1:])))
+        for p in self.places:
+            buf = buffers[p.buffer]
+            if p.rows:
+                full = (
+                    buf[self._prefix()] if ids is None
+                    else _channel_rows.read_rows(buf, ids, self._prefix())
+                )  # fmt: skip
+                leaves.append(full[:, p.offset : p.offset + p.size].reshape(-1, *p.shape[1:]))
             else:
-                piece = buf[self._index(slice(slot.offset, slot.offset + size))]
-                leaves.append(piece.reshape(slot.shape))
+                piece = buf[(*self._prefix(), slice(p.offset, p.offset + p.size))]
+                leaves.append(piece.reshape(p.shape))
         return jax.tree.unflatten(self.treedef, leaves)
 
     def write(self, buffers: dict[str, jax.Array], ids: jax.Array | None, state: Any) -> dict:
         """``buffers`` with the end's state (as :meth:`read` returned it) written back."""
         buffers = dict(buffers)
-        for slot, rows, leaf in zip(self.slots, self.per_sample, jax.tree.leaves(state)):
-            buf = buffers[slot.group]
-            if rows and ids is not None:
-                index = _row_index(slot, ids, buf.shape[-1])
-                value = leaf.reshape(index.shape).astype(buf.dtype)
-                buffers[slot.group] = buf.at[self._index(index)].set(value, mode="drop")
+        for p, leaf in zip(self.places, jax.tree.leaves(state)):
+            buf = buffers[p.buffer]
+            if p.rows and ids is None:  # the whole buffer (outside a step)
+                rows = leaf.reshape(leaf.shape[0], -1).astype(buf.dtype)
+                start = (0, p.offset) if self.row is None else (self.row, 0, p.offset)
+                rows = rows if self.row is None else rows[None]
+                buffers[p.buffer] = lax.dynamic_update_slice(buf, rows, start)
+            elif p.rows:
+                rows = leaf.reshape(leaf.shape[0], -1).astype(buf.dtype)
+                if rows.shape[1] != buf.shape[-1]:  # other ends share the rows: keep theirs
+                    full = _channel_rows.read_rows(buf, ids, self._prefix())
+                    rows = lax.dynamic_update_slice(full, rows, (0, p.offset))
+                buffers[p.buffer] = _channel_rows.write_rows(buf, ids, rows, self._prefix())
             else:
                 value = leaf.reshape(-1).astype(buf.dtype)
-                if self.row is None:
-                    buffers[slot.group] = lax.dynamic_update_slice(buf, value, (slot.offset,))
-                else:
-                    buffers[slot.group] = lax.dynamic_update_slice(
-                        buf, value[None], (self.row, slot.offset)
-                    )
+                start = (p.offset,) if self.row is None else (self.row, p.offset)
+                value = value if self.row is None else value[None]
+                buffers[p.buffer] = lax.dynamic_update_slice(buf, value, start)
         return buffers
 
 
-def _row_index(slot: Any, ids: jax.Array, length: int) -> jax.Array:
-    """Flat indices ``[mb, F]`` of rows ``ids`` of a ``[N, ...]`` leaf; rows outside
-    ``[0, N)`` point past the buffer (``length``), where reads fill and writes drop."""
-    n, feature = slot.shape[0], math.prod(slot.shape[1:])
-    ok = (ids >= 0) & (ids < n)
-    start = jnp.where(ok, slot.offset + ids.astype(jnp.int32) * feature, length)
-    return start[:, None] + jnp.arange(feature, dtype=jnp.int32)
-
-
 def end_ref(layout: StateLayout, role: str, boundary: int, stacked: bool) -> EndRef:
-    """The :class:`EndRef` of ``role`` at ``boundary`` (``stacked``: ``[S, L]`` buffers)."""
+    """The :class:`EndRef` of ``role`` at ``boundary`` (``stacked``: ``[S, ...]`` buffers)."""
     d = owner(role, boundary)
     first, last = layout.roles[d][ROLES.index(role)]
     return EndRef(
-        layout.packing.slots[d][first:last],
-        layout.per_sample[d][first:last],
-        layout.treedefs[d][ROLES.index(role)],
+        layout.places[d][first:last], layout.treedefs[d][ROLES.index(role)],
         d if stacked else None,
-    )
+    )  # fmt: skip

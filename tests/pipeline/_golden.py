@@ -1,13 +1,18 @@
-"""Numbers of the pipeline before the compact link-state layout (recorded at commit 7c1e877).
+"""Numbers of the pipeline before the compact link-state layout.
 
-``python tests/pipeline/_golden.py record`` ran the GPipe pipeline of that commit (link states
-with one slot per stage, backward by autodiff) on the cases below and wrote their loss,
+``golden_v1.npz`` holds what the GPipe pipeline of commit 48750c7 (link states with one slot
+per stage, backward by autodiff; the codecs of that commit) computed on the cases below: loss,
 gradients and the *live* ends of every link state (boundary ``b``: forward sender ``b``,
-receiver ``b + 1``; backward sender ``b + 1``, receiver ``b``) to ``golden_v1.npz``.
-``test_golden.py`` runs today's pipeline on the same cases and compares. Every case's
-backward channel is stateless or keyed by sample id, so its numbers do not depend on the order
-in which a step's microbatches cross a boundary backward (that order changed: microbatch order
-now, reversed before).
+receiver ``b + 1``; backward sender ``b + 1``, receiver ``b``). ``test_golden.py`` runs
+today's pipeline on the same cases and compares. Every case's backward channel is stateless or
+keyed by sample id, so its numbers do not depend on the order in which a step's microbatches
+cross a boundary backward (that order changed: microbatch order now, reversed before).
+
+When a codec's numerics change, record again with that old pipeline and today's codecs::
+
+  python tests/pipeline/_golden.py record --old-pipeline 48750c7
+
+(the pipeline package of that commit, everything else from the working tree).
 """
 
 import importlib.util
@@ -112,8 +117,31 @@ def record():
     print(f"wrote {len(arrays)} arrays to {GOLDEN}")
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["record"]:
+def _with_old_pipeline(commit):
+    """Re-runs this script on a copy of the package whose ``pipeline`` is that of ``commit``."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    root = HERE.parents[1]
+    tmp = pathlib.Path(tempfile.mkdtemp())
+    shutil.copytree(root / "jaxcomp", tmp / "jaxcomp")
+    shutil.rmtree(tmp / "jaxcomp" / "pipeline")
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", commit, "jaxcomp/pipeline"],
+        check=True, capture_output=True,
+    ).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    env = {**os.environ, "PYTHONPATH": str(tmp)}
+    subprocess.run([sys.executable, __file__, "record"], env=env, check=True)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["record"]:
     import os
 
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    record()
+    if sys.argv[2:3] == ["--old-pipeline"]:
+        _with_old_pipeline(sys.argv[3])
+    else:
+        record()
