@@ -152,12 +152,18 @@ class PipelineConfig(NamedTuple):
         ``True`` or a ``jax.checkpoint_policies`` name / policy callable: each stage runs under
         ``jax.checkpoint`` with that policy, saving only its input (and what the policy keeps)
         and recomputing the rest in the backward.
+      replica_mean: how data replicas average their gradients: ``None`` (a float32
+        ``pmean``) or an optax transform whose ``update`` reduces over the ``data`` axis inside
+        ``shard_map``, e.g. :func:`jaxcomp.transforms.compressed_mean` (any codec or channel,
+        PowerSGD included) or :func:`jaxcomp.transforms.accordion`. Each stage device averages
+        its own stage's gradient with its own transform state (in the link states).
     """
 
     num_microbatches: int
     links: Link | tuple[Link, ...] = link()
     schedule: str = "gpipe"
     checkpoint: Any = None
+    replica_mean: Any = None
 
 
 def resolve_links(config: PipelineConfig, num_stages: int) -> tuple[Link, ...]:
@@ -172,6 +178,14 @@ def resolve_links(config: PipelineConfig, num_stages: int) -> tuple[Link, ...]:
         )
     _base.check_choice("schedule", config.schedule, _schedule.SCHEDULES)
     _residuals.check_checkpoint(config.checkpoint)
+    tx = config.replica_mean
+    if tx is not None and not (callable(getattr(tx, "init", None)) and callable(
+        getattr(tx, "update", None)
+    )):
+        raise TypeError(
+            "replica_mean must be None or an optax GradientTransformation (e.g. "
+            f"transforms.compressed_mean(...)); got {type(tx).__name__}."
+        )
     links = config.links
     if isinstance(links, Link):
         links = (links,) * (num_stages - 1)

@@ -45,6 +45,8 @@ class Spec(NamedTuple):
       fns: the stages' objectives (:func:`jaxcomp.pipeline._residuals.stage_fns`).
       mesh: the ``(data,) stage`` mesh, or ``None`` for the single-device simulation.
       replicas: data replicas (``1`` without a ``data`` axis of size > 1).
+      replica_mean: the optax transform averaging the replicas' gradients over ``data``, or
+        ``None`` (``pmean``; also with one replica, where there is nothing to average).
     """
 
     model: _config.StagedModel
@@ -54,6 +56,7 @@ class Spec(NamedTuple):
     fns: tuple[_residuals.StageFns, ...]
     mesh: jax.sharding.Mesh | None
     replicas: int
+    replica_mean: Any = None
 
     @property
     def lead(self) -> tuple[int, ...]:
@@ -98,7 +101,33 @@ def init(spec: Spec, params: Any, batch: Any) -> _link_state.LinkStates:
         return _link_state.LinkStates(jax.jit(make)(), layout)
     sharding = NamedSharding(spec.mesh, spec.state_spec)
     shardings = {name: sharding for name, _, _ in layout.buffers}
-    return _link_state.LinkStates(jax.jit(make, out_shardings=shardings)(), layout)
+    buffers = jax.jit(make, out_shardings=shardings)()
+    if spec.replica_mean is None:
+        return _link_state.LinkStates(buffers, layout)
+    replica, replica_layout = _replica_init(spec, params, prep.static.layout)
+    return _link_state.LinkStates(buffers, layout, replica, replica_layout)
+
+
+def _replica_init(spec: Spec, params: Any, layout: _params.ParamLayout):
+    """Every stage's state of the averaging transform, packed: ``({dtype: [S, D, L]}, layout)``
+    (per-worker parts start equal on every replica, as :func:`jaxcomp.comm.place_state`)."""
+    del layout
+    stages = _stage_params(params)
+    with jax.set_mesh(spec.mesh):
+        states = [spec.replica_mean.init(p) for p in stages]
+    replica_layout = _params.param_layout([jax.tree.map(_as_array, st) for st in states])
+    packed = replica_layout.pack([jax.tree.map(_as_array, st) for st in states])
+    sharding = NamedSharding(spec.mesh, spec.state_spec)
+
+    def spread(b):
+        return jnp.broadcast_to(b[:, None], (b.shape[0], spec.replicas, *b.shape[1:]))
+
+    out = jax.jit(lambda t: jax.tree.map(spread, t), out_shardings=sharding)(packed)
+    return out, replica_layout
+
+
+def _as_array(x: Any) -> jax.Array:
+    return jnp.asarray(x)
 
 
 def _place(tree: Any, sharding: NamedSharding) -> Any:
@@ -122,8 +151,48 @@ def _replica_key(spec: Spec, key):
     return jax.random.fold_in(key, lax.axis_index(_mesh.DATA))
 
 
+def _bytes_sent(state: Any) -> jax.Array:
+    """The data-axis bytes a transform's state reports for its last step (``bytes_sent`` of
+    :func:`~jaxcomp.transforms.compressed_mean` / ``accordion`` states), NaN if none does."""
+    found = []
+
+    def has(x):
+        return hasattr(x, "_fields") and "bytes_sent" in x._fields
+
+    def visit(x):
+        if has(x):
+            found.append(jnp.asarray(x.bytes_sent, jnp.float32))
+        return x
+
+    jax.tree.map(visit, state, is_leaf=has)
+    return sum(found[1:], found[0]) if found else jnp.asarray(jnp.nan, jnp.float32)
+
+
+def _average(spec: Spec, layout, replica_layout, local, grads, replica):
+    """Each stage device averages its stage's gradient over ``data`` with the transform: a
+    ``lax.switch`` on the stage index (uniform over ``data``, so the transform's collectives
+    over ``data`` run in lockstep) unpacks the stage's gradient, parameters and transform
+    state, runs ``update`` and packs the results back."""
+
+    def make(s):
+        def branch(grads, replica, local):
+            g = layout.unpack_stage(s, grads)
+            state = replica_layout.unpack_stage(s, replica)
+            updates, state = spec.replica_mean.update(g, state, layout.unpack_stage(s, local))
+            # the averaged updates are replicated over data (as out_specs say); the state
+            # (per-worker parts) and its byte count are per device
+            updates = _local.to_varying(layout.pack_stage(s, updates), (_mesh.STAGE,))
+            packed = replica_layout.pack_stage(s, state)
+            return (updates, *_local.to_varying((packed, _bytes_sent(state)), spec.axes))
+
+        return branch
+
+    branches = [make(s) for s in range(spec.model.num_stages)]
+    return lax.switch(lax.axis_index(_mesh.STAGE), branches, grads, replica, local)
+
+
 @functools.lru_cache(maxsize=64)
-def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool):
+def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool, replica_layout=None):
     """The ``shard_map``-ed program of one shape signature (built once, then reused)."""
     links = spec.links if train else _links.eval_links(spec.links)
     prog = _ticks.Program(
@@ -133,6 +202,7 @@ def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool):
     m_, has_data = spec.num_microbatches, spec.replicas > 1
 
     def body(buffers, inputs, labels, states, key, ids):
+        states, replica = states
         local = _local.to_varying({g: b[0] for g, b in buffers.items()}, spec.axes)
         x, lab = _batch.microbatches(inputs, m_), _batch.microbatches(labels, m_)
         ids = None if ids is None else _batch.microbatches(ids, m_)
@@ -153,11 +223,22 @@ def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool):
                 loss, metrics = lax.pmean((loss, metrics), _mesh.DATA)
             return loss, metrics, _batch.unmicrobatch(outputs)
         loss, metrics = lax.psum((loss, metrics), _mesh.STAGE)
-        grads = carry.grads
+        grads, new_replica = carry.grads, replica
         if has_data:
-            loss, metrics, grads = lax.pmean((loss, metrics, grads), _mesh.DATA)
+            loss, metrics = lax.pmean((loss, metrics), _mesh.DATA)
+            if spec.replica_mean is None:
+                grads = lax.pmean(grads, _mesh.DATA)
+                sent = jnp.asarray(dtype_bytes(grads), jnp.float32)
+            else:
+                mine = {g: b.reshape(b.shape[2:]) for g, b in replica.items()}
+                grads, mine, sent = _average(spec, static.layout, replica_layout, local,
+                                             grads, mine)  # fmt: skip
+                new_replica = {g: v.reshape(replica[g].shape) for g, v in mine.items()}
+            sent = lax.pmean(lax.psum(sent, _mesh.STAGE), _mesh.DATA)
+            metrics = {**metrics, "data_wire_bytes": sent}
         new_states = {g: v.reshape(states[g].shape) for g, v in carry.states.items()}
-        return loss, {g: v[None] for g, v in grads.items()}, new_states, metrics
+        out_grads = {g: v[None] for g, v in grads.items()}
+        return loss, out_grads, (new_states, new_replica), metrics
 
     bs = spec.batch_spec
     if train:
@@ -167,6 +248,15 @@ def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool):
         in_specs = (P(_mesh.STAGE), bs, bs, P(), P(), bs)
         out_specs = (P(), P(), bs)
     return jax.shard_map(body, mesh=spec.mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def _check_replica(spec: Spec, link_states: Any) -> None:
+    if (spec.replica_mean is None) != (link_states.replica_layout is None):
+        what = "have no" if link_states.replica_layout is None else "carry a"
+        raise ValueError(
+            f"link_states {what} replica-averaging state, but this pipeline's replica_mean is "
+            f"{spec.replica_mean!r}: initialise them with this pipeline's init."
+        )
 
 
 def _stage_params(params: Any) -> tuple[Any, ...]:
@@ -185,6 +275,7 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True):
         x = _batch.microbatches(parsed.inputs, m_)
         labels = _batch.microbatches(parsed.labels, m_)
         ids = None if parsed.ids is None else _batch.microbatches(parsed.ids, m_)
+        replica = {}
         loss, metrics, grads, states = _simulate.train(
             spec, static, _stage_params(params), x, labels, ids, key, link_states.buffers,
             compress,
@@ -194,17 +285,24 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True):
         else:
             grads = type(params)(grads)
     else:
-        fn = _program(spec, static, compress, True)
-        loss, grads, states, metrics = fn(
+        _check_replica(spec, link_states)
+        fn = _program(spec, static, compress, True, link_states.replica_layout)
+        loss, grads, (states, replica), metrics = fn(
             _stage_buffers(spec, params, layout), parsed.inputs, parsed.labels,
-            link_states.buffers, key, parsed.ids,
+            (link_states.buffers, link_states.replica), key, parsed.ids,
         )  # fmt: skip
         if isinstance(params, _params.PackedParams):
             grads = _params.PackedParams(grads, layout)
         else:
             grads = type(params)(layout.unpack(grads))
     metrics = _prepare.with_bytes({"loss": loss, **metrics}, static, spec.links, m_, compress, True)
-    return loss, grads, _link_state.LinkStates(states, static.state_layout), metrics
+    if spec.replicas > 1:  # the dense reference of the data axis: every stage's float gradient
+        dense = sum(layout.stage_bytes(s) for s in range(spec.model.num_stages))
+        metrics["data_dense_bytes"] = jnp.asarray(dense, jnp.float32)
+    new_states = _link_state.LinkStates(
+        states, static.state_layout, replica, link_states.replica_layout
+    )
+    return loss, grads, new_states, metrics
 
 
 def evaluate(spec: Spec, params, batch, key=None, compress=False):

@@ -31,7 +31,10 @@ def _spec(model, config, mesh, replicas) -> _driver.Spec:
     _config.check_model(model)
     links = _config.resolve_links(config, model.num_stages)
     fns = _residuals.stage_fns(model, config.checkpoint, _prepare.split_loss)
-    return _driver.Spec(model, links, config.num_microbatches, config.schedule, fns, mesh, replicas)
+    replica_mean = config.replica_mean if replicas > 1 else None
+    return _driver.Spec(
+        model, links, config.num_microbatches, config.schedule, fns, mesh, replicas, replica_mean
+    )
 
 
 def gpipe(

@@ -215,25 +215,53 @@ def init_buffers(
 
 @jax.tree_util.register_pytree_node_class
 class LinkStates:
-    """Every link end's state, packed per device (see the module docstring).
+    """Every link end's state, packed per device (see the module docstring), and with
+    compressed replica averaging each stage device's state of the averaging transform.
 
-    A pytree whose leaves are the ``{dtype: [S, L]}`` buffers (``[S, D, L]`` with data
-    replicas) and whose static data is the :class:`StateLayout`, so it passes through
-    ``jax.jit``, orbax and ``jax.device_put`` like any state. Read the ends with :meth:`ends`.
+    A pytree whose leaves are the ``{name: [S, ...]}`` buffers (``[S, D, ...]`` with data
+    replicas) and whose static data are the layouts, so it passes through ``jax.jit``, orbax
+    and ``jax.device_put`` like any state. Read the ends with :meth:`ends` and a stage's
+    averaging state with :meth:`replica_state`.
+
+    Attributes:
+      buffers: the link ends, ``{name: [S, (D,) ...]}``.
+      layout: their :class:`StateLayout`.
+      replica: the averaging transform's states, one per stage packed per dtype
+        (``{dtype: [S, D, L]}``; empty without a transform).
+      replica_layout: their :class:`~jaxcomp.pipeline.ParamLayout` (``None`` without one).
     """
 
-    def __init__(self, buffers: dict[str, jax.Array], layout: StateLayout):
+    def __init__(
+        self,
+        buffers: dict[str, jax.Array],
+        layout: StateLayout,
+        replica: dict[str, jax.Array] | None = None,
+        replica_layout: Any = None,
+    ):
         self.buffers = dict(buffers)
         self.layout = layout
+        self.replica = dict(replica or {})
+        self.replica_layout = replica_layout
 
     def tree_flatten(self):
-        names = tuple(sorted(self.buffers))
-        return tuple(self.buffers[n] for n in names), (names, self.layout)
+        names, rnames = tuple(sorted(self.buffers)), tuple(sorted(self.replica))
+        children = tuple(self.buffers[n] for n in names) + tuple(self.replica[n] for n in rnames)
+        return children, (names, rnames, self.layout, self.replica_layout)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        names, layout = aux
-        return cls(dict(zip(names, children)), layout)
+        names, rnames, layout, replica_layout = aux
+        buffers = dict(zip(names, children[: len(names)]))
+        replica = dict(zip(rnames, children[len(names) :]))
+        return cls(buffers, layout, replica, replica_layout)
+
+    def replica_state(self, stage: int, replica: int = 0) -> Any:
+        """Stage ``stage``'s state of the replica-averaging transform, as replica ``replica``
+        holds it (per-worker parts with their leading axis of 1)."""
+        if self.replica_layout is None:
+            raise ValueError("these link states have no replica-averaging transform state.")
+        host = {g: np.asarray(b)[stage, replica] for g, b in self.replica.items()}
+        return self.replica_layout.unpack_stage(stage, host)
 
     def ends(self, replica: int | None = None) -> tuple[LinkState, ...]:
         """Per boundary, the state of each of its four ends (no stage axis): what the owning

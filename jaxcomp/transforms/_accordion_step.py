@@ -18,6 +18,7 @@ from jax import lax
 
 from jaxcomp import compressors
 from jaxcomp import feedback
+from jaxcomp.comm import _local
 from jaxcomp.comm import _reduce
 from jaxcomp.comm import _reduce_plan
 from jaxcomp.compressors import _protocol
@@ -274,8 +275,14 @@ def update_accordion(
             norms = jnp.stack([_regime.local_norm(a) for a in accums])
             return _regime.replicated_norms(norms, axis_name, config.statistic)
 
+        def no_statistics(accums):  # typed as statistics(): invariant over axis_name, varying
+            # over the other mesh axes the accumulators vary over (e.g. a pipeline's stage)
+            axes = set().union(*(_local.varying_axes(a) for a in accums)) - {axis_name}
+            zeros = jnp.zeros((len(detect),), jnp.float32)
+            return _local.to_varying(zeros, tuple(sorted(axes))) if axes else zeros
+
         # only the small statistic crosses the cond: no param-sized buffer is copied
-        stats = lax.cond(end, statistics, lambda _: jnp.zeros((len(detect),), jnp.float32), accums)
+        stats = lax.cond(end, statistics, no_statistics, accums)
         for j, i in enumerate(detect):
             new_leaves[i] = end_of_interval(
                 config, protocols_of[i], new_leaves[i], stats[j], flat[i], end, interval, num

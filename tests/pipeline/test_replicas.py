@@ -1,0 +1,167 @@
+"""Compressed replica averaging on a (data x stage) mesh: each stage device averages its own
+stage's gradient over ``data`` with an optax transform, exactly as that transform applied by
+hand to the replicas' gradients; the data-axis bytes are reported and are what the program
+sends."""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp import comm
+from jaxcomp import compressors as C
+from jaxcomp import feedback as F
+from jaxcomp import pipeline
+from jaxcomp import transforms
+
+STEPS = 2
+
+
+def majority_sign() -> C.Codec:
+    """A codec written here with its own protocol: signSGD with majority vote (int8 votes)."""
+
+    def compress(x, state, key=None):
+        return (jnp.sign(x).astype(jnp.int8), jnp.mean(jnp.abs(x))), state
+
+    def decompress(payload, like):
+        signs, scale = payload
+        return (signs.astype(jnp.float32) * scale).astype(like.dtype)
+
+    def all_reduce(x, state, key, axis_name):
+        payload, state = compress(x, state)
+        signs, scale = payload
+        signs, scale = lax.psum(signs, axis_name), lax.pmean(scale, axis_name)
+        mean = (jnp.sign(signs).astype(jnp.float32) * scale).astype(x.dtype)
+        return mean, decompress(payload, x), state
+
+    protocol = C.ReduceProtocol(
+        init=lambda like, num_workers=None: C.EmptyState(),
+        all_reduce=all_reduce,
+        wire_bytes=lambda like, num_workers: math.prod(like.shape) + 4,
+        name="majority_sign/vote",
+    )
+    codec = C.Codec(lambda x: C.EmptyState(), compress, decompress, "majority_sign")
+    return codec._replace(protocol=protocol)
+
+
+TRANSFORMS = {
+    "power_sgd_ef": lambda: transforms.compressed_mean(F.error_feedback(C.power_sgd(2))),
+    "user_protocol_ef": lambda: transforms.compressed_mean(F.error_feedback(majority_sign())),
+    "accordion": lambda: transforms.accordion(
+        C.power_sgd(2), C.power_sgd(1), interval_steps=1, check_every=1
+    ),
+}
+LINK = pipeline.link(F.error_feedback(C.top_k(0.5, per_sample=True)), C.quantize(8))
+
+
+@pytest.fixture(scope="module")
+def setup(tools):
+    mlp = tools.make_mlp(microbatch=2)
+    batch = {k: jnp.concatenate([v, v[::-1]]) for k, v in mlp.batch.items()}  # 2 x 8 rows
+    mesh = pipeline.pipeline_mesh(4)  # data 2 x stage 4
+    return mlp, batch, mesh
+
+
+def _by_hand(tx, mlp, batch, keys):
+    """Per replica, the simulated pipeline's gradients on its half batch (key fold_in(key, r));
+    then per stage the transform's update in a shard_map over a 2-device data mesh."""
+    sim = pipeline.simulate(mlp.model, pipeline.PipelineConfig(mlp.M, LINK))
+    step = jax.jit(sim.step)
+    half = batch["x"].shape[0] // 2
+    parts = [{k: v[r * half : (r + 1) * half] for k, v in batch.items()} for r in range(2)]
+    link_states = [sim.init(mlp.params, p) for p in parts]
+    mesh = comm.make_mesh([(comm.DATA, 2)], jax.devices()[:2])
+    states = [comm.place_state(tx.init(p), mesh, comm.DATA) for p in mlp.params]
+    specs = [comm.state_specs(tx.init(p), comm.DATA) for p in mlp.params]
+    updates = [
+        jax.jit(jax.shard_map(
+            lambda st, g: tx.update(jax.tree.map(lambda x: x[0], g), st),
+            mesh=mesh, in_specs=(sp, P(comm.DATA)), out_specs=(P(), sp),
+        ))
+        for sp in specs
+    ]  # fmt: skip
+    out = []
+    for key in keys:
+        grads = []
+        for r in range(2):
+            _, g, link_states[r], _ = step(
+                mlp.params, parts[r], link_states[r], jax.random.fold_in(key, r)
+            )
+            grads.append(g)
+        averaged = []
+        for s in range(4):
+            g = jax.tree.map(lambda a, b: jnp.stack([a, b]), grads[0][s], grads[1][s])
+            u, states[s] = updates[s](states[s], jax.device_put(g, NamedSharding(mesh, P("data"))))
+            averaged.append(u)
+        out.append((averaged, sum(float(st.bytes_sent) for st in _bytes_states(states))))
+    return out
+
+
+def _bytes_states(states):
+    found = []
+    for st in states:
+        jax.tree.map(
+            lambda x: found.append(x) or x, st,
+            is_leaf=lambda x: hasattr(x, "_fields") and "bytes_sent" in x._fields,
+        )  # fmt: skip
+    return [x for x in found if hasattr(x, "_fields")]
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_replica_averaging_equals_the_transform_applied_by_hand(name, setup, tools):
+    mlp, batch, mesh = setup
+    tx = TRANSFORMS[name]()
+    config = pipeline.PipelineConfig(mlp.M, LINK, schedule="1f1b", replica_mean=tx)
+    pipe = pipeline.gpipe(mlp.model, config, mesh)
+    states = pipe.init(mlp.params, batch)
+    keys = [jax.random.key(i) for i in range(STEPS)]
+    step = jax.jit(pipe.step)
+    expected = _by_hand(tx, mlp, batch, keys)
+    for key, (want, sent) in zip(keys, expected):
+        loss, grads, states, metrics = step(mlp.params, batch, states, key)
+        tools.close([np.asarray(x) for x in jax.tree.leaves(grads)],
+                    [np.asarray(x) for x in jax.tree.leaves(want)], rtol=1e-5, atol=1e-6)  # fmt: skip
+        assert float(metrics["data_wire_bytes"]) == sent < float(metrics["data_dense_bytes"])
+    # the averaged gradients differ from a plain mean (the transform did run)
+    plain = pipeline.gpipe(mlp.model, config._replace(replica_mean=None), mesh)
+    _, dense, _, dense_metrics = jax.jit(plain.step)(
+        mlp.params, batch, plain.init(mlp.params, batch), keys[0]
+    )
+    assert dense_metrics["data_wire_bytes"] == dense_metrics["data_dense_bytes"]
+    assert not np.allclose(np.asarray(jax.tree.leaves(dense)[0]), np.asarray(expected[0][0][0]["w"]))
+
+
+def test_data_axis_bytes_in_the_program_are_the_reported_bytes(setup):
+    """The HLO's gradient collectives over ``data`` (one per stage, each run by its stage's
+    devices) carry the transform's payloads: PowerSGD's factors, no dense gradient."""
+    mlp, batch, mesh = setup
+    tx = TRANSFORMS["power_sgd_ef"]()
+    config = pipeline.PipelineConfig(mlp.M, LINK, schedule="1f1b", replica_mean=tx)
+    pipe = pipeline.gpipe(mlp.model, config, mesh)
+    states = pipe.init(mlp.params, batch)
+    compiled = jax.jit(pipe.step).lower(mlp.params, batch, states, jax.random.key(0)).compile()
+    report = comm.collective_report(compiled.as_text())
+    data = [r for r in report.records if r.group_size == 2 and r.kind != "collective-permute"]
+    # the loss and metric means over data are scalars: every other record is a gradient payload
+    scalars = re.compile(r"\(?f32\[\](, f32\[\])*\)?")
+    tensor_bytes = sum(r.total_bytes for r in data if not scalars.fullmatch(r.shape))
+    _, _, _, metrics = compiled(mlp.params, batch, states, jax.random.key(0))
+    assert tensor_bytes == float(metrics["data_wire_bytes"])
+    assert tensor_bytes < float(metrics["data_dense_bytes"]) / 3
+
+
+def test_replica_averaging_errors(setup):
+    mlp, batch, mesh = setup
+    with pytest.raises(TypeError, match="replica_mean must be None or an optax"):
+        pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M, replica_mean="powersgd"), mesh)
+    tx = TRANSFORMS["power_sgd_ef"]()
+    with_tx = pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M, replica_mean=tx), mesh)
+    without = pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M), mesh)
+    with pytest.raises(ValueError, match="have no replica-averaging state"):
+        with_tx.step(mlp.params, batch, without.init(mlp.params, batch))
