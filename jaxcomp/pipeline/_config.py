@@ -179,9 +179,9 @@ def resolve_links(config: PipelineConfig, num_stages: int) -> tuple[Link, ...]:
     _base.check_choice("schedule", config.schedule, _schedule.SCHEDULES)
     _residuals.check_checkpoint(config.checkpoint)
     tx = config.replica_mean
-    if tx is not None and not (callable(getattr(tx, "init", None)) and callable(
-        getattr(tx, "update", None)
-    )):
+    if tx is not None and not (
+        callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
+    ):
         raise TypeError(
             "replica_mean must be None or an optax GradientTransformation (e.g. "
             f"transforms.compressed_mean(...)); got {type(tx).__name__}."

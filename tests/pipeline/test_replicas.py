@@ -125,8 +125,8 @@ def test_replica_averaging_equals_the_transform_applied_by_hand(name, setup, too
     expected = _by_hand(tx, mlp, batch, keys)
     for key, (want, sent) in zip(keys, expected):
         loss, grads, states, metrics = step(mlp.params, batch, states, key)
-        tools.close([np.asarray(x) for x in jax.tree.leaves(grads)],
-                    [np.asarray(x) for x in jax.tree.leaves(want)], rtol=1e-5, atol=1e-6)  # fmt: skip
+        got, want = ([np.asarray(x) for x in jax.tree.leaves(tree)] for tree in (grads, want))
+        tools.close(got, want, rtol=1e-5, atol=1e-6)
         assert float(metrics["data_wire_bytes"]) == sent < float(metrics["data_dense_bytes"])
     # the averaged gradients differ from a plain mean (the transform did run)
     plain = pipeline.gpipe(mlp.model, config._replace(replica_mean=None), mesh)
@@ -134,7 +134,11 @@ def test_replica_averaging_equals_the_transform_applied_by_hand(name, setup, too
         mlp.params, batch, plain.init(mlp.params, batch), keys[0]
     )
     assert dense_metrics["data_wire_bytes"] == dense_metrics["data_dense_bytes"]
-    assert not np.allclose(np.asarray(jax.tree.leaves(dense)[0]), np.asarray(expected[0][0][0]["w"]))
+    differs = [
+        not np.allclose(a, b, rtol=1e-3, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(dense), jax.tree.leaves(expected[0][0]), strict=True)
+    ]
+    assert any(differs)
 
 
 def test_data_axis_bytes_in_the_program_are_the_reported_bytes(setup):
