@@ -202,7 +202,7 @@ def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool, r
     m_, has_data = spec.num_microbatches, spec.replicas > 1
 
     def body(buffers, inputs, labels, states, key, ids):
-        states, replica = states
+        states, replica = states if train else (None, None)
         local = _local.to_varying({g: b[0] for g, b in buffers.items()}, spec.axes)
         x, lab = _batch.microbatches(inputs, m_), _batch.microbatches(labels, m_)
         ids = None if ids is None else _batch.microbatches(ids, m_)
