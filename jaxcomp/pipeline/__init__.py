@@ -1,7 +1,8 @@
 """Pipeline-parallel training with compressed activations and activation-gradients.
 
-A model cut into ``S`` stages (:class:`StagedModel`) runs as a GPipe schedule over the ``stage``
-axis of a ``shard_map`` mesh (:func:`gpipe`), or on one device with the same compression at the
+A model cut into ``S`` stages (:class:`StagedModel`) runs as a GPipe or 1F1B schedule
+(``PipelineConfig.schedule``) over the ``stage`` axis of a ``shard_map`` mesh (:func:`gpipe`),
+or on one device with the same compression at the
 cut points (:func:`simulate`, same numbers for the same keys). Each boundary has a
 :class:`Link`: a forward channel for the activations, a backward channel for their gradients
 (any codec or feedback channel from :mod:`jaxcomp.compressors` / :mod:`jaxcomp.feedback`), and
@@ -22,15 +23,17 @@ Contracts:
 * **Batches** are dicts with inputs under ``"x"``/``"inputs"``, labels under
   ``"label"``/``"labels"``/``"targets"``/``"y"`` and sample ids under ``"ids"`` (required by
   per-sample channels such as AQ-SGD). The batch is cut into ``M`` equal microbatches.
-* **Link states** (:class:`LinkState` per boundary, from ``pipe.init``) go in and out of
-  every step: EF residuals and EF21 estimates in both directions, AQ-SGD caches at sender and
-  receiver. Leaves have a leading stage axis (``[S, ...]``, ``[S, D, ...]`` with ``D > 1``
-  data replicas); boundary ``b``'s ends live where its stages do: the activations' sender and
-  the gradients' receiver in slot ``b``, the activations' receiver and the gradients' sender in
-  slot ``b + 1``.
+* **Link states** (:class:`LinkStates`, from ``pipe.init``) go in and out of every step: EF
+  residuals and EF21 estimates in both directions, AQ-SGD caches at sender and receiver. Each
+  device holds only the ends it owns (boundary ``b``'s activation sender and gradient receiver
+  on stage ``b``, the other two on ``b + 1``), packed per dtype with a leading stage axis
+  (``[S, D, ...]`` with ``D > 1`` data replicas); ``LinkStates.ends()`` reads them back as one
+  :class:`LinkState` per boundary. With ``PipelineConfig.replica_mean`` they also carry each
+  stage's state of the replica-averaging transform.
   ``compress=False`` sends dense and lets the channels observe it (AQ-SGD warm-up).
 * **Metrics**: ``loss``, the ``loss_fn`` metrics, and the theoretical ``wire_bytes`` (forward +
   backward payloads per step) and ``dense_bytes``; exact counts from ``pipe.bytes_per_step``.
+  With data replicas also ``data_wire_bytes`` / ``data_dense_bytes`` (the gradient average).
 """
 
 from jaxcomp.pipeline._config import Link

@@ -104,30 +104,34 @@ def init(spec: Spec, params: Any, batch: Any) -> _link_state.LinkStates:
     buffers = jax.jit(make, out_shardings=shardings)()
     if spec.replica_mean is None:
         return _link_state.LinkStates(buffers, layout)
-    replica, replica_layout = _replica_init(spec, params, prep.static.layout)
+    replica, replica_layout = _replica_init(spec, prep.static.layout)
     return _link_state.LinkStates(buffers, layout, replica, replica_layout)
 
 
-def _replica_init(spec: Spec, params: Any, layout: _params.ParamLayout):
+def _replica_init(spec: Spec, layout: _params.ParamLayout):
     """Every stage's state of the averaging transform, packed: ``({dtype: [S, D, L]}, layout)``
-    (per-worker parts start equal on every replica, as :func:`jaxcomp.comm.place_state`)."""
-    del layout
-    stages = _stage_params(params)
-    with jax.set_mesh(spec.mesh):
-        states = [spec.replica_mean.init(p) for p in stages]
-    replica_layout = _params.param_layout([jax.tree.map(_as_array, st) for st in states])
-    packed = replica_layout.pack([jax.tree.map(_as_array, st) for st in states])
-    sharding = NamedSharding(spec.mesh, spec.state_spec)
+    (per-worker parts start equal on every replica, as :func:`jaxcomp.comm.place_state`).
 
-    def spread(b):
-        return jnp.broadcast_to(b[:, None], (b.shape[0], spec.replicas, *b.shape[1:]))
+    The transform's ``init`` sees zeros of each stage's parameter shapes (an averaging
+    transform's state depends on shapes only), so ``init`` also works on abstract parameters
+    (``jax.eval_shape``, ``ShapeDtypeStruct`` leaves).
+    """
+    found = {}
 
-    out = jax.jit(lambda t: jax.tree.map(spread, t), out_shardings=sharding)(packed)
-    return out, replica_layout
+    def make():
+        stages = [
+            jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), st) for st in layout.structs()
+        ]
+        states = [jax.tree.map(jnp.asarray, spec.replica_mean.init(p)) for p in stages]
+        found["layout"] = replica_layout = _params.param_layout(states)
+        packed = replica_layout.pack(states)
+        return {
+            g: jnp.broadcast_to(b[:, None], (b.shape[0], spec.replicas, *b.shape[1:]))
+            for g, b in packed.items()
+        }
 
-
-def _as_array(x: Any) -> jax.Array:
-    return jnp.asarray(x)
+    out = jax.jit(make, out_shardings=NamedSharding(spec.mesh, spec.state_spec))()
+    return out, found["layout"]
 
 
 def _place(tree: Any, sharding: NamedSharding) -> Any:

@@ -45,7 +45,10 @@ def gpipe(
     Stage ``s`` runs on the devices at index ``s`` of the ``stage`` axis. An optional ``data``
     axis holds data-parallel replicas of the whole pipeline: the batch is split over it, link
     states are kept per replica (buffers ``[S, D, L]``) and gradients are averaged over it with
-    a plain ``pmean``.
+    a plain float32 ``pmean``, or with ``config.replica_mean`` (an optax transform such as
+    :func:`jaxcomp.transforms.compressed_mean` or :func:`~jaxcomp.transforms.accordion`, run by
+    each stage's devices on that stage's gradient; its bytes are the step's
+    ``data_wire_bytes``, against ``data_dense_bytes``).
 
     **Schedule** (``config.schedule``, :mod:`jaxcomp.pipeline._schedule`). ``"gpipe"``: ``M``
     microbatches flow forward through ``S`` stages in ``M + S - 1`` ticks, then backward in as
@@ -67,7 +70,7 @@ def gpipe(
     per execution, which for a single-pair permute is exactly the bytes that cross the wire;
     on a stage-only mesh its collective-permute total equals ``wire_bytes``. The only other
     collectives of a step are scalar all-reduces of the loss and metrics (and, with a data
-    axis, the gradient ``pmean``).
+    axis, the gradient average's collectives).
 
     **Keys.** The send of microbatch ``m`` at boundary ``b`` uses
     ``fold_in(fold_in(key, b), m)`` (then ``fold_in(., 0)`` forward, ``fold_in(., 1)``

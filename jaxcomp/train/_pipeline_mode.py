@@ -9,6 +9,12 @@
   boundaries = None             # or a list with one {"forward": ..., "backward": ...} per cut
   warmup_epochs = 0             # uncompressed first epochs (AQ-SGD's warm-up)
   simulate = False              # one device, compression at the cut points, same numbers
+  schedule = "gpipe"            # or "1f1b" (at most S microbatches' activations alive)
+  checkpoint = False            # True or a jax.checkpoint_policies name: recompute each stage
+  replica_mean = None           # data replicas' gradient average: None (float32 pmean) or a
+                                # config.data_parallel-style dict, e.g. {"transform":
+                                # "compressed_mean", "codec": {"name": "power_sgd", "rank": 2,
+                                # "feedback": "ef"}} or {"transform": "accordion", ...}
 
 A channel spec is a codec name plus its arguments, with ``feedback`` one of ``None``, ``"ef"``,
 ``"ef21"``, ``"aq_sgd"`` (``per_sample_buffers: True`` keys EF/EF21 buffers by sample id).
@@ -33,6 +39,7 @@ from jaxcomp import pipeline
 from jaxcomp.models import _staged
 from jaxcomp.train import _config
 from jaxcomp.train import _dense
+from jaxcomp.train import _dp_mode
 from jaxcomp.train import _mode
 
 PIPELINE_DEFAULTS = {
@@ -43,6 +50,9 @@ PIPELINE_DEFAULTS = {
     "boundaries": None,
     "warmup_epochs": 0,
     "simulate": False,
+    "schedule": "gpipe",
+    "checkpoint": False,
+    "replica_mean": None,
 }
 
 
@@ -74,6 +84,23 @@ def _links(cfg: dict, num_boundaries: int, num_samples: int) -> tuple[pipeline.L
         bwd = None if shared else _config.build_channel(b.get("backward", "identity"), num_samples)
         out.append(pipeline.link(fwd, bwd, mode=cfg["backward_mode"]))
     return tuple(out)
+
+
+def _replica_mean(cfg: dict, config, replicas: int, steps_per_epoch: int, num_samples: int):
+    """``(transform or None, description)`` for ``config.pipeline.replica_mean``: the same
+    keys and defaults as ``config.data_parallel``."""
+    spec = cfg["replica_mean"]
+    if spec is None:
+        return None, "float32 pmean"
+    if cfg["simulate"] or replicas < 2:
+        raise ValueError(
+            "config.pipeline.replica_mean averages the gradients of data replicas: it needs "
+            f"the distributed pipeline on a mesh with a 'data' axis of >= 2 devices (simulate="
+            f"{cfg['simulate']}, {replicas} replica(s))."
+        )
+    sub = _config.check_sub_config("pipeline.replica_mean", spec, _dp_mode.DP_DEFAULTS)
+    schedule = _config.learning_rate(config)
+    return _dp_mode._reducer(sub, schedule, steps_per_epoch, num_samples)
 
 
 def _loss_fn(model: _staged.StagedModel):
@@ -113,15 +140,21 @@ def build_pipeline(
                 f"({m} x {replicas})."
             )
     links = _links(cfg, model.num_stages - 1, num_train_samples)
+    steps_per_epoch = max(1, num_train_samples // config.batch_size)
+    averaging, averaging_name = _replica_mean(
+        cfg, config, replicas, steps_per_epoch, num_train_samples
+    )
     pmodel = pipeline.StagedModel(model.stage_fns(train=True), _loss_fn(model))
-    pconfig = pipeline.PipelineConfig(m, links)
+    checkpoint = cfg["checkpoint"] if cfg["checkpoint"] not in (False, None) else None
+    pconfig = pipeline.PipelineConfig(
+        m, links, schedule=cfg["schedule"], checkpoint=checkpoint, replica_mean=averaging
+    )
     pipe = (
         pipeline.simulate(pmodel, pconfig)
         if cfg["simulate"]
         else pipeline.gpipe(pmodel, pconfig, mesh)
     )
     opt = _config.optimizer(config)
-    steps_per_epoch = max(1, num_train_samples // config.batch_size)
     warmup_steps = int(cfg["warmup_epochs"]) * steps_per_epoch
 
     replicated = NamedSharding(mesh, P())
@@ -170,6 +203,8 @@ def build_pipeline(
             "finite": finite.astype(jnp.int32),
             "grad_norm": optax.tree.norm(grads),
         }
+        if "data_wire_bytes" in metrics:  # data replicas: the gradient average's bytes
+            out["data_wire_bytes"] = metrics["data_wire_bytes"]
         return new, out
 
     def eval_step(state, batch, compress):
@@ -194,7 +229,13 @@ def build_pipeline(
     def step_fn(state, batch, key, step):
         return compiled[step >= warmup_steps](state, batch, key)
 
-    kind = "simulated on one device" if cfg["simulate"] else f"GPipe over {dict(mesh.shape)}"
+    kind = (
+        "simulated on one device"
+        if cfg["simulate"]
+        else f"{cfg['schedule']} over {dict(mesh.shape)}"
+    )
+    if replicas > 1 and not cfg["simulate"]:
+        kind += f", replicas averaged by {averaging_name}"
     names = "; ".join(
         f"{lk.forward.name} / {lk.backward.name if lk.backward else 'shared mask'}"
         for lk in links[:1]
@@ -205,7 +246,15 @@ def build_pipeline(
         "hlo_collective_bytes_per_step": hlo,
         "microbatches": m,
         "links": names,
+        "schedule": cfg["schedule"],
     }
+    if replicas > 1 and not cfg["simulate"]:
+        # the float gradient of every stage, what a plain mean sends per replica
+        layout = params_abs.layout
+        extra["replica_mean"] = averaging_name
+        extra["data_dense_bytes_per_step"] = float(
+            sum(layout.stage_bytes(s) for s in range(model.num_stages))
+        )
     return _mode.Mode(
         name="pipeline",
         mesh=mesh,
