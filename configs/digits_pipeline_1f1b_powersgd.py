@@ -12,7 +12,15 @@ activations alive per stage). Three kinds of traffic are compressed in the same 
   python -m jaxcomp.main --config configs/digits_pipeline_1f1b_powersgd.py --workdir runs/d2
   python -m jaxcomp.main --config configs/digits_pipeline_1f1b_powersgd.py:smoke --workdir runs/s
 
-Expected (measured, see the summary): BYTES_AND_ACCURACY
+Expected: ~30 s of training on 2 CPU cores (28.8 s measured, 600 steps); test accuracy 98.05%
+with boundary compression on and off. Bytes per step and pipeline replica, against dense float32:
+
+* stage axis (activations + activation-gradients): 78.05 KiB instead of 384 KiB (4.9x less);
+* data axis (the gradient average): 15.6 KiB (15,992 B, the step's ``data_wire_bytes``)
+  instead of 589.04 KiB (``data_dense_bytes_per_step``), 36.8x less;
+
+the compiled step's collectives total 93.70 KiB (the two axes plus 34 B of scalar loss/metric
+means), where the uncompressed pipeline would send 973 KiB.
 """
 
 import ml_collections

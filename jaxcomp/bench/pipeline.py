@@ -1,7 +1,13 @@
 """Pipeline benchmark: compressed GPipe step time vs the identity step, and bytes per step.
 
 ``python -m jaxcomp.bench pipeline [--json PATH] [--repeats R] [--stages S] [--microbatches M]
-[--microbatch-size B] [--width W]``
+[--microbatch-size B] [--width W] [--only LABELS] [--schedules MODELS] [--schedule-microbatches
+LIST] [--no-replicas]``
+
+Two parts. The link table below; then GPipe vs 1F1B against ``M`` (peak and ideal memory, step
+time, bytes per axis, per-stage ``jax.checkpoint``, compressed replica averaging): see
+:mod:`jaxcomp.bench._pipeline_schedules`, whose records carry ``benchmark`` = ``"schedules"`` /
+``"replicas"``. The JSON also records ``cat /proc/loadavg`` before and after.
 
 A stack of ``S`` MLP stages (``tanh(x W + b)``, width ``W``) runs one training step (loss,
 gradients, link states) as :func:`jaxcomp.pipeline.gpipe` over ``S`` fake CPU devices with
@@ -39,6 +45,7 @@ from jaxcomp import comm  # noqa: E402
 from jaxcomp import compressors as C  # noqa: E402
 from jaxcomp import feedback as F  # noqa: E402
 from jaxcomp import pipeline  # noqa: E402
+from jaxcomp.bench import _pipeline_schedules  # noqa: E402
 
 
 def link_table(num_samples: int) -> list[tuple[str, pipeline.Link]]:
@@ -151,6 +158,65 @@ def run(
     return results
 
 
+def _schedule_part(args) -> list[dict]:
+    """GPipe vs 1F1B records (and checkpointed stages, replica averaging) with their table and
+    the issue's targets checked in the same run."""
+    models = tuple(filter(None, args.schedules.split(",")))
+    ms = tuple(int(v) for v in args.schedule_microbatches.split(",") if v)
+    records = []
+    for name in models:
+        records += _pipeline_schedules.schedule_records(name, ms, repeats=args.schedule_repeats)
+    if "cnn" in models:
+        records += _pipeline_schedules.schedule_records(
+            "cnn", ms[:1] + ms[-1:], repeats=args.schedule_repeats, checkpoint=True
+        )
+    if args.replicas:
+        records += _pipeline_schedules.replica_records(repeats=args.schedule_repeats)
+    rows = [r for r in records if r["benchmark"] == "schedules"]
+    for r in rows:
+        r["peak_mib"] = r["peak_bytes"] / 2**20
+        r["temp_mib"] = r["temp_bytes"] / 2**20
+        r["ideal_mib"] = r["ideal_activation_bytes"] / 2**20
+        r["residual_mib"] = r["residual_buffer_bytes"] / 2**20
+        r["time_vs_identity"] = r["step_time_s"] / r["identity_step_time_s"]
+    print()
+    _common.print_table(
+        rows,
+        [
+            ("model", "s"), ("schedule", "s"), ("num_microbatches", "d"), ("checkpoint", "d"),
+            ("peak_mib", ".2f"), ("temp_mib", ".2f"), ("residual_mib", ".2f"),
+            ("ideal_mib", ".2f"), ("step_time_s", ".4f"), ("identity_step_time_s", ".4f"),
+            ("time_vs_identity", ".2f"), ("hlo_bytes_per_step", ".0f"),
+            ("theory_bytes_per_step", ".0f"),
+        ],
+    )  # fmt: skip
+    _check_targets(rows)
+    return records
+
+
+def _check_targets(rows: list[dict]) -> None:
+    """Prints the issue's targets as measured in this run (met or not, with the numbers)."""
+    plain = [r for r in rows if not r["checkpoint"]]
+    for name in sorted({r["model"] for r in plain}):
+        by = {(r["schedule"], r["num_microbatches"]): r for r in plain if r["model"] == name}
+        ms = sorted({m for _, m in by})
+        lo, hi = ms[0], ms[-1]
+        for schedule in pipeline.SCHEDULES:
+            growth = by[schedule, hi]["peak_bytes"] / by[schedule, lo]["peak_bytes"]
+            print(f"{name}: {schedule} peak_bytes M={hi} / M={lo}: {growth:.3f}")
+        for m in ms:
+            f, g = by["1f1b", m], by["gpipe", m]
+            ratio = f["step_time_s"] / g["step_time_s"]
+            act = f["residual_buffer_bytes"] / f["ideal_activation_bytes"]
+            print(
+                f"{name} M={m}: 1F1B / GPipe step time {ratio:.3f} (target <= 1.15); 1F1B "
+                f"residual buffers / ideal {act:.3f} (target <= 1.5)"
+            )
+        live = [(r["link_state_bytes_per_device"], r["live_link_state_bytes"]) for r in plain]
+        worst = max(abs(a / b - 1) for a, b in live if b)
+        print(f"{name}: AQ-SGD link-state bytes per device vs live size: within {worst:.2%}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _common.parser(__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=4)
@@ -158,8 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatch-size", type=int, default=32)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--only", default="", help="comma-separated labels to run (default: all)")
+    p.add_argument(
+        "--schedules", default="cnn,gpt", help="models of the GPipe vs 1F1B part ('' skips it)"
+    )
+    p.add_argument("--schedule-microbatches", default="4,8,16,32", help="M values, S = 4")
+    p.add_argument("--schedule-repeats", type=int, default=10)
+    p.add_argument("--no-replicas", dest="replicas", action="store_false")
     args = p.parse_args(argv)
     only = tuple(filter(None, args.only.split(",")))
+    load_before = _common.load_average()
     results = run(
         args.stages, args.microbatches, args.microbatch_size, args.width, args.repeats, only
     )
@@ -184,5 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if mismatched:
         print(f"HLO bytes differ from the theoretical payload bytes for: {mismatched}")
-    _common.write_json(args.json, "pipeline", results)
+    results += _schedule_part(args)
+    _common.write_json(
+        args.json, "pipeline", results, loadavg_before=load_before,
+        loadavg_after=_common.load_average(),
+    )  # fmt: skip
     return 1 if mismatched else 0
