@@ -3,14 +3,14 @@ stage's gradient over ``data`` with an optax transform, exactly as that transfor
 hand to the replicas' gradients; the data-axis bytes are reported and are what the program
 sends."""
 
-import math
+import importlib.util
+import pathlib
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -23,31 +23,17 @@ from jaxcomp import transforms
 STEPS = 2
 
 
-def majority_sign() -> C.Codec:
-    """A codec written here with its own protocol: signSGD with majority vote (int8 votes)."""
+def _user_protocol_module():
+    """tests/transforms/test_user_protocol.py, whose ``majority_sign`` codec (signSGD with a
+    majority vote, its own reduction protocol) is the user codec here too."""
+    path = pathlib.Path(__file__).parents[1] / "transforms" / "test_user_protocol.py"
+    spec = importlib.util.spec_from_file_location("_user_protocol_for_pipeline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    def compress(x, state, key=None):
-        return (jnp.sign(x).astype(jnp.int8), jnp.mean(jnp.abs(x))), state
 
-    def decompress(payload, like):
-        signs, scale = payload
-        return (signs.astype(jnp.float32) * scale).astype(like.dtype)
-
-    def all_reduce(x, state, key, axis_name):
-        payload, state = compress(x, state)
-        signs, scale = payload
-        signs, scale = lax.psum(signs, axis_name), lax.pmean(scale, axis_name)
-        mean = (jnp.sign(signs).astype(jnp.float32) * scale).astype(x.dtype)
-        return mean, decompress(payload, x), state
-
-    protocol = C.ReduceProtocol(
-        init=lambda like, num_workers=None: C.EmptyState(),
-        all_reduce=all_reduce,
-        wire_bytes=lambda like, num_workers: math.prod(like.shape) + 4,
-        name="majority_sign/vote",
-    )
-    codec = C.Codec(lambda x: C.EmptyState(), compress, decompress, "majority_sign")
-    return codec._replace(protocol=protocol)
+majority_sign = _user_protocol_module().majority_sign
 
 
 TRANSFORMS = {
