@@ -10,12 +10,12 @@ signature and cached) or the single-device one (:mod:`jaxcomp.pipeline._simulate
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -195,6 +195,28 @@ def _average(spec: Spec, layout, replica_layout, local, grads, replica):
     return lax.switch(lax.axis_index(_mesh.STAGE), branches, grads, replica, local)
 
 
+def _plain_mean(spec: Spec, layout: _params.ParamLayout, grads: dict[str, jax.Array]):
+    """The float ``pmean`` over ``data`` of each device's own stage gradient, without the
+    padding of its packed row (a ``lax.switch`` on the stage index, one branch per stage):
+    every replica sends its stages' parameter bytes, ``data_dense_bytes`` in all."""
+
+    def make(s):
+        def branch(grads):
+            out = {}
+            for g, row in grads.items():
+                used = sum(math.prod(sl.shape) for sl in layout.slots[s] if sl.group == g)
+                mean = lax.pmean(row[:used], _mesh.DATA)
+                pad = jnp.zeros((row.shape[0] - used,), row.dtype)
+                out[g] = _local.to_varying(jnp.concatenate([mean, pad]), (_mesh.STAGE,))
+            sent = jnp.asarray(layout.stage_bytes(s), jnp.float32)
+            return out, _local.to_varying(sent, spec.axes)
+
+        return branch
+
+    branches = [make(s) for s in range(spec.model.num_stages)]
+    return lax.switch(lax.axis_index(_mesh.STAGE), branches, grads)
+
+
 @functools.lru_cache(maxsize=64)
 def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool, replica_layout=None):
     """The ``shard_map``-ed program of one shape signature (built once, then reused)."""
@@ -231,8 +253,7 @@ def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool, r
         if has_data:
             loss, metrics = lax.pmean((loss, metrics), _mesh.DATA)
             if spec.replica_mean is None:
-                grads = lax.pmean(grads, _mesh.DATA)
-                sent = jnp.asarray(dtype_bytes(grads), jnp.float32)
+                grads, sent = _plain_mean(spec, static.layout, grads)
             else:
                 mine = {g: b.reshape(b.shape[2:]) for g, b in replica.items()}
                 grads, mine, sent = _average(spec, static.layout, replica_layout, local,
@@ -410,8 +431,3 @@ def memory(spec: Spec, params, batch) -> dict[str, Any]:
         "link_state_bytes": static.state_layout.row_bytes(),
         "live_link_state_bytes": tuple(static.state_layout.device_bytes(d) for d in range(num)),
     }
-
-
-def dtype_bytes(tree: dict[str, Any]) -> int:
-    """Bytes of ``{dtype: shape}`` buffers."""
-    return sum(int(np.prod(b.shape)) * np.dtype(g).itemsize for g, b in tree.items())

@@ -155,3 +155,26 @@ def test_replica_averaging_errors(setup):
     without = pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M), mesh)
     with pytest.raises(ValueError, match="have no replica-averaging state"):
         with_tx.step(mlp.params, batch, without.init(mlp.params, batch))
+
+
+def test_plain_mean_of_a_heterogeneous_cnn_sends_each_stage_unpadded(tools):
+    """Without a transform the replicas' float mean sends each stage's own parameter bytes (not
+    the largest stage's packed row) and gives the unpipelined gradient of the whole batch."""
+    cnn = tools.make_cnn(microbatch=2)
+    batch = {k: jnp.concatenate([v, v[::-1]]) for k, v in cnn.batch.items()}
+    pipe = pipeline.gpipe(
+        cnn.model, pipeline.PipelineConfig(cnn.M, schedule="1f1b"), pipeline.pipeline_mesh(4)
+    )
+    args = (cnn.params, batch, pipe.init(cnn.params, batch), None)
+    compiled = jax.jit(pipe.step).lower(*args).compile()
+    loss, grads, _, metrics = compiled(*args)
+    ref_loss, ref_grads = tools.reference(cnn.model, cnn.params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    tools.close(list(grads), ref_grads)
+    report = comm.collective_report(compiled.as_text())
+    scalars = re.compile(r"\(?f32\[\](, f32\[\])*\)?")
+    data = [r for r in report.records if r.group_size == 2 and r.kind != "collective-permute"]
+    tensor_bytes = sum(r.total_bytes for r in data if not scalars.fullmatch(r.shape))
+    stage_bytes = [sum(x.size * 4 for x in jax.tree.leaves(p)) for p in cnn.params]
+    assert tensor_bytes == float(metrics["data_wire_bytes"]) == sum(stage_bytes)
+    assert float(metrics["data_dense_bytes"]) == sum(stage_bytes) < 4 * max(stage_bytes)
