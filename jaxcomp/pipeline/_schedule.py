@@ -26,6 +26,12 @@ Runs of ticks whose pattern of ops repeats (period 1 for GPipe, 2 for 1F1B) beco
 ``lax.scan`` (:func:`segments`); the fill and drain ticks are unrolled with their active stages
 known at trace time, so **bubble ticks send nothing and touch no state**, and the compiled
 program holds exactly ``M`` sends per boundary and direction.
+
+Not here: an interleaved (circular, "virtual stages") 1F1B, which would place several model
+chunks on each device. Every table row is one device running one stage, and the residual
+rings, link-state ends and sends are laid out per stage device; interleaving needs a chunk index
+in each of them (and boundaries that wrap from the last device to the first), so it does not
+fall out of this design.
 """
 
 from __future__ import annotations
