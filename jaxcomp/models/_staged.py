@@ -160,7 +160,7 @@ class FlaxStagedModel(StagedModel):
             (n, m.clone(batch_axis=axis_name) if "batch_axis" in fields[n] else m)
             for n, m in self.segments
         )
-        return self._replace(segments=segments)
+        return dataclasses.replace(self, segments=segments)
 
     def stage_fns(self, train: bool = True) -> tuple[Callable[[Any, jax.Array], jax.Array], ...]:
         """Pure ``stage_fn(params, x) -> y`` per stage (the pipeline contract).
