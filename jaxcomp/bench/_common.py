@@ -1,4 +1,13 @@
-"""Shared benchmark plumbing: fake devices, timing, tables, JSON output."""
+"""Shared benchmark plumbing: fake devices, the timing harness, tables, JSON output.
+
+Every benchmark times its candidates with :func:`round_robin`: a shared baseline (a copy for
+codecs, the identity step for the pipeline, the dense step for data-parallel and AB-Training)
+runs before *each* candidate call, in rounds whose candidate order is shuffled (a fixed seed),
+so that load that comes and goes on a shared machine hits the baseline and the candidates
+alike. Records carry the median and the interquartile range of every time, and the ratio to
+the baseline with the quartiles of the paired ratios (each candidate sample over the baseline
+sample just before it); :func:`load_average` is recorded before and after.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +19,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 
 def request_cpu_devices(n: int = 8) -> None:
@@ -37,7 +47,8 @@ def time_interleaved(
     """Median wall times of several ``(fn, args)`` calls measured round-robin.
 
     Interleaving makes the ratios between them robust to load that comes and goes on a shared
-    machine, which a back-to-back measurement is not.
+    machine, which a back-to-back measurement is not. Prefer :func:`round_robin`, which also
+    gives the spread and pairs every sample with a baseline sample.
     """
     import numpy as np
 
@@ -60,6 +71,95 @@ def time_samples(
             jax.block_until_ready(fn(*args))
             times[i].append(time.perf_counter() - t0)
     return times
+
+
+class Timed(NamedTuple):
+    """One candidate's samples from :func:`round_robin` and the baseline samples paired with it.
+
+    Attributes:
+      samples: wall times of the candidate (seconds), one per round.
+      baseline: the baseline's wall time measured just before each of those samples.
+    """
+
+    samples: list[float]
+    baseline: list[float]
+
+    def stats(self, prefix: str = "time") -> dict[str, float]:
+        """``{prefix}_s``, ``{prefix}_q1_s``, ``{prefix}_q3_s`` and the paired ratio's quartiles.
+
+        ``ratio_q1`` and ``ratio_q3`` are the quartiles of ``samples[i] / baseline[i]``; the
+        ratio itself (median over the shared baseline's median) is the caller's.
+        """
+        import numpy as np
+
+        t = spread(self.samples)
+        r = spread(list(np.asarray(self.samples) / np.asarray(self.baseline)))
+        return {
+            f"{prefix}_s": t["median"],
+            f"{prefix}_q1_s": t["q1"],
+            f"{prefix}_q3_s": t["q3"],
+            "ratio_q1": r["q1"],
+            "ratio_q3": r["q3"],
+        }
+
+
+def round_robin(
+    baseline: Sequence[tuple[Callable[..., Any], tuple]],
+    candidates: Sequence[Sequence[tuple[Callable[..., Any], tuple]]],
+    repeats: int = 20,
+    warmup: int = 2,
+    seed: int = 0,
+) -> tuple[list[float], list[Timed]]:
+    """Times ``candidates`` against a shared ``baseline``, alternating call by call.
+
+    Each candidate (and the baseline) is a sequence of ``(fn, args)`` calls whose wall times
+    are summed into one sample (e.g. a codec's jitted encode then decode). Every round runs the
+    candidates once each, in an order shuffled with ``seed``, and the baseline right before
+    each of them; every call is waited for (``jax.block_until_ready``).
+
+    Args:
+      baseline: the reference calls (a copy of the input, the dense step, ...).
+      candidates: the calls of each candidate.
+      repeats: rounds (samples per candidate).
+      warmup: untimed calls of everything first (compilation, caches).
+      seed: the seed of the per-round shuffles.
+
+    Returns:
+      ``(baseline_samples, [Timed per candidate])``; the baseline has ``repeats *
+      len(candidates)`` samples.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.ones(1000)
+      >>> base, (t,) = round_robin([(lambda x: x * 2.0, (x,))], [[(jnp.sum, (x,))]], 3, 1)
+      >>> len(base), len(t.samples)
+      (3, 3)
+    """
+    import jax
+    import numpy as np
+
+    def run(calls) -> float:
+        total = 0.0
+        for fn, args in calls:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            total += time.perf_counter() - t0
+        return total
+
+    for calls in [baseline, *candidates]:
+        for _ in range(warmup):
+            run(calls)
+    rng = np.random.default_rng(seed)
+    base: list[float] = []
+    timed = [Timed([], []) for _ in candidates]
+    for _ in range(repeats):
+        for i in rng.permutation(len(candidates)):
+            b = run(baseline)
+            t = run(candidates[i])
+            base.append(b)
+            timed[i].samples.append(t)
+            timed[i].baseline.append(b)
+    return base, timed
 
 
 def spread(samples: Sequence[float]) -> dict[str, float]:

@@ -10,8 +10,10 @@ import jax.numpy as jnp
 
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _checks
+from jaxcomp.compressors import _select
 
-TOPK_METHODS = ("exact", "blockwise")
+TOPK_METHODS = ("exact", "blockwise", "approx")
+_UNROLLED_BLOCK = 256  # one-per-block selection as elementwise steps up to this block length
 
 
 class SparsePayload(NamedTuple):
@@ -71,6 +73,45 @@ def _magnitude(x: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(a), jnp.inf, a)
 
 
+def _block_max(blocks: jax.Array) -> jax.Array:
+    """Index of the largest magnitude of each block ``[..., nb, blk]`` (lowest index on ties).
+
+    XLA:CPU runs ``argmax`` over a short minor axis ~4x slower than a copy of the input; for
+    blocks up to ``_UNROLLED_BLOCK`` long it is written as ``blk`` elementwise steps over the
+    block columns, which fuse into one vectorised pass.
+    """
+    blk = blocks.shape[-1]
+    if blk > _UNROLLED_BLOCK:
+        return jnp.argmax(_magnitude(blocks), axis=-1).astype(jnp.int32)
+    best = _magnitude(blocks[..., 0])
+    idx = jnp.zeros(best.shape, jnp.int32)
+    for j in range(1, blk):
+        a = _magnitude(blocks[..., j])
+        up = a > best  # strict: the lowest index wins a tie
+        best = jnp.where(up, a, best)
+        idx = jnp.where(up, j, idx)
+    return idx
+
+
+def _exact_indices(rows: jax.Array, k: int) -> jax.Array:
+    """Exact top-K indices of each row (increasing): the sort-free select on the CPU."""
+    return jax.lax.platform_dependent(
+        rows,
+        cpu=lambda r: _select.top_k_indices(r, k),
+        default=lambda r: _select.reference_indices(_select.magnitude_keys(r), k),
+    )
+
+
+def _approx_indices(rows: jax.Array, k: int, recall: float) -> jax.Array:
+    """``lax.approx_max_k`` on TPU (its native fast path); the exact select elsewhere."""
+
+    def tpu(r):
+        _, idx = jax.lax.approx_max_k(_magnitude(r), k, recall_target=recall)
+        return idx.astype(jnp.int32)
+
+    return jax.lax.platform_dependent(rows, tpu=tpu, default=lambda r: _exact_indices(r, k))
+
+
 def top_k(
     fraction: float | None = None,
     *,
@@ -78,37 +119,46 @@ def top_k(
     per_sample: bool = False,
     method: str = "exact",
     block_size: int | None = None,
+    recall_target: float = 0.95,
 ) -> _base.Codec:
     r"""Keeps the K entries of largest magnitude and sends (values, indices).
 
     .. math::
       C(x)_i = x_i \ \text{if}\ |x_i| \ \text{is among the K largest, else}\ 0
 
-    ``method="exact"`` uses ``lax.top_k`` over the whole selection range and keeps exactly K.
-    ``method="blockwise"`` is the fast mode. By default (``block_size=None``) the range is cut
-    into blocks of ``ceil(n / K)`` entries and the largest entry of each block is kept: one
-    ``argmax`` pass, no sort, about 8x a copy on CPU instead of ~50-100x for the exact mode, and
-    ``uint8`` block-local indices for K >= 0.4% of n. It keeps ``ceil(n / ceil(n / K))`` <= K
-    entries. With an explicit ``block_size`` the top ``ceil(K * block_size / n)`` entries of
-    each block are kept (``lax.top_k`` per block, at least K in total). Either way the kept set
-    is the largest entries *of each block* rather than the global top K: an entry is dropped if
-    a larger one shares its block. For the smooth, dense tensors these codecs see (activations,
-    gradients) the captured energy is within a few percent of the exact top K.
+    ``method="exact"`` keeps exactly the K largest magnitudes of the selection range, the same set
+    as ``lax.top_k`` bit for bit, with indices sent in increasing order. On the CPU it is found
+    without a sort (``jaxcomp.compressors._select``: a sampled bracket around the K-th largest
+    magnitude's bit pattern, one counting pass, a compaction of the candidates, one selecting pass),
+    with ``lax.top_k`` as the fallback when the bracket misses; elsewhere ``lax.top_k`` (chosen with
+    ``lax.platform_dependent``). ``method="approx"`` uses ``lax.approx_max_k`` (``recall_target``)
+    on TPU, its native fast path, and is the exact selection on other backends (where
+    ``approx_max_k`` is not faster). ``method="blockwise"`` is the fast mode. By default
+    (``block_size=None``) the range is cut into blocks of ``ceil(n / K)`` entries and the largest
+    entry of each block is kept: one pass, no sort, and ``uint8`` block-local indices for K >= 0.4%
+    of n. It keeps ``ceil(n / ceil(n / K))`` <= K entries. The README's benchmark table gives the
+    measured times of every mode. With an explicit ``block_size`` the top
+    ``ceil(K * block_size / n)`` entries of each block are kept (``lax.top_k`` per block, at least K
+    in total). Either way the kept set is the largest entries *of each block* rather than the global
+    top K: an entry is dropped if a larger one shares its block. For the smooth, dense tensors these
+    codecs see (activations, gradients) the captured energy is within a few percent of the exact top
+    K.
 
-    Ties are broken by position (lower index first); Rudakov et al.'s ``kthvalue`` rule
-    instead drops every entry tied with the pivot, so it may keep fewer than K. Non-finite
-    entries rank above every finite magnitude and are always kept (K of them if there are more
-    than K, per block for ``"blockwise"``), so a non-finite input always decodes to a
-    non-finite output. Kept values are sent exactly, so the result does not depend on the
-    input's magnitude. A zero-size input (with ``fraction``) gives an empty payload and an
-    empty result; with ``count`` it is a ``ValueError`` (``count`` exceeds 0 entries).
+    Ties are broken by position (lower index first, as ``lax.top_k``); Rudakov et al.'s
+    ``kthvalue`` rule instead drops every entry tied with the pivot, so it may keep fewer than
+    K. Non-finite entries rank above every finite magnitude and are always kept (K of them if
+    there are more than K, per block for ``"blockwise"``), so a non-finite input always decodes
+    to a non-finite output. Kept values are sent exactly, so the result does not depend on the
+    input's magnitude. A zero-size input (with ``fraction``) gives an empty payload and an empty
+    result; with ``count`` it is a ``ValueError`` (``count`` exceeds 0 entries).
 
     Args:
       fraction: fraction of entries kept, in (0, 1]; K is ``n - int(n * (1 - fraction))``.
       count: number of entries kept (instead of ``fraction``).
       per_sample: select K per sample along the leading axis (paper 1), not per tensor.
-      method: ``"exact"`` or ``"blockwise"``.
+      method: ``"exact"``, ``"blockwise"`` or ``"approx"``.
       block_size: block length for ``"blockwise"`` (default: ``ceil(n / K)``, one per block).
+      recall_target: for ``"approx"`` on TPU, ``lax.approx_max_k``'s expected recall.
 
     Returns:
       A :class:`~jaxcomp.compressors.Codec` with :class:`SparsePayload` payloads.
@@ -131,6 +181,8 @@ def top_k(
     _base.check_choice("method", method, TOPK_METHODS)
     if block_size is not None:
         _base.check_int_range("block_size", block_size, 2)
+    if not 0.0 < recall_target <= 1.0:
+        raise ValueError(f"recall_target must be in (0, 1]; got {recall_target}.")
     what = f"{fraction:g}" if fraction is not None else f"count={count}"
     name = f"top_k({what}{', per_sample' if per_sample else ''}, {method})"
 
@@ -148,7 +200,7 @@ def top_k(
         k = _checks.kept_or_raise(name, like, kept_count, d, fraction, count)
         if k == 0:
             return b, d, 0, 0, 0, 0
-        if method == "exact" or k == d:
+        if method != "blockwise" or k == d:
             return b, d, k, 1, d, k
         if block_size is None:
             blk = -(-d // k)
@@ -189,11 +241,14 @@ def top_k(
         if nb * blk != d:
             flat = jnp.pad(flat, ((0, 0), (0, nb * blk - d)))
         blocks = flat.reshape(b, nb, blk)
-        mag = _magnitude(blocks)
-        if kb == 1:
-            idx = jnp.argmax(mag, axis=-1)[..., None]
+        if nb == 1 and method == "approx":
+            idx = _approx_indices(flat, kb, recall_target)[:, None, :]
+        elif nb == 1:
+            idx = _exact_indices(flat, kb)[:, None, :]
+        elif kb == 1:
+            idx = _block_max(blocks)[..., None]
         else:
-            _, idx = jax.lax.top_k(mag, kb)
+            _, idx = jax.lax.top_k(_magnitude(blocks), kb)
         vals = jnp.take_along_axis(blocks, idx, axis=-1)
         shape = (b, nb * kb) if per_sample else (nb * kb,)
         idt = _base.index_dtype(blk)

@@ -87,6 +87,84 @@ def test_blockwise_with_one_per_block_is_blockwise_argmax_and_pads_the_tail():
     np.testing.assert_array_equal(y, expect.reshape(-1)[:103])
 
 
+def _stable_top(x2d: np.ndarray, k: int) -> np.ndarray:
+    """numpy reference: the K largest |x| per row (NaN as +inf), lowest index first on ties."""
+    mag = np.abs(x2d.astype(np.float32))
+    mag[np.isnan(mag)] = np.inf
+    return np.sort(np.argsort(-mag, axis=-1, kind="stable")[:, :k], axis=-1)
+
+
+def _edge_vector(n: int, seed: int) -> np.ndarray:
+    """Magnitudes 1e-10..1e6, ties, zeros, signed zeros, NaN and +-Inf in one vector."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n) * 10.0 ** rng.uniform(-10, 6, n)
+    x[rng.integers(0, n, n // 50)] = 0.0
+    x[rng.integers(0, n, n // 50)] = -0.0
+    x[rng.integers(0, n, n // 20)] = 1.5  # a tied block near the 1% threshold
+    x[rng.integers(0, n, 5)] = np.nan
+    x[rng.integers(0, n, 3)] = np.inf
+    x[rng.integers(0, n, 3)] = -np.inf
+    return x.astype(np.float32)
+
+
+# inputs large enough for the sort-free select: one tensor of > 65536 entries (two pivots), rows
+# of 4096 (eight pivots); all-equal and mostly-zero inputs make the bracket fail (the fallback)
+SELECT_CASES = [
+    ("tensor_edges", (70001,), 0.01, False, _edge_vector(70001, 0)),
+    ("tensor_all_equal", (70001,), 0.01, False, np.full(70001, -2.0, np.float32)),
+    ("tensor_mostly_zero", (70001,), 0.5, False, np.where(np.arange(70001) % 5 == 0, 1.0, 0.0)),
+    ("rows_edges", (6, 4096), 0.1, True, _edge_vector(6 * 4096, 1).reshape(6, 4096)),
+    ("rows_quarters", (6, 4096), 0.1, True, np.round(_edge_vector(6 * 4096, 2) * 4) / 4),
+]
+
+
+@pytest.mark.parametrize(
+    "shape, fraction, per_sample, x",
+    [c[1:] for c in SELECT_CASES],
+    ids=[c[0] for c in SELECT_CASES],
+)
+def test_exact_top_k_selects_lax_top_k_set_bit_for_bit(shape, fraction, per_sample, x):
+    x = np.asarray(x, np.float32).reshape(shape)
+    codec = compressors.top_k(fraction, per_sample=per_sample)
+    x2d = x.reshape(shape[0], -1) if per_sample else x.reshape(1, -1)
+    k = compressors.kept_count(x2d.shape[1], fraction, None)
+    expect = _stable_top(x2d, k)
+    ref = np.sort(np.asarray(jax.lax.top_k(_top_k_magnitude(x2d), k)[1]), axis=-1)
+    np.testing.assert_array_equal(ref, expect)  # lax.top_k's tie rule is the lowest index
+    encode = jax.jit(lambda x: codec.compress(x, codec.init(x), None)[0])
+    payload = encode(jnp.asarray(x))
+    idx = np.asarray(payload.indices).astype(np.int64).reshape(x2d.shape[0], k)
+    np.testing.assert_array_equal(idx, expect)
+    vals = np.asarray(payload.values).reshape(x2d.shape[0], k)
+    np.testing.assert_array_equal(vals, np.take_along_axis(x2d, expect, -1))
+    y = np.asarray(jax.jit(codec.decompress)(payload, jnp.asarray(x))).reshape(x2d.shape)
+    dense = np.zeros_like(x2d)
+    np.put_along_axis(dense, expect, np.take_along_axis(x2d, expect, -1), -1)
+    np.testing.assert_array_equal(y, dense)
+
+
+def _top_k_magnitude(x2d):
+    a = jnp.abs(jnp.asarray(x2d))
+    return jnp.where(jnp.isnan(a), jnp.inf, a)
+
+
+def test_approx_method_is_the_exact_selection_off_tpu():
+    x = jnp.asarray(_edge_vector(70001, 3))
+    exact, approx = compressors.top_k(0.01), compressors.top_k(0.01, method="approx")
+    p, q = roundtrip(exact, x)[0], roundtrip(approx, x)[0]
+    np.testing.assert_array_equal(p.indices, q.indices)
+    np.testing.assert_array_equal(p.values, q.values)
+
+
+def test_blockwise_one_per_block_keeps_lowest_index_on_ties_and_nan():
+    # blocks of 4 (K = 3 of 12): a tie, a NaN after a larger finite entry, an Inf before a NaN
+    x = jnp.array([1.0, -2.0, 2.0, 0.0, 5.0, jnp.nan, 1.0, 9.0, jnp.inf, 0.0, jnp.nan, 1.0])
+    payload, y = roundtrip(compressors.top_k(count=3, method="blockwise"), x)
+    np.testing.assert_array_equal(payload.indices, [1, 1, 0])
+    assert payload.values[0] == -2.0 and np.isnan(payload.values[1])
+    assert np.isposinf(payload.values[2])
+
+
 def test_non_finite_entries_are_always_sent():
     x = jnp.array([1.0, jnp.nan, 5.0, -jnp.inf, 0.5])
     y = np.asarray(roundtrip(compressors.top_k(count=2), x)[1])
@@ -131,7 +209,8 @@ def test_rand_k_unbiased_expectation():
         (compressors.top_k, dict(), "exactly one"),
         (compressors.top_k, dict(fraction=0.1, count=3), "exactly one"),
         (compressors.top_k, dict(count=0), "count"),
-        (compressors.top_k, dict(fraction=0.1, method="approx"), "method"),
+        (compressors.top_k, dict(fraction=0.1, method="sorted"), "method"),
+        (compressors.top_k, dict(fraction=0.1, method="approx", recall_target=0.0), "recall"),
         (compressors.top_k, dict(fraction=0.1, block_size=1), "block_size"),
         (compressors.rand_k, dict(fraction=-0.1), "fraction"),
     ],
