@@ -17,6 +17,7 @@ BENCHMARKS = {
     "data_parallel": "jaxcomp.bench.data_parallel",
     "ab_training": "jaxcomp.bench.ab_training",
     "device": "jaxcomp.bench.device",
+    "peers": "jaxcomp.bench.peers",
 }
 USAGE = f"usage: python -m jaxcomp.bench {{{','.join(BENCHMARKS)}}} [--json PATH] [options]"
 

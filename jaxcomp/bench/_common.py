@@ -79,10 +79,12 @@ class Timed(NamedTuple):
     Attributes:
       samples: wall times of the candidate (seconds), one per round.
       baseline: the baseline's wall time measured just before each of those samples.
+      parts: per call of the candidate, its wall times (``samples`` is their sum).
     """
 
     samples: list[float]
     baseline: list[float]
+    parts: list[list[float]]
 
     def stats(self, prefix: str = "time") -> dict[str, float]:
         """``{prefix}_s``, ``{prefix}_q1_s``, ``{prefix}_q3_s`` and the paired ratio's quartiles.
@@ -109,7 +111,7 @@ def round_robin(
     repeats: int = 20,
     warmup: int = 2,
     seed: int = 0,
-) -> tuple[list[float], list[Timed]]:
+) -> tuple[Timed, list[Timed]]:
     """Times ``candidates`` against a shared ``baseline``, alternating call by call.
 
     Each candidate (and the baseline) is a sequence of ``(fn, args)`` calls whose wall times
@@ -125,40 +127,46 @@ def round_robin(
       seed: the seed of the per-round shuffles.
 
     Returns:
-      ``(baseline_samples, [Timed per candidate])``; the baseline has ``repeats *
-      len(candidates)`` samples.
+      ``(baseline, [Timed per candidate])``: the baseline's :class:`Timed` has ``repeats *
+      len(candidates)`` samples (its ``baseline`` field repeats them).
 
     Example:
       >>> import jax.numpy as jnp
       >>> x = jnp.ones(1000)
       >>> base, (t,) = round_robin([(lambda x: x * 2.0, (x,))], [[(jnp.sum, (x,))]], 3, 1)
-      >>> len(base), len(t.samples)
+      >>> len(base.samples), len(t.samples)
       (3, 3)
     """
     import jax
     import numpy as np
 
-    def run(calls) -> float:
-        total = 0.0
+    def run(calls) -> list[float]:
+        times = []
         for fn, args in calls:
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
-            total += time.perf_counter() - t0
-        return total
+            times.append(time.perf_counter() - t0)
+        return times
 
     for calls in [baseline, *candidates]:
         for _ in range(warmup):
             run(calls)
     rng = np.random.default_rng(seed)
-    base: list[float] = []
-    timed = [Timed([], []) for _ in candidates]
+    base = Timed([], [], [[] for _ in baseline])
+    timed = [Timed([], [], [[] for _ in calls]) for calls in candidates]
     for _ in range(repeats):
         for i in rng.permutation(len(candidates)):
-            b = run(baseline)
-            t = run(candidates[i])
-            base.append(b)
-            timed[i].samples.append(t)
+            b_parts = run(baseline)
+            b = sum(b_parts)
+            parts = run(candidates[i])
+            base.samples.append(b)
+            base.baseline.append(b)
+            for acc, t in zip(base.parts, b_parts):
+                acc.append(t)
+            timed[i].samples.append(sum(parts))
             timed[i].baseline.append(b)
+            for acc, t in zip(timed[i].parts, parts):
+                acc.append(t)
     return base, timed
 
 

@@ -4,13 +4,19 @@
 
 Every codec runs on the same 4M-element ``float32`` vector (PowerSGD on a 2048x2048 matrix,
 feature-scaled quantization and per-sample TopK on the vector viewed as ``[1024, 4096]``).
-``time_s = encode_s + decode_s``: the medians of a jitted ``compress`` and a jitted
-``decompress``, compiled separately as they run in practice (a collective lies between them; in
-one jit XLA would fuse unpacking into packing). ``copy_time_s`` is the median of a jitted
-``x * 1.0001`` of the same input, measured round-robin with the codec in the same run, so
-``ratio_to_copy`` is comparable across noisy machines. ``hlo_bytes`` is read from the compiled
-HLO of a ``ppermute`` of the payload under ``shard_map`` on two devices and must equal
-``payload_bytes``.
+``time_s`` is the median of a jitted ``compress`` followed by a jitted ``decompress``
+(``encode_s``/``decode_s`` their own medians), compiled separately as they run in practice (a
+collective lies between them; in one jit XLA would fuse unpacking into packing), with the
+interquartile range in ``time_q1_s``/``time_q3_s``. ``copy_time_s`` is the median of one
+shared baseline shaped like a codec, a jitted copy of the input (``x * 1.0001``) and a jitted
+copy back (``y * 0.9999``): what moving the tensor through the two stages costs without
+compressing it, timed right before every codec sample in shuffled rounds
+(:func:`jaxcomp.bench._common.round_robin`). ``ratio_to_copy`` is ``time_s / copy_time_s``
+(the identity codec comes out at ~1.0), ``ratio_q1``/``ratio_q3`` the quartiles of each
+sample over the baseline just before it, and ``ratio_to_one_copy`` is ``time_s`` over the
+first copy alone (``one_copy_time_s``, the older and stricter measure). The load average
+before and after is in the JSON. ``hlo_bytes`` is read from the compiled HLO of a ``ppermute``
+of the payload under ``shard_map`` on two devices and must equal ``payload_bytes``.
 """
 
 from __future__ import annotations
@@ -92,25 +98,43 @@ def hlo_payload_bytes(codec: compressors.Codec, shape: tuple[int, ...]) -> float
     return comm.measure_collectives(f, glob).total_bytes
 
 
-def run(n: int = 4 * 1024 * 1024, repeats: int = 20) -> list[dict]:
-    """Benchmarks every codec; returns one record per codec."""
+def run(n: int = 4 * 1024 * 1024, repeats: int = 20, only: str = "") -> tuple[list[dict], dict]:
+    """Benchmarks the codecs (``only``: comma-separated labels, default all) against one shared
+    copy; returns (records, copy and load info)."""
     copy = jax.jit(lambda x: x * 1.0001)
-    results = []
-    for label, codec, shape in codec_table(n):
-        x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
+    copy_back = jax.jit(lambda y: y * 0.9999)
+    x0 = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    rows, candidates = [], []
+    wanted = [w for w in only.split(",") if w]
+    table = [row for row in codec_table(n) if not wanted or row[0] in wanted]
+    if wanted and len(table) != len(wanted):
+        known = [row[0] for row in codec_table(n)]
+        raise SystemExit(f"unknown codec label in --only {only!r}; known: {known}")
+    for label, codec, shape in table:
+        if math.prod(shape) == n:
+            x = x0.reshape(shape)
+        else:  # PowerSGD's square when n is not a square
+            x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
         state = codec.init(x)
         key = jax.random.key(1)
         encode = jax.jit(lambda x, state, key, codec=codec: codec.compress(x, state, key)[0])
         decode = jax.jit(lambda payload, x, codec=codec: codec.decompress(payload, x))
         payload = encode(x, state, key)
-        t_enc, t_dec, t_copy = _common.time_interleaved(
-            [(encode, (x, state, key)), (decode, (payload, x)), (copy, (x,))], repeats
-        )
-        t = t_enc + t_dec
+        rows.append((label, codec, shape, x, payload, decode))
+        candidates.append([(encode, (x, state, key)), (decode, (payload, x))])
+    load_before = _common.load_average()
+    y0 = copy(x0)
+    base, timed = _common.round_robin([(copy, (x0,)), (copy_back, (y0,))], candidates, repeats)
+    load_after = _common.load_average()
+    copy_stats = _common.spread(base.samples)
+    one_copy = _common.spread(base.parts[0])["median"]
+    results = []
+    for (label, codec, shape, x, payload, decode), t in zip(rows, timed):
         like = jax.ShapeDtypeStruct(shape, jnp.float32)
         payload_bytes = compressors.wire_bytes(compressors.payload_shape(codec, like))
         y = decode(payload, x)
         rel_err = float(jnp.linalg.norm(y - x) / jnp.linalg.norm(x))
+        stats = t.stats()
         results.append(
             dict(
                 name=label,
@@ -121,25 +145,50 @@ def run(n: int = 4 * 1024 * 1024, repeats: int = 20) -> list[dict]:
                 payload_bytes=payload_bytes,
                 hlo_bytes=hlo_payload_bytes(codec, shape),
                 compression=compressors.dense_bytes(like) / payload_bytes,
-                time_s=t,
-                encode_s=t_enc,
-                decode_s=t_dec,
-                copy_time_s=t_copy,
-                ratio_to_copy=t / t_copy,
+                time_s=stats["time_s"],
+                time_q1_s=stats["time_q1_s"],
+                time_q3_s=stats["time_q3_s"],
+                encode_s=_common.spread(t.parts[0])["median"],
+                decode_s=_common.spread(t.parts[1])["median"],
+                copy_time_s=copy_stats["median"],
+                ratio_to_copy=stats["time_s"] / copy_stats["median"],
+                ratio_to_one_copy=stats["time_s"] / one_copy,
+                ratio_q1=stats["ratio_q1"],
+                ratio_q3=stats["ratio_q3"],
                 rel_error=rel_err,
             )
         )
         r = results[-1]
-        print(f"  {label:26s} {r['time_s'] * 1e3:8.2f} ms  ({r['ratio_to_copy']:5.1f}x copy)")
-    return results
+        print(
+            f"  {label:30s} {r['time_s'] * 1e3:8.2f} ms  ({r['ratio_to_copy']:5.2f}x copy, "
+            f"IQR {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}; {r['ratio_to_one_copy']:5.2f}x one copy)"
+        )
+    info = dict(
+        copy_time_s=copy_stats["median"],
+        copy_q1_s=copy_stats["q1"],
+        copy_q3_s=copy_stats["q3"],
+        one_copy_time_s=one_copy,
+        repeats=repeats,
+        load_before=load_before,
+        load_after=load_after,
+    )
+    return results, info
 
 
 def main(argv: list[str] | None = None) -> int:
     p = _common.parser(__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=4 * 1024 * 1024, help="elements per input")
+    p.add_argument("--only", default="", help="comma-separated codec labels to run (default: all)")
     args = p.parse_args(argv)
-    results = run(args.n, args.repeats)
-    print()
+    if args.n % 1024 or args.n < 1024:
+        p.error(
+            f"--n must be a positive multiple of 1024 (rows of the per-sample inputs); got {args.n}"
+        )
+    results, info = run(args.n, args.repeats, args.only)
+    print(
+        f"copy {info['copy_time_s'] * 1e3:.3f} ms; load {info['load_before']} -> "
+        f"{info['load_after']}"
+    )
     _common.print_table(
         results,
         [
@@ -149,13 +198,15 @@ def main(argv: list[str] | None = None) -> int:
             ("compression", ".1f"),
             ("encode_s", ".5f"),
             ("decode_s", ".5f"),
-            ("copy_time_s", ".5f"),
             ("ratio_to_copy", ".2f"),
+            ("ratio_q1", ".2f"),
+            ("ratio_q3", ".2f"),
+            ("ratio_to_one_copy", ".2f"),
             ("rel_error", ".3f"),
         ],
     )
     bad = [r["name"] for r in results if r["hlo_bytes"] != r["payload_bytes"]]
     if bad:
         print(f"HLO bytes differ from payload bytes for: {bad}")
-    _common.write_json(args.json, "compressors", results)
+    _common.write_json(args.json, "compressors", results, **info)
     return 1 if bad else 0

@@ -70,10 +70,35 @@ def pack(codes: jax.Array, bits: int) -> jax.Array:
     return chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks)
 
 
+def _unpack_eighths(packed: jax.Array, n: int, bits: int) -> jax.Array:
+    """:func:`unpack` for ``n % 8 == 0`` with broadcast shifts only (no concatenate).
+
+    With ``m = n / 8``, a part of width ``w`` holds ``8 / w`` planes of ``w m`` entries, i.e.
+    byte ``h m + j`` (``h < w``) of it holds entries ``(p w + h) m + j`` for the planes ``p``:
+    every part decodes straight into the ``[8, m]`` layout of the codes, whose row-major order
+    is the entries' order. XLA:CPU runs a fusion through concatenates (the general path) ~3x
+    slower than a copy; this one fuses into a single pass.
+    """
+    m = n // 8
+    codes = None
+    start = 0
+    for width, offset in _part_shifts(bits):
+        per_byte = 8 // width
+        byte = packed[start : start + width * m].reshape(1, width, m)
+        start += width * m
+        shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * width)[:, None, None]
+        field = ((byte >> shifts) & jnp.uint8((1 << width) - 1)).reshape(8, m)
+        part = field << offset if offset else field
+        codes = part if codes is None else codes | part
+    return codes.reshape(n)
+
+
 def unpack(packed: jax.Array, n: int, bits: int) -> jax.Array:
     """Inverse of :func:`pack`: ``uint8[n]`` codes from the packed bytes."""
     if bits == 8:
         return packed
+    if n % 8 == 0 and n > 0:
+        return _unpack_eighths(packed, n, bits)
     codes = None
     start = 0
     for width, offset in _part_shifts(bits):

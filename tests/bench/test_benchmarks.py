@@ -1,0 +1,54 @@
+"""Benchmarks run at a tiny size and write their keys; the shared timing harness pairs samples."""
+
+import json
+
+import jax.numpy as jnp
+
+from jaxcomp.bench import _common
+from jaxcomp.bench import compressors as compressors_bench
+
+COMPRESSOR_KEYS = {
+    "name", "payload_bytes", "hlo_bytes", "time_s", "copy_time_s", "time_q1_s", "time_q3_s",
+    "encode_s", "decode_s", "ratio_to_copy", "ratio_q1", "ratio_q3",
+}  # fmt: skip
+
+
+def test_round_robin_runs_the_baseline_before_every_candidate_sample():
+    calls = []
+
+    def tag(name):
+        def fn(x):
+            calls.append(name)
+            return x
+
+        return fn
+
+    x = jnp.ones(3)
+    base, timed = _common.round_robin(
+        [(tag("b"), (x,))], [[(tag("c0"), (x,))], [(tag("c1"), (x,)), (tag("c1"), (x,))]], 4, 1
+    )
+    assert len(base.samples) == 8 and [len(t.samples) for t in timed] == [4, 4]
+    assert [len(p) for p in timed[1].parts] == [4, 4]
+    timed_calls = calls[5:]  # after the warm-up: baseline, c0, c1, c1
+    starts = [i for i, c in enumerate(timed_calls) if c != "b" and timed_calls[i - 1] == "b"]
+    assert len(starts) == 8  # every candidate sample comes right after a baseline call
+    assert sorted(timed[0].baseline + timed[1].baseline) == sorted(base.samples)
+    stats = timed[0].stats()
+    assert stats["time_q1_s"] <= stats["time_s"] <= stats["time_q3_s"]
+    assert stats["ratio_q1"] <= stats["ratio_q3"]
+
+
+def test_compressors_benchmark_writes_its_keys(tmp_path):
+    path = tmp_path / "compressors.json"
+    only = "identity,quant3,quant4_feature,topk1%_exact,topk1%_blockwise"
+    args = ["--n", "16384", "--repeats", "2", "--only", only, "--json", str(path)]
+    assert compressors_bench.main(args) == 0
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "compressors"
+    assert [r["name"] for r in data["results"]] == only.split(",")
+    assert len(data["load_before"]) == 3 and data["copy_time_s"] > 0
+    for r in data["results"]:
+        assert COMPRESSOR_KEYS <= r.keys(), r["name"]
+        assert r["hlo_bytes"] == r["payload_bytes"], r["name"]
+        assert r["time_q1_s"] <= r["time_s"] <= r["time_q3_s"], r["name"]
+        assert r["copy_time_s"] == data["copy_time_s"]  # one shared baseline
