@@ -29,7 +29,7 @@ def test_round_robin_runs_the_baseline_before_every_candidate_sample():
     )
     assert len(base.samples) == 8 and [len(t.samples) for t in timed] == [4, 4]
     assert [len(p) for p in timed[1].parts] == [4, 4]
-    timed_calls = calls[5:]  # after the warm-up: baseline, c0, c1, c1
+    timed_calls = calls[4:]  # after the warm-up: baseline, c0, c1, c1
     starts = [i for i, c in enumerate(timed_calls) if c != "b" and timed_calls[i - 1] == "b"]
     assert len(starts) == 8  # every candidate sample comes right after a baseline call
     assert sorted(timed[0].baseline + timed[1].baseline) == sorted(base.samples)
