@@ -61,7 +61,7 @@ def _compressor_rows(n: int, repeats: int) -> list[dict]:
             wire_bytes=r["hlo_bytes"],
             compression=r["compression"],
         )  # fmt: skip
-        for r in compressors.run(n, repeats)
+        for r in compressors.run(n, repeats)[0]
     ]
 
 
