@@ -22,6 +22,8 @@ close to the large batch's communication; the authors' CIFAR-10 ResNet-18 logs: 
 94.49%, 4096 93.21%, Accordion 94.34%.
 """
 
+from jaxcomp.study import optimizer_axis
+
 CONFIG = "digits_accordion"
 COMMON = {
     "total_steps": 330,
@@ -37,11 +39,6 @@ VARIANTS = {
     "large only": {"data_parallel.small_steps": 8, "data_parallel.large_steps": 8},
     "accordion 1/8": {"data_parallel.small_steps": 1, "data_parallel.large_steps": 8},
 }
-AXES = {
-    "optimizer": {
-        "sgdm": {"optax_name": "sgd", "optax": {"momentum": 0.9}, "lr": 0.05},
-        "adam": {"optax_name": "adam", "optax": {}, "lr": 1e-3},
-    }
-}
+AXES = {"optimizer": optimizer_axis("sgdm", "adam")}
 SEEDS = (0, 1)
 BASELINE = "small only"

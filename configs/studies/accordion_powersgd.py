@@ -18,6 +18,8 @@ the accuracy of low compression (rank 2) while sending close to the bytes of hig
 (rank 1); the authors' CIFAR-10 ResNet-18 logs: rank 2 94.49%, rank 1 94.25%, Accordion 94.72%.
 """
 
+from jaxcomp.study import optimizer_axis
+
 CONFIG = "digits_accordion"
 COMMON = {"total_steps": 300, "eval_every": 100, "checkpoint_every": 100, "log_every": 25}
 LOW = {"name": "power_sgd", "rank": 2}
@@ -28,11 +30,6 @@ VARIANTS = {
     "rank1 (high only)": {"data_parallel.low": HIGH, "data_parallel.high": HIGH},
     "accordion 2/1": {"data_parallel.low": LOW, "data_parallel.high": HIGH},
 }
-AXES = {
-    "optimizer": {
-        "sgdm": {"optax_name": "sgd", "optax": {"momentum": 0.9}, "lr": 0.05},
-        "adam": {"optax_name": "adam", "optax": {}, "lr": 1e-3},
-    }
-}
+AXES = {"optimizer": optimizer_axis("sgdm", "adam")}
 SEEDS = (0, 1)
 BASELINE = "dense"

@@ -19,6 +19,8 @@ the accuracy of low compression while sending close to the bytes of high compres
 authors' CIFAR-10 ResNet-18 logs: TopK 99% 94.09%, 10% 93.08%, Accordion 93.78%.
 """
 
+from jaxcomp.study import optimizer_axis
+
 CONFIG = "digits_accordion"
 COMMON = {"total_steps": 300, "eval_every": 100, "checkpoint_every": 100, "log_every": 25}
 LOW = {"name": "top_k", "fraction": 0.99}
@@ -29,11 +31,6 @@ VARIANTS = {
     "topk10 (high only)": {"data_parallel.low": HIGH, "data_parallel.high": HIGH},
     "accordion 99/10": {"data_parallel.low": LOW, "data_parallel.high": HIGH},
 }
-AXES = {
-    "optimizer": {
-        "sgdm": {"optax_name": "sgd", "optax": {"momentum": 0.9}, "lr": 0.05},
-        "adam": {"optax_name": "adam", "optax": {}, "lr": 1e-3},
-    }
-}
+AXES = {"optimizer": optimizer_axis("sgdm", "adam")}
 SEEDS = (0, 1)
 BASELINE = "dense"

@@ -18,6 +18,8 @@ Finding tested (Rudakov et al., 2024, abstract; SPEC.md section 1.1): with AQ-SG
 TopK stronger than K = 30% (keeping fewer than 30%) hurts significantly.
 """
 
+from jaxcomp.study import optimizer_axis
+
 CONFIG = "digits_pipeline"
 COMMON = {
     "total_steps": 400,
@@ -39,11 +41,6 @@ VARIANTS = {
     **{f"topk{round(f * 100)}": _topk(f) for f in LEVELS},
     **{f"topk{round(f * 100)} aq-sgd": _topk(f, feedback="aq_sgd") for f in LEVELS},
 }
-AXES = {
-    "optimizer": {
-        "adam": {"optax_name": "adam", "optax": {}, "lr": 1e-3},
-        "sgdm": {"optax_name": "sgd", "optax": {"momentum": 0.9}, "lr": 0.05},
-    }
-}
+AXES = {"optimizer": optimizer_axis("adam", "sgdm")}
 SEEDS = (0, 1)
 BASELINE = "dense"

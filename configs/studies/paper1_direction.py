@@ -20,6 +20,7 @@ activations". Whether the ordering depends on the optimizer is the second questi
 """
 
 from jaxcomp.study import direction_presets
+from jaxcomp.study import optimizer_axis
 
 CONFIG = "digits_pipeline"
 COMMON = {"total_steps": 400, "eval_every": 100, "checkpoint_every": 100, "log_every": 25}
@@ -30,11 +31,6 @@ VARIANTS = {
     **{f"topk10 {p}": o for p, o in direction_presets(TOPK).items()},
     **{f"quant2 {p}": o for p, o in direction_presets(QUANTIZE).items()},
 }
-AXES = {
-    "optimizer": {
-        "adam": {"optax_name": "adam", "optax": {}, "lr": 1e-3},
-        "sgdm": {"optax_name": "sgd", "optax": {"momentum": 0.9}, "lr": 0.05},
-    }
-}
+AXES = {"optimizer": optimizer_axis("adam", "sgdm")}
 SEEDS = (0, 1)
 BASELINE = "dense"

@@ -17,6 +17,8 @@ does not improve training over plain compression, but it allows inference withou
 at almost no quality drop (the report's "off" column close to its "on" column).
 """
 
+from jaxcomp.study import optimizer_axis
+
 CONFIG = "digits_pipeline"
 COMMON = {"total_steps": 400, "eval_every": 100, "checkpoint_every": 200, "log_every": 50}
 TOPK = {"name": "top_k", "fraction": 0.1, "per_sample": True}
@@ -34,11 +36,6 @@ VARIANTS = {
     "topk10 ef per-sample": _both(feedback="ef", per_sample_buffers=True),
     "topk10 ef21": _both(feedback="ef21"),
 }
-AXES = {
-    "optimizer": {
-        "adam": {"optax_name": "adam", "optax": {}, "lr": 1e-3},
-        "sgdm": {"optax_name": "sgd", "optax": {"momentum": 0.9}, "lr": 0.05},
-    }
-}
+AXES = {"optimizer": optimizer_axis("adam", "sgdm")}
 SEEDS = (0, 1)
 BASELINE = "dense"

@@ -18,6 +18,8 @@ TopK level that does not severely harm convergence; models trained with TopK per
 if compression is also applied at inference (accuracy with compression off drops).
 """
 
+from jaxcomp.study import optimizer_axis
+
 CONFIG = "digits_pipeline"
 COMMON = {"total_steps": 400, "eval_every": 100, "checkpoint_every": 200, "log_every": 50}
 LEVELS = (0.5, 0.3, 0.2, 0.1, 0.05, 0.02)
@@ -32,11 +34,6 @@ VARIANTS = {
     "dense": {"pipeline.forward": "identity", "pipeline.backward": "identity"},
     **{f"topk{round(f * 100)}": _topk(f) for f in LEVELS},
 }
-AXES = {
-    "optimizer": {
-        "adam": {"optax_name": "adam", "optax": {}, "lr": 1e-3},
-        "sgdm": {"optax_name": "sgd", "optax": {"momentum": 0.9}, "lr": 0.05},
-    }
-}
+AXES = {"optimizer": optimizer_axis("adam", "sgdm")}
 SEEDS = (0, 1)
 BASELINE = "dense"

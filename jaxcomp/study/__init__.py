@@ -23,6 +23,7 @@ from jaxcomp.study._cost import pipeline_step_time
 from jaxcomp.study._cost import predicted_speedups
 from jaxcomp.study._cost import speedup
 from jaxcomp.study._cost import step_time
+from jaxcomp.study._grid import OPTIMIZERS
 from jaxcomp.study._grid import PRESETS
 from jaxcomp.study._grid import SMOKE
 from jaxcomp.study._grid import Cell
@@ -31,6 +32,7 @@ from jaxcomp.study._grid import cell_config
 from jaxcomp.study._grid import cells
 from jaxcomp.study._grid import direction_presets
 from jaxcomp.study._grid import load_study
+from jaxcomp.study._grid import optimizer_axis
 from jaxcomp.study._grid import preset_overrides
 from jaxcomp.study._grid import select
 from jaxcomp.study._report import Run
@@ -50,6 +52,8 @@ __all__ = (
     "cell_config",
     "cells",
     "direction_presets",
+    "optimizer_axis",
+    "OPTIMIZERS",
     "load_study",
     "preset_overrides",
     "select",

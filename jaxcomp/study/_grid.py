@@ -57,6 +57,36 @@ class Study(NamedTuple):
     path: str
 
 
+OPTIMIZERS = {
+    "adam": {"optax_name": "adam", "optax": {}, "lr": 1e-3},
+    "sgdm": {"optax_name": "sgd", "optax": {"momentum": 0.9}, "lr": 0.05},
+}
+
+
+def optimizer_axis(*names: str) -> dict[str, dict[str, Any]]:
+    """The optimizer axis of the paper studies: Adam (lr 1e-3) and SGD with momentum 0.9 (lr 0.05).
+
+    Args:
+      names: which optimizers of :data:`OPTIMIZERS`, in the order the study runs them
+        (default: all, Adam first).
+
+    Returns:
+      ``{name: overrides}``, fresh dicts to use as ``AXES["optimizer"]``.
+
+    Example:
+      >>> list(optimizer_axis("sgdm", "adam"))
+      ['sgdm', 'adam']
+      >>> optimizer_axis("adam")["adam"]["lr"]
+      0.001
+    """
+    unknown = [n for n in names if n not in OPTIMIZERS]
+    if unknown:
+        raise ValueError(
+            f"optimizer_axis: unknown optimizer(s) {unknown}; known: {list(OPTIMIZERS)}"
+        )
+    return {n: dict(OPTIMIZERS[n]) for n in (names or OPTIMIZERS)}
+
+
 def direction_presets(codec: Any, other: Any = "identity") -> dict[str, dict[str, Any]]:
     """Named presets for a pipeline codec: ``forward-only``, ``backward-only`` and ``both``.
 
