@@ -161,14 +161,18 @@ def psum_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
             f"{codec.name} is {codec.reduction.value}. Use 'all_gather' or 'two_phase'."
         )
 
-    def all_reduce(x, state, key, axis_name):
+    def all_reduce_into(x, state, key, axis_name, base, sign):
         num = _protocol.axis_size(axis_name)
-        payload, codec_state, echo = compressors.compress_and_decode(
-            codec, x, _protocol.this_worker(state.codec), codec_key(codec, key)
+        payload, codec_state, echo, into = compressors.compress_into(
+            codec, x, _protocol.this_worker(state.codec), codec_key(codec, key), base, sign
         )
         total = payload if axis_name is None else codec.psum(payload, axis_name)
         mean = codec.decompress(total, x) / num
-        return mean, echo, PsumReduce(_protocol.per_worker(codec_state, axis_name))
+        return mean, echo, into, PsumReduce(_protocol.per_worker(codec_state, axis_name))
+
+    def all_reduce(x, state, key, axis_name):
+        mean, echo, _, state = all_reduce_into(x, state, key, axis_name, x, 1)
+        return mean, echo, state
 
     def wire_bytes(like, num_workers):
         del num_workers
@@ -179,25 +183,31 @@ def psum_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
         all_reduce,
         wire_bytes,
         f"{codec.name}/psum",
+        all_reduce_into=all_reduce_into,
     )
 
 
 def gather_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
     """``all_gather`` of the payloads (each worker's own key); every worker decodes all."""
 
-    def all_reduce(x, state, key, axis_name):
+    def all_reduce_into(x, state, key, axis_name, base, sign):
         key = _protocol.worker_key(codec_key(codec, key), axis_name)
-        payload, codec_state, echo = compressors.compress_and_decode(
-            codec, x, _protocol.this_worker(state.codec), key
+        payload, codec_state, echo, into = compressors.compress_into(
+            codec, x, _protocol.this_worker(state.codec), key, base, sign
         )
         mean = decode_mean(codec, _protocol.all_gather(payload, axis_name), x)
-        return mean, echo, GatherReduce(_protocol.per_worker(codec_state, axis_name))
+        return mean, echo, into, GatherReduce(_protocol.per_worker(codec_state, axis_name))
+
+    def all_reduce(x, state, key, axis_name):
+        mean, echo, _, state = all_reduce_into(x, state, key, axis_name, x, 1)
+        return mean, echo, state
 
     return _protocol.ReduceProtocol(
         lambda like, num_workers=None: GatherReduce(_init_codec(codec, like)),
         all_reduce,
         lambda like, num_workers: compressors.wire_bytes(compressors.payload_shape(codec, like)),
         f"{codec.name}/all_gather",
+        all_reduce_into=all_reduce_into,
     )
 
 

@@ -15,7 +15,9 @@ from jaxcomp.compressors._base import Codec
 from jaxcomp.compressors._base import CodecState
 from jaxcomp.compressors._base import EmptyState
 from jaxcomp.compressors._base import Reduction
+from jaxcomp.compressors._base import add_decoded
 from jaxcomp.compressors._base import compress_and_decode
+from jaxcomp.compressors._base import compress_into
 from jaxcomp.compressors._base import decode_sum
 from jaxcomp.compressors._base import dense_bytes
 from jaxcomp.compressors._base import payload_shape
@@ -65,10 +67,12 @@ __all__ = (
     "RandKPayload",
     "Reduction",
     "SparsePayload",
+    "add_decoded",
     "axis_size",
     "cast",
     "compose",
     "compress_and_decode",
+    "compress_into",
     "decode_sum",
     "dense_bytes",
     "effective_rank",

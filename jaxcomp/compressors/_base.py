@@ -77,6 +77,12 @@ class Codec(NamedTuple):
         of averaging over workers (e.g. PowerSGD's two all-reduces with a shared warm-started
         Q), run by :func:`jaxcomp.comm.plan_reduce` and the transforms instead of a generic
         ``psum``/``all_gather`` of payloads. ``None``: the generic paths.
+      add_decoded: optional fast path ``add_decoded(base, payload, sign) -> base + sign *
+        decompress(payload, base)`` (``sign`` is ``1`` or ``-1``) for codecs whose decode is a
+        scatter (e.g. exact TopK): it adds the kept values into ``base`` in place instead of
+        decoding into a dense array of zeros and adding that. Must equal the dense form
+        (``==``; a ``-0.0`` of ``base`` may stay ``-0.0``). Error feedback's residual and
+        EF21's estimate use it through :func:`add_decoded`.
     """
 
     init: Callable[[Like], CodecState]
@@ -89,6 +95,7 @@ class Codec(NamedTuple):
     roundtrip: Callable[..., tuple[Payload, CodecState, Array]] | None = None
     decode_sum: Callable[[Payload, Like], Array] | None = None
     protocol: _protocol.ReduceProtocol | None = None
+    add_decoded: Callable[[Array, Payload, int], Array] | None = None
 
 
 def compress_and_decode(
@@ -107,6 +114,52 @@ def compress_and_decode(
         return codec.roundtrip(x, state, key)
     payload, new_state = codec.compress(x, state, key)
     return payload, new_state, codec.decompress(payload, x)
+
+
+def add_decoded(codec: Codec, base: Array, payload: Payload, sign: int) -> Array:
+    """``base + sign * decompress(payload, base)``, in place where the codec allows.
+
+    The form error feedback (``sign=-1``: ``c - echo``) and EF21 (``sign=1``: ``g + echo``)
+    keep: with a ``Codec.add_decoded`` fast path (exact TopK: a scatter-add of the kept
+    values into ``base``) no dense decoded array is made; otherwise the dense form, which XLA
+    fuses into one pass where ``decompress`` is elementwise.
+
+    Args:
+      codec: the codec that made ``payload``.
+      base: the array to add to, shaped and typed as the decoded payload.
+      payload: one payload of ``codec`` for an array like ``base``.
+      sign: ``1`` or ``-1``.
+
+    Returns:
+      An array like ``base``.
+    """
+    if sign not in (1, -1):
+        raise ValueError(f"sign must be 1 or -1; got {sign!r}.")
+    if codec.add_decoded is not None:
+        return codec.add_decoded(base, payload, sign)
+    decoded = codec.decompress(payload, base)
+    return base + decoded if sign == 1 else base - decoded
+
+
+def compress_into(
+    codec: Codec, x: Array, state: CodecState, key: Array | None, base: Array, sign: int
+) -> tuple[Payload, CodecState, Array, Array]:
+    """:func:`compress_and_decode` plus ``base + sign * decoded``, the fastest way the codec has.
+
+    What error feedback (``base = x, sign = -1``: the new residual) and EF21 (``base = g,
+    sign = 1``: the new estimate) keep. With ``Codec.add_decoded`` (exact TopK) the sum is a
+    scatter into ``base`` and ``decoded`` is computed only if the caller uses it; otherwise
+    the codec's fused round trip, and the dense sum (one fused pass where decoding is
+    elementwise).
+
+    Returns:
+      ``(payload, new_state, decompress(payload, x), base + sign * decompress(payload, x))``.
+    """
+    if codec.add_decoded is None:
+        payload, state, decoded = compress_and_decode(codec, x, state, key)
+        return payload, state, decoded, base + decoded if sign == 1 else base - decoded
+    payload, state = codec.compress(x, state, key)
+    return payload, state, codec.decompress(payload, x), add_decoded(codec, base, payload, sign)
 
 
 def decode_sum(codec: Codec, stacked: Payload, like: Like) -> Array:

@@ -64,6 +64,11 @@ class ReduceProtocol(NamedTuple):
         round averaged uncompressed (warm-up); ``None`` leaves it unchanged.
       exact_mean: whether ``mean`` is exactly the mean over workers of their ``echo`` (up to
         rounding). EF21 needs it; a two-phase reduction that re-compresses on a server is not.
+      all_reduce_into: optional ``all_reduce_into(x, state, key, axis_name, base, sign) ->
+        (mean, echo, base + sign * echo, state)``: ``all_reduce`` that also adds its echo into
+        ``base`` (what error feedback and EF21 keep) the fastest way it knows, e.g. a scatter of
+        TopK's values into ``base`` in place (``Codec.add_decoded``). ``None``: the sum is
+        formed from ``echo``. Call it through :func:`all_reduce_into`.
     """
 
     init: Callable[[Like, int | None], Any]
@@ -72,6 +77,33 @@ class ReduceProtocol(NamedTuple):
     name: str
     dense: Callable[[Array, Array, Any, str | None], Any] | None = None
     exact_mean: bool = True
+    all_reduce_into: Callable[..., tuple[Array, Array, Array, Any]] | None = None
+
+
+def all_reduce_into(
+    protocol: ReduceProtocol,
+    x: Array,
+    state: Any,
+    key: Array | None,
+    axis_name: str | None,
+    base: Array,
+    sign: int,
+) -> tuple[Array, Array, Array, Any]:
+    """``protocol.all_reduce`` plus ``base + sign * echo`` (``sign``: 1 or -1).
+
+    Uses the protocol's ``all_reduce_into`` where it has one (``echo`` is then computed only if
+    the caller uses it), else adds the echo, which XLA fuses with the echo's decoding where
+    that is elementwise.
+
+    Returns:
+      ``(mean, echo, base + sign * echo, state)``.
+    """
+    if sign not in (1, -1):
+        raise ValueError(f"sign must be 1 or -1; got {sign!r}.")
+    if protocol.all_reduce_into is not None:
+        return protocol.all_reduce_into(x, state, key, axis_name, base, sign)
+    mean, echo, state = protocol.all_reduce(x, state, key, axis_name)
+    return mean, echo, base + echo if sign == 1 else base - echo, state
 
 
 # ----------------------------------------------------------------------------------------------

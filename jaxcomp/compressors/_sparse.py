@@ -287,8 +287,26 @@ def top_k(
         dense = dense.add(vals.reshape(-1))  # flat positions: ~2x faster than 3-D indices
         return dense.reshape(b, nb * blk)[:, :d].reshape(like.shape)
 
+    def add_decoded(base, payload, sign):
+        # base +- decompress(payload): the kept values scattered into base (in place), not a
+        # dense decode of zeros; one elementwise pass for one kept value per block (a mask)
+        check_payload(payload, base)
+        b, d, _, nb, blk, kb = layout(base)
+        if nb * kb == 0 or kb == 1:
+            decoded = decompress(payload, base)
+            return base + decoded if sign == 1 else base - decoded
+        vals = payload.values.reshape(-1).astype(base.dtype)
+        idx = payload.indices.reshape(b, nb, kb).astype(jnp.int32)
+        pos = jnp.arange(nb, dtype=jnp.int32).reshape(1, nb, 1) * blk + idx  # in its row
+        flat = jnp.arange(b, dtype=jnp.int32).reshape(b, 1, 1) * d + pos
+        flat = jnp.where(pos < d, flat, b * d + flat).reshape(-1)  # padding: dropped, unique
+        flat_base = base.reshape(-1).at[flat]
+        out = flat_base.add(vals if sign == 1 else -vals, mode="drop", unique_indices=True)
+        return out.reshape(base.shape)
+
     return _base.Codec(
-        init, compress, decompress, name, _base.Reduction.GATHER, False, None, None, decode_sum
+        init, compress, decompress, name, _base.Reduction.GATHER, False, None, None, decode_sum,
+        add_decoded=add_decoded,
     )  # fmt: skip
 
 

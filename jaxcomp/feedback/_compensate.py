@@ -30,7 +30,10 @@ class Feedback(NamedTuple):
         in :class:`~jaxcomp.compressors.PerWorker`).
       reduce: ``reduce(x, memory, run, axis_name) -> (mean, echo, memory, aux)``, where
         ``run(c) -> (mean, echo, aux)`` averages ``c`` over the workers with the wrapped
-        protocol (``aux``: whatever ``run`` carries, e.g. the wrapped protocol's new state).
+        protocol (``aux``: whatever ``run`` carries, e.g. the wrapped protocol's new state),
+        and ``run(c, into=(base, sign)) -> (mean, echo, base + sign * echo, aux)`` also adds
+        the echo into ``base`` in place where the codec allows (``sign``: 1 or -1; see
+        :func:`~jaxcomp.compressors.add_decoded`).
       dense: ``dense(x, mean, memory, axis_name) -> memory``: the memory after a round that
         averaged ``x`` uncompressed into ``mean`` (warm-up).
       name: the compensation and its parameters without the codec, e.g.
@@ -81,8 +84,10 @@ def compensate(
         return Compensated(feedback.init(like), inner.init(like, num_workers))
 
     def all_reduce(x, state, key, axis_name):
-        def run(c):
-            return inner.all_reduce(c, state.inner, key, axis_name)
+        def run(c, into=None):
+            if into is None:
+                return inner.all_reduce(c, state.inner, key, axis_name)
+            return _protocol.all_reduce_into(inner, c, state.inner, key, axis_name, *into)
 
         mean, echo, memory, inner_state = feedback.reduce(x, state.memory, run, axis_name)
         return mean, echo, Compensated(memory, inner_state)

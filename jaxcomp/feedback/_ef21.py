@@ -74,9 +74,10 @@ def ef21_reduction(buffer_dtype=None) -> _compensate.Feedback:
         g = _protocol.this_worker(memory.estimate)
         _channel.check_buffer(g, x, False, buffer_dtype is None, name)
         old = memory.estimate.value.astype(x.dtype)  # [1, ...]: updated in place by XLA
-        mean_delta, echo, aux = run(x - old[0])
+        # g + echo made by the protocol: a scatter into g for exact TopK, else one fused pass
+        mean_delta, _, g_plus, aux = run(x - old[0], into=(old[0], 1))
         mean = memory.mean.astype(x.dtype) + mean_delta
-        g_new = (old + echo[None]).astype(g.dtype)
+        g_new = g_plus[None].astype(g.dtype)
         estimate = _protocol.per_worker(g_new, axis_name, stacked=True)
         out = EF21Memory(estimate, mean.astype(memory.mean.dtype))
         return mean, g_new[0].astype(x.dtype), out, aux
@@ -185,25 +186,27 @@ def _markov_channel(codec, num_samples, buffer_dtype, kind) -> _channel.Channel:
             _channel.check_ids(ids, x, name)
         _channel.check_buffer(estimate, x, per_sample, buffer_dtype is None, name)
 
-    def advance(estimate, ids, old, delta_hat):
-        # identical arithmetic at both ends keeps the mirrors bit-identical; each row's output
-        # is its own new estimate (a repeated id's occurrences differ; its last one is stored)
-        new = (old + delta_hat).astype(estimate.dtype)
+    def advance(estimate, ids, old, added):
+        # old + D(m) by the same add_decoded at both ends keeps the mirrors bit-identical; each
+        # row's output is its own new estimate (a repeated id's occurrences differ; its last
+        # one is stored)
+        new = added.astype(estimate.dtype)
         return _channel.write_buffer(estimate, ids, new, per_sample), new.astype(old.dtype)
 
     def send(x, send_state, key=None, ids=None):
         check(send_state.estimate, x, ids)
         old = _channel.read_buffer(send_state.estimate, ids, per_sample).astype(x.dtype)
-        payload, codec_state, delta_hat = _base.compress_and_decode(
-            codec, x - old, send_state.codec, key
+        payload, codec_state, _, added = _base.compress_into(
+            codec, x - old, send_state.codec, key, old, 1
         )
-        estimate, _ = advance(send_state.estimate, ids, old, delta_hat)
+        estimate, _ = advance(send_state.estimate, ids, old, added)
         return payload, EF21SendState(estimate, codec_state)
 
     def receive(payload, recv_state, like, ids=None):
         check(recv_state.estimate, like, ids)
         old = _channel.read_buffer(recv_state.estimate, ids, per_sample).astype(like.dtype)
-        estimate, x_hat = advance(recv_state.estimate, ids, old, codec.decompress(payload, like))
+        added = _base.add_decoded(codec, old, payload, 1)
+        estimate, x_hat = advance(recv_state.estimate, ids, old, added)
         return x_hat, EF21RecvState(estimate)
 
     def dense_send(x, send_state, ids=None):

@@ -37,12 +37,6 @@ class ErrorFeedbackMemory(NamedTuple):
     residual: _protocol.PerWorker
 
 
-def new_residual(corrected: jax.Array, decoded: jax.Array, decay: float) -> jax.Array:
-    r"""The error-feedback update :math:`e' = \beta\,(c - \hat c)`, shared by every path."""
-    residual = corrected - decoded
-    return residual if decay == 1.0 else decay * residual
-
-
 def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compensate.Feedback:
     r"""Error feedback as a wrapper of any multi-worker reduction.
 
@@ -75,8 +69,9 @@ def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compen
         _channel.check_buffer(e, x, False, residual_dtype is None, name)
         # in the per-worker layout [1, ...]: XLA then updates the (donated) residual in place
         corrected = x[None] + memory.residual.value.astype(x.dtype)
-        mean, echo, aux = run(corrected[0])
-        e_new = new_residual(corrected, echo[None], decay).astype(e.dtype)
+        # c - echo made by the protocol: a scatter into c for exact TopK, else one fused pass
+        mean, echo, kept, aux = run(corrected[0], into=(corrected[0], -1))
+        e_new = (kept if decay == 1.0 else decay * kept)[None].astype(e.dtype)
         memory = ErrorFeedbackMemory(_protocol.per_worker(e_new, axis_name, stacked=True))
         return mean, echo, memory, aux
 
@@ -153,10 +148,10 @@ def error_feedback(
         _channel.check_buffer(send_state.residual, x, per_sample, residual_dtype is None, name)
         e = _channel.read_buffer(send_state.residual, ids, per_sample)
         corrected = x + e.astype(x.dtype)
-        payload, codec_state, x_hat = _base.compress_and_decode(
-            codec, corrected, send_state.codec, key
+        payload, codec_state, _, kept = _base.compress_into(
+            codec, corrected, send_state.codec, key, corrected, -1
         )
-        new_e = new_residual(corrected, x_hat, decay)
+        new_e = kept if decay == 1.0 else decay * kept
         residual = _channel.write_buffer(send_state.residual, ids, new_e, per_sample)
         return payload, ErrorFeedbackState(residual, codec_state)
 

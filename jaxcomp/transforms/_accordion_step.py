@@ -179,14 +179,21 @@ def switch(config, protocols, leaf, new_mode, like, num_workers, zero_memory):
 def reduce_leaf(config, protocols, g, leaf, key):
     """Averages one parameter with the codec of its mode, inside the shared compensation."""
 
-    def run(c):
+    def run(c, into=None):
         def branch(mode):
-            def reduce(c, low, high):
+            def reduce(c, base, low, high):
                 states = {LOW_COMPRESSION: low, HIGH_COMPRESSION: high}
-                mean, echo, states[mode] = protocols[mode].all_reduce(
-                    c, states[mode], key, config.axis_name
-                )
-                return mean, echo, (states[LOW_COMPRESSION], states[HIGH_COMPRESSION])
+                if into is None:
+                    mean, echo, states[mode] = protocols[mode].all_reduce(
+                        c, states[mode], key, config.axis_name
+                    )
+                    out = (mean, echo)
+                else:
+                    mean, echo, added, states[mode] = _protocol.all_reduce_into(
+                        protocols[mode], c, states[mode], key, config.axis_name, base, into[1]
+                    )
+                    out = (mean, echo, added)
+                return *out, (states[LOW_COMPRESSION], states[HIGH_COMPRESSION])
 
             return reduce
 
@@ -195,6 +202,7 @@ def reduce_leaf(config, protocols, g, leaf, key):
             branch(LOW_COMPRESSION),
             branch(HIGH_COMPRESSION),
             c,
+            None if into is None else into[0],
             leaf.low,
             leaf.high,
         )

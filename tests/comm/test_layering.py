@@ -17,6 +17,7 @@ CONTRACT = {
     "ReduceProtocol",
     "Reduction",
     "compress_and_decode",
+    "compress_into",
     "decode_sum",
     "dense_bytes",
     "payload_shape",

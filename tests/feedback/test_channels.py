@@ -252,3 +252,38 @@ def test_reduction_error_feedback_is_the_channels_error_feedback(codec):
     np.testing.assert_array_equal(reduced, residual)
     np.testing.assert_array_equal(echo, x_hat)
     np.testing.assert_allclose(mean, x_hat, rtol=1e-6)  # the mean of one worker
+
+
+ADD_DECODED_CASES = [
+    (compressors.top_k(0.1), (37, 11)),  # exact: a scatter into base
+    (compressors.top_k(0.3, method="blockwise", block_size=7), (5, 9)),  # padded blocks
+    (compressors.top_k(0.2, per_sample=True), (4, 13)),
+    (compressors.top_k(0.2, per_sample=True, method="blockwise", block_size=4), (3, 10)),
+    (compressors.top_k(0.01, method="blockwise"), (50, 20)),  # one per block: a mask
+    (compressors.top_k(0.5), (0, 4)),  # zero-size
+    (compressors.quantize(4), (8, 8)),  # no fast path: the dense form
+]
+
+
+@pytest.mark.parametrize("codec,shape", ADD_DECODED_CASES, ids=lambda v: getattr(v, "name", v))
+def test_add_decoded_and_compress_into_equal_the_dense_form(codec, shape):
+    """What EF keeps (c - D(C(c))) and EF21 keeps (g + D(m)), eager and jitted, NaN/Inf too."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    if x.size:
+        x = x.at[0, 0].set(jnp.nan).at[1, 1].set(-jnp.inf)
+    base = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    payload, _ = codec.compress(x, codec.init(x), None)
+    decoded = codec.decompress(payload, x)
+    for sign, want in ((1, base + decoded), (-1, base - decoded)):
+        eager = compressors.add_decoded(codec, base, payload, sign)
+        jitted = jax.jit(lambda b, p, s=sign: compressors.add_decoded(codec, b, p, s))(
+            base, payload
+        )
+        np.testing.assert_array_equal(np.asarray(eager), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(jitted), np.asarray(want))
+    out = compressors.compress_into(codec, x, codec.init(x), None, x, -1)
+    np.testing.assert_array_equal(np.asarray(out[2]), np.asarray(decoded))
+    np.testing.assert_array_equal(np.asarray(out[3]), np.asarray(x - decoded))
+    with pytest.raises(ValueError, match="sign must be 1 or -1"):
+        compressors.add_decoded(codec, base, payload, 2)
