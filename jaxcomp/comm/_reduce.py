@@ -20,8 +20,11 @@ codec         the codec's own :class:`~jaxcomp.compressors.ReduceProtocol` ``Cod
 
 Every protocol returns ``(mean, echo, state)``, ``echo`` being this worker's decoded payload
 (computed with :func:`~jaxcomp.compressors.compress_and_decode`, so error feedback gets it from
-the codec's fused round trip). Receivers decode gathered payloads with the codec's fused
-:func:`~jaxcomp.compressors.decode_sum` in passes of up to eight payloads.
+the codec's fused round trip); the ``psum`` and ``all_gather`` paths also have
+``all_reduce_into``, which adds the echo into the residual (or EF21's estimate) with
+:func:`~jaxcomp.compressors.compress_into` (exact TopK: a scatter in place). Receivers
+decode gathered payloads with the codec's fused :func:`~jaxcomp.compressors.decode_sum` in
+passes of up to eight payloads.
 """
 
 from __future__ import annotations

@@ -49,7 +49,9 @@ def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compen
     memory); on a dense path it is ``c`` itself, so the memory is sent along and cleared.
     The residual update is fused by XLA with the echo's decoding where the codec's decode is
     elementwise (quantize, sign, blockwise TopK, PowerSGD's factors): one pass, no decoded
-    copy in memory. A round averaged uncompressed leaves the memory untouched.
+    copy in memory; where it is a scatter (exact TopK) the protocol subtracts the kept values
+    from ``c`` in place (``ReduceProtocol.all_reduce_into``, ``Codec.add_decoded``). A round
+    averaged uncompressed leaves the memory untouched.
 
     Args:
       decay: :math:`\beta \in (0, 1]`.
