@@ -164,10 +164,10 @@ def psum_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
             f"{codec.name} is {codec.reduction.value}. Use 'all_gather' or 'two_phase'."
         )
 
-    def all_reduce_into(x, state, key, axis_name, base, sign):
+    def all_reduce_into(x, state, key, axis_name, base, direction):
         num = _protocol.axis_size(axis_name)
         payload, codec_state, echo, into = compressors.compress_into(
-            codec, x, _protocol.this_worker(state.codec), codec_key(codec, key), base, sign
+            codec, x, _protocol.this_worker(state.codec), codec_key(codec, key), base, direction
         )
         total = payload if axis_name is None else codec.psum(payload, axis_name)
         mean = codec.decompress(total, x) / num
@@ -193,10 +193,10 @@ def psum_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
 def gather_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
     """``all_gather`` of the payloads (each worker's own key); every worker decodes all."""
 
-    def all_reduce_into(x, state, key, axis_name, base, sign):
+    def all_reduce_into(x, state, key, axis_name, base, direction):
         key = _protocol.worker_key(codec_key(codec, key), axis_name)
         payload, codec_state, echo, into = compressors.compress_into(
-            codec, x, _protocol.this_worker(state.codec), key, base, sign
+            codec, x, _protocol.this_worker(state.codec), key, base, direction
         )
         mean = decode_mean(codec, _protocol.all_gather(payload, axis_name), x)
         return mean, echo, into, GatherReduce(_protocol.per_worker(codec_state, axis_name))
