@@ -1,0 +1,306 @@
+"""The contract every transform keeps, as optax users compose it (mirrors the codec contract).
+
+Each transform (``compressed_mean`` on every collective path, ``accordion``,
+``accordion_batch_size``) is initialised outside ``shard_map`` on plain parameters, placed with
+``comm.place_state``, and run on per-worker gradients inside ``shard_map`` over 4 workers:
+
+* plain, jitted (the reference every other form is compared with);
+* in ``optax.chain`` with ``optax.sgd``: ``-lr`` times the reference's updates;
+* built through ``optax.inject_hyperparams``: the reference's numbers;
+* inside ``optax.MultiSteps(k=2)``: nothing for a micro-step, then the reference's update of
+  the two micro-batches' mean;
+* on bfloat16 parameters and gradients: bfloat16 updates close to the float32 reference;
+* under ``lax.cond``: the new state has exactly the old state's types (``jax.typeof``: shape,
+  dtype, sharding and varying axes), so the transform can sit in a branch; ``True`` gives
+  the reference and ``False`` leaves the state as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp import comm
+from jaxcomp import compressors
+from jaxcomp import feedback
+from jaxcomp import transforms
+
+W = 4
+AXIS = comm.DATA
+PARAMS = {"w": jnp.zeros((8, 6)), "b": jnp.zeros((6,))}
+LR = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A transform factory and the keyword arguments it is built with."""
+
+    name: str
+    factory: Callable[..., Any]
+    args: tuple = ()
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    static: tuple = ()  # the arguments optax.inject_hyperparams must keep static
+    needs_mesh: bool = False  # init sized by the number of workers (two-phase path)
+
+    def build(self, **overrides):
+        return self.factory(*self.args, **{**self.kwargs, **overrides})
+
+
+def _mean_case(path, channel, **kwargs):
+    return Case(
+        f"compressed_mean/{path}",
+        transforms.compressed_mean,
+        (channel,),
+        {"path": path, **kwargs},
+        static=("min_compression_rate", "min_ndim", "warmup_steps", "seed"),
+        needs_mesh=path == "two_phase",
+    )
+
+
+CASES = [
+    _mean_case("dense", feedback.error_feedback(compressors.top_k(0.25))),
+    _mean_case("psum", feedback.error_feedback(compressors.rand_k(0.25)), warmup_steps=1),
+    _mean_case("all_gather", feedback.error_feedback(compressors.top_k(0.25))),
+    _mean_case("two_phase", feedback.error_feedback(compressors.top_k(0.25))),
+    _mean_case("codec", feedback.error_feedback(compressors.power_sgd(2))),
+    _mean_case("auto", feedback.ef21(compressors.quantize(4))),
+    Case(
+        "accordion",
+        transforms.accordion,
+        (compressors.power_sgd(2), compressors.power_sgd(1)),
+        {"interval_steps": 1, "check_every": 1, "eta": 0.5},
+        static=("interval_steps", "check_every", "min_compression_rate", "min_ndim", "seed"),
+    ),
+    Case(
+        "accordion_batch_size",
+        transforms.accordion_batch_size,
+        (optax.chain(transforms.compressed_mean(compressors.top_k(0.25)), optax.sgd(1.0)),),
+        {"interval_steps": 1, "check_every": 1, "small_steps": 1, "large_steps": 2, "eta": 0.5},
+        static=("interval_steps", "check_every", "small_steps", "large_steps"),
+    ),
+]
+IDS = [c.name for c in CASES]
+
+
+def _worker_grads(seed, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    grads = {k: rng.standard_normal((W, *v.shape)).astype(np.float32) for k, v in PARAMS.items()}
+    return {k: jnp.asarray(v, dtype) for k, v in grads.items()}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return comm.make_mesh([(AXIS, W)], devices=jax.devices()[:W])
+
+
+def _init(case, tx, params, mesh):
+    """``tx.init`` outside ``shard_map`` (under the mesh only where the state is sized by W)."""
+    if case.needs_mesh:
+        with jax.set_mesh(mesh):
+            return tx.init(params)
+    return tx.init(params)
+
+
+def _local(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def _runner(tx, state, mesh):
+    """``(state, grads[W, ...]) -> (updates, state)`` with ``tx.update`` inside ``shard_map``."""
+    specs = comm.state_specs(state, AXIS)
+
+    def body(state, grads):
+        return tx.update(_local(grads), state, PARAMS)
+
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=(P(), specs))
+    )
+
+
+def _put(tree, mesh):
+    return jax.device_put(tree, NamedSharding(mesh, P(AXIS)))
+
+
+def _run(case, tx, mesh, grads_seq, params=PARAMS):
+    """Updates of ``tx`` (built from ``case``) on each per-worker gradient in ``grads_seq``."""
+    state = comm.place_state(_init(case, tx, params, mesh), mesh, AXIS)
+    step = _runner(tx, state, mesh)
+    out = []
+    for grads in grads_seq:
+        updates, state = step(state, _put(grads, mesh))
+        out.append(jax.tree.map(np.asarray, updates))
+    return out, state
+
+
+GRADS = [_worker_grads(1), _worker_grads(2), _worker_grads(3)]
+
+
+@pytest.fixture(scope="module")
+def reference(mesh):
+    """Each case's plain updates on GRADS."""
+    cache = {}
+
+    def get(case):
+        if case.name not in cache:
+            cache[case.name] = _run(case, case.build(), mesh, GRADS)[0]
+        return cache[case.name]
+
+    return get
+
+
+def _assert_trees_equal(got, want, **tol):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        if tol:
+            np.testing.assert_allclose(np.asarray(g, np.float32), w, **tol)
+        else:
+            np.testing.assert_array_equal(g, w)
+
+
+def _moved(updates_seq):
+    """The reference must move the parameters (a contract check on all-zero updates is void)."""
+    return all(any(np.any(u != 0) for u in jax.tree.leaves(upd)) for upd in updates_seq)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_init_outside_shard_map_is_abstractly_stable(case, mesh):
+    tx = case.build()
+    state = _init(case, tx, PARAMS, mesh)
+    jitted = jax.jit(tx.init)
+    if case.needs_mesh:
+        with jax.set_mesh(mesh):
+            again = jitted(PARAMS)
+    else:
+        again = jitted(PARAMS)
+    assert jax.tree.map(jax.typeof, state) == jax.tree.map(jax.typeof, again)
+    placed = comm.place_state(state, mesh, AXIS)
+    assert jax.tree.structure(placed) == jax.tree.structure(state)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_in_optax_chain(case, mesh, reference):
+    want = reference(case)
+    assert _moved(want[:1])
+    tx = optax.chain(case.build(), optax.sgd(LR))
+    got, _ = _run(case, tx, mesh, GRADS)
+    for g, w in zip(got, want):
+        _assert_trees_equal(g, jax.tree.map(lambda u: -LR * u, w), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_inject_hyperparams(case, mesh, reference):
+    tx = optax.inject_hyperparams(case.factory, static_args=case.static)(*case.args, **case.kwargs)
+    state = _init(case, tx, PARAMS, mesh)
+    dynamic = set(case.kwargs) - set(case.static) - {"path"}
+    assert dynamic <= set(state.hyperparams), (dynamic, state.hyperparams)
+    got, _ = _run(case, tx, mesh, GRADS)
+    for g, w in zip(got, reference(case)):
+        _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_multisteps(case, mesh, reference):
+    """MultiSteps(k=2): a zero update, then the reference's first update on the two
+    micro-batches' running mean (optax accumulates per worker, so its accumulator is placed
+    per worker like the gradients)."""
+    tx = optax.MultiSteps(case.build(), every_k_schedule=2)
+    state = _init(case, tx, PARAMS, mesh)
+    acc = jax.tree.map(lambda a: jnp.broadcast_to(a, (W, *a.shape)), state.acc_grads)
+    state = comm.place_state(state._replace(acc_grads=None), mesh, AXIS)._replace(
+        acc_grads=_put(acc, mesh)
+    )
+    specs = comm.state_specs(state._replace(acc_grads=None), AXIS)._replace(acc_grads=P(AXIS))
+
+    def body(state, grads):
+        state = state._replace(acc_grads=_local(state.acc_grads))
+        updates, state = tx.update(_local(grads), state, PARAMS)
+        return updates, state._replace(acc_grads=jax.tree.map(lambda a: a[None], state.acc_grads))
+
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=(P(), specs))
+    )
+    first, state = step(state, _put(GRADS[0], mesh))
+    assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(first))
+    second, state = step(state, _put(GRADS[1], mesh))
+    mean = jax.tree.map(lambda a, b: a + (b - a) / 2, GRADS[0], GRADS[1])  # optax's running mean
+    want, _ = _run(case, case.build(), mesh, [mean])
+    assert _moved(want)
+    _assert_trees_equal(second, want[0], rtol=1e-5, atol=1e-6)
+
+
+def _exact_grads(seed):
+    """Per-worker gradients exact in bfloat16 with exact sums: small integers times a power of
+    two per worker (so a TopK threshold or a quantization level cannot fall between the
+    bfloat16 and float32 values of one number)."""
+    rng = np.random.default_rng(seed)
+    scales = np.asarray([1.0, 0.5, 0.25, 2.0], np.float32)[:W]
+    return {
+        k: scales.reshape(-1, *([1] * v.ndim))
+        * rng.integers(-7, 8, (1, *v.shape)).astype(np.float32)
+        for k, v in PARAMS.items()
+    }
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_bfloat16_params(case, mesh):
+    """bfloat16 parameters and gradients: bfloat16 updates, state types kept step to step, and
+    the float32 run's numbers on the same (bfloat16-exact) gradients to bfloat16 precision."""
+    exact = [_exact_grads(10 + i) for i in range(3)]
+    want, _ = _run(case, case.build(), mesh, exact)
+    assert _moved(want[:1])
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), PARAMS)
+    tx = case.build()
+    state = comm.place_state(_init(case, tx, params, mesh), mesh, AXIS)
+    types = jax.tree.map(jax.typeof, state)
+    step = _runner(tx, state, mesh)
+    for grads, w in zip(exact, want):
+        updates, state = step(
+            state, _put(jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads), mesh)
+        )
+        assert jax.tree.map(jax.typeof, state) == types
+        assert {u.dtype for u in jax.tree.leaves(updates)} == {jnp.dtype(jnp.bfloat16)}
+        scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(w))
+        _assert_trees_equal(updates, w, rtol=2e-2, atol=1e-2 * scale)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_state_types_stable_under_cond(case, mesh, reference):
+    tx = case.build()
+    state = comm.place_state(_init(case, tx, PARAMS, mesh), mesh, AXIS)
+    specs = comm.state_specs(state, AXIS)
+    seen = {}
+
+    def body(state, grads, pred):
+        grads = _local(grads)
+
+        def run(s):
+            updates, new = tx.update(grads, s, PARAMS)
+            seen["old"] = jax.tree.map(jax.typeof, s)
+            seen["new"] = jax.tree.map(jax.typeof, new)
+            return updates, new
+
+        def skip(s):
+            return jax.tree.map(jnp.zeros_like, PARAMS), s
+
+        return lax.cond(pred, run, skip, state)
+
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(specs, P(AXIS), P()), out_specs=(P(), specs))
+    )
+    grads = _put(GRADS[0], mesh)
+    updates, after = step(state, grads, jnp.asarray(True))
+    assert seen["old"] == seen["new"]
+    _assert_trees_equal(jax.tree.map(np.asarray, updates), reference(case)[0], rtol=1e-6, atol=1e-7)
+    zeros, same = step(state, grads, jnp.asarray(False))
+    assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(zeros))
+    _assert_trees_equal(jax.tree.map(np.asarray, same), jax.tree.map(np.asarray, state))
