@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomp import _validate
 from jaxcomp import compressors
 from jaxcomp import feedback
 from jaxcomp.comm import _local
@@ -193,6 +194,11 @@ def reduce_leaf(config, protocols, g, leaf, key):
                         protocols[mode], c, states[mode], key, config.axis_name, base, into[1]
                     )
                     out = (mean, echo, added)
+                # a dense echo is this worker's c (varying), PowerSGD's the averaged
+                # reconstruction (invariant): both branches return it (and base + sign * echo)
+                # as varying as c
+                varying = tuple(sorted(_protocol.varying_axes(c)))
+                out = (out[0], *_protocol.to_varying(out[1:], varying))
                 return *out, (states[LOW_COMPRESSION], states[HIGH_COMPRESSION])
 
             return reduce
@@ -236,7 +242,7 @@ def update_accordion(
     """``accordion``'s ``update`` (inside ``shard_map`` over ``config.axis_name``)."""
     del params
     axis_name = config.axis_name
-    _cm.check_tree(updates, state.leaves, "accordion")
+    _validate.check_tree(updates, state.leaves, "accordion")
     num = _protocol.axis_size(axis_name)
     flat, treedef = jax.tree.flatten(updates)
     leaf_states = treedef.flatten_up_to(state.leaves)
@@ -250,7 +256,7 @@ def update_accordion(
     sent = jnp.zeros((), jnp.float32)
     for i, (g, leaf) in enumerate(zip(flat, leaf_states)):
         expected = jax.eval_shape(lambda g=g: init_leaf(config, g, num))
-        _cm.check_leaf_state(leaf, expected, names[i], g, "accordion")
+        _validate.check_state_leaves(leaf, expected, names[i], g, "accordion")
         protocols = config.protocols(g)
         if protocols is None:
             means.append(_protocol.pmean(g, axis_name))
