@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from jaxcomp import _validate
 from jaxcomp import compressors
 from jaxcomp import feedback
 from jaxcomp.comm import _reduce
@@ -29,7 +30,7 @@ _log = logging.getLogger(__name__)
 
 def check_path(codec: compressors.Codec, path: str) -> None:
     """Raises ``ValueError`` if ``path`` is unknown or cannot carry ``codec``'s payloads."""
-    _base.check_choice("path", path, PATHS)
+    _validate.check_choice("path", path, PATHS)
     if path == "psum" and codec.reduction is not compressors.Reduction.SUM:
         raise ValueError(
             f"path='psum' needs a summable codec (Reduction.SUM: identity, cast, rand_k); "

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp import _validate
 from jaxcomp.comm import _send_vjp
 from jaxcomp.comm._send_vjp import ChannelStates
 from jaxcomp.compressors import _base
@@ -84,7 +85,7 @@ def check_link(
     forward: _channel.Channel, backward: _channel.Channel | None, mode: str, like: Any = None
 ) -> None:
     """Validates a link's configuration (and, given ``like``, the shared-mask payload)."""
-    _base.check_choice("mode", mode, BACKWARD_MODES)
+    _validate.check_choice("mode", mode, BACKWARD_MODES)
     if not isinstance(forward, _channel.Channel):
         raise TypeError(f"forward must be a Channel; got {type(forward).__name__}.")
     if mode == "shared_mask":

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomp import _validate
 from jaxcomp.compressors import _protocol
 
 Array = jax.Array
@@ -229,6 +230,13 @@ def dense_bytes(like: Like) -> int:
     return math.prod(like.shape) * np.dtype(like.dtype).itemsize
 
 
+# Names kept for code written before jaxcomp._validate (branches in flight); new code calls
+# jaxcomp._validate directly.
+check_choice = _validate.check_choice
+check_int_range = _validate.check_int
+check_fraction = _validate.check_fraction
+
+
 def check_float(x: Like, codec_name: str) -> None:
     """Raises ``TypeError`` unless ``x`` has a floating dtype."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -239,28 +247,6 @@ def check_key(key: Array | None, codec_name: str) -> None:
     """Raises ``ValueError`` when a stochastic codec is called without a PRNG key."""
     if key is None:
         raise ValueError(f"{codec_name} is stochastic: compress(x, state, key) needs a PRNG key.")
-
-
-def check_choice(name: str, value: Any, allowed: tuple) -> None:
-    """Raises ``ValueError`` naming ``name`` unless ``value`` is one of ``allowed``."""
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}; got {value!r}.")
-
-
-def check_int_range(name: str, value: Any, lo: int, hi: int | None = None) -> None:
-    """Raises ``ValueError`` unless ``value`` is an int in ``[lo, hi]``."""
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-    ok = ok and value >= lo and (hi is None or value <= hi)
-    if not ok:
-        upper = "" if hi is None else f" and <= {hi}"
-        raise ValueError(f"{name} must be an integer >= {lo}{upper}; got {value!r}.")
-
-
-def check_fraction(name: str, value: Any) -> None:
-    """Raises ``ValueError`` unless ``0 < value <= 1``."""
-    ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool)
-    if not (ok and 0.0 < float(value) <= 1.0):
-        raise ValueError(f"{name} must be a fraction in (0, 1]; got {value!r}.")
 
 
 def index_dtype(num_positions: int) -> np.dtype:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomp import _validate
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _checks
 
@@ -82,7 +83,7 @@ def cast(dtype="bfloat16") -> _base.Codec:
       (dtype('uint16'), Array([1.        , 0.33325195], dtype=float32))
     """
     dtype_name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
-    _base.check_choice("dtype", dtype_name, tuple(_CASTS))
+    _validate.check_choice("dtype", dtype_name, tuple(_CASTS))
     target = _CASTS[dtype_name]
     name = f"cast({dtype_name})"
 

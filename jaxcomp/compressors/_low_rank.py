@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp import _validate
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _checks
 
@@ -210,7 +211,7 @@ def power_sgd(
       Vogels et al., `PowerSGD: Practical Low-Rank Gradient Compression for Distributed
       Optimization <https://arxiv.org/abs/1905.13727>`_, 2019.
     """
-    _base.check_int_range("rank", rank, 1)
+    _validate.check_int("rank", rank, 1)
     ok = isinstance(epsilon, (int, float)) and not isinstance(epsilon, bool)
     if not (ok and 0.0 <= epsilon <= 1.0):
         raise ValueError(f"epsilon must be a float in [0, 1]; got {epsilon!r}.")

@@ -234,17 +234,3 @@ def pmean(x: Array, axis_name: str | None) -> Array:
 def array_bytes(tree: Any) -> int:
     """Bytes of the arrays (or ``ShapeDtypeStruct``s) in ``tree``."""
     return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
-
-
-def check_like(x: Any, like: Any, who: str) -> None:
-    """Raises ``ValueError`` naming both when ``x`` is not shaped and typed as ``like``."""
-    if tuple(x.shape) != tuple(like.shape) or jnp.dtype(x.dtype) != jnp.dtype(like.dtype):
-        raise ValueError(
-            f"{who}: the state was built for {describe(like)}; got {describe(x)}. A state "
-            "accepts only the shape and dtype it was initialised with."
-        )
-
-
-def describe(x: Any) -> str:
-    """``float32[8,6]``-style description of an array or struct."""
-    return f"{jnp.dtype(x.dtype).name}[{','.join(str(d) for d in x.shape)}]"

@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomp import _validate
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _bitpack
 from jaxcomp.compressors import _checks
@@ -158,9 +159,9 @@ def quantize(
       Rudakov et al., `Activations and Gradients Compression for Model-Parallel Training
       <https://arxiv.org/abs/2401.07788>`_, 2024.
     """
-    _base.check_int_range("bits", bits, 1, 8)
-    _base.check_choice("scale", scale, SCALE_MODES)
-    _base.check_choice("rounding", rounding, ROUNDING_MODES)
+    _validate.check_int("bits", bits, 1, 8)
+    _validate.check_choice("scale", scale, SCALE_MODES)
+    _validate.check_choice("rounding", rounding, ROUNDING_MODES)
     if scale == "feature":
         if not isinstance(axes, (tuple, list)) or not all(isinstance(a, int) for a in axes):
             raise ValueError(f"axes must be a tuple of ints; got {axes!r}.")
@@ -337,7 +338,7 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
       Karimireddy et al., `Error Feedback Fixes SignSGD and other Gradient Compression Schemes
       <https://arxiv.org/abs/1901.09847>`_, 2019.
     """
-    _base.check_choice("scale", scale, ("mean_abs", "rms"))
+    _validate.check_choice("scale", scale, ("mean_abs", "rms"))
     name = f"sign({scale})"
 
     def init(x):

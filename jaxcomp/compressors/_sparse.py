@@ -8,6 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxcomp import _validate
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _checks
 from jaxcomp.compressors import _select
@@ -62,9 +63,9 @@ def _check_k_args(fraction, count):
     if (fraction is None) == (count is None):
         raise ValueError("give exactly one of fraction or count.")
     if fraction is not None:
-        _base.check_fraction("fraction", fraction)
+        _validate.check_fraction("fraction", fraction)
     else:
-        _base.check_int_range("count", count, 1)
+        _validate.check_int("count", count, 1)
 
 
 def _magnitude(x: jax.Array) -> jax.Array:
@@ -178,11 +179,10 @@ def top_k(
       <https://arxiv.org/abs/1809.10505>`_, 2018.
     """
     _check_k_args(fraction, count)
-    _base.check_choice("method", method, TOPK_METHODS)
+    _validate.check_choice("method", method, TOPK_METHODS)
     if block_size is not None:
-        _base.check_int_range("block_size", block_size, 2)
-    if not 0.0 < recall_target <= 1.0:
-        raise ValueError(f"recall_target must be in (0, 1]; got {recall_target}.")
+        _validate.check_int("block_size", block_size, 2)
+    _validate.check_fraction("recall_target", recall_target)
     what = f"{fraction:g}" if fraction is not None else f"count={count}"
     name = f"top_k({what}{', per_sample' if per_sample else ''}, {method})"
 

@@ -20,6 +20,8 @@ import os
 
 import numpy as np
 
+from jaxcomp import _validate
+
 #: datasets :func:`write_fake_tfds` can imitate, with the splits it writes
 FAKE_TFDS = {
     "cifar10": ("train", "test"),
@@ -114,10 +116,8 @@ def write_fake_tfds(
 
     if name not in FAKE_TFDS:
         raise ValueError(f"write_fake_tfds: name must be one of {sorted(FAKE_TFDS)}; got {name!r}.")
-    if not isinstance(num_examples, int) or num_examples < 1:
-        raise ValueError(f"num_examples must be a positive integer; got {num_examples!r}.")
-    if not isinstance(num_chars, int) or num_chars < 2:
-        raise ValueError(f"num_chars must be an integer >= 2; got {num_chars!r}.")
+    _validate.check_int("num_examples", num_examples, 1)
+    _validate.check_int("num_chars", num_chars, 2)
     version = tfds.builder_cls(name).VERSION
     target = os.path.join(os.fspath(data_dir), name, str(version))
     if os.path.exists(target):

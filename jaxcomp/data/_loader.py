@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxcomp import _validate
 from jaxcomp.data import _sources
 
 AUGMENTATIONS = (None, "crop_flip")
@@ -57,10 +58,8 @@ class Loader:
         drop_last: bool = True,
         augment: str | None = None,
     ):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}.")
-        if augment not in AUGMENTATIONS:
-            raise ValueError(f"augment must be one of {AUGMENTATIONS}; got {augment!r}.")
+        _validate.check_int("batch_size", batch_size, 1)
+        _validate.check_choice("augment", augment, AUGMENTATIONS)
         n = len(source)
         if drop_last and n < batch_size:
             raise ValueError(f"batch_size {batch_size} exceeds the {n} examples of the split.")

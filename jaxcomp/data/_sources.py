@@ -18,6 +18,8 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxcomp import _validate
+
 #: SHA-256 of the pydoc topics corpus (keys sorted, joined with "\n\n") on Python 3.11.7.
 #: The corpus differs between Python versions; :func:`pydoc_text` warns when it does not match.
 PYDOC_TOPICS_SHA256 = "71f2ff5d99bdc1f9c48c5c2353ad138201c5ca1c377e0226857ef8fa89b8bcee"
@@ -62,11 +64,6 @@ class ArraySource:
         return f"ArraySource(len={self._len}, {shapes})"
 
 
-def _check_split(split: str) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}; got {split!r}.")
-
-
 def digits(split: str = "train", *, flat: bool = True, test_fraction: float = 0.2) -> ArraySource:
     """scikit-learn's bundled handwritten digits (1,797 8x8 images, 10 classes; no download).
 
@@ -83,9 +80,8 @@ def digits(split: str = "train", *, flat: bool = True, test_fraction: float = 0.
     """
     from sklearn.datasets import load_digits
 
-    _check_split(split)
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1); got {test_fraction!r}.")
+    _validate.check_choice("split", split, SPLITS)
+    _validate.check_number("test_fraction", test_fraction, gt=0, lt=1)
     bunch = load_digits()
     x = (bunch.data / 16.0).astype(np.float32)
     y = bunch.target.astype(np.int32)
@@ -148,7 +144,7 @@ def pydoc_text(
     Returns:
       An :class:`ArraySource` with ``x`` and ``label`` of shape ``[seq_len]`` (int32).
     """
-    _check_split(split)
+    _validate.check_choice("split", split, SPLITS)
     text, sha = pydoc_corpus()
     if expected_sha256 is not None and sha != expected_sha256:
         raise ValueError(
@@ -183,7 +179,7 @@ def synthetic_images(
     For smoke runs and benchmarks of image models when the real dataset is not prepared (the
     Flax examples' fake-data configs). Train and test draw from different seeds.
     """
-    _check_split(split)
+    _validate.check_choice("split", split, SPLITS)
     rng = np.random.default_rng(0 if split == "train" else 1)
     labels = rng.integers(0, num_classes, num_examples).astype(np.int32)
     centers = np.random.default_rng(42).normal(0, 1, (num_classes, *shape)).astype(np.float32)

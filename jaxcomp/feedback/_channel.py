@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomp import _validate
 from jaxcomp.compressors import _base
-from jaxcomp.compressors import _protocol
 from jaxcomp.feedback import _compensate
 
 SendState = Any
@@ -186,10 +186,10 @@ def check_buffer(buffer: Any, x: Any, per_sample: bool, same_dtype: bool, name: 
     want = tuple(buffer.shape[1:]) if per_sample else tuple(buffer.shape)
     got = tuple(x.shape[1:]) if per_sample else tuple(x.shape)
     if want != got or (same_dtype and jnp.dtype(buffer.dtype) != jnp.dtype(x.dtype)):
-        built = _protocol.describe(buffer)
+        built = _validate.describe(buffer)
         what = "per-sample rows of " if per_sample else ""
         raise ValueError(
-            f"{name}: the state was built for {what}{built}; got {_protocol.describe(x)}. A "
+            f"{name}: the state was built for {what}{built}; got {_validate.describe(x)}. A "
             "channel state accepts only the shape and dtype it was initialised with."
         )
 

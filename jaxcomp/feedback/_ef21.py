@@ -7,6 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxcomp import _validate
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _protocol
 from jaxcomp.feedback import _channel
@@ -161,7 +162,7 @@ def aq_sgd(codec: _base.Codec, num_samples: int, *, buffer_dtype=jnp.float16) ->
       Wang et al., `Fine-tuning Language Models over Slow Networks using Activation Compression
       with Guarantees <https://arxiv.org/abs/2206.01299>`_, 2022.
     """
-    _base.check_int_range("num_samples", num_samples, 1)
+    _validate.check_int("num_samples", num_samples, 1)
     return _markov_channel(codec, num_samples, buffer_dtype, "aq_sgd")
 
 
@@ -169,7 +170,7 @@ def _markov_channel(codec, num_samples, buffer_dtype, kind) -> _channel.Channel:
     if not isinstance(codec, _base.Codec):
         raise TypeError(f"{kind}() takes a Codec; got {type(codec).__name__}.")
     if num_samples is not None:
-        _base.check_int_range("num_samples", num_samples, 1)
+        _validate.check_int("num_samples", num_samples, 1)
     per_sample = num_samples is not None
     suffix = ", per_sample" if per_sample and kind == "ef21" else ""
     name = f"{kind}({codec.name}{suffix})"

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxcomp import _validate
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _protocol
 from jaxcomp.feedback import _channel
@@ -141,9 +142,8 @@ def error_feedback(
     if not isinstance(codec, _base.Codec):
         raise TypeError(f"error_feedback() takes a Codec; got {type(codec).__name__}.")
     if num_samples is not None:
-        _base.check_int_range("num_samples", num_samples, 1)
-    if not (isinstance(decay, (int, float)) and 0.0 < decay <= 1.0):
-        raise ValueError(f"decay must be in (0, 1]; got {decay!r}.")
+        _validate.check_int("num_samples", num_samples, 1)
+    _validate.check_fraction("decay", decay)
     per_sample = num_samples is not None
     name = f"error_feedback({codec.name}{', per_sample' if per_sample else ''})"
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxcomp.compressors import _base
+from jaxcomp import _validate
 from jaxcomp.models import _staged
 
 NORMS = ("batch", "group", "layer")
@@ -135,7 +135,7 @@ def resnet18(
       He et al., `Deep Residual Learning for Image Recognition
       <https://arxiv.org/abs/1512.03385>`_, 2016.
     """
-    _base.check_choice("norm", norm, NORMS)
+    _validate.check_choice("norm", norm, NORMS)
     segments = [("stem", Stem(width, norm))]
     for i, n in enumerate(blocks):
         segments.append((f"layer{i + 1}", ResLayer(width * 2**i, n, 1 if i == 0 else 2, norm)))

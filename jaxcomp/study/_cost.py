@@ -57,11 +57,11 @@ References:
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from jaxcomp import _validate
 from jaxcomp.comm._hlo import KINDS  # the kinds the HLO meter counts, each priced below
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -94,27 +94,6 @@ class Collective(NamedTuple):
     executions: int = 1
 
 
-def _check_number(name: str, value, *, positive: bool = False) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number; got {value!r}.") from None
-    if not math.isfinite(v) or v < 0 or (positive and v == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{name} must be finite and {bound}; got {value!r}.")
-    return v
-
-
-def _check_count(name: str, value, *, minimum: int) -> int:
-    try:
-        v = operator.index(value)  # ints and numpy integers; not floats or bools
-    except TypeError:
-        v = None
-    if v is None or isinstance(value, bool) or v < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}.")
-    return v
-
-
 def link(gbit_per_s: float, latency_s: float = DEFAULT_LATENCY_S) -> Link:
     """A :class:`Link` of ``gbit_per_s`` gigabits per second (``1e9 / 8`` bytes/s each).
 
@@ -122,15 +101,15 @@ def link(gbit_per_s: float, latency_s: float = DEFAULT_LATENCY_S) -> Link:
       >>> link(10, latency_s=0.0)
       Link(bandwidth=1250000000.0, latency=0.0)
     """
-    gbit = _check_number("gbit_per_s", gbit_per_s, positive=True)
-    return Link(gbit * 1e9 / 8, _check_number("latency_s", latency_s))
+    gbit = _validate.check_number("gbit_per_s", gbit_per_s, gt=0, finite=True)
+    return Link(gbit * 1e9 / 8, _validate.check_number("latency_s", latency_s, ge=0, finite=True))
 
 
 def _check_link(lk) -> Link:
     if not isinstance(lk, Link):
         raise ValueError(f"link must be a cost.Link (see cost.link(gbit_per_s)); got {lk!r}.")
-    _check_number("link.bandwidth", lk.bandwidth, positive=True)
-    _check_number("link.latency", lk.latency)
+    _validate.check_number("link.bandwidth", lk.bandwidth, gt=0, finite=True)
+    _validate.check_number("link.latency", lk.latency, ge=0, finite=True)
     return lk
 
 
@@ -151,10 +130,9 @@ def collective_time(kind: str, nbytes: float, group_size: int, lk: Link) -> floa
       >>> round(collective_time("all-reduce", 100.0, 4, lk), 6)  # 6 * 0.1 + 1.5 * 0.1
       0.75
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}.")
-    n = _check_number("nbytes", nbytes)
-    w = _check_count("group_size", group_size, minimum=1)
+    _validate.check_choice("kind", kind, KINDS)
+    n = _validate.check_number("nbytes", nbytes, ge=0, finite=True)
+    w = _validate.check_int("group_size", group_size, 1)
     alpha, beta = _check_link(lk).latency, lk.bandwidth
     if n == 0 or w == 1:
         return 0.0
@@ -185,7 +163,7 @@ def communication_time(collectives, lk: Link) -> float:
     records = getattr(collectives, "records", collectives)
     total = 0.0
     for r in records:
-        runs = _check_count("executions", r.executions, minimum=0)
+        runs = _validate.check_int("executions", r.executions, 0)
         total += runs * collective_time(r.kind, r.bytes_per_execution, r.group_size, lk)
     return total
 
@@ -198,13 +176,15 @@ def step_time(compute_s: float, collectives, lk: Link) -> float:
       >>> step_time(1.0, [Collective("all-reduce", 1000.0, 2)], lk)  # 1 + 2 * 1/2 * 1000/1e3
       2.0
     """
-    return _check_number("compute_s", compute_s) + communication_time(collectives, lk)
+    return _validate.check_number("compute_s", compute_s, ge=0, finite=True) + communication_time(
+        collectives, lk
+    )
 
 
 def speedup(baseline_s: float, candidate_s: float) -> float:
     """``baseline_s / candidate_s``: above 1 when the candidate (compressed) step is faster."""
-    base = _check_number("baseline_s", baseline_s, positive=True)
-    return base / _check_number("candidate_s", candidate_s, positive=True)
+    base = _validate.check_number("baseline_s", baseline_s, gt=0, finite=True)
+    return base / _validate.check_number("candidate_s", candidate_s, gt=0, finite=True)
 
 
 def _per_stage(name: str, values, count: int) -> list[float]:
@@ -213,7 +193,9 @@ def _per_stage(name: str, values, count: int) -> list[float]:
     values = list(values)
     if len(values) != count:
         raise ValueError(f"{name} needs {count} values (per stage or boundary); got {len(values)}.")
-    return [_check_number(f"{name}[{i}]", v) for i, v in enumerate(values)]
+    return [
+        _validate.check_number(f"{name}[{i}]", v, ge=0, finite=True) for i, v in enumerate(values)
+    ]
 
 
 def _schedule_order(schedule: str, s: int, num_stages: int, m: int) -> list[tuple[str, int]]:
@@ -265,14 +247,13 @@ def pipeline_step_time(
       ...                          lockstep=False), 6)  # 2 sends on the critical path
       9.4
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}.")
-    m = _check_count("num_microbatches", num_microbatches, minimum=1)
+    _validate.check_choice("schedule", schedule, SCHEDULES)
+    m = _validate.check_int("num_microbatches", num_microbatches, 1)
     if num_stages is None:
         if isinstance(forward_s, (int, float)):
             raise ValueError("num_stages is needed when forward_s is a single number.")
         num_stages = len(list(forward_s))
-    s_n = _check_count("num_stages", num_stages, minimum=1)
+    s_n = _validate.check_int("num_stages", num_stages, 1)
     f = _per_stage("forward_s", forward_s, s_n)
     b = _per_stage("backward_s", backward_s, s_n)
     sf = [collective_time("collective-permute", n, 2, lk) for n in _per_stage(

@@ -15,6 +15,8 @@ from typing import Any
 import ml_collections
 import optax
 
+from jaxcomp import _validate
+
 MODES = ("dense", "pipeline", "data_parallel", "ab")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "step")
 
@@ -77,10 +79,8 @@ def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     if missing:
         raise ValueError(f"config is missing required key(s) {missing}.")
     full = {**DEFAULTS, **given}
-    if full["mode"] not in MODES:
-        raise ValueError(f"config.mode must be one of {MODES}; got {full['mode']!r}.")
-    if full["schedule"] not in SCHEDULES:
-        raise ValueError(f"config.schedule must be one of {SCHEDULES}; got {full['schedule']!r}.")
+    _validate.check_choice("config.mode", full["mode"], MODES)
+    _validate.check_choice("config.schedule", full["schedule"], SCHEDULES)
     if not isinstance(full["batch_size"], int) or full["batch_size"] < 1:
         raise ValueError(f"config.batch_size must be a positive int; got {full['batch_size']!r}.")
     if not isinstance(full["total_steps"], int) or full["total_steps"] < 1:

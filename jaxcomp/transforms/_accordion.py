@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxcomp import _validate
 from jaxcomp import compressors
 from jaxcomp import feedback
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _reduce_plan
-from jaxcomp.transforms import _compressed_mean as _cm
 from jaxcomp.transforms import _regime
 from jaxcomp.transforms._accordion_step import HIGH_COMPRESSION
 from jaxcomp.transforms._accordion_step import LOW_COMPRESSION
@@ -175,13 +175,13 @@ def accordion(
         _reduce_plan.check_path(channel.codec, path)
         _reduce_plan.check_channel(channel)
     _regime.check_detector_args(interval_steps, check_every, eta, statistic, learning_rate)
-    _cm.check_axis_name(axis_name)
+    _validate.check_axis_name(axis_name)
     config = AccordionConfig(
         low=low,
         high=high,
         feedback=low.feedback,
-        interval_steps=_cm.static_int("interval_steps", interval_steps, 1),
-        check_every=_cm.static_int("check_every", check_every, 1),
+        interval_steps=_validate.static_int("interval_steps", interval_steps, 1),
+        check_every=_validate.static_int("check_every", check_every, 1),
         eta=eta,
         learning_rate=learning_rate,
         axis_name=axis_name,
@@ -189,9 +189,11 @@ def accordion(
         reset_memory_on_switch=bool(reset_memory_on_switch),
         statistic=statistic,
         path=path,
-        min_compression_rate=_cm.static_number("min_compression_rate", min_compression_rate, 0),
-        min_ndim=_cm.static_int("min_ndim", min_ndim, 0),
-        seed=_cm.static_int("seed", seed, 0),
+        min_compression_rate=_validate.static_number(
+            "min_compression_rate", min_compression_rate, 0
+        ),
+        min_ndim=_validate.static_int("min_ndim", min_ndim, 0),
+        seed=_validate.static_int("seed", seed, 0),
     )
     return optax.GradientTransformationExtraArgs(
         functools.partial(init_accordion, config), functools.partial(update_accordion, config)

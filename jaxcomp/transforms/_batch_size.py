@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomp import _validate
 from jaxcomp.comm import _mesh
-from jaxcomp.compressors import _base
 from jaxcomp.compressors import _protocol
 from jaxcomp.transforms import _compressed_mean as _cm
 from jaxcomp.transforms import _regime
@@ -125,12 +125,12 @@ def accordion_batch_size(
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(f"inner must be an optax GradientTransformation; got {type(inner)!r}.")
     for name, value in (("small_steps", small_steps), ("large_steps", large_steps)):
-        _cm.static_int(name, value, 1)
+        _validate.static_int(name, value, 1)
     if large_steps < small_steps:
         raise ValueError(f"large_steps ({large_steps}) must be >= small_steps ({small_steps}).")
-    _base.check_choice("lr_scaling", lr_scaling, LR_SCALINGS)
+    _validate.check_choice("lr_scaling", lr_scaling, LR_SCALINGS)
     _regime.check_detector_args(interval_steps, check_every, eta, statistic, learning_rate)
-    _cm.check_axis_name(axis_name)
+    _validate.check_axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
 
     def zeros(params, wide=False):
@@ -158,13 +158,13 @@ def accordion_batch_size(
         return {"linear": ratio, "sqrt": jnp.sqrt(ratio), "none": jnp.ones_like(ratio)}[lr_scaling]
 
     def update_fn(updates, state, params=None, **extra_args):
-        _cm.check_tree(updates, state.grads.value, "accordion_batch_size")
+        _validate.check_tree(updates, state.grads.value, "accordion_batch_size")
         for name, g, a in zip(_cm.leaf_names(updates), jax.tree.leaves(updates),
                               jax.tree.leaves(state.grads.value)):  # fmt: skip
             if tuple(a.shape) != (1, *g.shape):
                 raise ValueError(
                     f"accordion_batch_size: the state of parameter {name} is "
-                    f"{_protocol.describe(a)}; for an update of {_protocol.describe(g)} this "
+                    f"{_validate.describe(a)}; for an update of {_validate.describe(g)} this "
                     f"worker's part must be [1, *{tuple(g.shape)}] (inside shard_map: the specs "
                     "of jaxcomp.comm.state_specs)."
                 )

@@ -9,16 +9,15 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
+from jaxcomp import _validate
 from jaxcomp import compressors
 from jaxcomp import feedback
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _reduce
 from jaxcomp.comm import _reduce_plan
-from jaxcomp.compressors import _base
 from jaxcomp.compressors import _protocol
 
 
@@ -48,48 +47,6 @@ class CompressedMeanState(NamedTuple):
 # Validation shared by the data-parallel transforms
 
 
-def _is_array(value: Any) -> bool:
-    return isinstance(value, (jax.Array, np.ndarray, np.generic)) and not isinstance(
-        value, (np.integer, np.floating)
-    )
-
-
-def _static_hint(name: str) -> str:
-    return (
-        f"{name} is static (it fixes the trace: shapes, schedules, keys), so it must be a Python "
-        f"number, not an array. Under optax.inject_hyperparams pass it in static_args "
-        f"(e.g. static_args=({name!r},))."
-    )
-
-
-def static_int(name: str, value: Any, lo: int) -> int:
-    """``value`` as a Python int ``>= lo``; a clear ``ValueError`` for arrays, floats, bools."""
-    if _is_array(value):
-        raise ValueError(
-            f"{name} must be a Python int >= {lo}; got {value!r}. " + _static_hint(name)
-        )
-    _base.check_int_range(name, value, lo)
-    return int(value)
-
-
-def static_number(name: str, value: Any, lo: float) -> float:
-    """``value`` as a Python float ``>= lo``; a clear ``ValueError`` for arrays and the rest."""
-    if _is_array(value):
-        raise ValueError(
-            f"{name} must be a Python number >= {lo}; got {value!r}. " + _static_hint(name)
-        )
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if not ok or not value >= lo:  # `not >=` also rejects NaN
-        raise ValueError(f"{name} must be a number >= {lo}; got {value!r}.")
-    return float(value)
-
-
-def check_axis_name(axis_name: Any) -> None:
-    """Raises ``ValueError`` unless ``axis_name`` is a string or ``None``."""
-    if axis_name is not None and not isinstance(axis_name, str):
-        raise ValueError(f"axis_name must be a mesh axis name (str) or None; got {axis_name!r}.")
-
-
 def split_axes(axis_name: Any) -> tuple[str | None, str | None]:
     """``(slow, fast)`` of a data axis or a ``(slow, fast)`` pair (``fast`` is ``None`` for
     one axis); ``ValueError`` for anything else."""
@@ -102,35 +59,6 @@ def split_axes(axis_name: Any) -> tuple[str | None, str | None]:
             f"(slow, fast); got {axis_name!r}."
         )
     return pair
-
-
-def check_tree(updates: Any, leaves: Any, who: str) -> None:
-    """Raises ``ValueError`` unless ``updates`` has the parameter tree ``leaves`` was built for
-    (``leaves``: one state per parameter, in the parameters' tree)."""
-    got = jax.tree.structure(updates)
-    try:
-        got.flatten_up_to(leaves)
-    except (ValueError, TypeError) as err:
-        raise ValueError(
-            f"{who}: the updates tree does not match the tree the state was initialised with.\n"
-            f"  updates: {got}\n  {err}"
-        ) from None
-
-
-def check_leaf_state(state: Any, expected: Any, name: str, like: Any, who: str) -> None:
-    """Raises ``ValueError`` naming the parameter when ``state`` is not what ``init`` built
-    for an array like ``like`` (a shape or dtype other than init's, or a different plan)."""
-    same = jax.tree.structure(state) == jax.tree.structure(expected) and all(
-        tuple(a.shape) == tuple(b.shape) and jnp.dtype(a.dtype) == jnp.dtype(b.dtype)
-        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected))
-    )
-    if not same:
-        raise ValueError(
-            f"{who}: the state of parameter {name} was not built for "
-            f"{_protocol.describe(like)} (a shape or dtype other than init's?).\n"
-            f"  state:    {jax.tree.map(_protocol.describe, state)}\n"
-            f"  expected: {jax.tree.map(_protocol.describe, expected)}"
-        )
 
 
 def leaf_names(tree: Any) -> list[str]:
@@ -278,10 +206,12 @@ def compressed_mean(
         channel=channel,
         axis_name=slow if fast is None else (slow, fast),
         path=path,
-        min_compression_rate=static_number("min_compression_rate", min_compression_rate, 0),
-        min_ndim=static_int("min_ndim", min_ndim, 0),
-        warmup_steps=static_int("warmup_steps", warmup_steps, 0),
-        seed=static_int("seed", seed, 0),
+        min_compression_rate=_validate.static_number(
+            "min_compression_rate", min_compression_rate, 0
+        ),
+        min_ndim=_validate.static_int("min_ndim", min_ndim, 0),
+        warmup_steps=_validate.static_int("warmup_steps", warmup_steps, 0),
+        seed=_validate.static_int("seed", seed, 0),
     )
     return optax.GradientTransformation(
         functools.partial(init_mean, config), functools.partial(update_mean, config)
@@ -309,7 +239,7 @@ def update_mean(
     """``compressed_mean``'s ``update`` (inside ``shard_map`` over ``config.axis_name``)."""
     del params
     axis_name, fast = split_axes(config.axis_name)
-    check_tree(updates, state.leaves, "compressed_mean")
+    _validate.check_tree(updates, state.leaves, "compressed_mean")
     fast_sent = jnp.zeros((), jnp.float32)
     if fast is not None:  # dense over the fast links first: one value per fast group
         _protocol.axis_size(fast)  # a clear error for a wrong axis or outside shard_map
@@ -324,7 +254,7 @@ def update_mean(
     means, new_states, sent = [], [], jnp.zeros((), jnp.float32)
     for i, (g, s, proto) in enumerate(zip(flat, leaf_states, config.protocols(updates, True))):
         expected = jax.eval_shape(lambda g=g, proto=proto: proto.init(g, num))
-        check_leaf_state(s, expected, names[i], g, "compressed_mean")
+        _validate.check_state_leaves(s, expected, names[i], g, "compressed_mean")
 
         leaf_key = jax.random.fold_in(key, i)
 

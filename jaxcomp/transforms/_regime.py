@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.compressors import _base
-from jaxcomp.transforms import _compressed_mean as _cm
+from jaxcomp import _validate
 
 STATISTICS = ("worker0", "mean")
 
@@ -70,19 +69,13 @@ def current_lr(learning_rate: Any, extra_args: dict, count: jax.Array) -> jax.Ar
 
 def check_detector_args(interval_steps, check_every, eta, statistic, learning_rate) -> None:
     """Construction-time validation shared by :func:`accordion` and the batch-size variant."""
-    _cm.static_int("interval_steps", interval_steps, 1)
-    _cm.static_int("check_every", check_every, 1)
-    if isinstance(eta, bool) or not isinstance(eta, (int, float, jax.Array)):
-        raise ValueError(f"eta must be a number > 0; got {eta!r}.")
-    if isinstance(eta, (int, float)) and not eta > 0:
-        raise ValueError(f"eta must be a number > 0; got {eta!r}.")
-    _base.check_choice("statistic", statistic, STATISTICS)
+    _validate.static_int("interval_steps", interval_steps, 1)
+    _validate.static_int("check_every", check_every, 1)
+    if not _validate.is_array(eta):  # an array: a hyperparameter (optax.inject_hyperparams)
+        _validate.check_number("eta", eta, gt=0)
+    _validate.check_choice("statistic", statistic, STATISTICS)
     ok = learning_rate is None or callable(learning_rate)
-    ok = (
-        ok
-        or isinstance(learning_rate, (int, float, jax.Array))
-        and not isinstance(learning_rate, bool)
-    )
+    ok = ok or _validate.is_number(learning_rate) or _validate.is_array(learning_rate)
     if not ok:
         raise ValueError(
             "learning_rate must be None, a number or a schedule (step -> lr); "

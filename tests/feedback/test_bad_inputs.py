@@ -144,7 +144,7 @@ CASES = [
         "decay_zero",
         lambda: feedback.error_feedback(TOPK, decay=0.0),
         ValueError,
-        r"decay must be in \(0, 1\]",
+        r"decay must be a fraction in \(0, 1\]",
     ),
     (
         "num_samples_zero",
