@@ -1,0 +1,43 @@
+"""Every ```python block of README.md runs as written, on its own (8 fake CPU devices).
+
+Each block is executed in a fresh namespace, in README order, so a block that leans on names
+from an earlier block (or on a placeholder such as ``stage_fns``) fails with a ``NameError``.
+"""
+
+import contextlib
+import io
+import pathlib
+import re
+
+import pytest
+
+README = pathlib.Path(__file__).parents[1] / "README.md"
+FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+
+
+def python_blocks() -> list[tuple[str, str]]:
+    """``(id, source)`` of each python block: the section heading and line number as id."""
+    text = README.read_text()
+    blocks = []
+    for match in FENCE.finditer(text):
+        line = text.count("\n", 0, match.start()) + 1
+        headings = re.findall(r"^#+ (.+)$", text[: match.start()], re.M)
+        section = re.sub(r"\W+", "_", headings[-1] if headings else "top").strip("_").lower()
+        blocks.append((f"{section}-line{line}", match.group(1)))
+    return blocks
+
+
+BLOCKS = python_blocks()
+
+
+def test_the_readme_has_python_blocks():
+    assert len(BLOCKS) >= 8, [name for name, _ in BLOCKS]
+
+
+@pytest.mark.parametrize("source", [s for _, s in BLOCKS], ids=[n for n, _ in BLOCKS])
+def test_readme_block_runs_alone(source, request):
+    name = request.node.callspec.id
+    namespace = {"__name__": f"readme_{name}"}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(source, f"README.md:{name}", "exec"), namespace)  # noqa: S102
