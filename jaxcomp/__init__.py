@@ -6,8 +6,13 @@
   wire-byte meter.
 * :mod:`jaxcomp.pipeline`: GPipe over a ``stage`` mesh axis with compressed boundaries, and its
   single-device simulation.
-* :mod:`jaxcomp.transforms`: optax transforms — ``compressed_mean``, ``accordion``,
-  ``accordion_batch_size``, ``ab_training``.
+* :mod:`jaxcomp.transforms`: optax gradient transformations only — ``compressed_mean``,
+  ``accordion``, ``accordion_batch_size``, ``ab_training``.
+* :mod:`jaxcomp.parallel`: step builders that run them over a mesh — ``data_parallel``,
+  ``ab_data_parallel`` and the AB ``(group, member)`` mesh helpers.
+
+Imports only go down: compressors → feedback → comm → pipeline / transforms → parallel →
+models, data, train → bench, study.
 
 The training harness (:mod:`jaxcomp.models`, :mod:`jaxcomp.data`, :mod:`jaxcomp.train`,
 ``python -m jaxcomp.main``) and the studies (:mod:`jaxcomp.study`, ``python -m jaxcomp.study``)
@@ -21,6 +26,7 @@ import importlib
 from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import feedback
+from jaxcomp import parallel
 from jaxcomp import pipeline
 from jaxcomp import transforms
 from jaxcomp.comm import measure_collectives
@@ -44,6 +50,7 @@ __all__ = (
     "feedback",
     "measure_collectives",
     "models",
+    "parallel",
     "pipeline",
     "study",
     "train",

@@ -100,7 +100,7 @@ def saved_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("saved") / "run"
     train.train_and_evaluate(tiny(total_steps=8), str(base))
     s = _trainer.setup(tiny(total_steps=8))
-    target = _trainer.TrainState(
+    target = _trainer.RunState(
         s.mode.init(jax.random.key(0)),
         _trainer._replicated(np.zeros(2, np.uint32), s.mesh),
     )
@@ -289,7 +289,7 @@ def test_non_finite_updates_stop_the_run_with_the_last_finite_state_saved(tmp_pa
     with pytest.raises(train.NonFiniteError, match="3 training steps in a row"):
         train.train_and_evaluate(config, str(tmp_path))
     s = _trainer.setup(config)
-    init = _trainer.TrainState(
+    init = _trainer.RunState(
         s.mode.init(jax.random.key(0)), _trainer._replicated(np.zeros(2, np.uint32), s.mesh)
     )
     ckpt = train.Checkpointer(str(tmp_path))

@@ -15,7 +15,7 @@ reference). Per worker and step: ``dp_hlo_bytes_per_step`` is a plain data-paral
 group roles (half the groups train A, half B; ``only-b``: all train B). Ranks after a
 truncated re-factorisation depend on the trained weights, so the truncated AB phase is reported
 for *assumed* ranks, a fraction of ``min(m, n)`` per layer (``rank_fraction``), with the
-factors cut to that capacity (:func:`~jaxcomp.transforms.fit_rank_capacity`). Phases:
+factors cut to that capacity (:func:`~jaxcomp.parallel.fit_rank_capacity`). Phases:
 ``warmup`` and ``full`` (dense), ``refactor`` (the last full-rank step of a cycle, plus the rank
 agreement), ``ab_untruncated`` (the first AB phase), ``ab`` (truncated), ``sync`` (the last AB
 step of a cycle), ``cycle`` (the mean over one steady-state cycle of ``S`` steps: ``D``
@@ -25,7 +25,7 @@ full-rank and ``S - D`` AB steps; the paper's ``S = 759, D = 60``; ``traffic_red
 
 **Time**: the model, mesh and options of ``configs/digits_ab.py`` (the MLP 64-256-256-256-10,
 8 workers in 2 groups, rank capacity 64 of 256, ``fc1`` and ``head`` full-rank), batch 128.
-Each step kind runs as :func:`~jaxcomp.transforms.ab_data_parallel` runs it (the dense or AB
+Each step kind runs as :func:`~jaxcomp.parallel.ab_data_parallel` runs it (the dense or AB
 program, then the transition's), and ``ab (lax.switch)`` is the optax transform's single
 program at an AB step; the baseline is a dense data-parallel step (``pmean`` + Adam,
 replicated parameters) of the same model. Like the baseline, these run without the harness's
@@ -65,10 +65,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxcomp import comm  # noqa: E402
 from jaxcomp import models  # noqa: E402
+from jaxcomp import parallel  # noqa: E402
 from jaxcomp import transforms  # noqa: E402
-from jaxcomp.transforms import _ab_programs  # noqa: E402
+from jaxcomp.parallel import _ab_programs  # noqa: E402
+from jaxcomp.parallel._ab_parallel import kind_bytes  # noqa: E402
 from jaxcomp.transforms._ab_layout import build_layout  # noqa: E402
-from jaxcomp.transforms._ab_parallel import kind_bytes  # noqa: E402
 from jaxcomp.transforms._ab_schedule import STEP_KINDS  # noqa: E402
 
 VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
@@ -133,7 +134,7 @@ def capacity(cols: int, fraction: float) -> int:
 
 def measure(model: str, sync_mode: str, fractions: list[float], groups: int) -> list[dict]:
     params = vgg16_params(model)
-    mesh = transforms.ab_mesh(groups, jax.devices()[:8])
+    mesh = parallel.ab_mesh(groups, jax.devices()[:8])
     config = transforms.ABConfig(
         1e-3, warmup_steps=WARMUP, sync_every=CYCLE, full_rank_steps=FULL_RANK_STEPS,
         exclude=EXCLUDE, sync_mode=sync_mode,
@@ -166,7 +167,7 @@ def measure(model: str, sync_mode: str, fractions: list[float], groups: int) -> 
     dense, refactor = mean(full["dense"]), mean(full["dense_then_refactor"])
     for fraction in fractions:
         caps = [capacity(x.shape[-1], fraction) for x in state.a]
-        cut = jax.eval_shape(lambda s, c=caps: transforms.fit_rank_capacity(s, c), state)
+        cut = jax.eval_shape(lambda s, c=caps: parallel.fit_rank_capacity(s, c), state)
         low = transforms.ab_step_bytes(params, mesh, config, state=cut,
                                        kinds=("ab", "ab_then_sync"))  # fmt: skip
         ab, sync = mean(low["ab"]), mean(low["ab_then_sync"])
@@ -277,7 +278,7 @@ def _switch_step(config, loss_fn, params, batch, mesh, count):
         return jax.tree.map(lambda x: x[None], (optax.apply_updates(params, updates), opt))
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
-    p, o = transforms.per_worker((params, tx.init(params)), mesh)
+    p, o = parallel.per_worker((params, tx.init(params)), mesh)
     o = o._replace(count=jax.device_put(np.full(mesh.size, count, np.int32), o.count.sharding))
     args = (p, o, jax.device_put(batch, NamedSharding(mesh, P(axes))))
     compiled = fn.lower(*args).compile()
@@ -292,12 +293,12 @@ def _quartiles(x) -> tuple[float, float, float]:
 def time_kinds(repeats: int) -> list[dict]:
     """Step time per kind vs the dense data-parallel step, round-robin (see the docstring)."""
     loss_fn, params, batch = _digits()
-    mesh = transforms.ab_mesh(2, jax.devices()[:8])
+    mesh = parallel.ab_mesh(2, jax.devices()[:8])
     config = transforms.ABConfig(
         1e-3, warmup_steps=60, sync_every=40, full_rank_steps=5, exclude=("fc1", "head"),
         max_rank_fraction=0.25,
     )  # fmt: skip
-    dp = transforms.ab_data_parallel(loss_fn, config, mesh, donate=False)  # one-thread LAPACK
+    dp = parallel.ab_data_parallel(loss_fn, config, mesh, donate=False)  # one-thread LAPACK
     # like the baseline, no finiteness check (one more row times the dense kind with it)
     programs = _ab_programs.Programs(config, loss_fn, mesh, donate=False, check_finite=False)
     guarded = _ab_programs.Programs(config, loss_fn, mesh, donate=False)

@@ -28,8 +28,8 @@ from jaxcomp.train._overrides import apply_overrides
 from jaxcomp.train._overrides import parse_overrides
 from jaxcomp.train._progress import Progress
 from jaxcomp.train._signals import StopOnSignal
+from jaxcomp.train._trainer import RunState
 from jaxcomp.train._trainer import Setup
-from jaxcomp.train._trainer import TrainState
 from jaxcomp.train._trainer import evaluate
 from jaxcomp.train._trainer import setup
 from jaxcomp.train._trainer import train_and_evaluate
@@ -48,7 +48,7 @@ __all__ = (
     "Setup",
     "SetupError",
     "StopOnSignal",
-    "TrainState",
+    "RunState",
     "apply_overrides",
     "build_channel",
     "build_codec",

@@ -40,6 +40,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp.models import _staged
 from jaxcomp.train import _config
@@ -121,7 +122,7 @@ def build_ab(
         logits, _ = model.apply(unstack(params), batch["x"], train=True)
         return model.loss_fn(logits, batch["label"]), _staged.accuracy(logits, batch["label"])
 
-    dp = transforms.ab_data_parallel(loss_fn, cfg, mesh, has_aux=True, donate=False)
+    dp = parallel.ab_data_parallel(loss_fn, cfg, mesh, has_aux=True, donate=False)
     batch_sharding = NamedSharding(mesh, P(cfg.axis_name))
     params_abs = tuple(v["params"] for v in jax.eval_shape(model.init, jax.random.key(0)))
     state_abs = dp.abstract_state(params_abs)

@@ -54,6 +54,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import comm
+from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp.models import _staged
 from jaxcomp.train import _batch_stats
@@ -181,7 +182,7 @@ def build_data_parallel(
         loss = model.loss_fn(logits, batch["label"])
         return loss, (_staged.accuracy(logits, batch["label"]), new_state)
 
-    dp = transforms.data_parallel(loss_fn, tx, mesh, has_aux=True, has_state=True, donate=False)
+    dp = parallel.data_parallel(loss_fn, tx, mesh, has_aux=True, has_state=True, donate=False)
     batch_sharding = NamedSharding(mesh, P(comm.DATA))
     is_accordion = cfg["transform"] == "accordion"
 

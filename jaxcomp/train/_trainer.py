@@ -47,7 +47,7 @@ BUILDERS = {
 }
 
 
-class TrainState(NamedTuple):
+class RunState(NamedTuple):
     """Everything saved in a checkpoint's array item."""
 
     mode_state: Any  # params, optimizer, link / transform states of the mode
@@ -141,7 +141,7 @@ def _scalars(tree: dict) -> dict[str, float]:
     return out
 
 
-def evaluate(s: Setup, state: TrainState, compressed: bool) -> dict[str, float]:
+def evaluate(s: Setup, state: RunState, compressed: bool) -> dict[str, float]:
     """Mean loss and accuracy over the whole test split."""
     totals: dict[str, float] = {"loss_sum": 0.0, "correct_sum": 0.0, "count": 0.0}
     for batch in s.eval_loader.epoch(0):
@@ -244,7 +244,7 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
     mode, cfg = s.mode, s.config
     writer = _metrics.MetricWriter(workdir, enabled=lead)
     # modes place their own state; no ambient mesh (shard_map bodies may seed PRNGs)
-    state = TrainState(
+    state = RunState(
         mode.init(jax.random.key(cfg.seed)),
         _replicated(np.asarray(jax.random.key_data(jax.random.key(cfg.seed))), s.mesh),
     )

@@ -5,23 +5,18 @@
 * :func:`accordion`: per-parameter switching between a low- and a high-compression codec in
   and out of critical learning regimes (Agarwal et al., 2021);
   :func:`accordion_batch_size`: the same detector choosing the batch size.
-* :func:`data_parallel`: a jitted train step built on :func:`jaxcomp.comm.local_value_and_grad`.
 * :func:`ab_training`: AB-Training, group-local training of low-rank factors ``W = A·B`` with
-  periodic syncs (Coquelin et al., 2024), configured by an :class:`ABConfig` and run by
-  :func:`ab_data_parallel` on an :func:`ab_mesh`.
+  periodic syncs (Coquelin et al., 2024), configured by an :class:`ABConfig`.
+
+Only gradient transformations and their states, metrics and configs live here; the step
+builders that run them over a mesh (``data_parallel``, ``ab_data_parallel``, ``ab_mesh``, ...)
+are in :mod:`jaxcomp.parallel`.
 """
 
 from jaxcomp.transforms._ab_config import ABConfig
 from jaxcomp.transforms._ab_config import group_sizes
 from jaxcomp.transforms._ab_metrics import ab_metrics
 from jaxcomp.transforms._ab_metrics import ab_step_bytes
-from jaxcomp.transforms._ab_parallel import ABDataParallel
-from jaxcomp.transforms._ab_parallel import ab_data_parallel
-from jaxcomp.transforms._ab_parallel import ab_mesh
-from jaxcomp.transforms._ab_parallel import fit_rank_capacity
-from jaxcomp.transforms._ab_parallel import per_worker
-from jaxcomp.transforms._ab_parallel import single_thread_lapack
-from jaxcomp.transforms._ab_parallel import worker_entry
 from jaxcomp.transforms._ab_schedule import ABPhase
 from jaxcomp.transforms._ab_schedule import ABSchedule
 from jaxcomp.transforms._ab_step import ABTrainingState
@@ -39,28 +34,18 @@ from jaxcomp.transforms._batch_size import accordion_batch_size
 from jaxcomp.transforms._batch_size import batch_size_metrics
 from jaxcomp.transforms._compressed_mean import CompressedMeanState
 from jaxcomp.transforms._compressed_mean import compressed_mean
-from jaxcomp.transforms._data_parallel import DataParallel
-from jaxcomp.transforms._data_parallel import TrainState
-from jaxcomp.transforms._data_parallel import data_parallel
 from jaxcomp.transforms._regime import critical_regime
 
 __all__ = (
     "ABConfig",
-    "ABDataParallel",
     "ABPhase",
     "ABSchedule",
     "ABTrainingState",
-    "ab_data_parallel",
-    "ab_mesh",
     "ab_metrics",
     "ab_step_bytes",
     "ab_training",
     "ab_transform",
-    "fit_rank_capacity",
     "group_sizes",
-    "per_worker",
-    "single_thread_lapack",
-    "worker_entry",
     "HIGH_COMPRESSION",
     "LOW_COMPRESSION",
     "UNCOMPRESSED",
@@ -68,13 +53,10 @@ __all__ = (
     "AccordionLeaf",
     "AccordionState",
     "CompressedMeanState",
-    "DataParallel",
-    "TrainState",
     "accordion",
     "accordion_batch_size",
     "accordion_metrics",
     "batch_size_metrics",
     "compressed_mean",
     "critical_regime",
-    "data_parallel",
 )

@@ -31,7 +31,7 @@ def ab_metrics(
 ) -> dict[str, Any]:
     """Phase, step, per-layer rank and parameter-level compression of an AB-Training state.
 
-    Works on a per-worker state (:func:`~jaxcomp.transforms.per_worker`; all workers share these
+    Works on a per-worker state (:func:`~jaxcomp.parallel.per_worker`; all workers share these
     values) and inside the train step on a worker's state; it only reads shapes, ``count``,
     ``phase`` and ``rank``.
 
@@ -139,10 +139,10 @@ def ab_step_bytes(
 
     Args:
       params: the dense parameters (arrays or ``ShapeDtypeStruct``s, not per worker).
-      mesh: a mesh with ``config.axis_name`` (e.g. :func:`~jaxcomp.transforms.ab_mesh`).
+      mesh: a mesh with ``config.axis_name`` (e.g. :func:`~jaxcomp.parallel.ab_mesh`).
       config: the :class:`~jaxcomp.transforms.ABConfig`.
       state: a (not per-worker) state or its ``ShapeDtypeStruct``s, e.g. with a cut capacity
-        from :func:`~jaxcomp.transforms.fit_rank_capacity`; default: the initial state.
+        from :func:`~jaxcomp.parallel.fit_rank_capacity`; default: the initial state.
       kinds: which of :data:`STEP_KINDS` to compile.
 
     Returns:

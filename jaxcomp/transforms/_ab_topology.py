@@ -45,7 +45,7 @@ def _axis_sizes(axes: tuple[str, ...]) -> tuple[int, ...]:
     except NameError as e:
         raise ValueError(
             f"ab_training's update must run inside shard_map over a mesh with the axes "
-            f"{axes} (ABConfig.axis_name; see jaxcomp.transforms.ab_mesh and "
+            f"{axes} (ABConfig.axis_name; see jaxcomp.parallel.ab_mesh and "
             f"ab_data_parallel): {e}"
         ) from e
 

@@ -13,7 +13,7 @@ every axis whose collectives the branches hold):
 * ``ab_then_sync``: the same, then :func:`._ab_sync.sync`.
 
 The model always sees dense weights: ``update`` returns ``W_new - W_old`` with ``W = A·B``.
-:func:`~jaxcomp.transforms.ab_data_parallel` runs the same functions as separate compiled
+:func:`~jaxcomp.parallel.ab_data_parallel` runs the same functions as separate compiled
 programs chosen on the host, which is faster on CPU than the ``lax.switch``.
 """
 
@@ -169,10 +169,10 @@ def ab_training(learning_rate: optax.ScalarOrSchedule, **options: Any):
 
     ``update`` runs inside ``jax.shard_map`` over ``axis_name`` on *per-worker* gradients
     (:func:`jaxcomp.comm.local_value_and_grad`) and that worker's state (the harness lays
-    states out with a leading worker axis, :func:`~jaxcomp.transforms.per_worker`).
-    ``init`` works anywhere (it has no collectives). :func:`~jaxcomp.transforms.ab_data_parallel`
+    states out with a leading worker axis, :func:`~jaxcomp.parallel.per_worker`).
+    ``init`` works anywhere (it has no collectives). :func:`~jaxcomp.parallel.ab_data_parallel`
     does all of this, faster on CPU. On a multi-device CPU process, limit OpenBLAS to one
-    thread (:func:`~jaxcomp.transforms.single_thread_lapack`; the harness does): every device
+    thread (:func:`~jaxcomp.parallel.single_thread_lapack`; the harness does): every device
     runs its SVDs through it at once, and its spinning threads stall the others' collectives.
 
     Args:
@@ -191,14 +191,14 @@ def ab_training(learning_rate: optax.ScalarOrSchedule, **options: Any):
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jaxcomp import transforms
-      >>> mesh = transforms.ab_mesh(num_groups=2, devices=jax.devices()[:4])
+      >>> from jaxcomp import parallel, transforms
+      >>> mesh = parallel.ab_mesh(num_groups=2, devices=jax.devices()[:4])
       >>> config = transforms.ABConfig(1e-2, warmup_steps=2, sync_every=4, full_rank_steps=1)
       >>> tx = transforms.ab_training(1e-2, warmup_steps=2, sync_every=4, full_rank_steps=1)
       >>> params = {"w": jnp.ones((8, 4)) / 8, "b": jnp.zeros(4)}
       >>> state = tx.init(params)  # works outside shard_map
       >>> loss_fn = lambda p, x: jnp.mean((x @ p["w"] + p["b"]) ** 2)
-      >>> dp = transforms.ab_data_parallel(loss_fn, config, mesh)
+      >>> dp = parallel.ab_data_parallel(loss_fn, config, mesh)
       >>> train = dp.init(params)
       >>> for _ in range(6):
       ...   train, metrics = dp.step(train, jnp.ones((8, 8)))

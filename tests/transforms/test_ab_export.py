@@ -16,8 +16,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import comm
+from jaxcomp import parallel
 from jaxcomp import transforms
-from jaxcomp.transforms import _ab_programs
+from jaxcomp.parallel import _ab_programs
 
 PARAMS = {
     "l1": {"kernel": jax.ShapeDtypeStruct((6, 5), jnp.float32)},
@@ -32,7 +33,7 @@ def loss_fn(p, x):
 
 
 LAYOUTS = {
-    "rectangular": (lambda: transforms.ab_mesh(2, jax.devices()[:4]), {}),
+    "rectangular": (lambda: parallel.ab_mesh(2, jax.devices()[:4]), {}),
     "flat": (lambda: comm.make_mesh([("data", 5)], jax.devices()[:5]),
              dict(axis_name="data", group_size=2)),
 }  # fmt: skip
@@ -91,7 +92,7 @@ def _collective_types(text, replica_groups):
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_the_optax_transform_exports(platform):
-    mesh = transforms.ab_mesh(2, jax.devices()[:4])
+    mesh = parallel.ab_mesh(2, jax.devices()[:4])
     config = _config({})
     tx = transforms.ab_transform(config)
     axes = config.axis_name

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import comm
 from jaxcomp import compressors
+from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp.transforms import _ab_factor as F
 
@@ -58,7 +59,7 @@ OTHER = [PARAMS["conv"]["bias"], PARAMS["head"]["kernel"]]
 
 
 def test_individual_sends_no_factor_bytes_between_syncs():
-    mesh = transforms.ab_mesh(2, jax.devices()[:8])
+    mesh = parallel.ab_mesh(2, jax.devices()[:8])
     config = transforms.ABConfig(**KWARGS, comm_setup="individual")
     reports = transforms.ab_step_bytes(PARAMS, mesh, config, kinds=("ab",))["ab"]
     for role in ("a", "b"):  # only the non-factorised parameters, within the group
@@ -82,7 +83,7 @@ def test_flat_groups_reduce_in_rings_within_each_role_with_no_branch():
 
 
 def _ab_program_text(config, mesh):
-    from jaxcomp.transforms import _ab_programs
+    from jaxcomp.parallel import _ab_programs
 
     def loss_fn(p, x):
         return jnp.mean((x.reshape(-1, 36) @ p["conv"]["kernel"].reshape(36, 8)) ** 2)
@@ -115,15 +116,15 @@ def _w0():
 def _run(steps, **options):
     """warm-up 2, S = 4, D = 1: steps 2-3 AB (sync after 3), 4 full rank (+ re-factorisation),
     5-7 AB; one group of 2 workers (every group trains B)."""
-    mesh = transforms.ab_mesh(1, jax.devices()[:2])
+    mesh = parallel.ab_mesh(1, jax.devices()[:2])
     options = {"learning_rate": 1e-3, "warmup_steps": 2, "sync_every": 4, "full_rank_steps": 1,
                "inner": optax.scale_by_adam(b1=0.9), **options}  # fmt: skip
-    dp = transforms.ab_data_parallel(linear_loss, transforms.ABConfig(**options), mesh)
+    dp = parallel.ab_data_parallel(linear_loss, transforms.ABConfig(**options), mesh)
     state = dp.init({"w": jnp.asarray(_w0()), "b": jnp.zeros(4)})
     history = []
     for _ in range(steps):
         state, metrics = dp.step(state, jnp.zeros((2, 1)))
-        history.append((transforms.worker_entry(state.opt_state), metrics))
+        history.append((parallel.worker_entry(state.opt_state), metrics))
     return history
 
 
@@ -168,7 +169,7 @@ def test_reset_lr_on_sync_switches_the_rebound():
 def _refactor_with_old_factors(align, order, signs):
     """A ``dense_then_refactor`` step (lr 0) whose old factors hold the new SVD's columns in
     ``order`` with ``signs``; returns the old moments and the new state."""
-    mesh = transforms.ab_mesh(1, jax.devices()[:1])
+    mesh = parallel.ab_mesh(1, jax.devices()[:1])
     tx = transforms.ab_training(0.0, warmup_steps=0, sync_every=4, full_rank_steps=1,
                                 low_rank_cutoff=1e-6, align_moments=align)  # fmt: skip
     w = _w0()
@@ -196,8 +197,8 @@ def _refactor_with_old_factors(align, order, signs):
 
     run = jax.shard_map(body, mesh=mesh, in_specs=P(("group", "member")),
                         out_specs=P(("group", "member")))  # fmt: skip
-    new = jax.jit(run)(*transforms.per_worker((state, params), mesh))
-    return (mu_a, nu_a, mu_b, nu_b), transforms.worker_entry(new)
+    new = jax.jit(run)(*parallel.per_worker((state, params), mesh))
+    return (mu_a, nu_a, mu_b, nu_b), parallel.worker_entry(new)
 
 
 def test_a_sign_flipped_singular_vector_gets_a_sign_flipped_moment():
@@ -243,7 +244,7 @@ def test_match_columns_leaves_new_directions_without_history():
 )
 def test_all_workers_agree_after_each_sync(axis, options):
     n = 6
-    mesh = (transforms.ab_mesh(2, jax.devices()[:n]) if axis != "data"
+    mesh = (parallel.ab_mesh(2, jax.devices()[:n]) if axis != "data"
             else comm.make_mesh([("data", n)], jax.devices()[:n]))  # fmt: skip
 
     def loss(p, x):
@@ -251,7 +252,7 @@ def test_all_workers_agree_after_each_sync(axis, options):
 
     config = transforms.ABConfig(3e-2, warmup_steps=1, sync_every=3, full_rank_steps=1,
                                  axis_name=axis, **options)  # fmt: skip
-    dp = transforms.ab_data_parallel(loss, config, mesh)
+    dp = parallel.ab_data_parallel(loss, config, mesh)
     state = dp.init({"w": jnp.asarray(_w0()), "b": jnp.full(4, 0.1)})
     rng = np.random.default_rng(0)
     for t in range(9):

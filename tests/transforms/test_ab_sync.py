@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import compressors
+from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp.comm import GROUP
 from jaxcomp.comm import MEMBER
@@ -22,14 +23,14 @@ def synced(sync_mode, count=3, **options):
     shared), ``B = 10 (g + 1) * I`` and ``bias = g``; groups 0 and 1 are the A-groups. The
     public transform runs in a user's ``shard_map`` on per-worker states.
     """
-    mesh = transforms.ab_mesh(GROUPS, jax.devices()[: GROUPS * MEMBERS])
+    mesh = parallel.ab_mesh(GROUPS, jax.devices()[: GROUPS * MEMBERS])
     tx = transforms.ab_training(0.0, warmup_steps=1, sync_every=4, full_rank_steps=1,
                                 sync_mode=sync_mode, **options)  # fmt: skip
     params = {"w": jnp.zeros((4, 2)), "bias": jnp.zeros(3)}
     g = np.repeat(np.arange(GROUPS, dtype=np.float32), MEMBERS)[:, None, None]  # per worker
     a = np.ones((GROUPS * MEMBERS, 4, 2), np.float32) * (1 if sync_mode == "only-b" else g + 1)
     b = 10 * (g + 1) * np.eye(2, dtype=np.float32)
-    state, stacked = transforms.per_worker((tx.init(params), params), mesh)
+    state, stacked = parallel.per_worker((tx.init(params), params), mesh)
     workers = NamedSharding(mesh, P((GROUP, MEMBER)))
     put = lambda x: jax.device_put(x, workers)  # noqa: E731
     state = state._replace(
@@ -101,7 +102,7 @@ KWARGS = dict(
 
 @pytest.fixture(scope="module")
 def step_bytes():
-    mesh = transforms.ab_mesh(2, jax.devices()[:8])
+    mesh = parallel.ab_mesh(2, jax.devices()[:8])
     return transforms.ab_step_bytes(PARAMS, mesh, transforms.ABConfig(**KWARGS))
 
 
@@ -140,12 +141,12 @@ def test_full_rank_steps_and_transitions_send_what_they_should(step_bytes):
 
 
 def test_group_and_member_axes_are_the_mesh_axes():
-    mesh = transforms.ab_mesh(2, jax.devices()[:8])
+    mesh = parallel.ab_mesh(2, jax.devices()[:8])
     assert dict(mesh.shape) == {GROUP: 2, MEMBER: 4}
 
 
 def test_reduce_dense_globally_averages_dense_parameters_over_all_workers():
-    mesh = transforms.ab_mesh(2, jax.devices()[:8])
+    mesh = parallel.ab_mesh(2, jax.devices()[:8])
     kwargs = {**KWARGS, "reduce_dense_globally": True}
     config = transforms.ABConfig(**kwargs)
     report = transforms.ab_step_bytes(PARAMS, mesh, config, kinds=("ab",))["ab"]["b"]

@@ -15,6 +15,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import comm
+from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp.transforms import ABPhase
 from jaxcomp.transforms import ABSchedule
@@ -184,8 +185,8 @@ def test_one_group_without_truncation_is_plain_data_parallel_training():
     Covers every phase and transition: warm-up, first (exact) factorisation, AB, sync,
     full-rank rebound, re-factorisation; with AdamW, clipping and the LR rebound.
     """
-    mesh = transforms.ab_mesh(1, jax.devices()[:4])
-    dp = transforms.ab_data_parallel(loss_fn, make_config(), mesh)
+    mesh = parallel.ab_mesh(1, jax.devices()[:4])
+    dp = parallel.ab_data_parallel(loss_fn, make_config(), mesh)
     params = init_params(jax.random.key(0))
     state, ref = dp.init(params), Reference(params, role="b")
     phases = []
@@ -193,7 +194,7 @@ def test_one_group_without_truncation_is_plain_data_parallel_training():
         want_loss = jax.jit(loss_fn)(ref.params, batch)
         state, metrics = dp.step(state, batch)
         ref.step(t, batch)
-        assert_params_close(transforms.worker_entry(state.params), ref.params)
+        assert_params_close(parallel.worker_entry(state.params), ref.params)
         np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-5)
         np.testing.assert_allclose(metrics["lr"], ref.lr(t), rtol=1e-6)
         phases.append(int(np.max(metrics["phase"])))
@@ -203,7 +204,7 @@ def test_one_group_without_truncation_is_plain_data_parallel_training():
 
 def _run_groups(config, mesh, params, batches, refs, shard_of_worker, group_of_worker):
     """Steps the harness and one reference per group; group g's AB steps see its shards."""
-    dp = transforms.ab_data_parallel(loss_fn, config, mesh)
+    dp = parallel.ab_data_parallel(loss_fn, config, mesh)
     state = dp.init(params)
     for t, (x, y) in enumerate(batches):
         state, _ = dp.step(state, (x, y))
@@ -216,7 +217,7 @@ def _run_groups(config, mesh, params, batches, refs, shard_of_worker, group_of_w
 
 def test_each_group_trains_its_factor_on_its_own_data():
     """2 groups of 2, ``split_sigma=False``: group 0 trains A, group 1 trains B."""
-    mesh = transforms.ab_mesh(2, jax.devices()[:4])
+    mesh = parallel.ab_mesh(2, jax.devices()[:4])
     params = init_params(jax.random.key(1))
     refs = [Reference(params, r, sigma_on=r, every=8) for r in ("a", "b")]
     state = _run_groups(make_config(every=8, split_sigma=False), mesh, params,
@@ -224,12 +225,12 @@ def test_each_group_trains_its_factor_on_its_own_data():
                         [0, 0, 1, 1])  # fmt: skip
     # the members of a group agree: one state entry per group
     assert jax.tree.leaves(state.params)[0].shape[0] == 2
-    groups = [transforms.worker_entry(state.params, g) for g in range(2)]
+    groups = [parallel.worker_entry(state.params, g) for g in range(2)]
     for got, ref in zip(groups, refs):
         assert_params_close(got, ref.params)
     assert not np.allclose(groups[0]["l1"]["kernel"], groups[1]["l1"]["kernel"])
     for g, ref in enumerate(refs):  # the factors too (SVD columns are defined up to sign)
-        opt = transforms.worker_entry(state.opt_state, g)
+        opt = parallel.worker_entry(state.opt_state, g)
         for i, n in enumerate(FACTORED):
             np.testing.assert_allclose(abs(opt.a[i]), abs(ref.a[n]), rtol=2e-4, atol=2e-5)
             np.testing.assert_allclose(abs(opt.b[i]), abs(ref.b[n]), rtol=2e-4, atol=2e-5)
@@ -246,9 +247,9 @@ def test_unequal_groups_on_a_flat_axis_train_and_sync_as_the_reference():
     state = _run_groups(config, mesh, params, batches[:-1], refs,
                         lambda w: np.arange(3 * w, 3 * w + 3), [0, 0, 0, 1, 1])  # fmt: skip
     for w in range(5):
-        assert_params_close(transforms.worker_entry(state.params, w), refs[w // 3].params)
+        assert_params_close(parallel.worker_entry(state.params, w), refs[w // 3].params)
     # the last AB step, then the sync: A and B averaged over the 5 workers
-    dp = transforms.ab_data_parallel(loss_fn, config, mesh)
+    dp = parallel.ab_data_parallel(loss_fn, config, mesh)
     state, _ = dp.step(state, batches[-1])
     x, y = batches[-1]
     refs[0].step(WARMUP + 4, (x[:9], y[:9]))
@@ -259,7 +260,7 @@ def test_unequal_groups_on_a_flat_axis_train_and_sync_as_the_reference():
         b = (3 * refs[0].b[n] + 2 * refs[1].b[n]) / 5
         want[n] = untall(a @ b, SHAPES[n])
     for w in range(5):
-        got = transforms.worker_entry(state.params, w)
+        got = parallel.worker_entry(state.params, w)
         for n in FACTORED:
             np.testing.assert_allclose(got[n]["kernel"], want[n], rtol=2e-4, atol=2e-5)
 
@@ -267,10 +268,10 @@ def test_unequal_groups_on_a_flat_axis_train_and_sync_as_the_reference():
 def test_individual_workers_train_factors_on_their_own_gradients():
     """``comm_setup="individual"``: a worker's factor sees only its own shard's gradient; the
     biases and the head take the mean over the group's workers (SPEC §3.4)."""
-    mesh = transforms.ab_mesh(2, jax.devices()[:4])
+    mesh = parallel.ab_mesh(2, jax.devices()[:4])
     config = make_config(every=8, comm_setup="individual")
     params = init_params(jax.random.key(3))
-    dp = transforms.ab_data_parallel(loss_fn, config, mesh)
+    dp = parallel.ab_data_parallel(loss_fn, config, mesh)
     state = dp.init(params)
     refs = [Reference(params, "a" if w < 2 else "b", every=8) for w in range(4)]
     for t, (x, y) in enumerate(make_batches(WARMUP + 3)):
@@ -288,8 +289,8 @@ def test_individual_workers_train_factors_on_their_own_gradients():
             other = jax.tree.map(lambda p, q: (p + q) / 2, own[2 * g][1], own[2 * g + 1][1])
             ref.step(t, None, grads=(own[w][0], other))
     for w, ref in enumerate(refs):
-        assert_params_close(transforms.worker_entry(state.params, w), ref.params)
-    kernels = [transforms.worker_entry(state.params, w)["l1"]["kernel"] for w in range(4)]
+        assert_params_close(parallel.worker_entry(state.params, w), ref.params)
+    kernels = [parallel.worker_entry(state.params, w)["l1"]["kernel"] for w in range(4)]
     assert not np.allclose(kernels[0], kernels[1])  # members of a group differ
 
 
@@ -313,14 +314,14 @@ def _user_loop_step(config, mesh):
 
 def test_the_optax_transform_equals_the_harness_programs():
     """``tx.update`` (one program, ``lax.switch``) == the harness's programs, every kind."""
-    mesh = transforms.ab_mesh(2, jax.devices()[:4])
+    mesh = parallel.ab_mesh(2, jax.devices()[:4])
     config = make_config(every=4, split_sigma=False, align_moments=True)
     params = init_params(jax.random.key(4))
     tx, step = _user_loop_step(config, mesh)
-    dp = transforms.ab_data_parallel(loss_fn, config, mesh)
+    dp = parallel.ab_data_parallel(loss_fn, config, mesh)
     state = dp.init(params)
     held = config.state_axes(mesh)  # ("group",): one entry per group, as the harness
-    p, o = transforms.per_worker((params, tx.init(params)), mesh, held)  # init outside shard_map
+    p, o = parallel.per_worker((params, tx.init(params)), mesh, held)  # init outside shard_map
     batches = make_batches(11)  # warm-up, AB, sync, full rank + re-factorisation, AB
     for x, y in batches:
         state, _ = dp.step(state, (x, y))

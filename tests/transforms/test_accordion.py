@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import feedback
+from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp.comm import _hlo
 from jaxcomp.transforms import HIGH_COMPRESSION as HIGH
@@ -155,7 +156,7 @@ def test_low_compression_mode_equals_compressed_mean_with_power_sgd(mesh):
         transforms.accordion(interval_steps=100),
         transforms.compressed_mean(feedback.error_feedback(compressors.power_sgd(2))),
     ):
-        dp = transforms.data_parallel(loss_fn, optax.chain(reducer, optax.sgd(0.1)), mesh)
+        dp = parallel.data_parallel(loss_fn, optax.chain(reducer, optax.sgd(0.1)), mesh)
         state = dp.init(params)
         for _ in range(3):
             state, _ = dp.step(state, batch)
@@ -227,7 +228,7 @@ def test_each_mode_sends_exactly_its_payload(mesh, pair):
         transforms.accordion(low, high, interval_steps=2, check_every=1),
         optax.sgd(1e-3, momentum=0.9),  # small steps: the next check goes high
     )
-    dp = transforms.data_parallel(mlp_loss, tx, mesh, donate=False)
+    dp = parallel.data_parallel(mlp_loss, tx, mesh, donate=False)
     state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})  # not all zero
     text = dp.step.lower(state, BATCH).compile().as_text()
     report = comm.collective_report(text)
@@ -272,7 +273,7 @@ def test_state_survives_orbax_and_the_run_continues_identically(mesh, tmp_path):
     tx = optax.chain(
         transforms.accordion(interval_steps=2, check_every=1), optax.sgd(0.05, momentum=0.9)
     )
-    dp = transforms.data_parallel(mlp_loss, tx, mesh)
+    dp = parallel.data_parallel(mlp_loss, tx, mesh)
     state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})
     for _ in range(3):
         state, _ = dp.step(state, BATCH)
@@ -307,7 +308,7 @@ def test_composes_with_adamw(mesh):
         transforms.accordion(compressors.top_k(0.5), compressors.top_k(0.1), interval_steps=2),
         optax.adamw(1e-2, weight_decay=1e-4),
     )
-    dp = transforms.data_parallel(mlp_loss, tx, mesh)
+    dp = parallel.data_parallel(mlp_loss, tx, mesh)
     state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})
     losses = []
     for _ in range(6):
@@ -390,7 +391,7 @@ def test_power_sgd_switches_under_set_mesh(mesh):
         ),
         optax.sgd(1e-3),
     )
-    dp = transforms.data_parallel(mlp_loss, tx, mesh)
+    dp = parallel.data_parallel(mlp_loss, tx, mesh)
     fresh = np.asarray(compressors.power_sgd(1).init(PARAMS["a"]).q)
     modes, switched = [LOW], 0
     with jax.set_mesh(mesh):

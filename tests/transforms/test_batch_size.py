@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import feedback
+from jaxcomp import parallel
 from jaxcomp import transforms
 
 PARAMS = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((3,))}
@@ -104,7 +105,7 @@ def test_data_parallel_communicates_only_when_an_update_is_applied(mesh):
         optax.sgd(0.05),
     )
     tx = transforms.accordion_batch_size(inner, interval_steps=2, large_steps=2, check_every=1)
-    dp = transforms.data_parallel(loss_fn, tx, mesh)
+    dp = parallel.data_parallel(loss_fn, tx, mesh)
     rng = np.random.default_rng(5)
     batch = (rng.standard_normal((16, 4)).astype(np.float32), rng.standard_normal((16, 3)))
     batch = (batch[0], batch[1].astype(np.float32))

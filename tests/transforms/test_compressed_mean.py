@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import feedback
+from jaxcomp import parallel
 from jaxcomp import transforms
 
 W = 4
@@ -206,7 +207,7 @@ def test_hlo_of_dp_step_sends_only_payloads(mesh, codec):
     tx = optax.chain(
         transforms.compressed_mean(feedback.error_feedback(codec)), optax.sgd(0.1, momentum=0.9)
     )
-    dp = transforms.data_parallel(mlp_loss, tx, mesh, donate=False)
+    dp = parallel.data_parallel(mlp_loss, tx, mesh, donate=False)
     state = dp.init(MLP)
     report = comm.measure_collectives(dp.step, state, BATCH)
     for r in report.records:  # no uncompressed gradient all-reduce
@@ -223,7 +224,7 @@ def test_composes_with_adamw_and_keeps_state_types(mesh):
         transforms.compressed_mean(feedback.error_feedback(compressors.top_k(0.25))),
         optax.adamw(1e-2, weight_decay=1e-4),
     )
-    dp = transforms.data_parallel(mlp_loss, tx, mesh, donate=False)
+    dp = parallel.data_parallel(mlp_loss, tx, mesh, donate=False)
     state = dp.init(MLP)
     losses = []
     for _ in range(8):

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import feedback
+from jaxcomp import parallel
 from jaxcomp import transforms
 
 W = 4
@@ -141,7 +142,7 @@ def test_optax_chain_with_the_users_codec_trains(mesh):
         transforms.compressed_mean(feedback.error_feedback(majority_sign())),
         optax.sgd(0.05, momentum=0.9),
     )
-    dp = transforms.data_parallel(loss_fn, tx, mesh)
+    dp = parallel.data_parallel(loss_fn, tx, mesh)
     rng = np.random.default_rng(1)
     batch = (rng.standard_normal((32, 8)).astype(np.float32),
              rng.standard_normal((32, 6)).astype(np.float32))  # fmt: skip

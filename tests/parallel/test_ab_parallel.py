@@ -10,6 +10,7 @@ import pytest
 
 from jaxcomp import comm
 from jaxcomp import compressors
+from jaxcomp import parallel
 from jaxcomp import transforms
 
 SPECTRUM = np.array([2.0, 1.0, 0.1, 0.05, 0.02, 0.01], np.float32)  # cutoff 0.15 keeps 2
@@ -43,9 +44,9 @@ TX_KWARGS = dict(warmup_steps=2, sync_every=4, full_rank_steps=1, exclude=("head
 
 @pytest.fixture(scope="module")
 def grouped():
-    mesh = transforms.ab_mesh(2, jax.devices()[:4])
+    mesh = parallel.ab_mesh(2, jax.devices()[:4])
     config = transforms.ABConfig(1e-3, **TX_KWARGS)
-    return config, transforms.ab_data_parallel(loss_fn, config, mesh, donate=False)
+    return config, parallel.ab_data_parallel(loss_fn, config, mesh, donate=False)
 
 
 def test_truncation_cuts_the_rank_and_capacity_can_follow(grouped):
@@ -63,7 +64,7 @@ def test_truncation_cuts_the_rank_and_capacity_can_follow(grouped):
         transforms.ab_metrics(state.opt_state, state.params, exclude=())
     # 68 parameters, the (8, 6) kernel now trains as 2 * (8 + 6) = 28: 68 / 48
     np.testing.assert_allclose(metrics["compression_ratio"], 68 / 48, rtol=1e-6)
-    kernel = transforms.worker_entry(state.params)["l1"]["kernel"]
+    kernel = parallel.worker_entry(state.params)["l1"]["kernel"]
     assert np.sum(np.linalg.svd(kernel, compute_uv=False) > 1e-5) == 2
     opt = state.opt_state  # factors and their moments beyond the rank are zero
     for x in (opt.a[0], opt.a_state.mu[0], opt.a_state.nu[0]):
@@ -71,7 +72,7 @@ def test_truncation_cuts_the_rank_and_capacity_can_follow(grouped):
     for x in (opt.b[0], opt.b_state.mu[0], opt.b_state.nu[0]):
         np.testing.assert_array_equal(np.asarray(x)[:, 2:], 0.0)
 
-    fitted = state._replace(opt_state=transforms.fit_rank_capacity(state.opt_state))
+    fitted = state._replace(opt_state=parallel.fit_rank_capacity(state.opt_state))
     assert [x.shape for x in fitted.opt_state.a] == [(2, 8, 2)]  # one entry per group
     assert [x.shape for x in fitted.opt_state.a_state.mu] == [(2, 8, 2)]
     for batch in data[5:8]:  # the same AB steps at capacity 6 and at capacity 2
@@ -80,7 +81,7 @@ def test_truncation_cuts_the_rank_and_capacity_can_follow(grouped):
     for got, want in zip(jax.tree.leaves(fitted.params), jax.tree.leaves(state.params)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
 
-    full = transforms.fit_rank_capacity(fitted.opt_state, "full")
+    full = parallel.fit_rank_capacity(fitted.opt_state, "full")
     assert [x.shape for x in full.b] == [(2, 6, 6)]
     np.testing.assert_array_equal(np.asarray(full.b[0])[:, 2:], 0.0)
 
@@ -97,7 +98,7 @@ def test_a_multi_device_cpu_harness_runs_openblas_on_one_thread(grouped):
 def test_capacity_sets_the_bytes_on_the_wire(grouped):
     config, dp = grouped
     params = init_params()
-    small = transforms.fit_rank_capacity(transforms.ab_training(**_fields(config)).init(params),
+    small = parallel.fit_rank_capacity(transforms.ab_training(**_fields(config)).init(params),
                                          [2])  # fmt: skip
     full, cut = (
         transforms.ab_step_bytes(params, dp.mesh, config, state=s, kinds=("ab",))["ab"][
@@ -176,21 +177,21 @@ def test_bad_arguments_raise_at_construction(kwargs, match):
 
 def test_group_count_must_divide_the_data_axis():
     with pytest.raises(ValueError, match="num_groups=3 does not divide the data axis of 8"):
-        transforms.ab_mesh(3, jax.devices()[:8])
+        parallel.ab_mesh(3, jax.devices()[:8])
     with pytest.raises(ValueError, match="num_groups must be a positive int"):
-        transforms.ab_mesh(0, jax.devices()[:8])
+        parallel.ab_mesh(0, jax.devices()[:8])
 
 
 def test_groupings_the_workers_cannot_form_are_errors_naming_the_problem():
     flat = comm.make_mesh([("data", 4)], jax.devices()[:4])
     too_big = transforms.ABConfig(1e-3, **TX_KWARGS, axis_name="data", group_size=5)
     with pytest.raises(ValueError, match="group_size=5 is larger than the 4 workers"):
-        transforms.ab_data_parallel(loss_fn, too_big, flat)
+        parallel.ab_data_parallel(loss_fn, too_big, flat)
     typo = transforms.ABConfig(1e-3, **TX_KWARGS, axis_name=("groups", "member"))
     with pytest.raises(ValueError, match=r"has no axis \['groups'\]"):
-        transforms.ab_data_parallel(loss_fn, typo, transforms.ab_mesh(2, jax.devices()[:4]))
+        parallel.ab_data_parallel(loss_fn, typo, parallel.ab_mesh(2, jax.devices()[:4]))
     with pytest.raises(ValueError, match="needs an ABConfig"):
-        transforms.ab_data_parallel(loss_fn, transforms.ab_training(1e-3, **TX_KWARGS), flat)
+        parallel.ab_data_parallel(loss_fn, transforms.ab_training(1e-3, **TX_KWARGS), flat)
 
 
 def test_excluded_name_matching_nothing_raises_at_init():

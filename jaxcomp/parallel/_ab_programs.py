@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.comm import local_value_and_grad
+from jaxcomp.parallel._data_parallel import TrainState
 from jaxcomp.transforms import _ab_step
 from jaxcomp.transforms import _ab_sync
 from jaxcomp.transforms._ab_config import ABConfig
@@ -38,7 +39,6 @@ from jaxcomp.transforms._ab_step import Ctx
 from jaxcomp.transforms._ab_topology import topology
 from jaxcomp.transforms._ab_training import advance
 from jaxcomp.transforms._ab_training import check_shapes
-from jaxcomp.transforms._data_parallel import TrainState
 
 #: The compiled programs; ``"factorise"`` in a schedule is ``"refactor"`` with ``exact``.
 PROGRAMS = ("dense", "ab", "refactor", "sync")

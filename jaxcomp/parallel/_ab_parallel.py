@@ -22,14 +22,14 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp.comm import GROUP
 from jaxcomp.comm import MEMBER
 from jaxcomp.comm import make_mesh
+from jaxcomp.parallel import _ab_programs
+from jaxcomp.parallel._data_parallel import TrainState
 from jaxcomp.transforms import _ab_factor as F
-from jaxcomp.transforms import _ab_programs
 from jaxcomp.transforms._ab_config import ABConfig
 from jaxcomp.transforms._ab_config import num_a_groups
 from jaxcomp.transforms._ab_metrics import collectives_by_role
 from jaxcomp.transforms._ab_step import ABTrainingState
 from jaxcomp.transforms._ab_step import init_state
-from jaxcomp.transforms._data_parallel import TrainState
 
 
 def ab_mesh(num_groups: int, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
@@ -154,7 +154,7 @@ def ab_data_parallel(
     Each worker takes the gradient of its shard of ``batch`` with
     :func:`jaxcomp.comm.local_value_and_grad` (no hidden all-reduce); the AB-Training steps do
     all the communication. The step kinds run as separately compiled programs chosen on the
-    host (:mod:`jaxcomp.transforms._ab_programs`), each compiled before it first runs while
+    host (:mod:`jaxcomp.parallel._ab_programs`), each compiled before it first runs while
     nothing else runs. On a CPU mesh of several local devices, OpenBLAS is limited to one
     thread (:func:`single_thread_lapack`).
 

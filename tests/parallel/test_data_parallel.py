@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import feedback
+from jaxcomp import parallel
 from jaxcomp import transforms
 
 W = 4
@@ -37,7 +38,7 @@ def mesh():
 
 def test_identity_compression_equals_full_batch_training(mesh):
     tx = optax.chain(transforms.compressed_mean(compressors.identity()), optax.sgd(0.1, 0.9))
-    dp = transforms.data_parallel(loss_fn, tx, mesh)
+    dp = parallel.data_parallel(loss_fn, tx, mesh)
     state = dp.init(PARAMS)
     reference = optax.sgd(0.1, 0.9)
     params, opt_state = PARAMS, reference.init(PARAMS)
@@ -54,7 +55,7 @@ def test_identity_compression_equals_full_batch_training(mesh):
 
 def test_no_hidden_all_reduce_unlike_plain_grad(mesh):
     tx = optax.chain(transforms.compressed_mean(compressors.top_k(0.1)), optax.sgd(0.1))
-    dp = transforms.data_parallel(loss_fn, tx, mesh, donate=False)
+    dp = parallel.data_parallel(loss_fn, tx, mesh, donate=False)
     state = dp.init(PARAMS)
     ours = comm.measure_collectives(dp.step, state, BATCH)
 
@@ -80,7 +81,7 @@ def test_per_worker_state_is_sharded_and_the_rest_replicated(mesh):
     assert cm_state.leaves["w1"].memory.residual.value == P(comm.DATA)
     assert cm_state.count == P() and cm_state.leaves["b1"] == comm.DenseReduce()
     assert all(s == P() for s in jax.tree.leaves(sgd_state))
-    state = transforms.data_parallel(loss_fn, tx, mesh).init(PARAMS)
+    state = parallel.data_parallel(loss_fn, tx, mesh).init(PARAMS)
     residual = state.opt_state[0].leaves["w1"].memory.residual.value
     assert residual.shape == (W, 16, 32) and residual.sharding.spec == P(comm.DATA)
 
@@ -91,18 +92,18 @@ def test_aux_metrics_are_averaged(mesh):
         return loss, {"twice": 2 * loss}
 
     tx = optax.chain(transforms.compressed_mean(compressors.identity()), optax.sgd(0.1))
-    dp = transforms.data_parallel(with_aux, tx, mesh, has_aux=True)
+    dp = parallel.data_parallel(with_aux, tx, mesh, has_aux=True)
     _, metrics = dp.step(dp.init(PARAMS), BATCH)
     assert float(metrics["aux"]["twice"]) == pytest.approx(2 * float(metrics["loss"]), rel=1e-6)
 
 
 def test_errors_name_the_problem(mesh):
-    dp = transforms.data_parallel(loss_fn, optax.sgd(0.1), mesh)
+    dp = parallel.data_parallel(loss_fn, optax.sgd(0.1), mesh)
     with pytest.raises(ValueError, match="must average gradients"):
         dp.step(dp.init(PARAMS), BATCH)
     with pytest.raises(ValueError, match="not an axis of the mesh"):
-        transforms.data_parallel(loss_fn, optax.sgd(0.1), mesh, axis_name="batch")
-    good = transforms.data_parallel(
+        parallel.data_parallel(loss_fn, optax.sgd(0.1), mesh, axis_name="batch")
+    good = parallel.data_parallel(
         loss_fn, optax.chain(transforms.compressed_mean(compressors.identity()), optax.sgd(0.1)),
         mesh,
     )  # fmt: skip
