@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import models
+from jaxcomp import parallel
 from jaxcomp import train
 from jaxcomp import transforms
 from jaxcomp.models import _resnet
@@ -225,7 +226,7 @@ def test_data_parallel_refuses_a_replicated_model_state_that_differs_per_worker(
         local = {"seen": model_state["seen"] + batch["x"].mean()}  # varying, not synchronised
         return ((params["w"] * batch["x"]) ** 2).mean(), local
 
-    dp = transforms.data_parallel(loss_fn, tx, mesh, has_state=True)
+    dp = parallel.data_parallel(loss_fn, tx, mesh, has_state=True)
     state = dp.init({"w": jnp.ones(3)}, {"seen": jnp.zeros(())})
     with pytest.raises(ValueError, match=r"differ per worker but are not declared PerWorker"):
         dp.step(state, {"x": jnp.ones((8, 3))})
@@ -235,11 +236,11 @@ def test_data_parallel_refuses_a_replicated_model_state_that_differs_per_worker(
         seen = model_state["seen"].value + batch["x"].mean()
         return ((params["w"] * batch["x"]) ** 2).mean(), {"seen": compressors.PerWorker(seen)}
 
-    dp = transforms.data_parallel(loss_pw, tx, mesh, has_state=True)
+    dp = parallel.data_parallel(loss_pw, tx, mesh, has_state=True)
     x = jnp.arange(24.0).reshape(8, 3)
     state, _ = dp.step(dp.init({"w": jnp.ones(3)}, per_worker), {"x": x})
     np.testing.assert_allclose(
         np.asarray(state.model_state["seen"].value), np.asarray(x).reshape(4, 6).mean(1)
     )
     with pytest.raises(ValueError, match="without has_state"):
-        transforms.data_parallel(lambda p, b: 0.0, tx, mesh).init({"w": jnp.ones(3)}, {"s": 1.0})
+        parallel.data_parallel(lambda p, b: 0.0, tx, mesh).init({"w": jnp.ones(3)}, {"s": 1.0})
