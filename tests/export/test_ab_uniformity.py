@@ -10,8 +10,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import comm
+from jaxcomp import parallel
 from jaxcomp import transforms
-from jaxcomp.transforms import _ab_programs
+from jaxcomp.parallel import _ab_programs
 
 PARAMS = {
     "l1": {"kernel": jax.ShapeDtypeStruct((6, 5), jnp.float32)},
@@ -19,7 +20,7 @@ PARAMS = {
            "bias": jax.ShapeDtypeStruct((8,), jnp.float32)},
 }  # fmt: skip
 LAYOUTS = {
-    "rectangular": (lambda: transforms.ab_mesh(2, jax.devices()[:4]), {}),
+    "rectangular": (lambda: parallel.ab_mesh(2, jax.devices()[:4]), {}),
     "flat": (lambda: comm.make_mesh([("data", 5)], jax.devices()[:5]),
              dict(axis_name="data", group_size=2)),
 }  # fmt: skip
@@ -55,7 +56,7 @@ def test_every_harness_program_is_uniform(layout):
 
 
 def test_the_optax_transforms_switch_is_uniform():
-    mesh = transforms.ab_mesh(2, jax.devices()[:4])
+    mesh = parallel.ab_mesh(2, jax.devices()[:4])
     tx = transforms.ab_transform(_config({}))
     spec = P(_config({}).axis_name)
 
