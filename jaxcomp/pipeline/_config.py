@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import jax
 
+from jaxcomp import _validate
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _send
 from jaxcomp.compressors import _base
@@ -131,7 +132,7 @@ def link(
       >>> lk.backward.name
       'quantize(8, tensor)'
     """
-    _base.check_choice("mode", mode, _send.BACKWARD_MODES)
+    _validate.check_choice("mode", mode, _send.BACKWARD_MODES)
     forward = _channel.as_channel(_cast.identity() if forward is None else forward)
     if mode == "independent" and backward is None:
         backward = _cast.identity()
@@ -168,15 +169,15 @@ class PipelineConfig(NamedTuple):
 
 def resolve_links(config: PipelineConfig, num_stages: int) -> tuple[Link, ...]:
     """Validates ``config`` for ``num_stages`` stages and returns one link per boundary."""
-    _base.check_int_range("num_stages", num_stages, 2)
+    _validate.check_int("num_stages", num_stages, 2)
     m = config.num_microbatches
-    _base.check_int_range("num_microbatches", m, 1)
+    _validate.check_int("num_microbatches", m, 1)
     if m < num_stages:
         raise ValueError(
             f"num_microbatches must be >= the number of stages for a GPipe schedule; got "
             f"num_microbatches={m} with {num_stages} stages."
         )
-    _base.check_choice("schedule", config.schedule, _schedule.SCHEDULES)
+    _validate.check_choice("schedule", config.schedule, _schedule.SCHEDULES)
     _residuals.check_checkpoint(config.checkpoint)
     tx = config.replica_mean
     if tx is not None and not (
@@ -231,7 +232,7 @@ def pipeline_mesh(
       ValueError: if ``num_stages`` does not divide the device count.
     """
     devices = list(jax.devices() if devices is None else devices)
-    _base.check_int_range("num_stages", num_stages, 2)
+    _validate.check_int("num_stages", num_stages, 2)
     if len(devices) % num_stages:
         raise ValueError(
             f"num_stages={num_stages} does not divide the {len(devices)} devices; use a "
