@@ -17,7 +17,6 @@ ROOT = pathlib.Path(jaxcomp.__file__).parent
 # Clashes known when this test was written, each someone's open item: the list may only
 # shrink (remove an entry when its clash is gone; the test fails until then).
 KNOWN = {
-    "StagedModel": ["models", "pipeline"],  # issue 12 item 5, pipeline part: one StagedModel
     "Link": ["pipeline", "study"],  # study's cost-model link vs a pipeline boundary's link
 }
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
+from jaxcomp import _validate
 from jaxcomp.study import _cost
 from jaxcomp.study import _runner
 
@@ -279,7 +280,7 @@ def _predict(row, base, links, compute_s, notes) -> None:
             "compute_s for your hardware."
         )
     else:
-        step_compute = _cost._check_number("compute_s", compute_s)
+        step_compute = _validate.check_number("compute_s", compute_s, ge=0, finite=True)
     row["compute_s"] = step_compute
     for g, lk in links.items():
         times = {}

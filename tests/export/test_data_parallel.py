@@ -10,6 +10,7 @@ import pytest
 from jaxcomp import comm
 from jaxcomp import compressors as C
 from jaxcomp import feedback as F
+from jaxcomp import parallel
 from jaxcomp import transforms as T
 
 W = 4
@@ -76,7 +77,7 @@ def setup():
 def test_data_parallel_step_exports_with_compressed_collectives(name, setup, lowering):
     mesh, params, batch = setup
     make, expected = CASES[name]
-    dp = T.data_parallel(_loss, _tx(make), mesh, donate=False)
+    dp = parallel.data_parallel(_loss, _tx(make), mesh, donate=False)
     state = dp.init(params)
     with jax.set_mesh(mesh):
         found = lowering.collectives(dp.step.export(state, batch, lowering.platforms))

@@ -250,6 +250,14 @@ def test_report_aggregates_seeds_and_predicts_speedups_by_hand(finished):
     assert any("boundary permutes" in n for n in notes)
 
 
+@pytest.mark.parametrize("compute_s", [-0.01, float("nan"), float("inf"), "fast"])
+def test_report_rejects_a_bad_compute_s_naming_it(finished, compute_s):
+    manifest, runs = study.read_runs(finished)
+    links = {1.0: study.Link(bandwidth=1000.0, latency=0.0)}
+    with pytest.raises(ValueError, match="compute_s"):
+        study.aggregate(manifest, runs, compute_s=compute_s, links=links)
+
+
 def test_report_writes_markdown_csv_and_plots(finished):
     paths = study.write_report(finished, compute_s=0.01)
     md = open(paths["markdown"]).read()
