@@ -85,13 +85,13 @@ class Collective(NamedTuple):
       kind: one of :data:`KINDS`.
       bytes_per_execution: bytes one device moves per execution, as the HLO meter counts them.
       group_size: devices taking part (``W``).
-      executions: times it runs per step.
+      executions: times it runs per step (a mean over a run's steps may be fractional).
     """
 
     kind: str
     bytes_per_execution: float
     group_size: int
-    executions: int = 1
+    executions: float = 1
 
 
 def link(gbit_per_s: float, latency_s: float = DEFAULT_LATENCY_S) -> Link:
@@ -163,7 +163,7 @@ def communication_time(collectives, lk: Link) -> float:
     records = getattr(collectives, "records", collectives)
     total = 0.0
     for r in records:
-        runs = _validate.check_int("executions", r.executions, 0)
+        runs = _validate.check_number("executions", r.executions, ge=0, finite=True)
         total += runs * collective_time(r.kind, r.bytes_per_execution, r.group_size, lk)
     return total
 

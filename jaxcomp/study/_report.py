@@ -4,8 +4,8 @@ For every (variant, axis values) the seeds are aggregated as mean ± sample stan
 final and best-over-evaluations test accuracy with compression on and off at evaluation (a
 mode without compressed evaluation has only the "off" column), final loss, bytes per step on
 the mesh axis the mode's traffic uses, against dense and against the study's baseline variant,
-wall time, how many seeds diverged, and the cost model's predicted speedup over the baseline at
-1, 10 and 100 Gbit/s (:mod:`jaxcomp.study._cost`).
+and per collective kind and group size, wall time, how many seeds diverged, and the cost
+model's predicted speedup over the baseline at 1, 10 and 100 Gbit/s (:mod:`jaxcomp.study._cost`).
 
 Everything is read from what the trainer writes: ``summary.json``, ``metrics.jsonl`` and
 ``experiment.json`` in each cell's workdir, and the study's ``study.json``.
@@ -158,24 +158,22 @@ def _data_axis_size(experiment: Mapping[str, Any]) -> int | None:
 
 
 def collectives_of(run: Run) -> tuple[list[_cost.Collective] | None, str]:
-    """The collectives of one step of ``run`` for the cost model, and how they were obtained.
+    """The collectives of a mean step of ``run`` for the cost model, and how they were obtained.
 
-    From ``summary["collectives"]`` (per-kind records) when the trainer writes them; for the
-    pipeline mode otherwise rebuilt from ``boundary_bytes_per_step`` (``2 M (S-1)`` single-pair
-    permutes, every boundary carrying the same payload) and ``hlo_collective_bytes_per_step``
-    (the rest: the gradient mean over the ``data`` axis, an all-reduce); ``None`` otherwise.
+    From ``summary["collectives"]`` when the trainer writes it (the dense, data-parallel and AB
+    modes: :mod:`jaxcomp.train._collectives`): records outside any branch run as listed;
+    records inside ``lax.cond`` branches (Accordion's per-layer modes, an update every k
+    micro-batches) hold every branch once, so their executions are scaled by one factor that
+    makes the step's bytes equal the run's measured mean ``wire_bytes_per_step`` (the bytes are
+    then exact up to the few bytes of the loss and metric means the transform does not count;
+    the split between branches, hence the message count, is estimated). For the pipeline mode
+    otherwise rebuilt from ``boundary_bytes_per_step`` (``2 M (S-1)`` single-pair permutes,
+    every boundary carrying the same payload) and ``hlo_collective_bytes_per_step`` (the rest:
+    the gradient mean over the ``data`` axis, an all-reduce); ``None`` otherwise.
     """
     s = run.summary
     if isinstance(s.get("collectives"), list):
-        return [
-            _cost.Collective(
-                r["kind"],
-                float(r["bytes_per_execution"]),
-                int(r["group_size"]),
-                int(r.get("executions", 1)),
-            )
-            for r in s["collectives"]
-        ], "measured per collective"
+        return _measured(s["collectives"], s.get("wire_bytes_per_step"))
     if s.get("mode") == "pipeline" and s.get("boundary_bytes_per_step") is not None:
         m, stages = int(s["microbatches"]), int(s["stages"])
         sends = 2 * m * (stages - 1)
@@ -190,6 +188,49 @@ def collectives_of(run: Run) -> tuple[list[_cost.Collective] | None, str]:
             how += " (data axis size unknown: priced for 2 replicas)"
         return out, how
     return None, f"mode {s.get('mode')!r} writes no per-kind collective bytes"
+
+
+def _measured(records: list, wire) -> tuple[list[_cost.Collective] | None, str]:
+    try:
+        colls = [
+            (
+                _cost.Collective(
+                    r["kind"],
+                    float(r["bytes_per_execution"]),
+                    int(r["group_size"]),
+                    float(r.get("executions", 1)),
+                ),
+                bool(r.get("conditional", False)),
+            )
+            for r in records
+        ]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"summary.json collectives are damaged ({type(e).__name__}: {e}).") from e
+    size = lambda c: c.bytes_per_execution * c.executions  # noqa: E731
+    branched = sum(size(c) for c, cond in colls if cond)
+    if not branched:
+        return [c for c, _ in colls], "measured per collective (compiled HLO)"
+    wire = _finite(wire)
+    if wire is None:
+        return None, "collectives in branches but no finite mean bytes per step to scale them"
+    fixed = sum(size(c) for c, cond in colls if not cond)
+    share = max(wire - fixed, 0.0) / branched
+    out = [c._replace(executions=c.executions * share) if cond else c for c, cond in colls]
+    how = (
+        "measured per collective (compiled HLO); those inside branches (per-layer modes, "
+        "updates every k steps) scaled to the run's mean bytes per step, their message "
+        "count estimated"
+    )
+    return out, how
+
+
+def bytes_by_kind(colls: list[_cost.Collective]) -> dict[str, float]:
+    """Bytes per step per collective kind (with the group size in the key: ``all-reduce/8``)."""
+    out: dict[str, float] = {}
+    for c in colls:
+        key = f"{c.kind}/{c.group_size}"
+        out[key] = out.get(key, 0.0) + c.bytes_per_execution * c.executions
+    return out
 
 
 def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
@@ -245,6 +286,7 @@ def aggregate(
             else None
         )
         row["_done"] = [r for r, _ in done]
+        row["bytes_by_kind"] = _mean_by_kind(row["_done"])
         rows.append(row)
     by_key = {(r["variant"], tuple(r.get(a) for a in axes)): r for r in rows}
     for row in rows:
@@ -258,6 +300,16 @@ def aggregate(
     for row in rows:
         row.pop("_done")
     return rows, sorted(set(notes))
+
+
+def _mean_by_kind(runs: list[Run]) -> dict[str, float] | None:
+    """Mean over ``runs`` of their bytes per step per collective kind and group size."""
+    per = [collectives_of(r)[0] for r in runs]
+    if not per or any(c is None for c in per):
+        return None
+    kinds = [bytes_by_kind(c) for c in per]
+    keys = sorted({k for d in kinds for k in d})
+    return {k: statistics.fmean(d.get(k, 0.0) for d in kinds) for k in keys}
 
 
 def _predict(row, base, links, compute_s, notes) -> None:

@@ -60,13 +60,34 @@ def markdown_table(rows: list[dict[str, Any]], axes: list[str], gbits) -> str:
     return "\n".join(lines)
 
 
+def kind_table(rows: list[dict[str, Any]], axes: list[str]) -> str:
+    """Bytes per mean step per collective kind (``kind/group size``), one line per variant."""
+    kinds = sorted({k for r in rows for k in (r.get("bytes_by_kind") or {})})
+    if not kinds:
+        return ""
+    head = ["variant", *axes, *kinds]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        by = r.get("bytes_by_kind")
+        cells = [r["variant"], *[str(r.get(a)) for a in axes]]
+        cells += ["—" if by is None else _bytes(by.get(k, 0.0)) for k in kinds]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _flat(value: Any) -> Any:
+    if isinstance(value, Mapping):  # bytes_by_kind: "all-reduce/8=1024.0; ..."
+        return "; ".join(f"{k}={v:g}" for k, v in value.items())
+    return value
+
+
 def _write_csv(path: str, rows: list[Mapping[str, Any]]) -> None:
     fields = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
+            w.writerow({k: ("" if r.get(k) is None else _flat(r.get(k))) for k in fields})
 
 
 def write_report(
@@ -128,6 +149,15 @@ def write_report(
         markdown_table(rows, axes, list(links)),
         "",
     ]
+    kinds = kind_table(rows, axes)
+    if kinds:
+        lines += [
+            "Bytes per step per device by collective kind and group size (`kind/devices`; "
+            "the mean step of the run, what the predicted speedups price):",
+            "",
+            kinds,
+            "",
+        ]
     if notes:
         lines += ["Notes:", *[f"- {n}" for n in notes], ""]
     for name, path in plots.items():

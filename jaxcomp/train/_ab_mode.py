@@ -29,9 +29,15 @@ compiled here, before the first step; bytes per step are read from their HLO and
 step by the step's kind. A step whose loss or new state is not finite is skipped (the state
 is kept, as ``_mode.commit_if_finite`` does in the other modes); the AB schedule then runs a
 step behind the trainer's count, as optax's ``count`` does in the dense mode.
+
+The summary's ``collectives`` lists the run's mean step per collective kind and group size:
+each step kind's programs weighted by how many steps the schedule gives it
+(:mod:`jaxcomp.train._collectives`).
 """
 
 from __future__ import annotations
+
+import collections
 
 import jax
 import ml_collections
@@ -43,9 +49,12 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp.models import _staged
+from jaxcomp.train import _collectives
 from jaxcomp.train import _config
 from jaxcomp.train import _dense
 from jaxcomp.train import _mode
+from jaxcomp.transforms._ab_config import num_a_groups
+from jaxcomp.transforms._ab_metrics import collectives_by_role
 
 AB_DEFAULTS = {
     "warmup_steps": 100,
@@ -98,6 +107,29 @@ def ab_config(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> tra
         )
     except ValueError as e:
         raise ValueError(f"config.ab: {e}") from e
+
+
+def _step_collectives(cfg, sizes, texts: dict[str, str], total_steps: int) -> list[dict]:
+    """The collectives of the run's mean step (:mod:`jaxcomp.train._collectives`): each step
+    kind's programs weighted by how many of ``total_steps`` the schedule gives it, an AB step's
+    role parts by the share of workers in each role (as ``kind_bytes`` averages them)."""
+    by = {name: collectives_by_role(text) for name, text in texts.items()}
+    num_a = num_a_groups(cfg.sync_mode, len(sizes))
+    share_a = sum(sizes[:num_a]) / sum(sizes)
+    kinds = collections.Counter(cfg.schedule.step_kind(t) for t in range(total_steps))
+    parts = []
+    for kind, count in kinds.items():
+        w = count / max(total_steps, 1)
+        if kind.startswith("dense"):
+            parts.append(_collectives.from_report(by["dense"]["shared"], w))
+        else:
+            if num_a:
+                parts.append(_collectives.from_report(by["ab"]["a"], w * share_a))
+            parts.append(_collectives.from_report(by["ab"]["b"], w * (1.0 - share_a)))
+        extra_program = {"dense_then_refactor": "refactor", "ab_then_sync": "sync"}.get(kind)
+        if extra_program:
+            parts.append(_collectives.from_report(by[extra_program]["shared"], w))
+    return _collectives.merge(*parts)
 
 
 def build_ab(
@@ -180,6 +212,8 @@ def build_ab(
     extra.update(
         cycle_bytes_per_step=cycle_bytes, cycle_traffic_reduction=1.0 - cycle_bytes / dense
     )
+    texts = {k: c.as_text() for k, c in dp.compile(state_abs, batch_abs).items()}
+    extra["collectives"] = _step_collectives(cfg, sizes, texts, int(config.total_steps))
     return _mode.Mode(
         name="ab",
         mesh=mesh,

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.models import _staged
+from jaxcomp.train import _collectives
 from jaxcomp.train import _config
 from jaxcomp.train import _mode
 
@@ -120,6 +121,7 @@ def build_dense(
         wire_bytes=wire,
         dense_bytes=max(dense, wire),
         description=f"dense data parallel over {n_dev} device(s), optax.{config.optax_name}",
+        extra={"collectives": _collectives.records(train_c.as_text())},
     )
 
 

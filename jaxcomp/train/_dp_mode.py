@@ -27,7 +27,9 @@ step that completes no update sends nothing, and the detector's interval is
 
 Parameters are replicated; each worker differentiates its shard of the batch with no hidden
 all-reduce (:func:`jaxcomp.comm.local_value_and_grad`) and the transform's payloads are the
-only gradient traffic.
+only gradient traffic. The step is compiled when the mode is built; its HLO gives the summary's
+``collectives`` (per kind and group size, those inside Accordion's mode branches marked:
+:mod:`jaxcomp.train._collectives`), and the transform reports each step's bytes.
 
 BatchNorm running statistics are model state. By default each worker keeps its own
 (``[W, ...]`` sharded over data), normalising with its own shard's batch statistics and
@@ -49,6 +51,7 @@ import math
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -58,6 +61,7 @@ from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp.models import _staged
 from jaxcomp.train import _batch_stats
+from jaxcomp.train import _collectives
 from jaxcomp.train import _config
 from jaxcomp.train import _dense
 from jaxcomp.train import _mode
@@ -141,6 +145,23 @@ def _reducer_state(opt_state):
     return opt_state[0]  # chain(reducer, optimizer)
 
 
+def _compile_step(dp, tx, mesh, stats, model, batch_size, variables_abs):
+    """``dp.step`` compiled ahead of time for the state ``dp.init`` places and a training batch."""
+    params, model_state = _mode.split_variables(variables_abs)
+    replicated = NamedSharding(mesh, P())
+    with jax.set_mesh(mesh):
+        opt_state = jax.eval_shape(tx.init, params)
+    state = parallel.TrainState(
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), params),
+        comm.place_state(opt_state, mesh, comm.DATA),
+        comm.place_state(jax.eval_shape(stats.wrap, model_state), mesh, comm.DATA),
+    )
+    batch = _dense.abstract_batch(model, batch_size, NamedSharding(mesh, P(comm.DATA)))
+    batch = {k: np.zeros(v.shape, v.dtype) for k, v in batch.items()}
+    return dp.step.lower(state, batch).compile()
+
+
 def _base_choice(name, value, allowed):
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}; got {value!r}.")
@@ -206,7 +227,7 @@ def build_data_parallel(
 
     def train_step(state, batch, key, step):
         del key, step
-        new, metrics = dp.step(state, batch)
+        new, metrics = step_c(state, batch)
         kept, out = check(new, state, metrics["loss"])
         return kept, {"loss": metrics["loss"], "accuracy": metrics["aux"], **out}
 
@@ -218,6 +239,8 @@ def build_data_parallel(
 
     params_abs = jax.eval_shape(model.init, jax.random.key(0))
     dense = 4.0 * _mode.param_count([v["params"] for v in params_abs])
+    # compiled here (the trainer runs this executable): its HLO gives the step's collectives
+    step_c = _compile_step(dp, tx, mesh, stats, model, config.batch_size, params_abs)
     sync_bytes = 0.0
     if sync and model.has_batch_stats:
         # synchronised statistics are replicated, like the parameters
@@ -240,5 +263,6 @@ def build_data_parallel(
             "reducer": name,
             "batch_stats": stats.describe(model.has_batch_stats),
             "batch_stats_bytes": sync_bytes,
+            "collectives": _collectives.records(step_c.as_text()),
         },
     )

@@ -13,6 +13,7 @@ import math
 import os
 from typing import Any
 
+from jaxcomp.train import _collectives
 from jaxcomp.train import _config
 from jaxcomp.train import _errors
 from jaxcomp.train import _metrics
@@ -158,6 +159,8 @@ def write_summary(workdir: str, summary: dict, title: str) -> None:
             v = f"{v:.1f}"
         elif k == "compression_ratio":
             v = f"{v:.1f}x"
+        elif k == "collectives":  # the per-kind records, in short: bytes per kind/devices
+            k, v = "collective_bytes_per_step", _collectives.describe(v)
         rows.append((k, v))
     table = _metrics.summary_table(rows, title=title)
     print(table, flush=True)

@@ -153,8 +153,9 @@ def test_other_invalid_input_is_a_clear_error():
     for group in (0, 2.0, True):
         with pytest.raises(ValueError, match="group_size"):
             study.collective_time("all-reduce", 1.0, group, LK)
-    with pytest.raises(ValueError, match="executions"):
-        study.communication_time([study.Collective("all-reduce", 1.0, 2, -1)], LK)
+    for runs in (-1, math.nan, math.inf, True):  # a mean over steps may be fractional, not these
+        with pytest.raises(ValueError, match="executions"):
+            study.communication_time([study.Collective("all-reduce", 1.0, 2, runs)], LK)
     with pytest.raises(ValueError, match="compute_s"):
         study.step_time(-0.1, [], LK)
     with pytest.raises(ValueError, match="candidate_s"):

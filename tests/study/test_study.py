@@ -9,6 +9,7 @@ import ml_collections
 import pytest
 
 from jaxcomp import study
+from jaxcomp.study import _report
 
 STUDY_FILE = '''
 r"""A tiny test study.
@@ -264,6 +265,9 @@ def test_report_writes_markdown_csv_and_plots(finished):
     assert md.startswith("# Study `tiny`")
     assert "| topk 10% | sgd | 1/2 | 1 |" in md
     assert "0.910 ± 0.014" in md and "10.00x" in md
+    # bytes per kind: the boundary permutes and the rest as the data axis's all-reduce
+    assert "| variant | optimizer | all-reduce/2 | collective-permute/2 |" in md
+    assert "| topk 10% | adam | 1000 B | 240 B |" in md
     with open(paths["csv"]) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 4 and float(rows[0]["final_acc_on"]) == pytest.approx(0.91)
@@ -273,6 +277,36 @@ def test_report_writes_markdown_csv_and_plots(finished):
     for name in ("accuracy_vs_bytes", "curves"):
         assert open(paths[name], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert "state" not in paths  # no Accordion / AB metrics in these runs
+
+
+def _run(summary):
+    return _report.Run("cell", "variant", {}, 0, "done", summary, [], [], {})
+
+
+def _record(kind, nbytes, executions, conditional):
+    return {"kind": kind, "group_size": 8, "bytes_per_execution": nbytes,
+            "executions": executions, "conditional": conditional}  # fmt: skip
+
+
+def test_collectives_in_branches_are_scaled_to_the_runs_mean_bytes():
+    # a 100 B all-reduce every step; two 50 B branches (each counted once in the HLO)
+    recs = [_record("all-reduce", 100.0, 1.0, False), _record("all-gather", 50.0, 2.0, True)]
+    colls, how = _report.collectives_of(_run({"collectives": recs, "wire_bytes_per_step": 150.0}))
+    assert [(c.kind, c.executions) for c in colls] == [("all-reduce", 1.0), ("all-gather", 1.0)]
+    assert "scaled to the run's mean bytes" in how
+    assert _report.bytes_by_kind(colls) == {"all-reduce/8": 100.0, "all-gather/8": 50.0}
+    lk = study.Link(bandwidth=1000.0, latency=0.0)  # by hand: 2*7/8*0.1 + 7*0.05
+    assert study.communication_time(colls, lk) == pytest.approx(0.525)
+    # a step whose branches never ran (the mean is the fixed part): none of them counted
+    colls, _ = _report.collectives_of(_run({"collectives": recs, "wire_bytes_per_step": 80.0}))
+    assert [c.executions for c in colls] == [1.0, 0.0]
+    # a straight program is taken as measured, whatever the mean
+    colls, how = _report.collectives_of(_run({"collectives": recs[:1], "wire_bytes_per_step": 7}))
+    assert colls == [study.Collective("all-reduce", 100.0, 8, 1.0)] and "branches" not in how
+    colls, how = _report.collectives_of(_run({"collectives": recs, "wire_bytes_per_step": None}))
+    assert colls is None and "no finite mean bytes" in how
+    with pytest.raises(ValueError, match="collectives are damaged"):
+        _report.collectives_of(_run({"collectives": [{"kind": "all-reduce"}]}))
 
 
 def test_report_state_plot_for_adaptive_methods(finished):

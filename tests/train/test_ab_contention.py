@@ -21,6 +21,7 @@ import pytest
 
 from jaxcomp import train
 from jaxcomp.main import load_config
+from jaxcomp.train import _ab_mode
 from jaxcomp.train import _trainer
 
 REPO = pathlib.Path(__file__).parents[2]
@@ -61,6 +62,21 @@ def _step(s, state, step):
     batch, _ = s.train_loader.next(_trainer.data.LoaderState(0, step))
     key = _trainer._replicated(np.zeros(2, np.uint32), s.mesh)
     return s.mode.train_step(state, _trainer.place(batch, s.mode.batch_sharding), key, step)
+
+
+def test_collectives_per_kind_sum_to_the_schedules_mean_bytes(smoke_setup):
+    """The summary's per-kind records: each step kind's programs weighted by the schedule,
+    summing to what the trainer's per-step bytes average to over ``total_steps``."""
+    s = smoke_setup
+    extra, steps = s.mode.extra, s.config.total_steps
+    schedule = _ab_mode.ab_config(s.config, s.mesh).schedule
+    kinds = [schedule.step_kind(t) for t in range(steps)]
+    expected = sum(extra[f"hlo_bytes_{k}"] for k in kinds) / steps
+    recs = extra["collectives"]
+    assert not any(r["conditional"] for r in recs)
+    assert sum(r["bytes_per_execution"] * r["executions"] for r in recs) == pytest.approx(expected)
+    # dense steps over all 8 workers, group steps over the 4 members of a group
+    assert {r["group_size"] for r in recs} >= {8, 4}
 
 
 def test_a_state_ahead_of_the_trainer_step_is_an_error(smoke_setup):

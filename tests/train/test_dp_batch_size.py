@@ -6,6 +6,7 @@ import os
 import pytest
 
 from jaxcomp import train
+from jaxcomp.study import _report
 
 
 def dp_config(**data_parallel):
@@ -55,7 +56,7 @@ def test_one_micro_batch_per_update_equals_compressed_mean(tmp_path):
 
 
 def test_a_large_batch_sends_only_on_its_update_steps(tmp_path):
-    _, rec = train_records(
+    summary, rec = train_records(
         dp_config(transform="accordion_batch_size", codec="identity", small_steps=2,
                   large_steps=2),
         tmp_path,
@@ -63,6 +64,14 @@ def test_a_large_batch_sends_only_on_its_update_steps(tmp_path):
     sent = [r["wire_bytes"] for r in rec]
     assert len(sent) == 6 and all(r["every_k"] == 2 for r in rec)
     assert sent[0::2] == [0.0] * 3 and min(sent[1::2]) > 0  # an update every 2nd micro-batch
+    # the update's collectives sit in a branch: the HLO counts them once, the study report
+    # scales them to the run's mean, half of the steps (less the loss/accuracy means' 8 B)
+    recs = summary["collectives"]
+    branched = sum(r["bytes_per_execution"] * r["executions"] for r in recs if r["conditional"])
+    assert branched >= max(sent)
+    colls, _ = _report.collectives_of(_report.Run("c", "v", {}, 0, "done", summary, [], [], {}))
+    scaled = [c.executions / r["executions"] for c, r in zip(colls, recs) if r["conditional"]]
+    assert scaled == pytest.approx([0.5] * len(scaled), abs=0.01)
 
 
 def test_bad_batch_size_settings_are_setup_errors(tmp_path):

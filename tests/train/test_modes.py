@@ -82,3 +82,10 @@ def test_compressed_mean_data_parallel_sends_less_than_dense(make_config, tmp_pa
     summary = train.train_and_evaluate(config, str(tmp_path))
     assert 0 < summary["wire_bytes_per_step"] < summary["dense_bytes_per_step"] / 3
     assert summary["reducer"].startswith("compressed_mean(error_feedback(top_k(0.05")
+    # per collective kind, from the compiled step: no branch, every step the same; what the
+    # transform counts plus the loss and accuracy means (2 x 4 bytes)
+    recs = summary["collectives"]
+    assert recs and not any(r["conditional"] for r in recs)
+    assert {r["group_size"] for r in recs} == {8}
+    total = sum(r["bytes_per_execution"] * r["executions"] for r in recs)
+    assert total == summary["wire_bytes_per_step"] + 8
