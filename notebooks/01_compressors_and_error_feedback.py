@@ -23,6 +23,7 @@
 # while error feedback remembers what it dropped and sends it later.
 
 # %%
+# %matplotlib inline
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
+from IPython.display import display
 
 from jaxcomp import compressors
 from jaxcomp import feedback
@@ -112,4 +114,5 @@ ax.set_xlabel("step")
 ax.set_ylabel("relative error of the mean received")
 ax.set_yscale("log")
 ax.legend()
-plt.show()
+display(fig)  # inline: the figure is in the saved notebook (tests run it under Agg)
+plt.close(fig)

@@ -1,5 +1,7 @@
-"""Notebooks: each .ipynb is the jupytext pair of its .py, and each executes (nbmake)."""
+"""Notebooks: each .ipynb is the jupytext pair of its .py, each executes (nbmake), and the
+committed .ipynb holds the outputs of one top-to-bottom run, figures included."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -25,3 +27,28 @@ def test_notebook_is_paired_and_runs(path, tmp_path):
            "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(ipynb)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+
+
+#: a code cell that draws or shows a figure must hold its PNG
+FIGURE_CALLS = ("plt.subplots(", "plt.figure(", "display(fig)", "Image(")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_committed_notebook_shows_its_results(path):
+    """A reader who does not run the notebook sees its results: every code cell was run once,
+    in order, in one kernel, and every cell that shows a figure holds the PNG."""
+    nb = json.loads(path.with_suffix(".ipynb").read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    counts = [c.get("execution_count") for c in code]
+    assert counts == list(range(1, len(code) + 1)), (
+        f"{path.stem}: execution counts {counts}; execute it top to bottom: `jupytext --to "
+        f"ipynb {path.name}` then `JAXCOMP_NOTEBOOK_SMOKE=1 jupyter execute --inplace "
+        f"{path.stem}.ipynb` in notebooks/"
+    )
+    errors = [o for c in code for o in c["outputs"] if o["output_type"] == "error"]
+    assert not errors, f"{path.stem}: committed with an error output: {errors[0].get('ename')}"
+    for i, cell in enumerate(code):
+        src = "".join(cell["source"])
+        if any(call in src for call in FIGURE_CALLS):
+            pngs = [o for o in cell["outputs"] if "image/png" in o.get("data", {})]
+            assert pngs, f"{path.stem}: code cell {i + 1} shows a figure but holds no PNG"
