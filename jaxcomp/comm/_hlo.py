@@ -153,17 +153,9 @@ def _group_size(line: str, num_devices: int) -> int:
     return num_devices
 
 
-def collective_report(hlo_text: str) -> CollectiveReport:
-    """Parses compiled HLO text into a :class:`CollectiveReport`.
-
-    Args:
-      hlo_text: ``compiled.as_text()`` of a jitted function.
-
-    Returns:
-      The collectives found, with per-device bytes and execution counts.
-    """
-    m = re.search(r"num_partitions=(\d+)", hlo_text)
-    num_devices = int(m.group(1)) if m else 1
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """The instruction lines of every computation in HLO text, by name, and the entry's name
+    (the ``ENTRY`` computation, else the last one; ``None`` for text with no computation)."""
     comps: dict[str, list[str]] = {}
     current, entry = None, None
     for line in hlo_text.splitlines():
@@ -177,6 +169,21 @@ def collective_report(hlo_text: str) -> CollectiveReport:
             comps[current].append(line)
     if entry is None and comps:
         entry = next(reversed(comps))
+    return comps, entry
+
+
+def collective_report(hlo_text: str) -> CollectiveReport:
+    """Parses compiled HLO text into a :class:`CollectiveReport`.
+
+    Args:
+      hlo_text: ``compiled.as_text()`` of a jitted function.
+
+    Returns:
+      The collectives found, with per-device bytes and execution counts.
+    """
+    m = re.search(r"num_partitions=(\d+)", hlo_text)
+    num_devices = int(m.group(1)) if m else 1
+    comps, entry = computations(hlo_text)
 
     edges: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
     unknown = []

@@ -34,23 +34,10 @@ _BRANCHES = re.compile(
 )
 
 
-def _computations(hlo_text: str) -> dict[str, list[str]]:
-    comps: dict[str, list[str]] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        h = _hlo._HEADER.match(line)
-        if h:
-            current = h.group(2)
-            comps[current] = []
-        elif current is not None:
-            comps[current].append(line)
-    return comps
-
-
 def conditional_computations(hlo_text: str) -> set[str]:
     """Names of the computations that run only when a ``conditional`` picks them (directly or
     called from a branch), in compiled HLO text."""
-    comps = _computations(hlo_text)
+    comps, _ = _hlo.computations(hlo_text)
     callees = collections.defaultdict(set)
     roots: set[str] = set()
     for comp, lines in comps.items():

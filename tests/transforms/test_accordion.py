@@ -171,14 +171,7 @@ def test_low_compression_mode_equals_compressed_mean_with_power_sgd(mesh):
 
 def conditional_branch_bytes(hlo_text):
     """For every ``conditional``: the collective bytes of each branch (with its callees)."""
-    comps, current = {}, None
-    for line in hlo_text.splitlines():
-        h = _hlo._HEADER.match(line)
-        if h:
-            current = h.group(2)
-            comps[current] = []
-        elif current is not None:
-            comps[current].append(line)
+    comps, _ = _hlo.computations(hlo_text)
     report = _hlo.collective_report(hlo_text)
     direct = {}
     for r in report.records:
