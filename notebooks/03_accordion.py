@@ -38,6 +38,7 @@ from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import data
 from jaxcomp import models
+from jaxcomp import parallel
 from jaxcomp import transforms
 
 SMOKE = os.environ.get("JAXCOMP_NOTEBOOK_SMOKE", "1") == "1"  # tests run the small sizes
@@ -63,7 +64,7 @@ def loss_fn(params, batch):
 
 
 mesh = comm.make_mesh([("data", 8)], jax.devices()[:8])
-dp = transforms.data_parallel(loss_fn, tx, mesh)
+dp = parallel.data_parallel(loss_fn, tx, mesh)
 state = dp.init(params)
 names = ["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
          for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]  # fmt: skip
