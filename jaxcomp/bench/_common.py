@@ -203,9 +203,10 @@ def env_info() -> dict[str, Any]:
 
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> None:
-    """Prints ``rows`` with ``columns = [(key, format spec), ...]``."""
+    """Prints ``rows`` with ``columns = [(key, format spec), ...]`` (the header alone if there
+    are no rows, e.g. ``pipeline --only`` matching no link)."""
     cells = [[format(r[k], f) if r.get(k) is not None else "-" for k, f in columns] for r in rows]
-    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, (k, _) in enumerate(columns)]
+    widths = [max([len(k), *(len(c[i]) for c in cells)]) for i, (k, _) in enumerate(columns)]
     print("  ".join(k.rjust(w) for (k, _), w in zip(columns, widths)))
     for c in cells:
         print("  ".join(v.rjust(w) for v, w in zip(c, widths)))

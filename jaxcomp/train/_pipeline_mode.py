@@ -34,6 +34,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _validate
 from jaxcomp import comm
 from jaxcomp import pipeline
 from jaxcomp.models import _staged
@@ -54,6 +55,8 @@ PIPELINE_DEFAULTS = {
     "checkpoint": False,
     "replica_mean": None,
 }
+
+REPLICA_TRANSFORMS = ("compressed_mean", "accordion")  #: averages for config.pipeline.replica_mean
 
 
 class PipelineState(NamedTuple):
@@ -99,6 +102,10 @@ def _replica_mean(cfg: dict, config, replicas: int, steps_per_epoch: int, num_sa
             f"{cfg['simulate']}, {replicas} replica(s))."
         )
     sub = _config.check_sub_config("pipeline.replica_mean", spec, _dp_mode.DP_DEFAULTS)
+    # accordion_batch_size is not an average (it changes the batch per update)
+    _validate.check_choice(
+        "config.pipeline.replica_mean.transform", sub["transform"], REPLICA_TRANSFORMS
+    )
     schedule = _config.learning_rate(config)
     return _dp_mode._reducer(sub, schedule, steps_per_epoch, num_samples)
 

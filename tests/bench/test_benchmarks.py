@@ -52,3 +52,13 @@ def test_compressors_benchmark_writes_its_keys(tmp_path):
         assert r["hlo_bytes"] == r["payload_bytes"], r["name"]
         assert r["time_q1_s"] <= r["time_s"] <= r["time_q3_s"], r["name"]
         assert r["copy_time_s"] == data["copy_time_s"]  # one shared baseline
+
+
+def test_print_table_without_rows_prints_the_header(capsys):
+    """``pipeline --only LABEL`` matching no link leaves the link table empty (this raised)."""
+    _common.print_table([], [("codec", "s"), ("step_time_s", ".4f")])
+    assert capsys.readouterr().out.split() == ["codec", "step_time_s"]
+    _common.print_table(
+        [{"codec": "q8", "step_time_s": None}], [("codec", "s"), ("step_time_s", ".4f")]
+    )
+    assert capsys.readouterr().out.split() == ["codec", "step_time_s", "q8", "-"]

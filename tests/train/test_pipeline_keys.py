@@ -1,0 +1,114 @@
+"""The trainer's ``config.pipeline`` keys of the 1F1B work: ``schedule``, ``checkpoint`` and
+``replica_mean`` reach the pipeline, change nothing they should not, and reject bad values."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jaxcomp import pipeline
+from jaxcomp import train
+from jaxcomp.train import _trainer
+
+POWER_SGD = {"transform": "compressed_mean", "codec": {"name": "power_sgd", "rank": 1}}
+
+
+def _config(make_config, mesh=(("stage", 4),), **keys):
+    return make_config(
+        mode="pipeline",
+        mesh=list(mesh),
+        model={"hidden": (16, 16, 16)},
+        batch_size=32,
+        eval_batch_size=32,
+        optax_name="sgd",
+        lr=0.1,
+        pipeline={
+            "num_microbatches": 4,
+            "forward": {"name": "quantize", "bits": 8},
+            "backward": {"name": "quantize", "bits": 8},
+            **keys,
+        },
+    )
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The :class:`pipeline.PipelineConfig` of every pipeline the trainer builds."""
+    configs = []
+    gpipe = pipeline.gpipe
+
+    def spy(model, config, mesh):
+        configs.append(config)
+        return gpipe(model, config, mesh)
+
+    monkeypatch.setattr(pipeline, "gpipe", spy)
+    return configs
+
+
+def _one_step(config):
+    """``(setup, metrics, params)`` after one training step from the seed-0 state."""
+    s = train.setup(config)
+    state = s.mode.init(jax.random.key(0))
+    batch, _ = s.train_loader.next(s.train_loader.initial_state())
+    batch = _trainer.place(batch, s.mode.batch_sharding)
+    key = _trainer._replicated(np.asarray(jax.random.key_data(jax.random.key(1))), s.mesh)
+    state, metrics = s.mode.train_step(state, batch, key, 0)
+    return s, jax.device_get(metrics), [np.asarray(p) for p in jax.tree.leaves(state.params)]
+
+
+def test_schedule_and_checkpoint_reach_the_pipeline_with_gpipes_numbers(make_config, built):
+    _, gpipe_metrics, gpipe_params = _one_step(_config(make_config))
+    for keys in ({"schedule": "1f1b"}, {"schedule": "1f1b", "checkpoint": "dots_saveable"},
+                 {"checkpoint": True}):  # fmt: skip
+        s, metrics, params = _one_step(_config(make_config, **keys))
+        got = built[-1]
+        assert got.schedule == keys.get("schedule", "gpipe")
+        assert got.checkpoint == keys.get("checkpoint")
+        assert got.replica_mean is None
+        assert s.mode.extra["schedule"] == got.schedule and got.schedule in s.mode.description
+        np.testing.assert_allclose(metrics["loss"], gpipe_metrics["loss"], rtol=1e-6)
+        for a, b in zip(params, gpipe_params):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert built[0].schedule == "gpipe" and built[0].checkpoint is None  # the defaults
+
+
+def test_replica_mean_compresses_the_data_axis(make_config, built):
+    mesh = (("data", 2), ("stage", 4))
+    plain, plain_metrics, _ = _one_step(_config(make_config, mesh, schedule="1f1b"))
+    assert built[-1].replica_mean is None
+    assert plain.mode.extra["replica_mean"] == "float32 pmean"
+    dense = plain.mode.extra["data_dense_bytes_per_step"]
+    assert plain_metrics["data_wire_bytes"] == dense  # a plain mean sends every float
+
+    s, metrics, params = _one_step(_config(make_config, mesh, replica_mean=POWER_SGD))
+    assert isinstance(built[-1].replica_mean, optax.GradientTransformation)
+    assert "power_sgd" in s.mode.extra["replica_mean"]
+    assert s.mode.extra["data_dense_bytes_per_step"] == dense
+    assert 0 < metrics["data_wire_bytes"] < dense / 4
+    assert metrics["finite"] == 1 and all(np.isfinite(p).all() for p in params)
+
+
+@pytest.mark.parametrize(
+    "mesh, keys, error",
+    [
+        ((("stage", 4),), {"schedule": "1F1B"}, r"schedule must be one of \('gpipe', '1f1b'\)"),
+        ((("stage", 4),), {"schedule": None}, r"schedule must be one of"),
+        ((("stage", 4),), {"checkpoint": "sometimes"}, r"checkpoint must be None, True"),
+        ((("stage", 4),), {"checkpoint": 2}, r"checkpoint must be None, True"),
+        ((("stage", 4),), {"replica_mean": POWER_SGD}, r"needs the distributed pipeline .* 1 "
+         r"replica"),
+        ((("data", 2), ("stage", 4)), {"replica_mean": POWER_SGD, "simulate": True},
+         r"replica_mean averages .*\(simulate=True"),
+        ((("data", 2), ("stage", 4)), {"replica_mean": {"transfrom": "compressed_mean"}},
+         r"unknown key\(s\) \['transfrom'\] in config.pipeline.replica_mean"),
+        ((("data", 2), ("stage", 4)), {"replica_mean": {"transform": "mean_of_signs"}},
+         r"replica_mean.transform must be one of .* got 'mean_of_signs'"),
+        # accordion_batch_size changes the batch per update: not an average (was silently
+        # taken as compressed_mean with the default codec)
+        ((("data", 2), ("stage", 4)), {"replica_mean": {"transform": "accordion_batch_size"}},
+         r"replica_mean.transform must be one of \('compressed_mean', 'accordion'\)"),
+    ],
+)  # fmt: skip
+def test_bad_pipeline_keys_are_named(make_config, mesh, keys, error):
+    with pytest.raises(ValueError, match=error):
+        train.setup(_config(make_config, mesh, **keys))
