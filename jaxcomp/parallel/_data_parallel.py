@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _placement
+from jaxcomp.transforms import _compressed_mean
 
 
 class TrainState(NamedTuple):
@@ -56,7 +57,7 @@ class DataParallel(NamedTuple):
       state_sharding: ``state_sharding(params, model_state=()) -> TrainState`` of
         ``NamedSharding``s, e.g. for an orbax restore target.
       mesh: the mesh.
-      axis_name: the data axis.
+      axis_name: the data axis, or the ``(slow, fast)`` pair of a hierarchical mesh.
     """
 
     init: Callable[[Any], TrainState]
@@ -64,7 +65,7 @@ class DataParallel(NamedTuple):
     shard_batch: Callable[[Any], Any]
     state_sharding: Callable[..., TrainState]
     mesh: jax.sharding.Mesh
-    axis_name: str
+    axis_name: str | tuple[str, str]
 
 
 def data_parallel(
@@ -72,7 +73,7 @@ def data_parallel(
     tx: optax.GradientTransformation,
     mesh: jax.sharding.Mesh,
     *,
-    axis_name: str = _mesh.DATA,
+    axis_name: str | tuple[str, str] = _mesh.DATA,
     has_aux: bool = False,
     has_state: bool = False,
     donate: bool = True,
@@ -88,8 +89,13 @@ def data_parallel(
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``); the
         mean over this worker's shard of the batch.
       tx: the optimizer, e.g. ``optax.chain(accordion(...), optax.sgd(0.1, momentum=0.9))``.
-      mesh: a mesh with an axis ``axis_name``.
-      axis_name: the data axis.
+      mesh: a mesh with an axis ``axis_name`` (both axes of a pair).
+      axis_name: the data axis, or a ``(slow, fast)`` pair of axes of a hierarchical mesh
+        (:func:`jaxcomp.comm.make_mesh` ``[(slow, hosts), (fast, devices per host)]``): the
+        batch is split over both, the workers are the devices of both, per-worker optimizer
+        state belongs to a slow worker (``[slow size, ...]`` sharded over ``slow``), and
+        ``tx`` must average over the pair (``compressed_mean(codec, (slow, fast))``: dense
+        over ``fast``, compressed over ``slow``).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; ``metrics["aux"]`` is ``aux`` averaged
         over workers.
       has_state: the model has mutable state (BatchNorm statistics): ``loss_fn(params,
@@ -97,7 +103,8 @@ def data_parallel(
         with ``has_aux``), and the new state is kept in ``TrainState.model_state``. Parts
         declared :class:`~jaxcomp.compressors.PerWorker` (leading axis 1 inside the step) are
         each worker's own; the rest must come out the same on every worker (the step raises
-        otherwise).
+        otherwise). Not with an axis pair (a per-worker model state would belong to a device,
+        the optimizer's to a slow worker).
       donate: donate the old state's buffers to the new one.
 
     Returns:
@@ -109,10 +116,15 @@ def data_parallel(
       >>> #                    mesh)
       >>> # state = dp.init(params); state, metrics = dp.step(state, batch)
     """
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
+    axes = _worker_axes(axis_name, mesh)
+    slow = axes[0]  # the axis per-worker optimizer state is sharded over
+    if has_state and len(axes) == 2:
+        raise ValueError(
+            f"data_parallel(has_state=True) takes one data axis; got the pair {axis_name!r} "
+            "(a per-worker model state over a (slow, fast) pair is not supported)."
+        )
     replicated = NamedSharding(mesh, P())
-    split = NamedSharding(mesh, P(axis_name))
+    split = NamedSharding(mesh, P(axes if len(axes) == 2 else slow))
 
     def init_opt(params):
         # under the mesh: protocols sized by the number of workers (two-phase) read it there
@@ -123,13 +135,13 @@ def data_parallel(
         # copy first: a replicated device_put aliases the caller's buffer, which step donates
         params = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params), replicated)
         step0 = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-        opt_state = _placement.place_state(init_opt(params), mesh, axis_name)
+        opt_state = _placement.place_state(init_opt(params), mesh, slow)
         return TrainState(step0, params, opt_state, _place_model_state(model_state))
 
     def _place_model_state(model_state):
         if jax.tree.leaves(model_state) and not has_state:
             raise ValueError("a model_state was given to a data_parallel built without has_state.")
-        return _placement.place_state(model_state, mesh, axis_name)
+        return _placement.place_state(model_state, mesh, slow)
 
     def model_loss(params, model_state, batch):
         """``loss_fn`` as ``(params, model_state, batch) -> (loss, (aux, model_state))``."""
@@ -140,14 +152,14 @@ def data_parallel(
         return (out[0], (out[1], model_state)) if has_aux else (out, (None, model_state))
 
     def body(state, batch):
-        grad_fn = _local.local_value_and_grad(model_loss, axis_name, has_aux=True)
+        grad_fn = _local.local_value_and_grad(model_loss, axes, has_aux=True)
         (loss, (aux, model_state)), grads = grad_fn(state.params, state.model_state, batch)
         _check_model_state(model_state, state.model_state)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         bad = [
             jax.tree_util.keystr(path)
             for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]
-            if axis_name in _local.varying_axes(u)
+            if set(axes) & _local.varying_axes(u)
         ]
         if bad:
             raise ValueError(
@@ -156,9 +168,9 @@ def data_parallel(
                 "or transforms.accordion)."
             )
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": lax.pmean(loss, axis_name)}
+        metrics = {"loss": lax.pmean(loss, axes)}
         if has_aux:
-            metrics["aux"] = jax.tree.map(lambda a: lax.pmean(a, axis_name), aux)
+            metrics["aux"] = jax.tree.map(lambda a: lax.pmean(a, axes), aux)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
     def _check_model_state(new, old):
@@ -167,12 +179,12 @@ def data_parallel(
                 "loss_fn returned a model_state of another structure than it was given: "
                 f"{jax.tree.structure(new)} vs {jax.tree.structure(old)}."
             )
-        specs = _placement.state_specs(old, axis_name)
+        specs = _placement.state_specs(old, slow)  # one axis: has_state takes no pair
         flags = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
         bad = [
             jax.tree_util.keystr(path)
             for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(new)[0], flags)
-            if spec == P() and axis_name in _local.varying_axes(x)
+            if spec == P() and slow in _local.varying_axes(x)
         ]
         if bad:
             raise ValueError(
@@ -183,7 +195,7 @@ def data_parallel(
     def _step(layout, state, batch):
         treedef, flat_specs = layout
         specs = jax.tree.unflatten(treedef, flat_specs)
-        batch_specs = jax.tree.map(lambda _: P(axis_name), batch)
+        batch_specs = jax.tree.map(lambda _: split.spec, batch)
         sharded = jax.shard_map(
             body, mesh=mesh, in_specs=(specs, batch_specs), out_specs=(specs, P())
         )
@@ -222,9 +234,21 @@ def data_parallel(
         with jax.set_mesh(mesh):
             abstract = jax.eval_shape(tx.init, params)
         shardings = [
-            jax.tree.map(lambda s: s.sharding, _placement.place_state(a, mesh, axis_name))
+            jax.tree.map(lambda s: s.sharding, _placement.place_state(a, mesh, slow))
             for a in (abstract, jax.eval_shape(lambda m: m, model_state))
         ]
         return TrainState(replicated, jax.tree.map(lambda _: replicated, params), *shardings)
 
     return DataParallel(init, step, shard_batch, state_sharding, mesh, axis_name)
+
+
+def _worker_axes(axis_name: Any, mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+    """``(axis,)`` or ``(slow, fast)``, each an axis of ``mesh`` (``ValueError`` otherwise)."""
+    slow, fast = _compressed_mean.split_axes(axis_name)
+    if slow is None:
+        raise ValueError("data_parallel needs an axis_name (or a (slow, fast) pair); got None.")
+    axes = (slow,) if fast is None else (slow, fast)
+    for a in axes:
+        if a not in mesh.axis_names:
+            raise ValueError(f"axis_name {a!r} is not an axis of the mesh {mesh.axis_names}.")
+    return axes
