@@ -17,8 +17,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
+from jaxcomp import _validate
 from jaxcomp.comm import GROUP
 from jaxcomp.comm import MEMBER
 from jaxcomp.transforms._ab_schedule import ABSchedule
@@ -45,8 +49,9 @@ class ABConfig:
     r"""Every option of AB-Training (Coquelin et al., 2024), validated at construction.
 
     Attributes:
-      learning_rate: :math:`\eta`, a finite float ``>= 0`` or an optax schedule of the step
-        count.
+      learning_rate: :math:`\eta`, a finite float ``>= 0``, a scalar array (what
+        ``optax.inject_hyperparams`` passes; checked when concrete) or an optax schedule of
+        the step count.
       warmup_steps: full-rank steps before the first (untruncated) AB phase.
       sync_every: ``S``, the cycle length; groups sync when the step count is a multiple of it.
       full_rank_steps: ``D``, full-rank steps after each sync (``1 <= D < S``).
@@ -127,9 +132,15 @@ class ABConfig:
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         lr = self.learning_rate
-        if not callable(lr) and (not _is_number(lr) or not 0 <= lr < math.inf):
-            raise ValueError(f"learning_rate must be a finite float >= 0 or a schedule; got "
-                             f"{lr!r}.")  # fmt: skip
+        if _validate.is_array(lr):  # optax.inject_hyperparams passes it as a (traced) array
+            if jnp.ndim(lr) != 0 or np.dtype(lr.dtype).kind not in "iuf":
+                raise ValueError(f"learning_rate must be a scalar; got an array of shape "
+                                 f"{jnp.shape(lr)} and dtype {lr.dtype}.")  # fmt: skip
+            if not isinstance(lr, jax.core.Tracer) and not 0 <= float(lr) < math.inf:
+                raise ValueError(f"learning_rate must be finite and >= 0; got {lr!r}.")
+        elif not callable(lr) and (not _is_number(lr) or not 0 <= lr < math.inf):
+            raise ValueError(f"learning_rate must be a finite float >= 0, a scalar array or a "
+                             f"schedule; got {lr!r}.")  # fmt: skip
         ABSchedule(self.warmup_steps, self.sync_every, self.full_rank_steps)  # validates
         inner = optax.scale_by_adam() if self.inner is None else self.inner
         if not (hasattr(inner, "init") and hasattr(inner, "update")):

@@ -13,6 +13,10 @@ Each transform (``compressed_mean`` on every collective path, ``accordion``,
 * under ``lax.cond``: the new state has exactly the old state's types (``jax.typeof``: shape,
   dtype, sharding and varying axes), so the transform can sit in a branch; ``True`` gives
   the reference and ``False`` leaves the state as it was.
+
+``ab_training`` (an optimizer alias, its state one entry per worker group) has its own cases at
+the end: every step kind, init outside ``shard_map``, last in a chain, its learning rate
+through ``inject_hyperparams``, state types under ``lax.cond``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import feedback
+from jaxcomp import parallel
 from jaxcomp import transforms
 
 W = 4
@@ -317,3 +322,148 @@ def test_state_types_stable_under_cond(case, mesh, reference):
     zeros, same = step(state, grads, jnp.asarray(False))
     assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(zeros))
     _assert_trees_equal(jax.tree.map(np.asarray, same), jax.tree.map(np.asarray, state))
+
+
+# ---- ab_training: an optimizer alias over grouped workers -------------------------------------
+# Its parameters and state are one entry per group of a (group, member) mesh (as
+# parallel.ab_data_parallel lays them out: the members of a group agree), it needs params in
+# update, and it applies the learning rate itself, so it is the last transform of a chain.
+
+AB_OPTIONS = {"warmup_steps": 1, "sync_every": 3, "full_rank_steps": 1, "low_rank_cutoff": 0.05}
+AB_LR = 0.05
+AB_PARAMS = {
+    "w": jnp.asarray(np.random.default_rng(5).standard_normal((8, 6)) * 0.3, jnp.float32),
+    "b": jnp.zeros((6,)),
+}
+AB_WORKERS = (comm.GROUP, comm.MEMBER)
+# dense (warm-up), ab (the first: exact factorisation), ab_then_sync, dense_then_refactor, ab
+AB_KINDS = ("dense", "ab", "ab_then_sync", "dense_then_refactor", "ab")
+
+
+@pytest.fixture(scope="module")
+def ab_mesh():
+    return parallel.ab_mesh(2, jax.devices()[:W])
+
+
+def _ab_grads(seed, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return {k: jnp.asarray(scale * rng.standard_normal((W, *v.shape)), jnp.float32)
+            for k, v in AB_PARAMS.items()}  # fmt: skip
+
+
+AB_GRADS = [_ab_grads(20 + t) for t in range(len(AB_KINDS))]
+
+
+def _ab_held(mesh):
+    return transforms.ABConfig(AB_LR, **AB_OPTIONS).state_axes(mesh)
+
+
+def _ab_run(tx, mesh, grads_seq, state=None):
+    """Updates of ``tx`` on each per-worker gradient (params move by them), and the state."""
+    held = _ab_held(mesh)
+    state = tx.init(AB_PARAMS) if state is None else state  # outside shard_map
+    params, state = parallel.per_worker((AB_PARAMS, state), mesh, held)
+
+    def body(params, state, grads):
+        params, state = _local((params, state))
+        updates, state = tx.update(_local(grads), state, params)
+        new = optax.apply_updates(params, updates)
+        return jax.tree.map(lambda x: x[None], (new, updates, state))
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(held), P(held), P(AB_WORKERS)),
+                                 out_specs=(P(held), P(held), P(held))))  # fmt: skip
+    out = []
+    for grads in grads_seq:
+        grads = jax.device_put(grads, NamedSharding(mesh, P(AB_WORKERS)))
+        params, updates, state = step(params, state, grads)
+        out.append(jax.tree.map(np.asarray, updates))
+    return out, state
+
+
+@pytest.fixture(scope="module")
+def ab_reference(ab_mesh):
+    return _ab_run(transforms.ab_training(AB_LR, **AB_OPTIONS), ab_mesh, AB_GRADS)[0]
+
+
+def test_ab_steps_cover_every_kind_and_move_the_parameters(ab_reference):
+    names = ("warmup_steps", "sync_every", "full_rank_steps")
+    schedule = transforms.ABSchedule(*(AB_OPTIONS[k] for k in names))
+    assert tuple(schedule.step_kind(t) for t in range(len(AB_KINDS))) == AB_KINDS
+    assert _moved(ab_reference)
+
+
+def test_ab_init_outside_shard_map_is_abstractly_stable(ab_mesh):
+    tx = transforms.ab_training(AB_LR, **AB_OPTIONS)
+    state = tx.init(AB_PARAMS)
+    assert jax.tree.map(jax.typeof, state) == jax.tree.map(jax.typeof, jax.jit(tx.init)(AB_PARAMS))
+    placed = parallel.per_worker(state, ab_mesh, _ab_held(ab_mesh))
+    assert jax.tree.structure(placed) == jax.tree.structure(state)
+
+
+def test_ab_last_in_an_optax_chain(ab_mesh, ab_reference):
+    """``chain(scale(0.5), ab_training)`` == ab_training on half the gradients (exact: 0.5 is a
+    power of two), and ``chain(identity, ab_training)`` == ab_training."""
+    tx = transforms.ab_training(AB_LR, **AB_OPTIONS)
+    halved = [jax.tree.map(lambda g: g * 0.5, g) for g in AB_GRADS]
+    want, _ = _ab_run(tx, ab_mesh, halved)
+    got, _ = _ab_run(optax.chain(optax.scale(0.5), tx), ab_mesh, AB_GRADS)
+    for g, w in zip(got, want):
+        _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
+    got, _ = _ab_run(optax.chain(optax.identity(), tx), ab_mesh, AB_GRADS)
+    for g, w in zip(got, ab_reference):
+        _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_ab_inject_hyperparams_learning_rate(ab_mesh, ab_reference):
+    """The learning rate injected (the options static): the reference's numbers; a rate set in
+    the state is the rate used (== ab_training built with it)."""
+    injected = optax.inject_hyperparams(transforms.ab_training, static_args=tuple(AB_OPTIONS))
+    tx = injected(AB_LR, **AB_OPTIONS)
+    state = tx.init(AB_PARAMS)
+    assert set(state.hyperparams) == {"learning_rate"}
+    got, _ = _ab_run(tx, ab_mesh, AB_GRADS, state)
+    for g, w in zip(got, ab_reference):
+        _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
+    state.hyperparams["learning_rate"] = jnp.asarray(2 * AB_LR, jnp.float32)
+    got, _ = _ab_run(tx, ab_mesh, AB_GRADS, state)
+    want, _ = _ab_run(transforms.ab_training(2 * AB_LR, **AB_OPTIONS), ab_mesh, AB_GRADS)
+    assert not np.allclose(want[0]["w"], ab_reference[0]["w"])
+    for g, w in zip(got, want):
+        _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_ab_state_types_stable_under_cond(ab_mesh, ab_reference):
+    """Each step kind inside ``lax.cond`` (predicate uniform): the new state has the old
+    state's types; ``True`` gives the reference, ``False`` keeps the state."""
+    tx = transforms.ab_training(AB_LR, **AB_OPTIONS)
+    held = _ab_held(ab_mesh)
+    params, state = parallel.per_worker((AB_PARAMS, tx.init(AB_PARAMS)), ab_mesh, held)
+    seen = []
+
+    def body(params, state, grads, pred):
+        params, state = _local((params, state))
+        grads = _local(grads)
+
+        def run(s):
+            updates, new = tx.update(grads, s, params)
+            seen.append(jax.tree.map(jax.typeof, s) == jax.tree.map(jax.typeof, new))
+            return updates, new
+
+        def skip(s):
+            return jax.tree.map(jnp.zeros_like, params), s
+
+        updates, state = lax.cond(pred, run, skip, state)
+        new = optax.apply_updates(params, updates)
+        return jax.tree.map(lambda x: x[None], (new, updates, state))
+
+    specs = (P(held), P(held), P(AB_WORKERS), P())
+    step = jax.jit(jax.shard_map(body, mesh=ab_mesh, in_specs=specs,
+                                 out_specs=(P(held), P(held), P(held))))  # fmt: skip
+    for grads, want in zip(AB_GRADS, ab_reference):
+        grads = jax.device_put(grads, NamedSharding(ab_mesh, P(AB_WORKERS)))
+        _, zeros, same = step(params, state, grads, jnp.asarray(False))
+        assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(zeros))
+        _assert_trees_equal(jax.tree.map(np.asarray, same), jax.tree.map(np.asarray, state))
+        params, updates, state = step(params, state, grads, jnp.asarray(True))
+        _assert_trees_equal(jax.tree.map(np.asarray, updates), want, rtol=1e-6, atol=1e-7)
+    assert seen and all(seen)
