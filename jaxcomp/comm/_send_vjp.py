@@ -97,12 +97,21 @@ def fold_keys(key):
 def sample_buffer_flags(channel: Any, state: Any) -> Any:
     """Flags the leaves of a channel end's state that hold one row per sample id: those under
     the fields the channel declares (``Channel.sample_fields``, e.g. AQ-SGD's caches)."""
-    fields = channel.sample_fields if channel.per_sample else ()
+    return _flags(state, channel.sample_fields if channel.per_sample else ())
+
+
+def _flags(state: Any, fields: tuple[str, ...]) -> Any:
+    """``True`` under a field named in ``fields``; other NamedTuple fields are searched in turn
+    (a wrapping channel nests its inner channel's state, e.g. the pipeline's norm tracking)."""
     if not fields or not hasattr(state, "_fields"):
         return jax.tree.map(lambda _: False, state)
     return type(state)(
-        *(jax.tree.map(lambda _, f=f: f in fields, getattr(state, f)) for f in state._fields)
-    )
+        *(
+            jax.tree.map(lambda _: True, getattr(state, f)) if f in fields
+            else _flags(getattr(state, f), fields)
+            for f in state._fields
+        )
+    )  # fmt: skip
 
 
 class StateEnd(NamedTuple):

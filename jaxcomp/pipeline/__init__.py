@@ -36,6 +36,13 @@ Contracts:
   With data replicas also ``data_wire_bytes`` / ``data_dense_bytes`` (the gradient average).
 """
 
+from jaxcomp.pipeline._adaptive import HIGH_COMPRESSION
+from jaxcomp.pipeline._adaptive import LOW_COMPRESSION
+from jaxcomp.pipeline._adaptive import AdaptiveLink
+from jaxcomp.pipeline._adaptive import Detector
+from jaxcomp.pipeline._adaptive import DetectorState
+from jaxcomp.pipeline._adaptive import adaptive_link
+from jaxcomp.pipeline._adaptive import link_modes
 from jaxcomp.pipeline._config import Link
 from jaxcomp.pipeline._config import PipelineConfig
 from jaxcomp.pipeline._config import StagedModel
@@ -58,7 +65,12 @@ from jaxcomp.pipeline._schedule import in_flight
 from jaxcomp.pipeline._schedule import ticks
 
 __all__ = (
+    "HIGH_COMPRESSION",
+    "LOW_COMPRESSION",
     "SCHEDULES",
+    "AdaptiveLink",
+    "Detector",
+    "DetectorState",
     "Link",
     "LinkState",
     "LinkStates",
@@ -67,12 +79,14 @@ __all__ = (
     "Pipeline",
     "PipelineConfig",
     "StagedModel",
+    "adaptive_link",
     "bubble_fraction",
     "gpipe",
     "gpipe_segments",
     "in_flight",
     "link",
     "link_key",
+    "link_modes",
     "pack_params",
     "param_layout",
     "pipeline_mesh",

@@ -146,7 +146,8 @@ class PipelineConfig(NamedTuple):
 
     Attributes:
       num_microbatches: ``M``, the microbatches per step (``M >= S``).
-      links: one :class:`Link` per boundary (``S - 1``), or a single link used everywhere.
+      links: one :class:`Link` per boundary (``S - 1``), or a single link used everywhere; an
+        :class:`~jaxcomp.pipeline.AdaptiveLink` switches between two links (with ``detector``).
       schedule: ``"gpipe"`` (every forward, then every backward: all ``M`` microbatches'
         activations alive) or ``"1f1b"`` (PipeDream-flush: at most ``S``); same numbers.
       checkpoint: ``None`` (a stage's backward uses the activations its forward saved),
@@ -158,13 +159,16 @@ class PipelineConfig(NamedTuple):
         ``shard_map``, e.g. :func:`jaxcomp.transforms.compressed_mean` (any codec or channel,
         PowerSGD included) or :func:`jaxcomp.transforms.accordion`. Each stage device averages
         its own stage's gradient with its own transform state (in the link states).
+      detector: with adaptive links (:func:`~jaxcomp.pipeline.adaptive_link` in ``links``),
+        Accordion's :class:`~jaxcomp.pipeline.Detector` that switches them; ``None`` otherwise.
     """
 
     num_microbatches: int
-    links: Link | tuple[Link, ...] = link()
+    links: Any = link()  # a Link or AdaptiveLink, or one per boundary
     schedule: str = "gpipe"
     checkpoint: Any = None
     replica_mean: Any = None
+    detector: Any = None
 
 
 def resolve_links(config: PipelineConfig, num_stages: int) -> tuple[Link, ...]:

@@ -16,12 +16,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
+from jaxcomp.pipeline import _adaptive
 from jaxcomp.pipeline import _batch
 from jaxcomp.pipeline import _config
 from jaxcomp.pipeline import _link_state
@@ -47,6 +49,8 @@ class Spec(NamedTuple):
       replicas: data replicas (``1`` without a ``data`` axis of size > 1).
       replica_mean: the optax transform averaging the replicas' gradients over ``data``, or
         ``None`` (``pmean``; also with one replica, where there is nothing to average).
+      adaptive: the adaptive boundaries (:class:`jaxcomp.pipeline._adaptive.Adaptive`) or
+        ``None``; ``links`` are then those of the mode combination the program runs.
     """
 
     model: _config.StagedModel
@@ -57,6 +61,7 @@ class Spec(NamedTuple):
     mesh: jax.sharding.Mesh | None
     replicas: int
     replica_mean: Any = None
+    adaptive: Any = None
 
     @property
     def lead(self) -> tuple[int, ...]:
@@ -83,10 +88,32 @@ def _prepare_for(spec: Spec, params, batch, *, links=None, need_ids=None):
     )  # fmt: skip
 
 
+def _combo(spec: Spec, modes: Any) -> Spec:
+    """The spec whose links are those ``modes`` select (``spec`` itself without adaptive
+    links); its programs are cached per combination."""
+    if spec.adaptive is None:
+        return spec
+    return spec._replace(links=spec.adaptive.links(modes))
+
+
+def _adaptive_init(spec: Spec, shapes) -> Any:
+    """The detector's initial state (replicated on the mesh), after checking that the low and
+    high channels of every adaptive direction share one state layout."""
+    if spec.adaptive is None:
+        return None
+    _adaptive.check_shared_state(spec.adaptive, shapes)
+    num = spec.model.num_stages - 1
+    if spec.mesh is None:
+        return jax.jit(_adaptive.init_state, static_argnums=0)(num)
+    out = NamedSharding(spec.mesh, P())
+    return jax.jit(_adaptive.init_state, static_argnums=0, out_shardings=out)(num)
+
+
 def init(spec: Spec, params: Any, batch: Any) -> _link_state.LinkStates:
     """Every link end's initial state (see :class:`jaxcomp.pipeline.Pipeline`)."""
     prep = _prepare_for(spec, params, batch, need_ids=False)
     layout = prep.static.state_layout
+    detector = _adaptive_init(spec, prep.static.shapes)
     shapes, lead = prep.static.shapes, spec.lead
 
     def make():
@@ -98,14 +125,14 @@ def init(spec: Spec, params: Any, batch: Any) -> _link_state.LinkStates:
         }  # fmt: skip
 
     if spec.mesh is None:
-        return _link_state.LinkStates(jax.jit(make)(), layout)
+        return _link_state.LinkStates(jax.jit(make)(), layout, adaptive=detector)
     sharding = NamedSharding(spec.mesh, spec.state_spec)
     shardings = {name: sharding for name, _, _ in layout.buffers}
     buffers = jax.jit(make, out_shardings=shardings)()
     if spec.replica_mean is None:
-        return _link_state.LinkStates(buffers, layout)
+        return _link_state.LinkStates(buffers, layout, adaptive=detector)
     replica, replica_layout = _replica_init(spec, prep.static.layout)
-    return _link_state.LinkStates(buffers, layout, replica, replica_layout)
+    return _link_state.LinkStates(buffers, layout, replica, replica_layout, detector)
 
 
 def _replica_init(spec: Spec, layout: _params.ParamLayout):
@@ -228,7 +255,7 @@ def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool, r
     m_, has_data = spec.num_microbatches, spec.replicas > 1
 
     def body(buffers, inputs, labels, states, key, ids):
-        states, replica = states if train else (None, None)
+        states, replica, detector = states if train else (None, None, None)
         local = _local.to_varying({g: b[0] for g, b in buffers.items()}, spec.axes)
         x, lab = _batch.microbatches(inputs, m_), _batch.microbatches(labels, m_)
         ids = None if ids is None else _batch.microbatches(ids, m_)
@@ -261,14 +288,20 @@ def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool, r
                 new_replica = {g: v.reshape(replica[g].shape) for g, v in mine.items()}
             sent = lax.pmean(lax.psum(sent, _mesh.STAGE), _mesh.DATA)
             metrics = {**metrics, "data_wire_bytes": sent}
-        new_states = {g: v.reshape(states[g].shape) for g, v in carry.states.items()}
+        stats, own = None, carry.states
+        if spec.adaptive is not None:  # the interval's norms, the accumulators reset at its end
+            acc = _adaptive.accumulators(static.state_layout, spec.adaptive)
+            end = _adaptive.interval_end(spec.adaptive.detector, detector)
+            stats, own = _adaptive.collect_local(acc, own, end, spec.axes)
+            stats = _adaptive.replicate(stats, spec.adaptive.detector, spec.replicas)
+        new_states = {g: v.reshape(states[g].shape) for g, v in own.items()}
         out_grads = {g: v[None] for g, v in grads.items()}
-        return loss, out_grads, (new_states, new_replica), metrics
+        return loss, out_grads, (new_states, new_replica, stats), metrics
 
     bs = spec.batch_spec
     if train:
-        in_specs = (P(_mesh.STAGE), bs, bs, spec.state_spec, P(), bs)
-        out_specs = (P(), P(_mesh.STAGE), spec.state_spec, P())
+        in_specs = (P(_mesh.STAGE), bs, bs, (spec.state_spec, spec.state_spec, P()), P(), bs)
+        out_specs = (P(), P(_mesh.STAGE), (spec.state_spec, spec.state_spec, P()), P())
     else:
         in_specs = (P(_mesh.STAGE), bs, bs, P(), P(), bs)
         out_specs = (P(), P(), bs)
@@ -288,9 +321,41 @@ def _stage_params(params: Any) -> tuple[Any, ...]:
     return params.unpack() if isinstance(params, _params.PackedParams) else tuple(params)
 
 
-def step(spec: Spec, params, batch, link_states, key=None, compress=True):
+def _step_modes(spec: Spec, link_states: Any, modes: Any):
+    """The checked mode combination of a step: ``modes`` as given, else read from the state."""
+    if spec.adaptive is None:
+        if getattr(link_states, "adaptive", None) is not None:
+            raise ValueError(
+                "link_states carry an adaptive-link detector state, but this pipeline has no "
+                "adaptive links: initialise them with this pipeline's init."
+            )
+        return _adaptive.check_modes(modes, None)
+    if not isinstance(link_states, _link_state.LinkStates) or link_states.adaptive is None:
+        raise ValueError(
+            "this pipeline has adaptive links: its link_states carry the detector's state "
+            "(initialise them with this pipeline's init)."
+        )
+    if modes is None:
+        modes = _adaptive.host_modes(link_states.adaptive)
+    return _adaptive.check_modes(modes, spec.adaptive)
+
+
+def _with_detector(spec: Spec, modes, link_states, stats, loss, grads, metrics):
+    """The detector's update, and a poisoned step when ``modes`` were not the state's."""
+    old = link_states.adaptive
+    used = jnp.asarray(np.asarray(modes, np.int32))
+    mismatch = jnp.any(old.mode != used)
+    loss = jnp.where(mismatch, jnp.nan, loss)
+    grads = jax.tree.map(lambda g: jnp.where(mismatch, jnp.nan, g), grads)
+    metrics = {**metrics, "link_modes": used, "modes_mismatch": mismatch.astype(jnp.int32)}
+    return _adaptive.update(spec.adaptive, old, stats), loss, grads, metrics
+
+
+def step(spec: Spec, params, batch, link_states, key=None, compress=True, modes=None):
     """One training step (see :class:`jaxcomp.pipeline.Pipeline`)."""
     compress = _prepare.check_compress(compress)
+    modes = _step_modes(spec, link_states, modes)
+    spec = _combo(spec, modes)
     prep = _prepare_for(spec, params, batch)
     static, parsed = prep.static, prep.batch
     _links.check_key(spec.links, key, compress)
@@ -300,11 +365,15 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True):
         x = _batch.microbatches(parsed.inputs, m_)
         labels = _batch.microbatches(parsed.labels, m_)
         ids = None if parsed.ids is None else _batch.microbatches(parsed.ids, m_)
-        replica = {}
+        replica, stats = {}, None
         loss, metrics, grads, states = _simulate.train(
             spec, static, _stage_params(params), x, labels, ids, key, link_states.buffers,
             compress,
         )  # fmt: skip
+        if spec.adaptive is not None:
+            acc = _adaptive.accumulators(static.state_layout, spec.adaptive)
+            end = _adaptive.interval_end(spec.adaptive.detector, link_states.adaptive)
+            stats, states = _adaptive.collect_stacked(acc, states, end)
         if isinstance(params, _params.PackedParams):
             grads = _params.PackedParams(layout.pack(grads), layout)
         else:
@@ -312,9 +381,9 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True):
     else:
         _check_replica(spec, link_states)
         fn = _program(spec, static, compress, True, link_states.replica_layout)
-        loss, grads, (states, replica), metrics = fn(
+        loss, grads, (states, replica, stats), metrics = fn(
             _stage_buffers(spec, params, layout), parsed.inputs, parsed.labels,
-            (link_states.buffers, link_states.replica), key, parsed.ids,
+            (link_states.buffers, link_states.replica, link_states.adaptive), key, parsed.ids,
         )  # fmt: skip
         if isinstance(params, _params.PackedParams):
             grads = _params.PackedParams(grads, layout)
@@ -324,15 +393,23 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True):
     if spec.replicas > 1:  # the dense reference of the data axis: every stage's float gradient
         dense = sum(layout.stage_bytes(s) for s in range(spec.model.num_stages))
         metrics["data_dense_bytes"] = jnp.asarray(dense, jnp.float32)
+    detector = None
+    if spec.adaptive is not None:
+        detector, loss, grads, metrics = _with_detector(
+            spec, modes, link_states, stats, loss, grads, metrics
+        )
+        metrics["loss"] = loss
     new_states = _link_state.LinkStates(
-        states, static.state_layout, replica, link_states.replica_layout
+        states, static.state_layout, replica, link_states.replica_layout, detector
     )
     return loss, grads, new_states, metrics
 
 
-def evaluate(spec: Spec, params, batch, key=None, compress=False):
+def evaluate(spec: Spec, params, batch, key=None, compress=False, modes=None):
     """Forward only (see :class:`jaxcomp.pipeline.Pipeline`)."""
     compress = _prepare.check_compress(compress)
+    modes = _adaptive.check_modes(modes, spec.adaptive)
+    spec = _combo(spec, spec.adaptive.all_low() if modes is None and spec.adaptive else modes)
     elinks = _links.eval_links(spec.links)
     prep = _prepare_for(spec, params, batch, links=elinks, need_ids=False)
     static, parsed, m_ = prep.static, prep.batch, spec.num_microbatches
@@ -355,8 +432,12 @@ def evaluate(spec: Spec, params, batch, key=None, compress=False):
     return loss, metrics, outputs
 
 
-def bytes_per_step(spec: Spec, params, batch, compress=True, train=True) -> dict[str, int]:
+def bytes_per_step(
+    spec: Spec, params, batch, compress=True, train=True, modes=None
+) -> dict[str, int]:
     """Theoretical bytes per step and pipeline replica (see :func:`jaxcomp.pipeline.gpipe`)."""
+    modes = _adaptive.check_modes(modes, spec.adaptive)
+    spec = _combo(spec, spec.adaptive.all_low() if modes is None and spec.adaptive else modes)
     prep = _prepare_for(spec, params, batch, need_ids=False)
     use = spec.links if train else _links.eval_links(spec.links)
     return _links.step_bytes(use, prep.static.shapes, spec.num_microbatches, compress, train)

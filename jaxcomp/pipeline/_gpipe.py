@@ -7,6 +7,7 @@ import functools
 import jax
 
 from jaxcomp.comm import _mesh
+from jaxcomp.pipeline import _adaptive
 from jaxcomp.pipeline import _config
 from jaxcomp.pipeline import _driver
 from jaxcomp.pipeline import _prepare
@@ -29,12 +30,13 @@ def _pipeline(spec: _driver.Spec) -> _prepare.Pipeline:
 
 def _spec(model, config, mesh, replicas) -> _driver.Spec:
     _config.check_model(model)
-    links = _config.resolve_links(config, model.num_stages)
+    links, adaptive = _adaptive.resolve(config, model.num_stages)
     fns = _residuals.stage_fns(model, config.checkpoint, _prepare.split_loss)
     replica_mean = config.replica_mean if replicas > 1 else None
     return _driver.Spec(
-        model, links, config.num_microbatches, config.schedule, fns, mesh, replicas, replica_mean
-    )
+        model, links, config.num_microbatches, config.schedule, fns, mesh, replicas, replica_mean,
+        adaptive,
+    )  # fmt: skip
 
 
 def gpipe(

@@ -229,6 +229,8 @@ class LinkStates:
       replica: the averaging transform's states, one per stage packed per dtype
         (``{dtype: [S, D, L]}``; empty without a transform).
       replica_layout: their :class:`~jaxcomp.pipeline.ParamLayout` (``None`` without one).
+      adaptive: with adaptive links (:func:`~jaxcomp.pipeline.adaptive_link`), the detector's
+        :class:`~jaxcomp.pipeline.DetectorState` (replicated; ``None`` without).
     """
 
     def __init__(
@@ -237,23 +239,25 @@ class LinkStates:
         layout: StateLayout,
         replica: dict[str, jax.Array] | None = None,
         replica_layout: Any = None,
+        adaptive: Any = None,
     ):
         self.buffers = dict(buffers)
         self.layout = layout
         self.replica = dict(replica or {})
         self.replica_layout = replica_layout
+        self.adaptive = adaptive
 
     def tree_flatten(self):
         names, rnames = tuple(sorted(self.buffers)), tuple(sorted(self.replica))
         children = tuple(self.buffers[n] for n in names) + tuple(self.replica[n] for n in rnames)
-        return children, (names, rnames, self.layout, self.replica_layout)
+        return (*children, self.adaptive), (names, rnames, self.layout, self.replica_layout)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         names, rnames, layout, replica_layout = aux
         buffers = dict(zip(names, children[: len(names)]))
-        replica = dict(zip(rnames, children[len(names) :]))
-        return cls(buffers, layout, replica, replica_layout)
+        replica = dict(zip(rnames, children[len(names) : len(names) + len(rnames)]))
+        return cls(buffers, layout, replica, replica_layout, children[-1])
 
     def replica_state(self, stage: int, replica: int = 0) -> Any:
         """Stage ``stage``'s state of the replica-averaging transform, as replica ``replica``
