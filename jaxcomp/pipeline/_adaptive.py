@@ -79,6 +79,14 @@ class AdaptiveLink(NamedTuple):
     low: _config.Link
     high: _config.Link
 
+    @property
+    def directions(self) -> tuple[bool, bool]:
+        """Whether the forward and the backward direction adapt (their channels differ; in
+        ``"shared_mask"`` mode the backward never does)."""
+        fwd = self.low.forward is not self.high.forward
+        bwd = self.low.mode == "independent" and self.low.backward is not self.high.backward
+        return fwd, bwd
+
 
 class Detector(NamedTuple):
     """Accordion's detector settings for a pipeline's adaptive links.
@@ -271,8 +279,7 @@ def resolve(config: _config.PipelineConfig, num_stages: int):
             highs.append(lk)
             mask.append((False, False))
             continue
-        fwd = lk.low.forward is not lk.high.forward
-        bwd = lk.low.mode == "independent" and lk.low.backward is not lk.high.backward
+        fwd, bwd = lk.directions
         lo_f = track(lk.low.forward) if fwd else lk.low.forward
         hi_f = track(lk.high.forward) if fwd else lo_f
         lo_b = track(lk.low.backward) if bwd else lk.low.backward

@@ -15,6 +15,18 @@
                                 # config.data_parallel-style dict, e.g. {"transform":
                                 # "compressed_mean", "codec": {"name": "power_sgd", "rank": 2,
                                 # "feedback": "ef"}} or {"transform": "accordion", ...}
+  forward_high = None           # Accordion on the links: with a channel spec here, `forward` is
+  backward_high = None          # the low-compression channel (critical regimes) and this one
+                                # the high-compression channel, chosen per boundary by the
+                                # activation (gradient) norms (pipeline.adaptive_link)
+  detector = {"interval_epochs": 1, "check_every": 10, "eta": 0.5}  # or "interval_steps"
+
+With ``forward_high`` / ``backward_high`` (also in ``boundaries`` entries) every step logs each
+adaptive boundary's mode (``link_mode_forward_<b>`` / ``link_mode_backward_<b>``: 0 low, 1
+high), ``low_compression_links`` and its own ``wire_bytes``; each mode combination is compiled
+once, when first used (the all-low and all-high programs at build time). The detector's
+learning-rate rule reads the config's schedule (use ``constant`` or ``step``: a smooth decay
+keeps every link in low compression).
 
 A channel spec is a codec name plus its arguments, with ``feedback`` one of ``None``, ``"ef"``,
 ``"ef21"``, ``"aq_sgd"`` (``per_sample_buffers: True`` keys EF/EF21 buffers by sample id).
@@ -24,6 +36,7 @@ compressed inference) and off.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 from typing import NamedTuple
 
@@ -54,7 +67,11 @@ PIPELINE_DEFAULTS = {
     "schedule": "gpipe",
     "checkpoint": False,
     "replica_mean": None,
+    "forward_high": None,
+    "backward_high": None,
+    "detector": None,
 }
+DETECTOR_DEFAULTS = {"interval_epochs": 1, "interval_steps": None, "check_every": 10, "eta": 0.5}
 
 REPLICA_TRANSFORMS = ("compressed_mean", "accordion")  #: averages for config.pipeline.replica_mean
 
@@ -67,10 +84,12 @@ class PipelineState(NamedTuple):
     link_states: Any  # one pipeline.LinkState per boundary
 
 
-def _links(cfg: dict, num_boundaries: int, num_samples: int) -> tuple[pipeline.Link, ...]:
+def _links(cfg: dict, num_boundaries: int, num_samples: int) -> tuple[Any, ...]:
     per = cfg["boundaries"]
     if per is None:
-        per = [{"forward": cfg["forward"], "backward": cfg["backward"]}] * num_boundaries
+        per = [
+            {k: cfg[k] for k in ("forward", "backward", "forward_high", "backward_high")}
+        ] * num_boundaries
     per = [dict(b) for b in per]
     if len(per) != num_boundaries:
         raise ValueError(
@@ -78,15 +97,52 @@ def _links(cfg: dict, num_boundaries: int, num_samples: int) -> tuple[pipeline.L
             f"{num_boundaries} boundaries."
         )
     out = []
+    shared = cfg["backward_mode"] == "shared_mask"
+
+    def channel(spec):
+        return None if spec is None else _config.build_channel(spec, num_samples)
+
     for b in per:
-        unknown = sorted(set(b) - {"forward", "backward"})
+        unknown = sorted(set(b) - {"forward", "backward", "forward_high", "backward_high"})
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in a config.pipeline.boundaries entry.")
-        fwd = _config.build_channel(b.get("forward", "identity"), num_samples)
-        shared = cfg["backward_mode"] == "shared_mask"
-        bwd = None if shared else _config.build_channel(b.get("backward", "identity"), num_samples)
-        out.append(pipeline.link(fwd, bwd, mode=cfg["backward_mode"]))
+        fwd = channel(b.get("forward", "identity"))
+        bwd = None if shared else channel(b.get("backward", "identity"))
+        fwd_hi, bwd_hi = channel(b.get("forward_high")), channel(b.get("backward_high"))
+        if shared and bwd_hi is not None:
+            raise ValueError(
+                "config.pipeline.backward_high: in shared_mask mode the backward follows the "
+                "forward's mask; only forward_high can adapt."
+            )
+        low = pipeline.link(fwd, bwd, mode=cfg["backward_mode"])
+        if fwd_hi is None and bwd_hi is None:
+            out.append(low)
+            continue
+        high = pipeline.link(
+            low.forward if fwd_hi is None else fwd_hi,
+            low.backward if bwd_hi is None else bwd_hi,
+            mode=cfg["backward_mode"],
+        )
+        out.append(pipeline.adaptive_link(low, high))
     return tuple(out)
+
+
+def _detector(cfg: dict, links, config, steps_per_epoch: int):
+    """``pipeline.Detector`` for ``config.pipeline.detector`` when a link is adaptive."""
+    adaptive = any(isinstance(lk, pipeline.AdaptiveLink) for lk in links)
+    if not adaptive:
+        if cfg["detector"] is not None:
+            raise ValueError(
+                "config.pipeline.detector is set but no link is adaptive: give "
+                "config.pipeline.forward_high and/or backward_high."
+            )
+        return None
+    sub = _config.check_sub_config("pipeline.detector", cfg["detector"], DETECTOR_DEFAULTS)
+    steps = sub["interval_steps"]
+    steps = int(sub["interval_epochs"]) * steps_per_epoch if steps is None else steps
+    return pipeline.Detector(
+        steps, sub["check_every"], sub["eta"], learning_rate=_config.learning_rate(config)
+    )
 
 
 def _replica_mean(cfg: dict, config, replicas: int, steps_per_epoch: int, num_samples: int):
@@ -108,6 +164,26 @@ def _replica_mean(cfg: dict, config, replicas: int, steps_per_epoch: int, num_sa
     )
     schedule = _config.learning_rate(config)
     return _dp_mode._reducer(sub, schedule, steps_per_epoch, num_samples)
+
+
+def _adaptive_metrics(metrics: dict, mask) -> dict:
+    """Per adaptive boundary and direction, the mode this step ran (0 low, 1 high), the
+    number of adaptive directions in low compression, and the step's boundary bytes."""
+    modes = metrics["link_modes"]
+    out = {"wire_bytes": metrics["wire_bytes"]}
+    low = jnp.zeros((), jnp.int32)
+    for b, flags in enumerate(mask):
+        for d, direction in enumerate(("forward", "backward")):
+            if flags[d]:
+                out[f"link_mode_{direction}_{b}"] = modes[b, d]
+                low = low + (modes[b, d] == pipeline.LOW_COMPRESSION)
+    out["low_compression_links"] = low
+    return out
+
+
+def _high_names(links) -> str:
+    lk = next(lk for lk in links if isinstance(lk, pipeline.AdaptiveLink))
+    return f"{lk.high.forward.name} / {lk.high.backward.name if lk.high.backward else 'mask'}"
 
 
 def _loss_fn(model: _staged.StagedModel):
@@ -153,9 +229,14 @@ def build_pipeline(
     )
     pmodel = pipeline.StagedModel(model.stage_fns(train=True), _loss_fn(model))
     checkpoint = cfg["checkpoint"] if cfg["checkpoint"] not in (False, None) else None
-    pconfig = pipeline.PipelineConfig(
-        m, links, schedule=cfg["schedule"], checkpoint=checkpoint, replica_mean=averaging
+    detector = _detector(cfg, links, config, steps_per_epoch)
+    mask = tuple(
+        lk.directions if isinstance(lk, pipeline.AdaptiveLink) else (False, False) for lk in links
     )
+    pconfig = pipeline.PipelineConfig(
+        m, links, schedule=cfg["schedule"], checkpoint=checkpoint, replica_mean=averaging,
+        detector=detector,
+    )  # fmt: skip
     pipe = (
         pipeline.simulate(pmodel, pconfig)
         if cfg["simulate"]
@@ -194,10 +275,10 @@ def build_pipeline(
         packed, opt_state = init(key)
         return PipelineState(packed, opt_state, pipe.init(packed, batch_abs))
 
-    def train_step(state, batch, key_data, compress):
+    def train_step(state, batch, key_data, compress, modes):
         key = jax.random.wrap_key_data(key_data)
         loss, grads, link_states, metrics = pipe.step(
-            state.params, batch, state.link_states, key, compress=compress
+            state.params, batch, state.link_states, key, compress=compress, modes=modes
         )
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -212,10 +293,12 @@ def build_pipeline(
         }
         if "data_wire_bytes" in metrics:  # data replicas: the gradient average's bytes
             out["data_wire_bytes"] = metrics["data_wire_bytes"]
+        if detector is not None:
+            out.update(_adaptive_metrics(metrics, mask))
         return new, out
 
-    def eval_step(state, batch, compress):
-        _, _, logits = pipe.evaluate(state.params, batch, None, compress=compress)
+    def eval_step(state, batch, compress, modes):
+        _, _, logits = pipe.evaluate(state.params, batch, None, compress=compress, modes=modes)
         return _mode.eval_sums(model, logits, batch)
 
     with jax.set_mesh(mesh):
@@ -225,16 +308,32 @@ def build_pipeline(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state_abs, shardings
         )
         key_abs = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
-        compiled = {}
-        for compress in (True, False) if warmup_steps else (True,):
-            fn = jax.jit(train_step, donate_argnums=0, static_argnums=3)
-            compiled[compress] = fn.lower(state_abs, batch_abs, key_abs, compress).compile()
-        eval_jit = jax.jit(eval_step, static_argnums=2)
-    hlo = _mode.compiled_text_bytes(compiled[True])
-    counts = pipe.bytes_per_step(params_abs, batch_abs, compress=True, train=True)
+        eval_jit = jax.jit(eval_step, static_argnums=(2, 3))
+    train_jit = jax.jit(train_step, donate_argnums=0, static_argnums=(3, 4))
+    compiled = {}
+
+    def program(compress, modes):
+        """The compiled step of one (compress, mode combination), built when first used."""
+        if (compress, modes) not in compiled:
+            with jax.set_mesh(mesh):
+                lowered = train_jit.lower(state_abs, batch_abs, key_abs, compress, modes)
+                compiled[compress, modes] = lowered.compile()
+        return compiled[compress, modes]
+
+    low = high = None
+    if detector is not None:
+        low = tuple((0, 0) for _ in mask)
+        high = tuple((int(f), int(b)) for f, b in mask)
+    for compress in (True, False) if warmup_steps else (True,):
+        program(compress, low)
+    hlo = _mode.compiled_text_bytes(program(True, low))
+    counts = pipe.bytes_per_step(params_abs, batch_abs, compress=True, train=True, modes=low)
+
+    def modes_of(state):
+        return None if detector is None else pipeline.link_modes(state.link_states)
 
     def step_fn(state, batch, key, step):
-        return compiled[step >= warmup_steps](state, batch, key)
+        return program(step >= warmup_steps, modes_of(state))(state, batch, key)
 
     kind = (
         "simulated on one device"
@@ -245,7 +344,7 @@ def build_pipeline(
         kind += f", replicas averaged by {averaging_name}"
     names = "; ".join(
         f"{lk.forward.name} / {lk.backward.name if lk.backward else 'shared mask'}"
-        for lk in links[:1]
+        for lk in (lk.low if isinstance(lk, pipeline.AdaptiveLink) else lk for lk in links[:1])
     )
     extra = {
         "boundary_bytes_per_step": float(counts["wire_bytes"]),
@@ -262,14 +361,25 @@ def build_pipeline(
         extra["data_dense_bytes_per_step"] = float(
             sum(layout.stage_bytes(s) for s in range(model.num_stages))
         )
+    if detector is not None:
+        hi_counts = pipe.bytes_per_step(params_abs, batch_abs, modes=high)
+        extra.update(
+            adaptive=f"interval {detector.interval_steps} steps, every {detector.check_every}, "
+            f"eta={detector.eta}",
+            boundary_bytes_per_step_high=float(hi_counts["wire_bytes"]),
+            hlo_collective_bytes_per_step_high=_mode.compiled_text_bytes(program(True, high)),
+        )
+        names += f"; adaptive, high: {_high_names(links)}"
+        extra["links"] = names
     return _mode.Mode(
         name="pipeline",
         mesh=mesh,
         init=init_jit,
         train_step=step_fn,
-        eval_step=lambda s, b, compressed: eval_jit(s, b, bool(compressed)),
+        eval_step=lambda s, b, compressed: eval_jit(s, b, bool(compressed), modes_of(s)),
         batch_sharding=batch_sharding,
-        wire_bytes=float(counts["wire_bytes"]),
+        # adaptive links: each step reports the bytes of its mode combination
+        wire_bytes=math.nan if detector is not None else float(counts["wire_bytes"]),
         dense_bytes=float(counts["dense_bytes"]),
         description=f"{model.num_stages}-stage pipeline, M={m}, {kind}; links: {names}",
         has_compressed_eval=True,

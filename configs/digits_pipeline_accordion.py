@@ -1,0 +1,39 @@
+r"""Accordion on pipeline links: each boundary picks 8-bit or 4-bit codes by its own norms.
+
+The ``digits_pipeline`` MLP (64 -> 256 -> 256 -> 256 -> 10, cut after every hidden layer) on a
+``data`` 2 x ``stage`` 4 mesh of 8 (fake) devices. Every boundary is a
+:func:`jaxcomp.pipeline.adaptive_link`: its activations travel as 8-bit codes with one scale per
+feature in critical regimes and as 4-bit codes otherwise, and its activation-gradients as 8-bit
+or 4-bit codes, each direction switched by Accordion's detector (Agarwal et al., 2021) on the
+norms of what it sends: an interval is one epoch (11 steps), checked every 2 intervals with
+eta = 0.5; the first interval is critical.
+
+  python -m jaxcomp.main --config configs/digits_pipeline_accordion.py --workdir runs/dpa
+  python -m jaxcomp.main --config configs/digits_pipeline_accordion.py:smoke --workdir runs/s
+
+Expected: see the measured figures below (accuracy with boundary compression on and off, bytes
+per step against the fixed 8-bit and fixed 4-bit links). The train metrics log each boundary's
+mode per step (``link_mode_forward_<b>`` / ``link_mode_backward_<b>``, 0 = 8-bit, 1 = 4-bit).
+"""
+
+import importlib.util
+import pathlib
+
+
+def _digits_pipeline():
+    """configs/digits_pipeline.py (this config is that run with adaptive links)."""
+    path = pathlib.Path(__file__).with_name("digits_pipeline.py")
+    spec = importlib.util.spec_from_file_location("digits_pipeline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def get_config(arg=None):
+    c = _digits_pipeline().get_config(arg)
+    c.pipeline.forward = dict(name="quantize", bits=8, scale="feature")
+    c.pipeline.forward_high = dict(name="quantize", bits=4, scale="feature")
+    c.pipeline.backward = dict(name="quantize", bits=8)
+    c.pipeline.backward_high = dict(name="quantize", bits=4)
+    c.pipeline.detector = dict(interval_epochs=1, check_every=2, eta=0.5)
+    return c

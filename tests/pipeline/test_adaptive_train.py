@@ -1,0 +1,93 @@
+"""Adaptive pipeline links in the trainer: per-boundary modes and bytes in the metrics, and a
+resume from the middle of a detector interval that is bit-identical to the uninterrupted run."""
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from jaxcomp import train
+
+
+def _config():
+    c = ml_collections.ConfigDict()
+    c.mode = "pipeline"
+    c.mesh = [("stage", 4)]
+    c.model_name = "mlp"
+    c.model = dict(hidden=(16, 16, 16))
+    c.data_name = "digits"
+    c.data = dict(flat=True)
+    c.batch_size = 32
+    c.eval_batch_size = 32
+    c.optax_name = "adam"
+    c.lr = 3e-3
+    c.total_steps = 8
+    c.log_every = 1
+    c.eval_every = 0
+    c.checkpoint_every = 4
+    c.pipeline = dict(
+        num_microbatches=4,
+        forward=dict(name="quantize", bits=8, feedback="ef"),
+        forward_high=dict(name="quantize", bits=4, feedback="ef"),
+        backward=dict(name="quantize", bits=8),
+        backward_high=dict(name="quantize", bits=4),
+        detector=dict(interval_steps=2, check_every=1),
+    )
+    return c
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def _final_state(workdir):
+    import orbax.checkpoint as ocp
+
+    ckpt = train.Checkpointer(workdir)
+    step = ckpt.all_steps()[-1]
+    out = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    ckpt.close()
+    return step, out["state"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    full = str(tmp_path_factory.mktemp("full"))
+    part = str(tmp_path_factory.mktemp("part"))
+    summary = train.train_and_evaluate(_config(), full)
+    # stop after step 3: the middle of the second interval (steps 2 and 3 are indices 2, 3)
+    assert train.train_and_evaluate(_config(), part, stop_after=3) == {"stopped_at": 3}
+    train.train_and_evaluate(_config(), part)
+    return summary, full, part
+
+
+def test_metrics_log_each_boundary_mode_and_the_bytes_of_that_mode(runs):
+    summary, full, _ = runs
+    rows = [r for r in train.read_metrics(full) if r["split"] == "train"]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    keys = [f"link_mode_{d}_{b}" for b in range(3) for d in ("forward", "backward")]
+    modes = [[r[k] for k in keys] for r in rows]
+    assert modes[0] == modes[1] == [0] * 6  # the first interval and the decision on it: low
+    assert any(v == 1 for m in modes for v in m), modes  # the detector switched some link
+    low, high = summary["boundary_bytes_per_step"], summary["boundary_bytes_per_step_high"]
+    assert high < low
+    for r, m in zip(rows, modes):
+        assert r["low_compression_links"] == m.count(0)
+        if set(m) == {0}:
+            assert r["wire_bytes"] == low
+        elif set(m) == {1}:
+            assert r["wire_bytes"] == high
+        else:
+            assert high < r["wire_bytes"] < low
+
+
+def test_resume_mid_interval_is_bit_identical(runs):
+    _, full, part = runs
+    (s1, a), (s2, b) = _final_state(full), _final_state(part)
+    assert s1 == s2 == 8
+    for x, y in zip(_leaves(a), _leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+    strip = ("wall_time_s", "steps_per_s", "time")
+    r1 = [{k: v for k, v in r.items() if k not in strip} for r in train.read_metrics(full)]
+    r2 = [{k: v for k, v in r.items() if k not in strip} for r in train.read_metrics(part)]
+    assert [r for r in r1 if r["split"] == "train"] == [r for r in r2 if r["split"] == "train"]
