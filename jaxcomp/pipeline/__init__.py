@@ -36,11 +36,7 @@ Contracts:
   With data replicas also ``data_wire_bytes`` / ``data_dense_bytes`` (the gradient average).
 """
 
-from jaxcomp.pipeline._adaptive import HIGH_COMPRESSION
-from jaxcomp.pipeline._adaptive import LOW_COMPRESSION
 from jaxcomp.pipeline._adaptive import AdaptiveLink
-from jaxcomp.pipeline._adaptive import Detector
-from jaxcomp.pipeline._adaptive import DetectorState
 from jaxcomp.pipeline._adaptive import adaptive_link
 from jaxcomp.pipeline._adaptive import link_modes
 from jaxcomp.pipeline._config import Link
@@ -48,6 +44,10 @@ from jaxcomp.pipeline._config import PipelineConfig
 from jaxcomp.pipeline._config import StagedModel
 from jaxcomp.pipeline._config import link
 from jaxcomp.pipeline._config import pipeline_mesh
+from jaxcomp.pipeline._detector import HIGH_COMPRESSION
+from jaxcomp.pipeline._detector import LOW_COMPRESSION
+from jaxcomp.pipeline._detector import Detector
+from jaxcomp.pipeline._detector import DetectorState
 from jaxcomp.pipeline._gpipe import gpipe
 from jaxcomp.pipeline._gpipe import simulate
 from jaxcomp.pipeline._link_state import LinkState

@@ -19,7 +19,8 @@ interval end (``interval % T == 0``) decides
   \ge \eta \\ \text{high} & \text{otherwise} \end{cases}
 
 with a learning-rate decrease switching every adaptive direction to low until the next check,
-as :func:`jaxcomp.transforms.accordion` does for gradients (the same function decides).
+as :func:`jaxcomp.transforms.accordion` does for gradients (the same function decides; the
+detector's settings, state and update are in :mod:`jaxcomp.pipeline._detector`).
 
 **One program per mode combination.** The modes are host-visible state
 (:class:`DetectorState`, in ``LinkStates.adaptive``), changed only by a step's detector update.
@@ -46,26 +47,22 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from jaxcomp import _critical
-from jaxcomp.comm import _mesh
-from jaxcomp.compressors import _base
 from jaxcomp.feedback import _channel
 from jaxcomp.pipeline import _config
-from jaxcomp.pipeline import _link_state
+from jaxcomp.pipeline import _detector
+from jaxcomp.pipeline._detector import HIGH_COMPRESSION
+from jaxcomp.pipeline._detector import LOW_COMPRESSION
+from jaxcomp.pipeline._detector import Detector
+from jaxcomp.pipeline._detector import DetectorState
 
-LOW_COMPRESSION = 0  #: critical regime: the boundary's ``low`` link
-HIGH_COMPRESSION = 1  #: otherwise: its ``high`` link
 DIRECTIONS = ("forward", "backward")
-STATISTICS = ("worker0", "mean")
 
 
 class AdaptiveLink(NamedTuple):
@@ -88,51 +85,12 @@ class AdaptiveLink(NamedTuple):
         return fwd, bwd
 
 
-class Detector(NamedTuple):
-    """Accordion's detector settings for a pipeline's adaptive links.
-
-    Attributes:
-      interval_steps: steps per interval (the reference's epoch); a Python int >= 1.
-      check_every: ``T``, intervals between checks (10 in the reference's CNN runs).
-      eta: the threshold on the relative norm change (0.5).
-      learning_rate: ``None``, a number, or a schedule ``step -> lr``: a decrease between two
-        steps switches every adaptive direction to low compression (piecewise-constant
-        schedules; a smooth decay triggers at every step).
-      statistic: with data replicas, ``"worker0"`` (replica 0's norms decide, the reference's
-        rank 0) or ``"mean"`` (the mean of the replicas' norms).
-    """
-
-    interval_steps: int
-    check_every: int = 10
-    eta: float = 0.5
-    learning_rate: Any = None
-    statistic: str = "worker0"
-
-
 class TrackedSend(NamedTuple):
     """Sender state of an adaptive direction: the interval's sum of squared norms sent, and the
     wrapped channel's own sender state."""
 
     norm_sq: jax.Array
     state: Any
-
-
-class DetectorState(NamedTuple):
-    """The detector's state (replicated), carried in ``LinkStates.adaptive``.
-
-    Attributes:
-      count: ``int32[]``, training steps taken; interval ``e = count // interval_steps``.
-      mode: ``int32[S - 1, 2]``, per boundary and direction (forward, backward), the mode of
-        the *next* step: :data:`LOW_COMPRESSION` or :data:`HIGH_COMPRESSION` (always low for a
-        direction that is not adaptive).
-      prev_norm: ``float32[S - 1, 2]``, the statistic at the last check.
-      norm: ``float32[S - 1, 2]``, the statistic of the last completed interval.
-    """
-
-    count: jax.Array
-    mode: jax.Array
-    prev_norm: jax.Array
-    norm: jax.Array
 
 
 class Adaptive(NamedTuple):
@@ -230,27 +188,6 @@ def _states_struct(channel, shape):
     return jax.tree.map(lambda a: (a.shape, str(a.dtype)), both)
 
 
-def _check_detector(detector: Any) -> Detector:
-    if not isinstance(detector, Detector):
-        raise TypeError(
-            "PipelineConfig.detector must be a pipeline.Detector(interval_steps, ...) when a "
-            f"link is adaptive; got {type(detector).__name__}."
-        )
-    _base.check_int_range("detector.interval_steps", detector.interval_steps, 1)
-    _base.check_int_range("detector.check_every", detector.check_every, 1)
-    eta = detector.eta
-    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not eta > 0:
-        raise ValueError(f"detector.eta must be a number > 0; got {eta!r}.")
-    lr = detector.learning_rate
-    number = isinstance(lr, (int, float)) and not isinstance(lr, bool)
-    if not (lr is None or callable(lr) or number):
-        raise ValueError(
-            f"detector.learning_rate must be None, a number or a schedule; got {lr!r}."
-        )
-    _base.check_choice("detector.statistic", detector.statistic, STATISTICS)
-    return detector
-
-
 def resolve(config: _config.PipelineConfig, num_stages: int):
     """Splits ``config.links`` into plain links and the adaptive boundaries.
 
@@ -269,7 +206,7 @@ def resolve(config: _config.PipelineConfig, num_stages: int):
                 "pipeline.adaptive_link(low, high) for the boundaries that should switch."
             )
         return _config.resolve_links(config, num_stages), None
-    detector = _check_detector(config.detector)
+    detector = _detector.check_detector(config.detector)
     low = [lk.low if isinstance(lk, AdaptiveLink) else lk for lk in links]
     _config.resolve_links(config._replace(links=tuple(low)), num_stages)  # the usual checks
     lows, highs, mask = [], [], []
@@ -310,15 +247,6 @@ def check_shared_state(adaptive: Adaptive, shapes) -> None:
                     "across a switch: use the same feedback around codecs with the same state "
                     "(e.g. error_feedback(quantize(8)) and error_feedback(quantize(4)))."
                 )
-
-
-def init_state(num_boundaries: int) -> DetectorState:
-    """The detector's initial state: every direction in low compression (the first interval
-    is critical, as in the reference)."""
-    zeros = jnp.zeros((num_boundaries, 2), jnp.float32)
-    return DetectorState(
-        jnp.zeros((), jnp.int32), jnp.zeros((num_boundaries, 2), jnp.int32), zeros, zeros
-    )
 
 
 def host_modes(state: DetectorState) -> tuple[tuple[int, int], ...]:
@@ -378,117 +306,70 @@ def check_modes(modes: Any, adaptive: Adaptive | None) -> tuple[tuple[int, int],
 
 
 # ----------------------------------------------------------------------------------------------
-# The accumulators in the packed link states, and the detector update
+# The driver's hooks (each a no-op without adaptive links)
 
 
-class Accumulators(NamedTuple):
-    """Where each device's ``norm_sq`` leaves are: per direction, per device, the offset in
-    buffer ``buffer`` (``-1``: the device sends no adaptive direction that way)."""
-
-    buffer: str
-    offsets: tuple[tuple[int, ...], tuple[int, ...]]
-
-
-def accumulators(layout: _link_state.StateLayout, adaptive: Adaptive) -> Accumulators:
-    """The :class:`Accumulators` of ``layout`` (the forward sender of boundary ``d`` and the
-    backward sender of ``d - 1`` live on device ``d``; a tracked end's first leaf is
-    ``norm_sq``)."""
-    num = layout.num_stages
-    offsets, names = [], set()
-    for d, role in enumerate(("forward_send", "backward_send")):
-        row = []
-        for dev in range(num):
-            b = _link_state.owned_boundary(role, dev, num)
-            if b is None or not adaptive.mask[b][d]:
-                row.append(-1)
-                continue
-            first, _ = layout.roles[dev][_link_state.ROLES.index(role)]
-            place = layout.places[dev][first]
-            assert place.shape == () and place.dtype == "float32" and not place.rows, place
-            names.add(place.buffer)
-            row.append(place.offset)
-        offsets.append(tuple(row))
-    (buffer,) = names
-    return Accumulators(buffer, tuple(offsets))
+def combo(spec: Any, modes: Any) -> Any:
+    """The driver ``spec`` whose links are those ``modes`` select (``spec`` itself without
+    adaptive links); the driver caches its programs per combination."""
+    if spec.adaptive is None:
+        return spec
+    return spec._replace(links=spec.adaptive.links(modes))
 
 
-def collect_local(acc: Accumulators, states: dict, end: jax.Array, axes: tuple[str, ...]):
-    """Inside ``shard_map``: this device's accumulators as a ``[S - 1, 2]`` statistic (summed
-    over ``stage``, replicated over ``data``), and ``states`` with them zeroed at an interval
-    end."""
-    stage = lax.axis_index(_mesh.STAGE)
-    buf = states[acc.buffer]
-    num = len(acc.offsets[0])
-    stats = jnp.zeros((num - 1, 2), jnp.float32)
-    for d in range(2):
-        table = np.asarray(acc.offsets[d])
-        off = jnp.asarray(np.maximum(table, 0))[stage]
-        ok = jnp.asarray(table >= 0)[stage]
-        value = lax.dynamic_index_in_dim(buf, off, keepdims=False)
-        here = jnp.logical_and(jnp.arange(num - 1) == stage - d, ok)
-        stats = stats.at[:, d].set(jnp.where(here, value, 0.0))
-        new = jnp.where(jnp.logical_and(ok, end), jnp.zeros_like(value), value)
-        buf = lax.dynamic_update_index_in_dim(buf, new, off, 0)
-    stats = lax.psum(stats, _mesh.STAGE)
-    return stats, {**states, acc.buffer: buf}
+def combo_or_low(spec: Any, modes: Any) -> Any:
+    """:func:`combo` for evaluation and byte counts, which have no detector state to read:
+    ``modes`` checked, every boundary in low compression when ``None``."""
+    modes = check_modes(modes, spec.adaptive)
+    if spec.adaptive is not None and modes is None:
+        modes = spec.adaptive.all_low()
+    return combo(spec, modes)
 
 
-def collect_stacked(acc: Accumulators, states: dict, end: jax.Array):
-    """:func:`collect_local` for stacked ``{name: [S, ...]}`` buffers (the simulation)."""
-    buf = states[acc.buffer]
-    num = len(acc.offsets[0])
-    stats = jnp.zeros((num - 1, 2), jnp.float32)
-    for d in range(2):
-        for dev, off in enumerate(acc.offsets[d]):
-            if off < 0:
-                continue
-            stats = stats.at[dev - d, d].set(buf[dev, off])
-            buf = buf.at[dev, off].set(jnp.where(end, 0.0, buf[dev, off]))
-    return stats, {**states, acc.buffer: buf}
+def init_detector(adaptive: Adaptive | None, shapes, mesh) -> DetectorState | None:
+    """The detector's initial state (replicated on ``mesh``), after checking that the low and
+    high channels of every adaptive direction share one state layout."""
+    if adaptive is None:
+        return None
+    check_shared_state(adaptive, shapes)
+    init = jax.jit(_detector.init_state, static_argnums=0)
+    if mesh is not None:
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        init = jax.jit(_detector.init_state, static_argnums=0, out_shardings=replicated)
+    return init(len(adaptive.low))
 
 
-def replicate(stats: jax.Array, detector: Detector, replicas: int) -> jax.Array:
-    """The statistic every replica decides with (one tiny all-reduce over ``data``)."""
-    if replicas < 2:
-        return stats
-    return _critical.replicated_norms(stats, _mesh.DATA, detector.statistic)
+def step_modes(adaptive: Adaptive | None, link_states: Any, modes: Any):
+    """The checked mode combination of a step: ``modes`` as given, else read from the state."""
+    detector_state = getattr(link_states, "adaptive", None)
+    if adaptive is None:
+        if detector_state is not None:
+            raise ValueError(
+                "link_states carry an adaptive-link detector state, but this pipeline has no "
+                "adaptive links: initialise them with this pipeline's init."
+            )
+        return check_modes(modes, None)
+    if detector_state is None:
+        raise ValueError(
+            "this pipeline has adaptive links: its link_states carry the detector's state "
+            "(initialise them with this pipeline's init)."
+        )
+    if modes is None:
+        modes = host_modes(detector_state)
+    return check_modes(modes, adaptive)
 
 
-def interval_end(detector: Detector, state: DetectorState) -> jax.Array:
-    """Whether the step about to run (number ``state.count``) ends an interval."""
-    return (state.count + 1) % detector.interval_steps == 0
-
-
-def _lr(schedule: Callable | None, count: jax.Array) -> jax.Array | None:
-    if schedule is None or not callable(schedule):
-        return None  # a constant learning rate never drops
-    return jnp.asarray(schedule(count), jnp.float32)
-
-
-def update(adaptive: Adaptive, state: DetectorState, stats: jax.Array) -> DetectorState:
-    """The detector after one step whose accumulated squared norms are ``stats``.
-
-    At the end of interval ``e`` (``stats`` then holds its sums), when ``e % T == 0``, each
-    adaptive direction takes the mode :func:`jaxcomp._critical.critical_regime` decides; a
-    learning-rate drop at the next step switches every adaptive direction to low.
-    """
-    det = adaptive.detector
-    count = state.count
-    interval = count // det.interval_steps
-    end = interval_end(det, state)
-    check = jnp.logical_and(end, interval % det.check_every == 0)
-    norm = jnp.sqrt(stats)
-    critical = _critical.critical_regime(state.prev_norm, norm, det.eta, interval == 0)
-    decided = jnp.where(critical, LOW_COMPRESSION, HIGH_COMPRESSION).astype(jnp.int32)
-    mode = jnp.where(check, decided, state.mode)
-    now, nxt = _lr(det.learning_rate, count), _lr(det.learning_rate, count + 1)
-    if now is not None:
-        mode = jnp.where(nxt < now, LOW_COMPRESSION, mode)
-    mask = jnp.asarray(np.asarray(adaptive.mask, bool))
-    mode = jnp.where(mask, mode, LOW_COMPRESSION).astype(jnp.int32)
-    return DetectorState(
-        count + 1,
-        mode,
-        jnp.where(check, norm, state.prev_norm),
-        jnp.where(end, norm, state.norm),
-    )
+def finish_step(adaptive: Adaptive | None, modes, old: Any, stats, loss, grads, metrics):
+    """``(detector state, loss, grads, metrics)`` after a step: the detector's update, the modes
+    in the metrics, and a poisoned step (NaN loss and gradients, ``modes_mismatch`` 1) when
+    ``modes`` were not the state's (a jitted step given stale static modes)."""
+    if adaptive is None:
+        return None, loss, grads, metrics
+    used = jnp.asarray(np.asarray(modes, np.int32))
+    mismatch = jnp.any(old.mode != used)
+    loss = jnp.where(mismatch, jnp.nan, loss)
+    grads = jax.tree.map(lambda g: jnp.where(mismatch, jnp.nan, g), grads)
+    metrics = {
+        **metrics, "loss": loss, "link_modes": used, "modes_mismatch": mismatch.astype(jnp.int32)
+    }  # fmt: skip
+    return _detector.update(adaptive, old, stats), loss, grads, metrics

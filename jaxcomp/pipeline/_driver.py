@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -26,6 +25,7 @@ from jaxcomp.comm import _mesh
 from jaxcomp.pipeline import _adaptive
 from jaxcomp.pipeline import _batch
 from jaxcomp.pipeline import _config
+from jaxcomp.pipeline import _detector
 from jaxcomp.pipeline import _link_state
 from jaxcomp.pipeline import _links
 from jaxcomp.pipeline import _params
@@ -88,32 +88,11 @@ def _prepare_for(spec: Spec, params, batch, *, links=None, need_ids=None):
     )  # fmt: skip
 
 
-def _combo(spec: Spec, modes: Any) -> Spec:
-    """The spec whose links are those ``modes`` select (``spec`` itself without adaptive
-    links); its programs are cached per combination."""
-    if spec.adaptive is None:
-        return spec
-    return spec._replace(links=spec.adaptive.links(modes))
-
-
-def _adaptive_init(spec: Spec, shapes) -> Any:
-    """The detector's initial state (replicated on the mesh), after checking that the low and
-    high channels of every adaptive direction share one state layout."""
-    if spec.adaptive is None:
-        return None
-    _adaptive.check_shared_state(spec.adaptive, shapes)
-    num = spec.model.num_stages - 1
-    if spec.mesh is None:
-        return jax.jit(_adaptive.init_state, static_argnums=0)(num)
-    out = NamedSharding(spec.mesh, P())
-    return jax.jit(_adaptive.init_state, static_argnums=0, out_shardings=out)(num)
-
-
 def init(spec: Spec, params: Any, batch: Any) -> _link_state.LinkStates:
     """Every link end's initial state (see :class:`jaxcomp.pipeline.Pipeline`)."""
     prep = _prepare_for(spec, params, batch, need_ids=False)
     layout = prep.static.state_layout
-    detector = _adaptive_init(spec, prep.static.shapes)
+    detector = _adaptive.init_detector(spec.adaptive, prep.static.shapes, spec.mesh)
     shapes, lead = prep.static.shapes, spec.lead
 
     def make():
@@ -288,12 +267,9 @@ def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool, r
                 new_replica = {g: v.reshape(replica[g].shape) for g, v in mine.items()}
             sent = lax.pmean(lax.psum(sent, _mesh.STAGE), _mesh.DATA)
             metrics = {**metrics, "data_wire_bytes": sent}
-        stats, own = None, carry.states
-        if spec.adaptive is not None:  # the interval's norms, the accumulators reset at its end
-            acc = _adaptive.accumulators(static.state_layout, spec.adaptive)
-            end = _adaptive.interval_end(spec.adaptive.detector, detector)
-            stats, own = _adaptive.collect_local(acc, own, end, spec.axes)
-            stats = _adaptive.replicate(stats, spec.adaptive.detector, spec.replicas)
+        stats, own = _detector.program_statistic(  # adaptive links: the interval's norms
+            spec.adaptive, static.state_layout, carry.states, detector, spec.replicas
+        )
         new_states = {g: v.reshape(states[g].shape) for g, v in own.items()}
         out_grads = {g: v[None] for g, v in grads.items()}
         return loss, out_grads, (new_states, new_replica, stats), metrics
@@ -321,41 +297,11 @@ def _stage_params(params: Any) -> tuple[Any, ...]:
     return params.unpack() if isinstance(params, _params.PackedParams) else tuple(params)
 
 
-def _step_modes(spec: Spec, link_states: Any, modes: Any):
-    """The checked mode combination of a step: ``modes`` as given, else read from the state."""
-    if spec.adaptive is None:
-        if getattr(link_states, "adaptive", None) is not None:
-            raise ValueError(
-                "link_states carry an adaptive-link detector state, but this pipeline has no "
-                "adaptive links: initialise them with this pipeline's init."
-            )
-        return _adaptive.check_modes(modes, None)
-    if not isinstance(link_states, _link_state.LinkStates) or link_states.adaptive is None:
-        raise ValueError(
-            "this pipeline has adaptive links: its link_states carry the detector's state "
-            "(initialise them with this pipeline's init)."
-        )
-    if modes is None:
-        modes = _adaptive.host_modes(link_states.adaptive)
-    return _adaptive.check_modes(modes, spec.adaptive)
-
-
-def _with_detector(spec: Spec, modes, link_states, stats, loss, grads, metrics):
-    """The detector's update, and a poisoned step when ``modes`` were not the state's."""
-    old = link_states.adaptive
-    used = jnp.asarray(np.asarray(modes, np.int32))
-    mismatch = jnp.any(old.mode != used)
-    loss = jnp.where(mismatch, jnp.nan, loss)
-    grads = jax.tree.map(lambda g: jnp.where(mismatch, jnp.nan, g), grads)
-    metrics = {**metrics, "link_modes": used, "modes_mismatch": mismatch.astype(jnp.int32)}
-    return _adaptive.update(spec.adaptive, old, stats), loss, grads, metrics
-
-
 def step(spec: Spec, params, batch, link_states, key=None, compress=True, modes=None):
     """One training step (see :class:`jaxcomp.pipeline.Pipeline`)."""
     compress = _prepare.check_compress(compress)
-    modes = _step_modes(spec, link_states, modes)
-    spec = _combo(spec, modes)
+    modes = _adaptive.step_modes(spec.adaptive, link_states, modes)
+    spec = _adaptive.combo(spec, modes)
     prep = _prepare_for(spec, params, batch)
     static, parsed = prep.static, prep.batch
     _links.check_key(spec.links, key, compress)
@@ -365,15 +311,14 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True, modes=
         x = _batch.microbatches(parsed.inputs, m_)
         labels = _batch.microbatches(parsed.labels, m_)
         ids = None if parsed.ids is None else _batch.microbatches(parsed.ids, m_)
-        replica, stats = {}, None
+        replica = {}
         loss, metrics, grads, states = _simulate.train(
             spec, static, _stage_params(params), x, labels, ids, key, link_states.buffers,
             compress,
         )  # fmt: skip
-        if spec.adaptive is not None:
-            acc = _adaptive.accumulators(static.state_layout, spec.adaptive)
-            end = _adaptive.interval_end(spec.adaptive.detector, link_states.adaptive)
-            stats, states = _adaptive.collect_stacked(acc, states, end)
+        stats, states = _detector.stacked_statistic(
+            spec.adaptive, static.state_layout, states, link_states.adaptive
+        )
         if isinstance(params, _params.PackedParams):
             grads = _params.PackedParams(layout.pack(grads), layout)
         else:
@@ -393,12 +338,9 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True, modes=
     if spec.replicas > 1:  # the dense reference of the data axis: every stage's float gradient
         dense = sum(layout.stage_bytes(s) for s in range(spec.model.num_stages))
         metrics["data_dense_bytes"] = jnp.asarray(dense, jnp.float32)
-    detector = None
-    if spec.adaptive is not None:
-        detector, loss, grads, metrics = _with_detector(
-            spec, modes, link_states, stats, loss, grads, metrics
-        )
-        metrics["loss"] = loss
+    detector, loss, grads, metrics = _adaptive.finish_step(
+        spec.adaptive, modes, link_states.adaptive, stats, loss, grads, metrics
+    )
     new_states = _link_state.LinkStates(
         states, static.state_layout, replica, link_states.replica_layout, detector
     )
@@ -408,8 +350,7 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True, modes=
 def evaluate(spec: Spec, params, batch, key=None, compress=False, modes=None):
     """Forward only (see :class:`jaxcomp.pipeline.Pipeline`)."""
     compress = _prepare.check_compress(compress)
-    modes = _adaptive.check_modes(modes, spec.adaptive)
-    spec = _combo(spec, spec.adaptive.all_low() if modes is None and spec.adaptive else modes)
+    spec = _adaptive.combo_or_low(spec, modes)
     elinks = _links.eval_links(spec.links)
     prep = _prepare_for(spec, params, batch, links=elinks, need_ids=False)
     static, parsed, m_ = prep.static, prep.batch, spec.num_microbatches
@@ -436,8 +377,7 @@ def bytes_per_step(
     spec: Spec, params, batch, compress=True, train=True, modes=None
 ) -> dict[str, int]:
     """Theoretical bytes per step and pipeline replica (see :func:`jaxcomp.pipeline.gpipe`)."""
-    modes = _adaptive.check_modes(modes, spec.adaptive)
-    spec = _combo(spec, spec.adaptive.all_low() if modes is None and spec.adaptive else modes)
+    spec = _adaptive.combo_or_low(spec, modes)
     prep = _prepare_for(spec, params, batch, need_ids=False)
     use = spec.links if train else _links.eval_links(spec.links)
     return _links.step_bytes(use, prep.static.shapes, spec.num_microbatches, compress, train)

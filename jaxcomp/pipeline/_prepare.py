@@ -29,19 +29,24 @@ class Pipeline(NamedTuple):
     Attributes:
       init: ``init(params, batch) -> link_states``: every link end's initial state, as
         :class:`LinkStates` (each stage device holds the ends it owns).
-      step: ``step(params, batch, link_states, key=None, compress=True) ->
+      step: ``step(params, batch, link_states, key=None, compress=True, modes=None) ->
         (loss, grads, link_states, metrics)``: one training step's loss, gradients (in the form
         of ``params``: a per-stage sequence or :class:`PackedParams`) and new link states.
         ``key`` is required when a link's codec is stochastic. ``compress=False`` sends dense
-        (AQ-SGD warm-up); mark it static under ``jax.jit``.
-      evaluate: ``evaluate(params, batch, key=None, compress=False) -> (loss, metrics,
-        outputs)``: forward only, link states untouched; ``compress=True`` applies each forward
-        codec without feedback (the paper's "compressed inference"; stochastic codecs use
-        ``key``, by default ``jax.random.key(0)``); ``outputs`` is the last stage's output for
-        the whole batch (e.g. logits, for accuracy).
-      bytes_per_step: ``bytes_per_step(params, batch, compress=True, train=True) -> dict`` with
-        the theoretical ``wire_bytes`` (payload bytes per step and pipeline replica, forward and
-        backward) and ``dense_bytes`` (the same sends uncompressed).
+        (AQ-SGD warm-up); mark it static under ``jax.jit``. With adaptive links
+        (:func:`~jaxcomp.pipeline.adaptive_link`) the step runs the program of the modes in
+        ``link_states``; under ``jax.jit`` pass them as the static
+        ``modes=pipeline.link_modes(link_states)``.
+      evaluate: ``evaluate(params, batch, key=None, compress=False, modes=None) -> (loss,
+        metrics, outputs)``: forward only, link states untouched; ``compress=True`` applies
+        each forward codec without feedback (the paper's "compressed inference"; stochastic
+        codecs use ``key``, by default ``jax.random.key(0)``); ``outputs`` is the last stage's
+        output for the whole batch (e.g. logits, for accuracy).
+      bytes_per_step: ``bytes_per_step(params, batch, compress=True, train=True, modes=None)
+        -> dict`` with the theoretical ``wire_bytes`` (payload bytes per step and pipeline
+        replica, forward and backward) and ``dense_bytes`` (the same sends uncompressed).
+        With adaptive links, ``evaluate`` and ``bytes_per_step`` use the links of ``modes``
+        (every boundary's low link by default).
       memory: ``memory(params, batch) -> dict``: the planned per-device memory of a training
         step (see :func:`jaxcomp.pipeline.gpipe`).
       num_stages: ``S``.
