@@ -20,6 +20,7 @@
                                 # the high-compression channel, chosen per boundary by the
                                 # activation (gradient) norms (pipeline.adaptive_link)
   detector = {"interval_epochs": 1, "check_every": 10, "eta": 0.5}  # or "interval_steps"
+                                # (one of the two; an interval is 1 epoch by default)
 
 With ``forward_high`` / ``backward_high`` (also in ``boundaries`` entries) every step logs each
 adaptive boundary's mode (``link_mode_forward_<b>`` / ``link_mode_backward_<b>``: 0 low, 1
@@ -50,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import _validate
 from jaxcomp import comm
 from jaxcomp import pipeline
+from jaxcomp.compressors import _base
 from jaxcomp.models import _staged
 from jaxcomp.train import _config
 from jaxcomp.train import _dense
@@ -71,7 +73,7 @@ PIPELINE_DEFAULTS = {
     "backward_high": None,
     "detector": None,
 }
-DETECTOR_DEFAULTS = {"interval_epochs": 1, "interval_steps": None, "check_every": 10, "eta": 0.5}
+DETECTOR_DEFAULTS = {"interval_epochs": None, "interval_steps": None, "check_every": 10, "eta": 0.5}
 
 REPLICA_TRANSFORMS = ("compressed_mean", "accordion")  #: averages for config.pipeline.replica_mean
 
@@ -138,8 +140,16 @@ def _detector(cfg: dict, links, config, steps_per_epoch: int):
             )
         return None
     sub = _config.check_sub_config("pipeline.detector", cfg["detector"], DETECTOR_DEFAULTS)
-    steps = sub["interval_steps"]
-    steps = int(sub["interval_epochs"]) * steps_per_epoch if steps is None else steps
+    epochs, steps = sub["interval_epochs"], sub["interval_steps"]
+    if epochs is not None and steps is not None:
+        raise ValueError(
+            "config.pipeline.detector: give interval_epochs or interval_steps, not both; got "
+            f"interval_epochs={epochs!r}, interval_steps={steps!r}."
+        )
+    if steps is None:  # a whole number of epochs (1 by default), never rounded
+        epochs = 1 if epochs is None else epochs
+        _base.check_int_range("config.pipeline.detector.interval_epochs", epochs, 1)
+        steps = epochs * steps_per_epoch
     return pipeline.Detector(
         steps, sub["check_every"], sub["eta"], learning_rate=_config.learning_rate(config)
     )

@@ -91,3 +91,41 @@ def test_resume_mid_interval_is_bit_identical(runs):
     r1 = [{k: v for k, v in r.items() if k not in strip} for r in train.read_metrics(full)]
     r2 = [{k: v for k, v in r.items() if k not in strip} for r in train.read_metrics(part)]
     assert [r for r in r1 if r["split"] == "train"] == [r for r in r2 if r["split"] == "train"]
+
+
+def _with_pipeline(**changes):
+    c = _config()
+    c.pipeline = {**c.pipeline.to_dict(), **changes}  # whole entries replaced, not merged
+    return c
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (  # 1.5 epochs is not a whole number of epochs: never rounded silently
+            {"detector": {"interval_epochs": 1.5}},
+            r"config.pipeline.detector.interval_epochs must be an integer >= 1; got 1.5",
+        ),
+        (
+            {"detector": {"interval_epochs": 2, "interval_steps": 5}},
+            r"config.pipeline.detector: give interval_epochs or interval_steps, not both",
+        ),
+        ({"detector": {"interval_steps": 0}}, r"detector.interval_steps must be an integer >= 1"),
+        ({"detector": {"check_every": 0}}, r"detector.check_every must be an integer >= 1"),
+        ({"detector": {"eta": -1.0}}, r"detector.eta must be a number > 0"),
+        ({"detector": {"window": 3}}, r"unknown key\(s\) \['window'\] in config.pipeline.detector"),
+        (
+            {"forward_high": None, "backward_high": None},
+            r"config.pipeline.detector is set but no link is adaptive",
+        ),
+        (
+            {"backward_mode": "shared_mask", "backward": None, "backward_high": {"name": "sign"}},
+            r"config.pipeline.backward_high: in shared_mask mode",
+        ),
+    ],
+)
+def test_bad_detector_config_is_a_clear_error_before_training(tmp_path, changes, match):
+    with pytest.raises(ValueError, match=match) as info:
+        train.train_and_evaluate(_with_pipeline(**changes), str(tmp_path))
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "checkpoints").exists()
