@@ -9,35 +9,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxcomp import _validate
+from jaxcomp.models import _norm as _norms
 from jaxcomp.models import _staged
-
-NORMS = ("batch", "group", "layer")
-
-
-def _norm(kind: str, train: bool, batch_axis: str | None = None):
-    """The normalisation layer ``kind``.
-
-    BatchNorm keeps PyTorch's defaults (running average momentum 0.1, i.e. Flax's 0.9; eps
-    1e-5) and computes the variance as the mean of ``(x - mean)^2`` (two passes), right for
-    inputs whose mean is large against their spread (``E[x^2] - E[x]^2`` in float32 is off by
-    several percent once the mean is ~1e3 times the spread, and by more than the variance
-    itself beyond ~1e4). With ``batch_axis`` the statistics are those of the
-    batch concatenated over that mesh axis (SyncBatchNorm): the mean is the mean of the
-    workers' means, the variance the mean of their ``E[(x - mean)^2]`` around that global mean
-    (equal shards). Running variances are the biased batch variances (PyTorch keeps the
-    unbiased ones, a factor ``n / (n - 1)`` apart, n = samples x pixels per channel).
-    """
-    if kind == "batch":
-        return nn.BatchNorm(
-            use_running_average=not train,
-            momentum=0.9,
-            epsilon=1e-5,
-            axis_name=batch_axis,
-            use_fast_variance=False,
-        )
-    if kind == "group":
-        return nn.GroupNorm(num_groups=None, group_size=8)
-    return nn.LayerNorm()
 
 
 class Stem(nn.Module):
@@ -50,7 +23,7 @@ class Stem(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):
         x = nn.Conv(self.features, (3, 3), padding="SAME", use_bias=False)(x)
-        return nn.relu(_norm(self.norm, train, self.batch_axis)(x))
+        return nn.relu(_norms.layer(self.norm, train, self.batch_axis)(x))
 
 
 class BasicBlock(nn.Module):
@@ -65,12 +38,12 @@ class BasicBlock(nn.Module):
     def __call__(self, x, train: bool = False):
         conv = functools.partial(nn.Conv, use_bias=False, padding="SAME")
         y = conv(self.features, (3, 3), strides=self.stride)(x)
-        y = nn.relu(_norm(self.norm, train, self.batch_axis)(y))
+        y = nn.relu(_norms.layer(self.norm, train, self.batch_axis)(y))
         y = conv(self.features, (3, 3))(y)
-        y = _norm(self.norm, train, self.batch_axis)(y)
+        y = _norms.layer(self.norm, train, self.batch_axis)(y)
         if self.stride != 1 or x.shape[-1] != self.features:
             x = conv(self.features, (1, 1), strides=self.stride)(x)
-            x = _norm(self.norm, train, self.batch_axis)(x)
+            x = _norms.layer(self.norm, train, self.batch_axis)(x)
         return nn.relu(y + x)
 
 
@@ -124,7 +97,7 @@ def resnet18(
       blocks: basic blocks per layer.
       norm: ``"batch"`` (the reference; its running statistics are model state: per worker,
         or synchronised with :meth:`StagedModel.with_batch_axis`), ``"group"`` (groups of 8
-        channels) or ``"layer"``; pipeline stages need a stateless norm.
+        channels) or ``"layer"`` (see :func:`jaxcomp.models._norm.layer`).
       cuts: segment names to cut after (default: paper 1's ``layer1, layer2, layer3``);
         ``()`` for a single stage.
 
@@ -135,7 +108,7 @@ def resnet18(
       He et al., `Deep Residual Learning for Image Recognition
       <https://arxiv.org/abs/1512.03385>`_, 2016.
     """
-    _validate.check_choice("norm", norm, NORMS)
+    _validate.check_choice("norm", norm, _norms.NORMS)
     segments = [("stem", Stem(width, norm))]
     for i, n in enumerate(blocks):
         segments.append((f"layer{i + 1}", ResLayer(width * 2**i, n, 1 if i == 0 else 2, norm)))

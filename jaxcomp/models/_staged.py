@@ -87,9 +87,22 @@ class FlaxStagedModel(StagedModel):
         return tuple(Chain(self.segments[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
 
     @functools.cached_property
-    def stages(self) -> tuple[Callable[[Any, jax.Array], jax.Array], ...]:
-        """The pure training-mode stage functions (:meth:`stage_fns`), built once."""
+    def stages(self) -> tuple[Callable[..., Any], ...]:
+        """The pure training-mode stage functions, built once: :meth:`stage_fns` for a
+        stateless model, :meth:`stateful_stage_fns` for one with BatchNorm."""
+        if self.stateful:
+            return self.stateful_stage_fns(train=True)
         return self.stage_fns(train=True)
+
+    @functools.cached_property
+    def stateful(self) -> bool:  # type: ignore[override]
+        """Whether the model keeps BatchNorm running statistics (pipeline model state)."""
+        return self.has_batch_stats
+
+    @functools.cached_property
+    def eval_stages(self) -> tuple[Callable[..., Any], ...] | None:  # type: ignore[override]
+        """A stateful model's evaluation stages (running statistics), else ``None``."""
+        return self.stateful_stage_fns(train=False) if self.stateful else None
 
     def dummy_input(self, batch_size: int = 2) -> jax.Array:
         return jnp.zeros((batch_size, *self.input_shape), self.input_dtype)
@@ -166,18 +179,54 @@ class FlaxStagedModel(StagedModel):
         """Pure ``stage_fn(params, x) -> y`` per stage (the pipeline contract).
 
         Raises:
-          ValueError: if the model keeps BatchNorm statistics (pipeline stages hold no mutable
-            state; build the model with ``norm="layer"`` or ``norm="group"``).
+          ValueError: if the model keeps BatchNorm statistics (its stages take them as state:
+            use :meth:`stateful_stage_fns`, or the model itself, which is a stateful
+            :class:`StagedModel`).
         """
         if self.has_batch_stats:
             raise ValueError(
-                f"{self.name}: pipeline stages cannot carry BatchNorm statistics; "
-                "build the model with norm='group' or norm='layer'."
+                f"{self.name}: its stages keep BatchNorm statistics; use stateful_stage_fns() "
+                "(or the model itself: a stateful StagedModel)."
             )
 
         def make(stage):
             def stage_fn(params, x):
                 return stage.apply({"params": params}, x, train)
+
+            return stage_fn
+
+        return tuple(make(s) for s in self.stage_modules)
+
+    def stateful_stage_fns(self, train: bool = True) -> tuple[Callable[..., Any], ...]:
+        """Per stage, the stage with its non-parameter collections as explicit state.
+
+        ``state`` is the stage's variables without ``"params"`` (``{"batch_stats": ...}``, or
+        ``{}`` for a stage without BatchNorm). Training: ``stage_fn(params, state, x) -> (y,
+        new_state)``, normalising with the microbatch's statistics and updating the running
+        averages; evaluation (``train=False``): ``stage_fn(params, state, x) -> y`` with the
+        running averages.
+
+        Example:
+          >>> import jax
+          >>> from jaxcomp import models
+          >>> model = models.resnet18(width=4, blocks=(1, 1), cuts=("layer1",))
+          >>> variables = model.init(jax.random.key(0))
+          >>> state = {"batch_stats": variables[0]["batch_stats"]}
+          >>> fn = model.stateful_stage_fns(train=True)[0]
+          >>> y, new = fn(variables[0]["params"], state, model.dummy_input(4))
+          >>> sorted(new)
+          ['batch_stats']
+        """
+
+        def make(stage):
+            def stage_fn(params, state, x):
+                variables = {"params": params, **state}
+                if not train:
+                    return stage.apply(variables, x, False)
+                if "batch_stats" not in state:
+                    return stage.apply(variables, x, True), state
+                y, updates = stage.apply(variables, x, True, mutable=["batch_stats"])
+                return y, {**state, "batch_stats": updates["batch_stats"]}
 
             return stage_fn
 

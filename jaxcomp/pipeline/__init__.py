@@ -17,9 +17,13 @@ the backward mode (``"independent"`` or ``"shared_mask"``)::
 Contracts:
 
 * **Stages** are pure ``stage_fn(params, x) -> y`` on a microbatch (leading axis kept), with
-  any parameter pytree and boundary shape per stage, and no mutable state (LayerNorm/GroupNorm,
-  not BatchNorm running statistics). ``loss_fn(y, labels) -> loss | (loss, metrics)`` on the
-  last stage, microbatch means.
+  any parameter pytree and boundary shape per stage. ``loss_fn(y, labels) -> loss | (loss,
+  metrics)`` on the last stage, microbatch means. A *stateful* model (BatchNorm running
+  statistics: ``StagedModel(stateful=True, eval_stages=...)``, or a Flax model built with
+  ``norm="batch"``) has stages ``stage_fn(params, state, x) -> (y, new_state)``; each stage's
+  state lives in the link states on the stage's device (``pipe.init(params, batch,
+  model_state)``), updated by every real microbatch's forward in microbatch order (never by a
+  bubble tick), and ``pipe.evaluate(..., states=link_states)`` normalises with it.
 * **Batches** are dicts with inputs under ``"x"``/``"inputs"``, labels under
   ``"label"``/``"labels"``/``"targets"``/``"y"`` and sample ids under ``"ids"`` (required by
   per-sample channels such as AQ-SGD). The batch is cut into ``M`` equal microbatches.

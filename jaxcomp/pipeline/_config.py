@@ -2,10 +2,13 @@
 
 **Stages.** A stage is a pure function ``stage_fn(params, x) -> y`` on a *microbatch*: ``x`` and
 ``y`` are arrays whose leading axis is the microbatch axis (it must be kept). ``params`` is any
-pytree; stages may differ in parameter structure and in boundary shapes. Stages have **no
-mutable state**: use LayerNorm/GroupNorm, not BatchNorm running statistics (a Flax stage is
-``lambda p, x: module.apply({"params": p}, x)``). Dropout or other randomness is not supported
-inside stages yet.
+pytree; stages may differ in parameter structure and in boundary shapes (a Flax stage is
+``lambda p, x: module.apply({"params": p}, x)``). A model with running state (BatchNorm
+statistics) is ``stateful``: its stages are ``stage_fn(params, state, x) -> (y, new_state)`` in
+training and ``eval_stage(params, state, x) -> y`` in evaluation, the state an explicit per-stage
+pytree kept in the pipeline's :class:`LinkStates` on the device that runs the stage and updated
+by each real microbatch's forward, in microbatch order. Dropout or other randomness is not
+supported inside stages yet.
 
 **Loss.** ``loss_fn(y, labels) -> loss`` or ``-> (loss, metrics)`` on the last stage's output for
 one microbatch: a scalar mean over the microbatch (and a dict of scalar means, e.g. accuracy).
@@ -43,9 +46,24 @@ class StagedModel:
     initialisation and named cut points on top, so they feed :func:`gpipe` and
     :func:`simulate` directly.
 
+    A stage with running state (BatchNorm statistics) makes the model ``stateful``: pass
+    ``stateful=True`` and ``eval_stages``. Its training stages are ``stage_fn(params, state, x)
+    -> (y, new_state)`` (``state`` any per-stage pytree, ``{}`` for a stage without state, its
+    structure kept), its evaluation stages ``eval_stage(params, state, x) -> y``. The pipeline
+    keeps each stage's state on the device that runs the stage (``pipe.init(params, batch,
+    model_state)``, then in the :class:`LinkStates` every step returns): after a step, stage
+    ``s``'s state is what ``M`` calls of its ``stage_fn`` on microbatches ``0 .. M - 1``, in
+    that order, leave; bubble ticks and backward ticks do not touch it. The state gets no
+    gradient: a stage's output must not depend on it in training (BatchNorm normalises with the
+    microbatch's own statistics there).
+
     Attributes:
-      stages: ``S`` pure functions ``stage_fn(params, x) -> y`` (leading microbatch axis kept).
+      stages: ``S`` pure functions ``stage_fn(params, x) -> y`` (leading microbatch axis kept),
+        or for a stateful model ``stage_fn(params, state, x) -> (y, new_state)``.
       loss_fn: ``loss_fn(y, labels) -> loss`` or ``(loss, metrics)``, microbatch means.
+      stateful: whether the stages carry running state.
+      eval_stages: a stateful model's ``eval_stage(params, state, x) -> y`` (``None`` for a
+        stateless one: evaluation runs ``stages``).
 
     Example:
       >>> import jax.numpy as jnp
@@ -55,9 +73,27 @@ class StagedModel:
       2
     """
 
-    def __init__(self, stages: Sequence[Callable[[Any, jax.Array], jax.Array]], loss_fn: Callable):
+    def __init__(
+        self,
+        stages: Sequence[Callable[..., Any]],
+        loss_fn: Callable,
+        *,
+        stateful: bool = False,
+        eval_stages: Sequence[Callable[..., Any]] | None = None,
+    ):
+        if not isinstance(stateful, bool):
+            raise TypeError(f"stateful must be a bool; got {type(stateful).__name__}.")
+        if stateful and eval_stages is None:
+            raise ValueError(
+                "a stateful StagedModel needs eval_stages: eval_stage(params, state, x) -> y "
+                "per stage (evaluation with the running state)."
+            )
+        if not stateful and eval_stages is not None:
+            raise ValueError("eval_stages is only for a stateful StagedModel (stateful=True).")
         self._stages = tuple(stages)
         self._loss_fn = loss_fn
+        self._stateful = stateful
+        self._eval_stages = None if eval_stages is None else tuple(eval_stages)
 
     @property
     def stages(self) -> tuple[Callable[[Any, jax.Array], jax.Array], ...]:
@@ -68,6 +104,14 @@ class StagedModel:
         return self._loss_fn
 
     @property
+    def stateful(self) -> bool:
+        return getattr(self, "_stateful", False)
+
+    @property
+    def eval_stages(self) -> tuple[Callable[..., Any], ...] | None:
+        return getattr(self, "_eval_stages", None)
+
+    @property
     def num_stages(self) -> int:
         return len(self.stages)
 
@@ -76,17 +120,23 @@ class StagedModel:
         unknown = sorted(set(changes) - {"stages", "loss_fn"})
         if unknown:
             raise ValueError(f"StagedModel has no field(s) {unknown}; it has stages, loss_fn.")
-        return StagedModel(changes.get("stages", self.stages), changes.get("loss_fn", self.loss_fn))
+        return StagedModel(
+            changes.get("stages", self.stages), changes.get("loss_fn", self.loss_fn),
+            stateful=self.stateful, eval_stages=self.eval_stages,
+        )  # fmt: skip
+
+    def _key(self) -> tuple:
+        return (self.stages, self.loss_fn, self.stateful, self.eval_stages)
 
     def __eq__(self, other: Any) -> bool:
         if type(other) is not StagedModel or type(self) is not StagedModel:
             return self is other
-        return (self.stages, self.loss_fn) == (other.stages, other.loss_fn)
+        return self._key() == other._key()
 
     def __hash__(self) -> int:
         if type(self) is not StagedModel:
             return id(self)
-        return hash((self.stages, self.loss_fn))
+        return hash(self._key())
 
     def __repr__(self) -> str:
         return f"StagedModel({self.num_stages} stages)"
@@ -217,6 +267,14 @@ def check_model(model: StagedModel) -> None:
         raise ValueError(f"a pipeline needs at least 2 stages; got {len(model.stages)}.")
     if not all(callable(f) for f in model.stages) or not callable(model.loss_fn):
         raise TypeError("model.stages and model.loss_fn must be callables.")
+    if model.stateful and (
+        len(model.eval_stages) != len(model.stages)
+        or not all(callable(f) for f in model.eval_stages)
+    ):
+        raise TypeError(
+            f"a stateful model needs one callable eval_stage per stage ({len(model.stages)}); "
+            f"got {len(model.eval_stages)}."
+        )
 
 
 def pipeline_mesh(

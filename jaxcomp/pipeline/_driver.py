@@ -22,12 +22,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
+from jaxcomp.compressors import _base
 from jaxcomp.pipeline import _adaptive
 from jaxcomp.pipeline import _batch
 from jaxcomp.pipeline import _config
 from jaxcomp.pipeline import _detector
 from jaxcomp.pipeline import _link_state
 from jaxcomp.pipeline import _links
+from jaxcomp.pipeline import _model_state
 from jaxcomp.pipeline import _params
 from jaxcomp.pipeline import _prepare
 from jaxcomp.pipeline import _residuals
@@ -81,37 +83,38 @@ class Spec(NamedTuple):
         return P(_mesh.DATA) if self.replicas > 1 else P()
 
 
-def _prepare_for(spec: Spec, params, batch, *, links=None, need_ids=None):
+def _prepare_for(spec: Spec, params, batch, *, links=None, need_ids=None, model_layout=None):
     return _prepare.prepare(
         spec.model, spec.links if links is None else links, spec.num_microbatches, params,
-        batch, replicas=spec.replicas, need_ids=need_ids,
+        batch, replicas=spec.replicas, need_ids=need_ids, model_layout=model_layout,
     )  # fmt: skip
 
 
-def init(spec: Spec, params: Any, batch: Any) -> _link_state.LinkStates:
-    """Every link end's initial state (see :class:`jaxcomp.pipeline.Pipeline`)."""
-    prep = _prepare_for(spec, params, batch, need_ids=False)
+def init(spec: Spec, params: Any, batch: Any, model_state: Any = None) -> _link_state.LinkStates:
+    """Every link end's initial state, and a stateful model's running state (see
+    :class:`jaxcomp.pipeline.Pipeline`)."""
+    sharding = None if spec.mesh is None else NamedSharding(spec.mesh, spec.state_spec)
+    model, model_layout = _model_state.init(spec.model, model_state, spec.lead, sharding)
+    prep = _prepare_for(spec, params, batch, need_ids=False, model_layout=model_layout)
     layout = prep.static.state_layout
     detector = _adaptive.init_detector(spec.adaptive, prep.static.shapes, spec.mesh)
     shapes, lead = prep.static.shapes, spec.lead
 
     def make():
-        buffers = _link_state.init_buffers(spec.links, shapes, layout)
-        return {
-            g: jnp.broadcast_to(b[:, None], (b.shape[0], *lead[1:], *b.shape[1:]))
-            if len(lead) > 1 else b
-            for g, b in buffers.items()
-        }  # fmt: skip
+        return _model_state.per_replica(_link_state.init_buffers(spec.links, shapes, layout), lead)
 
     if spec.mesh is None:
-        return _link_state.LinkStates(jax.jit(make)(), layout, adaptive=detector)
-    sharding = NamedSharding(spec.mesh, spec.state_spec)
+        return _link_state.LinkStates(
+            jax.jit(make)(), layout, adaptive=detector, model=model, model_layout=model_layout
+        )
     shardings = {name: sharding for name, _, _ in layout.buffers}
     buffers = jax.jit(make, out_shardings=shardings)()
-    if spec.replica_mean is None:
-        return _link_state.LinkStates(buffers, layout, adaptive=detector)
-    replica, replica_layout = _replica_init(spec, prep.static.layout)
-    return _link_state.LinkStates(buffers, layout, replica, replica_layout, detector)
+    replica, replica_layout = {}, None
+    if spec.replica_mean is not None:
+        replica, replica_layout = _replica_init(spec, prep.static.layout)
+    return _link_state.LinkStates(
+        buffers, layout, replica, replica_layout, detector, model=model, model_layout=model_layout
+    )
 
 
 def _replica_init(spec: Spec, layout: _params.ParamLayout):
@@ -130,11 +133,7 @@ def _replica_init(spec: Spec, layout: _params.ParamLayout):
         ]
         states = [jax.tree.map(jnp.asarray, spec.replica_mean.init(p)) for p in stages]
         found["layout"] = replica_layout = _params.param_layout(states)
-        packed = replica_layout.pack(states)
-        return {
-            g: jnp.broadcast_to(b[:, None], (b.shape[0], spec.replicas, *b.shape[1:]))
-            for g, b in packed.items()
-        }
+        return _model_state.per_replica(replica_layout.pack(states), spec.lead)
 
     out = jax.jit(make, out_shardings=NamedSharding(spec.mesh, spec.state_spec))()
     return out, found["layout"]
@@ -224,7 +223,14 @@ def _plain_mean(spec: Spec, layout: _params.ParamLayout, grads: dict[str, jax.Ar
 
 
 @functools.lru_cache(maxsize=64)
-def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool, replica_layout=None):
+def _program(
+    spec: Spec,
+    static: _prepare.Static,
+    compress: bool,
+    train: bool,
+    replica_layout=None,
+    eval_stats: str = "replica0",
+):
     """The ``shard_map``-ed program of one shape signature (built once, then reused)."""
     links = spec.links if train else _links.eval_links(spec.links)
     prog = _ticks.Program(
@@ -234,19 +240,26 @@ def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool, r
     m_, has_data = spec.num_microbatches, spec.replicas > 1
 
     def body(buffers, inputs, labels, states, key, ids):
-        states, replica, detector = states if train else (None, None, None)
+        if train:
+            states, replica, detector, model = states
+        else:  # evaluation: every replica applies replica 0's or the mean running state
+            states, replica, detector, model = None, None, None, states
+            if has_data and model:
+                model = _model_state.for_eval(model, eval_stats)
         local = _local.to_varying({g: b[0] for g, b in buffers.items()}, spec.axes)
         x, lab = _batch.microbatches(inputs, m_), _batch.microbatches(labels, m_)
         ids = None if ids is None else _batch.microbatches(ids, m_)
         key = _replica_key(spec, key)
         if train:
-            lead = len(spec.lead)
-            mine = {g: b.reshape(b.shape[lead:]) for g, b in states.items()}
+            mine = {g: b.reshape(b.shape[len(spec.lead) :]) for g, b in states.items()}
         else:  # compressed evaluation: fresh states of the plain forward codecs
             full = _link_state.init_buffers(links, static.shapes, static.state_layout)
             stage = lax.axis_index(_mesh.STAGE)
             mine = {g: lax.dynamic_index_in_dim(b, stage, 0, False) for g, b in full.items()}
-        carry = _ticks.run(prog, local, x, lab, ids, key, _local.to_varying(mine, spec.axes))
+        model_in, lead = model, len(spec.lead)
+        model = _local.to_varying({g: b.reshape(b.shape[lead:]) for g, b in model.items()},
+                                  spec.axes)  # fmt: skip
+        carry = _ticks.run(prog, local, x, lab, ids, key, _local.to_varying(mine, spec.axes), model)
         loss = carry.loss / m_
         metrics = jax.tree.map(lambda v: v / m_, carry.metrics)
         if not train:
@@ -271,15 +284,17 @@ def _program(spec: Spec, static: _prepare.Static, compress: bool, train: bool, r
             spec.adaptive, static.state_layout, carry.states, detector, spec.replicas
         )
         new_states = {g: v.reshape(states[g].shape) for g, v in own.items()}
+        new_model = {g: v.reshape(model_in[g].shape) for g, v in carry.model.items()}
         out_grads = {g: v[None] for g, v in grads.items()}
-        return loss, out_grads, (new_states, new_replica, stats), metrics
+        return loss, out_grads, (new_states, new_replica, stats, new_model), metrics
 
     bs = spec.batch_spec
     if train:
-        in_specs = (P(_mesh.STAGE), bs, bs, (spec.state_spec, spec.state_spec, P()), P(), bs)
-        out_specs = (P(), P(_mesh.STAGE), (spec.state_spec, spec.state_spec, P()), P())
+        carried = (spec.state_spec, spec.state_spec, P(), spec.state_spec)
+        in_specs = (P(_mesh.STAGE), bs, bs, carried, P(), bs)
+        out_specs = (P(), P(_mesh.STAGE), carried, P())
     else:
-        in_specs = (P(_mesh.STAGE), bs, bs, P(), P(), bs)
+        in_specs = (P(_mesh.STAGE), bs, bs, spec.state_spec, P(), bs)
         out_specs = (P(), P(), bs)
     return jax.shard_map(body, mesh=spec.mesh, in_specs=in_specs, out_specs=out_specs)
 
@@ -302,23 +317,25 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True, modes=
     compress = _prepare.check_compress(compress)
     modes = _adaptive.step_modes(spec.adaptive, link_states, modes)
     spec = _adaptive.combo(spec, modes)
-    prep = _prepare_for(spec, params, batch)
+    prep = _prepare_for(spec, params, batch, model_layout=_model_state.layout_of(link_states))
     static, parsed = prep.static, prep.batch
     _links.check_key(spec.links, key, compress)
     _link_state.check_link_states(link_states, static.state_layout, spec.lead)
+    _model_state.check(link_states, static.model_layout, spec.lead)
     layout, m_ = static.layout, spec.num_microbatches
     if spec.mesh is None:
         x = _batch.microbatches(parsed.inputs, m_)
         labels = _batch.microbatches(parsed.labels, m_)
         ids = None if parsed.ids is None else _batch.microbatches(parsed.ids, m_)
         replica = {}
-        loss, metrics, grads, states = _simulate.train(
+        loss, metrics, grads, states, model = _simulate.train(
             spec, static, _stage_params(params), x, labels, ids, key, link_states.buffers,
-            compress,
+            compress, static.model_layout.unpack(link_states.model),
         )  # fmt: skip
         stats, states = _detector.stacked_statistic(
             spec.adaptive, static.state_layout, states, link_states.adaptive
         )
+        model = static.model_layout.pack(model)
         if isinstance(params, _params.PackedParams):
             grads = _params.PackedParams(layout.pack(grads), layout)
         else:
@@ -326,9 +343,10 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True, modes=
     else:
         _check_replica(spec, link_states)
         fn = _program(spec, static, compress, True, link_states.replica_layout)
-        loss, grads, (states, replica, stats), metrics = fn(
+        loss, grads, (states, replica, stats, model), metrics = fn(
             _stage_buffers(spec, params, layout), parsed.inputs, parsed.labels,
-            (link_states.buffers, link_states.replica, link_states.adaptive), key, parsed.ids,
+            (link_states.buffers, link_states.replica, link_states.adaptive, link_states.model),
+            key, parsed.ids,
         )  # fmt: skip
         if isinstance(params, _params.PackedParams):
             grads = _params.PackedParams(grads, layout)
@@ -342,31 +360,47 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True, modes=
         spec.adaptive, modes, link_states.adaptive, stats, loss, grads, metrics
     )
     new_states = _link_state.LinkStates(
-        states, static.state_layout, replica, link_states.replica_layout, detector
-    )
+        states, static.state_layout, replica, link_states.replica_layout, detector, model=model,
+        model_layout=link_states.model_layout,
+    )  # fmt: skip
     return loss, grads, new_states, metrics
 
 
-def evaluate(spec: Spec, params, batch, key=None, compress=False, modes=None):
+def evaluate(
+    spec: Spec, params, batch, key=None, compress=False, modes=None, states=None, stats="replica0"
+):
     """Forward only (see :class:`jaxcomp.pipeline.Pipeline`)."""
     compress = _prepare.check_compress(compress)
+    _base.check_choice("stats", stats, _model_state.EVAL_STATS)
     spec = _adaptive.combo_or_low(spec, modes)
     elinks = _links.eval_links(spec.links)
-    prep = _prepare_for(spec, params, batch, links=elinks, need_ids=False)
+    prep = _prepare_for(
+        spec,
+        params,
+        batch,
+        links=elinks,
+        need_ids=False,
+        model_layout=_model_state.layout_of(states),
+    )
     static, parsed, m_ = prep.static, prep.batch, spec.num_microbatches
+    model = {}
+    if spec.model.stateful:
+        _model_state.check(states, static.model_layout, spec.lead)
+        model = states.model
     key = _prepare.eval_key(spec.links, key, compress)
     if spec.mesh is None:
         x = _batch.microbatches(parsed.inputs, m_)
         labels = _batch.microbatches(parsed.labels, m_)
-        states = _link_state.init_buffers(elinks, static.shapes, static.state_layout)
+        fresh = _link_state.init_buffers(elinks, static.shapes, static.state_layout)
         loss, metrics, ys = _simulate.evaluate(
-            spec, static, elinks, _stage_params(params), x, labels, key, states, compress
-        )
+            spec, static, elinks, _stage_params(params), x, labels, key, fresh, compress,
+            static.model_layout.unpack(model),
+        )  # fmt: skip
         outputs = _batch.unmicrobatch(ys)
     else:
-        fn = _program(spec, static, compress, False)
+        fn = _program(spec, static, compress, False, None, stats)
         loss, metrics, outputs = fn(
-            _stage_buffers(spec, params, static.layout), parsed.inputs, parsed.labels, None,
+            _stage_buffers(spec, params, static.layout), parsed.inputs, parsed.labels, model,
             key, None,
         )  # fmt: skip
     metrics = _prepare.with_bytes({"loss": loss, **metrics}, static, elinks, m_, compress, False)
@@ -374,11 +408,13 @@ def evaluate(spec: Spec, params, batch, key=None, compress=False, modes=None):
 
 
 def bytes_per_step(
-    spec: Spec, params, batch, compress=True, train=True, modes=None
+    spec: Spec, params, batch, compress=True, train=True, modes=None, states=None
 ) -> dict[str, int]:
     """Theoretical bytes per step and pipeline replica (see :func:`jaxcomp.pipeline.gpipe`)."""
     spec = _adaptive.combo_or_low(spec, modes)
-    prep = _prepare_for(spec, params, batch, need_ids=False)
+    prep = _prepare_for(
+        spec, params, batch, need_ids=False, model_layout=_model_state.layout_of(states)
+    )
     use = spec.links if train else _links.eval_links(spec.links)
     return _links.step_bytes(use, prep.static.shapes, spec.num_microbatches, compress, train)
 
@@ -389,7 +425,9 @@ def _plan(spec: Spec, static: _prepare.Static, labels: Any) -> _residuals.Residu
     if spec.mesh is None:
         lab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
                            _batch.microbatches(labels, m_))  # fmt: skip
-        return _residuals.plan(spec.fns, static.layout.structs(), static.inputs, lab)
+        return _residuals.plan(
+            spec.fns, static.layout.structs(), static.inputs, lab, static.model_layout.structs()
+        )
     prog = _ticks.Program(
         spec.model.loss_fn, spec.links, spec.fns, static, spec.schedule, m_, spec.axes, True, True,
         False,
@@ -416,7 +454,7 @@ def _plan(spec: Spec, static: _prepare.Static, labels: Any) -> _residuals.Residu
     return found[0]
 
 
-def memory(spec: Spec, params, batch) -> dict[str, Any]:
+def memory(spec: Spec, params, batch, states=None) -> dict[str, Any]:
     """The planned per-device memory of a training step, in bytes.
 
     Returns:
@@ -426,9 +464,12 @@ def memory(spec: Spec, params, batch) -> dict[str, Any]:
       ``ideal_activation_bytes`` (over the stages, the largest of a stage's residuals times its
       in-flight microbatches), ``residual_buffer_bytes`` (what every device allocates for them),
       ``link_state_bytes`` (one device's packed row of link states) and
-      ``live_link_state_bytes`` (per device, the bytes of its own ends).
+      ``live_link_state_bytes`` (per device, the bytes of its own ends). A stateful model
+      needs its ``states`` (from ``init``).
     """
-    prep = _prepare_for(spec, params, batch, need_ids=False)
+    prep = _prepare_for(
+        spec, params, batch, need_ids=False, model_layout=_model_state.layout_of(states)
+    )
     static = prep.static
     num, m_ = spec.model.num_stages, spec.num_microbatches
     per_stage = _plan(spec, static, prep.batch.labels).stage_bytes()

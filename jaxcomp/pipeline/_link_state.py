@@ -215,8 +215,9 @@ def init_buffers(
 
 @jax.tree_util.register_pytree_node_class
 class LinkStates:
-    """Every link end's state, packed per device (see the module docstring), and with
-    compressed replica averaging each stage device's state of the averaging transform.
+    """Every link end's state, packed per device (see the module docstring), with
+    compressed replica averaging each stage device's state of the averaging transform, and
+    with a stateful model each stage's running state (BatchNorm statistics).
 
     A pytree whose leaves are the ``{name: [S, ...]}`` buffers (``[S, D, ...]`` with data
     replicas) and whose static data are the layouts, so it passes through ``jax.jit``, orbax
@@ -231,6 +232,9 @@ class LinkStates:
       replica_layout: their :class:`~jaxcomp.pipeline.ParamLayout` (``None`` without one).
       adaptive: with adaptive links (:func:`~jaxcomp.pipeline.adaptive_link`), the detector's
         :class:`~jaxcomp.pipeline.DetectorState` (replicated; ``None`` without).
+      model: a stateful model's running state, one tree per stage packed per dtype
+        (``{dtype: [S, (D,) L]}``, each replica its own; empty for a stateless model).
+      model_layout: its :class:`~jaxcomp.pipeline.ParamLayout` (``None`` without one).
     """
 
     def __init__(
@@ -240,24 +244,51 @@ class LinkStates:
         replica: dict[str, jax.Array] | None = None,
         replica_layout: Any = None,
         adaptive: Any = None,
+        model: dict[str, jax.Array] | None = None,
+        model_layout: Any = None,
     ):
         self.buffers = dict(buffers)
         self.layout = layout
         self.replica = dict(replica or {})
         self.replica_layout = replica_layout
         self.adaptive = adaptive
+        self.model = dict(model or {})
+        self.model_layout = model_layout
 
     def tree_flatten(self):
         names, rnames = tuple(sorted(self.buffers)), tuple(sorted(self.replica))
-        children = tuple(self.buffers[n] for n in names) + tuple(self.replica[n] for n in rnames)
-        return (*children, self.adaptive), (names, rnames, self.layout, self.replica_layout)
+        mnames = tuple(sorted(self.model))
+        children = (
+            tuple(self.buffers[n] for n in names)
+            + tuple(self.replica[n] for n in rnames)
+            + tuple(self.model[n] for n in mnames)
+        )
+        aux = (names, rnames, self.layout, self.replica_layout)
+        if self.model_layout is not None:  # stateless: the structure checkpoints had before
+            aux = (*aux, mnames, self.model_layout)
+        return (*children, self.adaptive), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        names, rnames, layout, replica_layout = aux
+        names, rnames, layout, replica_layout = aux[:4]
+        mnames, model_layout = aux[4:] if len(aux) > 4 else ((), None)
         buffers = dict(zip(names, children[: len(names)]))
         replica = dict(zip(rnames, children[len(names) : len(names) + len(rnames)]))
-        return cls(buffers, layout, replica, replica_layout, children[-1])
+        model = dict(zip(mnames, children[len(names) + len(rnames) : -1]))
+        return cls(buffers, layout, replica, replica_layout, children[-1], model, model_layout)
+
+    def model_state(self, stage: int, replica: int = 0) -> Any:
+        """Stage ``stage``'s running state (e.g. ``{"batch_stats": ...}``) as replica
+        ``replica`` holds it.
+
+        Raises:
+          ValueError: if these states carry no model state.
+        """
+        if self.model_layout is None:
+            raise ValueError("these link states carry no model state (the model is stateless).")
+        host = {g: np.asarray(b)[stage] for g, b in self.model.items()}
+        host = {g: b[replica] if b.ndim > 1 else b for g, b in host.items()}  # [D, L] -> [L]
+        return self.model_layout.unpack_stage(stage, host)
 
     def replica_state(self, stage: int, replica: int = 0) -> Any:
         """Stage ``stage``'s state of the replica-averaging transform, as replica ``replica``

@@ -19,10 +19,16 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def boundary_shapes(
-    model: _config.StagedModel, stage_params: Sequence[Any], x_mb: Any, labels_mb: Any
+    model: _config.StagedModel,
+    stage_params: Sequence[Any],
+    x_mb: Any,
+    labels_mb: Any,
+    states: Sequence[Any] | None = None,
 ) -> tuple[tuple[jax.ShapeDtypeStruct, ...], Any]:
     """Traces the stages on one microbatch (no FLOPs) and returns the ``S - 1`` boundary
-    shapes and the ``loss_fn`` output structure, checking every hand-over.
+    shapes and the ``loss_fn`` output structure, checking every hand-over. A stateful model is
+    traced through its evaluation stages with ``states`` (same shapes as training, and free of
+    the collectives a synchronised BatchNorm makes in training).
 
     Raises:
       ValueError: naming the stage whose input does not fit, a stage that drops the microbatch
@@ -32,7 +38,11 @@ def boundary_shapes(
     h = _struct(x_mb)
     mb = h.shape[0]
     shapes = []
-    for s, fn in enumerate(model.stages):
+    stages = model.stages
+    if getattr(model, "stateful", False):  # the state as a traced argument, not a constant
+        stages = tuple((lambda ps, x, f=f: f(ps[0], ps[1], x)) for f in model.eval_stages)
+        params = [(p, jax.tree.map(_struct, st)) for p, st in zip(params, states)]
+    for s, fn in enumerate(stages):
         source = "the microbatch inputs" if s == 0 else f"stage {s - 1}'s output"
         try:
             out = jax.eval_shape(fn, params[s], h)
@@ -48,7 +58,7 @@ def boundary_shapes(
                 f"stage {s} must keep the leading microbatch axis of size {mb}; it returned "
                 f"shape {out.shape}."
             )
-        if s < len(model.stages) - 1:
+        if s < len(stages) - 1:
             if not jnp.issubdtype(out.dtype, jnp.floating):
                 raise ValueError(f"stage {s} must return floating activations; got {out.dtype}.")
             shapes.append(out)

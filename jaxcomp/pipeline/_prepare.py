@@ -27,8 +27,10 @@ class Pipeline(NamedTuple):
     inputs; the compiled program is reused).
 
     Attributes:
-      init: ``init(params, batch) -> link_states``: every link end's initial state, as
-        :class:`LinkStates` (each stage device holds the ends it owns).
+      init: ``init(params, batch, model_state=None) -> link_states``: every link end's
+        initial state, as :class:`LinkStates` (each stage device holds the ends it owns); a
+        stateful model (BatchNorm) passes its per-stage running state ``model_state`` (one
+        pytree per stage, ``{}`` for a stage without), which the link states then carry.
       step: ``step(params, batch, link_states, key=None, compress=True, modes=None) ->
         (loss, grads, link_states, metrics)``: one training step's loss, gradients (in the form
         of ``params``: a per-stage sequence or :class:`PackedParams`) and new link states.
@@ -37,18 +39,22 @@ class Pipeline(NamedTuple):
         (:func:`~jaxcomp.pipeline.adaptive_link`) the step runs the program of the modes in
         ``link_states``; under ``jax.jit`` pass them as the static
         ``modes=pipeline.link_modes(link_states)``.
-      evaluate: ``evaluate(params, batch, key=None, compress=False, modes=None) -> (loss,
-        metrics, outputs)``: forward only, link states untouched; ``compress=True`` applies
-        each forward codec without feedback (the paper's "compressed inference"; stochastic
-        codecs use ``key``, by default ``jax.random.key(0)``); ``outputs`` is the last stage's
-        output for the whole batch (e.g. logits, for accuracy).
-      bytes_per_step: ``bytes_per_step(params, batch, compress=True, train=True, modes=None)
-        -> dict`` with the theoretical ``wire_bytes`` (payload bytes per step and pipeline
-        replica, forward and backward) and ``dense_bytes`` (the same sends uncompressed).
-        With adaptive links, ``evaluate`` and ``bytes_per_step`` use the links of ``modes``
-        (every boundary's low link by default).
-      memory: ``memory(params, batch) -> dict``: the planned per-device memory of a training
-        step (see :func:`jaxcomp.pipeline.gpipe`).
+      evaluate: ``evaluate(params, batch, key=None, compress=False, modes=None, states=None,
+        stats="replica0") -> (loss, metrics, outputs)``: forward only, link states untouched;
+        ``compress=True`` applies each forward codec without feedback (the paper's "compressed
+        inference"; stochastic codecs use ``key``, by default ``jax.random.key(0)``);
+        ``outputs`` is the last stage's output for the whole batch (e.g. logits, for
+        accuracy). A stateful model needs ``states`` (the link states of its last step) and
+        normalises with their running statistics, with data replicas replica 0's
+        (``stats="replica0"``) or their mean (``"mean"``).
+      bytes_per_step: ``bytes_per_step(params, batch, compress=True, train=True, modes=None,
+        states=None) -> dict`` (``states``: a stateful model's link states) with the
+        theoretical ``wire_bytes`` (payload bytes per step and pipeline replica, forward and
+        backward) and ``dense_bytes`` (the same sends uncompressed). With adaptive links,
+        ``evaluate`` and ``bytes_per_step`` use the links of ``modes`` (every boundary's low
+        link by default).
+      memory: ``memory(params, batch, states=None) -> dict``: the planned per-device memory
+        of a training step (see :func:`jaxcomp.pipeline.gpipe`).
       num_stages: ``S``.
       num_microbatches: ``M``.
       links: one :class:`Link` per boundary.
@@ -79,6 +85,7 @@ class Static(NamedTuple):
     state_layout: _link_state.StateLayout
     mask_layout: _params.ParamLayout  # shared-mask payloads kept per microbatch
     payloads: tuple[Any, ...]  # per boundary: its shared-mask payload struct, or None
+    model_layout: _params.ParamLayout  # per stage: its running state (e.g. BatchNorm statistics)
 
     @property
     def metrics(self) -> Any:
@@ -119,12 +126,18 @@ def prepare(
     *,
     replicas: int = 1,
     need_ids: bool | None = None,
+    model_layout: _params.ParamLayout | None = None,
 ) -> Prepared:
-    """Validates params and batch against the model and links (no FLOPs, nothing compiled)."""
+    """Validates params and batch against the model and links (no FLOPs, nothing compiled).
+
+    ``model_layout`` is the layout of a stateful model's per-stage state (required for one;
+    ``None`` for a stateless model, whose stages then hold ``{}``).
+    """
     layout = _params.param_layout(params)
     num = model.num_stages
     if layout.num_stages != num:
         raise ValueError(f"params hold {layout.num_stages} stages; the model has {num}.")
+    model_layout = check_model_layout(model, model_layout)
     need = _links.needs_ids(links) if need_ids is None else need_ids
     parsed = _batch.parse_batch(batch, need)
     mb = _batch.check_batch(parsed, num_microbatches, replicas)
@@ -132,7 +145,9 @@ def prepare(
     labels_mb = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct((mb, *a.shape[1:]), a.dtype), parsed.labels
     )
-    shapes, final = _links.boundary_shapes(model, layout.structs(), x_mb, labels_mb)
+    shapes, final = _links.boundary_shapes(
+        model, layout.structs(), x_mb, labels_mb, model_layout.structs()
+    )
     _links.check_links(links, shapes)
     metrics = jax.eval_shape(lambda y, lab: split_loss(model.loss_fn(y, lab))[1], final, labels_mb)
     inputs = (x_mb, *shapes)
@@ -140,9 +155,35 @@ def prepare(
     leaves, treedef = jax.tree.flatten(metrics)
     static = Static(
         layout, mb, inputs, shapes, final, treedef, tuple(leaves),
-        _link_state.state_layout(links, shapes, num), mask_layout, payloads,
+        _link_state.state_layout(links, shapes, num), mask_layout, payloads, model_layout,
     )  # fmt: skip
     return Prepared(static, parsed)
+
+
+def check_model_layout(
+    model: _config.StagedModel, model_layout: _params.ParamLayout | None
+) -> _params.ParamLayout:
+    """The layout of the model's per-stage state: ``model_layout`` for a stateful model (which
+    must have one, with a tree per stage), an empty one (``{}`` per stage) otherwise."""
+    num = model.num_stages
+    if not model.stateful:
+        if model_layout is not None and model_layout.lengths:
+            raise ValueError(
+                "the states carry a model state (e.g. BatchNorm statistics) but this "
+                "pipeline's model is not stateful."
+            )
+        return _params.param_layout(({},) * num)
+    if model_layout is None:
+        raise ValueError(
+            "this pipeline's model is stateful (e.g. BatchNorm running statistics): pass its "
+            "per-stage state to init (pipe.init(params, batch, model_state)) and the link "
+            "states init returns to step and evaluate."
+        )
+    if model_layout.num_stages != num:
+        raise ValueError(
+            f"the model state holds {model_layout.num_stages} stages; the model has {num}."
+        )
+    return model_layout
 
 
 def check_compress(compress: Any) -> bool:

@@ -72,11 +72,14 @@ def check_checkpoint(checkpoint: Any) -> None:
 class StageFns(NamedTuple):
     """What one stage runs.
 
+    Every stage is run in its stateful form (a stateless stage's state is ``{}``, passed
+    through), so the programs thread one per-stage state whatever the model.
+
     Attributes:
-      objective: ``objective(params, x, labels) -> (out, aux)`` for training: ``out`` is the
-        activation (for the last stage: the float32 loss, ``aux`` its float32 metrics), the
-        stage wrapped per ``checkpoint``.
-      stage: the plain ``stage_fn(params, x) -> y`` (evaluation).
+      objective: ``objective(params, x, labels, state) -> (out, (aux, new_state))`` for
+        training: ``out`` is the activation (for the last stage: the float32 loss, ``aux`` its
+        float32 metrics), the stage wrapped per ``checkpoint``.
+      stage: ``stage(params, state, x) -> y`` (evaluation, with the running state).
       is_last: the last stage (its objective ends in the loss).
       differentiate_input: not stage 0 (the batch inputs get no gradient).
     """
@@ -87,47 +90,75 @@ class StageFns(NamedTuple):
     differentiate_input: bool
 
 
+def _stateful(model: Any) -> tuple[tuple[Callable, ...], tuple[Callable, ...]]:
+    """The model's ``(train, eval)`` stages in the stateful form."""
+    if getattr(model, "stateful", False):
+        return tuple(model.stages), tuple(model.eval_stages)
+
+    def lift(f):
+        return lambda p, state, x: (f(p, x), state)
+
+    def lift_eval(f):
+        return lambda p, state, x: f(p, x)
+
+    return tuple(lift(f) for f in model.stages), tuple(lift_eval(f) for f in model.stages)
+
+
 def stage_fns(model: Any, checkpoint: Any, split_loss: Callable) -> tuple[StageFns, ...]:
     """The per-stage objectives of ``model`` (stages wrapped per ``checkpoint``)."""
 
-    stages, loss_fn = tuple(model.stages), model.loss_fn
+    stages, evals = _stateful(model)
+    loss_fn = model.loss_fn
     num = len(stages)
 
     def make(s):
         stage = checkpointed(stages[s], checkpoint)
         if s < num - 1:
-            return StageFns(lambda p, x, labels: (stage(p, x), None), stages[s], False, s > 0)
 
-        def last(p, x, labels):
-            loss, metrics = split_loss(loss_fn(stage(p, x), labels))
-            return loss.astype(jnp.float32), jax.tree.map(lambda v: v.astype(jnp.float32), metrics)
+            def hidden(p, x, labels, state):
+                y, new_state = stage(p, state, x)
+                return y, (None, new_state)
 
-        return StageFns(last, stages[s], True, s > 0)
+            return StageFns(hidden, evals[s], False, s > 0)
+
+        def last(p, x, labels, state):
+            y, new_state = stage(p, state, x)
+            loss, metrics = split_loss(loss_fn(y, labels))
+            metrics = jax.tree.map(lambda v: v.astype(jnp.float32), metrics)
+            return loss.astype(jnp.float32), (metrics, new_state)
+
+        return StageFns(last, evals[s], True, s > 0)
 
     return tuple(make(s) for s in range(num))
 
 
-def vjp(fns: StageFns, params: Any, x: Any, labels: Any):
-    """``(out, pullback, aux)``; the pullback returns ``(d params, d x)`` (``d x`` None for
-    stage 0)."""
+def vjp(fns: StageFns, params: Any, x: Any, labels: Any, state: Any = None):
+    """``(out, pullback, (aux, new_state))``; the pullback returns ``(d params, d x)`` (``d x``
+    None for stage 0). ``state`` gets no gradient."""
+    state = {} if state is None else state
     if fns.differentiate_input:
-        return jax.vjp(lambda p, h: fns.objective(p, h, labels), params, x, has_aux=True)
-    out, pull, aux = jax.vjp(lambda p: fns.objective(p, x, labels), params, has_aux=True)
+        return jax.vjp(lambda p, h: fns.objective(p, h, labels, state), params, x, has_aux=True)
+    out, pull, aux = jax.vjp(lambda p: fns.objective(p, x, labels, state), params, has_aux=True)
     return out, pull, aux
 
 
-def _input_dependent(fns: StageFns, params: Any, x: Any, labels: Any):
-    """Per pullback residual: whether it depends on the stage input ``x`` (a dataflow pass
-    over the forward's jaxpr; any equation touching a marked value marks all its outputs),
-    and its shape and dtype."""
+def _input_dependent(fns: StageFns, params: Any, x: Any, labels: Any, state: Any):
+    """Per pullback residual: whether it depends on the stage input ``x`` or on the stage's
+    state (a dataflow pass over the forward's jaxpr; any equation touching a marked value
+    marks all its outputs), and its shape and dtype. The backward runs with another state than
+    the forward saw, so a residual depending on the state is saved too."""
 
-    def residuals(p, h, lab):
-        return jax.tree.leaves(vjp(fns, p, h, lab)[1])
+    def residuals(p, h, lab, st):
+        return jax.tree.leaves(vjp(fns, p, h, lab, st)[1])
 
-    closed = jax.make_jaxpr(residuals)(params, x, labels)
+    closed = jax.make_jaxpr(residuals)(params, x, labels, state)
     jaxpr = closed.jaxpr
     num_params = len(jax.tree.leaves(params))
+    num_labels = len(jax.tree.leaves(labels))
+    num_state = len(jax.tree.leaves(state))
+    first_state = num_params + 1 + num_labels
     marked = set(jaxpr.invars[num_params : num_params + 1])
+    marked.update(jaxpr.invars[first_state : first_state + num_state])
 
     def is_marked(v):
         return not isinstance(v, jex_core.Literal) and v in marked
@@ -164,6 +195,7 @@ def plan(
     param_structs: tuple[Any, ...],
     inputs: tuple[jax.ShapeDtypeStruct, ...],
     labels: Any,
+    states: tuple[Any, ...] | None = None,
 ) -> ResidualPlan:
     """Traces every stage's pullback once (no FLOPs) and plans its saved residuals.
 
@@ -172,10 +204,12 @@ def plan(
       param_structs: per stage, its parameters' structure.
       inputs: per stage, the struct of its input (one microbatch).
       labels: the labels' structure for one microbatch.
+      states: per stage, its running state (``None``: no stage has any).
     """
     saved, structs = [], []
-    for f, p, x in zip(fns, param_structs, inputs):
-        flags, leaf_structs = _input_dependent(f, p, x, labels)
+    states = ({},) * len(fns) if states is None else states
+    for f, p, x, st in zip(fns, param_structs, inputs, states):
+        flags, leaf_structs = _input_dependent(f, p, x, labels, st)
         saved.append(flags)
         structs.append(leaf_structs)
     kept = [tuple(s for s, k in zip(st, fl) if k) for st, fl in zip(structs, saved)]
@@ -189,19 +223,26 @@ def _check_trace(plan_: ResidualPlan, stage: int, leaves: list) -> None:
         raise ValueError(
             f"stage {stage}'s pullback saves different residuals inside the pipeline than when "
             f"it was planned ({len(got)} vs {len(want)} leaves); the stage must be a pure "
-            f"function of (params, x). {got} {want}"
+            f"function of (params, x) (and of its state). {got} {want}"
         )
 
 
 def forward(
-    plan_: ResidualPlan, fns: StageFns, stage: int, params: Any, x: Any, labels: Any
-) -> tuple[Any, Any, dict[str, jax.Array]]:
-    """Runs stage ``stage``'s forward; returns ``(out, aux, packed saved residuals)``."""
-    out, pull, aux = vjp(fns, params, x, labels)
+    plan_: ResidualPlan,
+    fns: StageFns,
+    stage: int,
+    params: Any,
+    x: Any,
+    labels: Any,
+    state: Any = None,
+) -> tuple[Any, Any, dict[str, jax.Array], Any]:
+    """Runs stage ``stage``'s forward; returns ``(out, aux, packed saved residuals,
+    new state)``."""
+    out, pull, (aux, new_state) = vjp(fns, params, x, labels, state)
     leaves = jax.tree.leaves(pull)
     _check_trace(plan_, stage, leaves)
     kept = tuple(a for a, k in zip(leaves, plan_.saved[stage]) if k)
-    return out, aux, plan_.layout.pack_stage(stage, kept)
+    return out, aux, plan_.layout.pack_stage(stage, kept), new_state
 
 
 def backward(
@@ -213,14 +254,16 @@ def backward(
     cotangent: Any,
     x_like: Any,
     labels: Any,
+    state_like: Any = None,
 ) -> tuple[Any, Any]:
     """Stage ``stage``'s backward from its packed saved residuals: ``(d params, d x)``.
 
-    ``x_like`` is any array shaped as the stage input (its values are not used); ``d x`` is
+    ``x_like`` is any array shaped as the stage input and ``state_like`` any state of the
+    stage's structure (their values are not used: what depends on them was saved); ``d x`` is
     ``None`` for stage 0.
     """
     zero = jax.tree.map(jnp.zeros_like, x_like)
-    _, pull, _ = vjp(fns, params, zero, labels)
+    _, pull, _ = vjp(fns, params, zero, labels, state_like)
     leaves, treedef = jax.tree.flatten(pull)
     _check_trace(plan_, stage, leaves)
     saved = iter(plan_.layout.unpack_stage(stage, packed))

@@ -5,9 +5,10 @@ applied with :func:`jaxcomp.pipeline._exchange.send_forward`), then backward thr
 ``S - 1 .. 0`` (each backward link applied with ``send_backward``), before microbatch ``m + 1``.
 Every boundary therefore sees its forward sends in microbatch order and its backward sends in
 microbatch order, with the same keys and ids, as in both distributed schedules: the channel
-states go through the same sequence of updates, so the numbers are the same. Only one
-microbatch's activations are alive at a time. Link states keep the distributed layout (row
-``d`` is device ``d``'s ends).
+states go through the same sequence of updates, so the numbers are the same. Likewise each
+stage's running state (BatchNorm statistics) is updated by microbatches ``0 .. M - 1`` in
+order. Only one microbatch's activations are alive at a time. Link states keep the distributed
+layout (row ``d`` is device ``d``'s ends).
 """
 
 from __future__ import annotations
@@ -36,23 +37,27 @@ def train(
     key: jax.Array | None,
     states: dict[str, jax.Array],
     compress: bool,
+    model_state: tuple[Any, ...],
 ):
     """One training step on one device.
 
     Returns:
-      ``(loss, metrics, grads, states)``: microbatch means, per-stage gradient pytrees and the
-      new link-state buffers ``{dtype: [S, L]}``.
+      ``(loss, metrics, grads, states, model_state)``: microbatch means, per-stage gradient
+      pytrees, the new link-state buffers ``{dtype: [S, L]}`` and the stages' new running
+      states (per-stage pytrees).
     """
     model, links, m_ = spec.model, spec.links, spec.num_microbatches
     num = model.num_stages
 
     def body(carry, m):
-        states, grads, loss_sum, metrics_sum = carry
+        states, grads, loss_sum, metrics_sum, mstate = carry
         labels_m = jax.tree.map(lambda a: a[m], labels)
         ids_m = None if ids is None else ids[m]
-        h, pulls, payloads = x[m], [], []
+        h, pulls, payloads, mstate = x[m], [], [], list(mstate)
         for s in range(num):
-            out, pull, aux = _residuals.vjp(spec.fns[s], params[s], h, labels_m)
+            out, pull, (aux, mstate[s]) = _residuals.vjp(
+                spec.fns[s], params[s], h, labels_m, mstate[s]
+            )
             pulls.append(pull)
             if s < num - 1:
                 h, states, kept = _exchange.send_forward(
@@ -72,14 +77,14 @@ def train(
                     links[s - 1], s - 1, got[1], states, static.state_layout, payloads[s - 1],
                     _links.link_key(key, s - 1, m), ids_m, _WIRE, compress,
                 )  # fmt: skip
-        return (states, tuple(new_grads), loss_sum, metrics_sum), None
+        return (states, tuple(new_grads), loss_sum, metrics_sum, tuple(mstate)), None
 
     zero = jnp.zeros((), jnp.float32)
     grads0 = tuple(jax.tree.map(jnp.zeros_like, p) for p in params)
     metrics0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), static.metrics)
-    carry = (states, grads0, zero, metrics0)
-    (states, grads, loss, metrics), _ = lax.scan(body, carry, jnp.arange(m_))
-    return loss / m_, jax.tree.map(lambda v: v / m_, metrics), grads, states
+    carry = (states, grads0, zero, metrics0, tuple(model_state))
+    (states, grads, loss, metrics, model_state), _ = lax.scan(body, carry, jnp.arange(m_))
+    return loss / m_, jax.tree.map(lambda v: v / m_, metrics), grads, states, model_state
 
 
 def evaluate(
@@ -92,8 +97,10 @@ def evaluate(
     key: jax.Array | None,
     states: dict[str, jax.Array],
     compress: bool,
+    model_state: tuple[Any, ...],
 ):
-    """The forward pass of every microbatch; returns ``(loss, metrics, outputs [M, mb, ...])``."""
+    """The forward pass of every microbatch with the stages' running states ``model_state``;
+    returns ``(loss, metrics, outputs [M, mb, ...])``."""
     model, m_ = spec.model, spec.num_microbatches
     num = model.num_stages
 
@@ -101,12 +108,12 @@ def evaluate(
         states, loss_sum, metrics_sum = carry
         h = x[m]
         for s in range(num - 1):
-            y = spec.fns[s].stage(params[s], h)
+            y = spec.fns[s].stage(params[s], model_state[s], h)
             h, states, _ = _exchange.send_forward(
                 links[s], s, y, states, static.state_layout, _links.link_key(key, s, m), None,
                 _WIRE, compress,
             )  # fmt: skip
-        y = spec.fns[num - 1].stage(params[num - 1], h)
+        y = spec.fns[num - 1].stage(params[num - 1], model_state[num - 1], h)
         loss, metrics = _prepare.split_loss(model.loss_fn(y, jax.tree.map(lambda a: a[m], labels)))
         loss_sum = loss_sum + loss.astype(jnp.float32)
         metrics_sum = jax.tree.map(lambda a, v: a + v.astype(jnp.float32), metrics_sum, metrics)

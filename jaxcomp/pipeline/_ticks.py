@@ -43,6 +43,7 @@ class Carry(NamedTuple):
     loss: jax.Array
     metrics: Any
     outputs: jax.Array | None  # evaluation: the last stage's outputs per microbatch
+    model: dict[str, jax.Array]  # {dtype: [L_m]}: this stage's running state (BatchNorm)
 
 
 def _zeros(struct: Any, axes: tuple[str, ...]) -> Any:
@@ -87,7 +88,9 @@ def _branch(prog, plan, s: int | None, kinds: tuple, has_f: bool, has_b: bool):
     fns = prog.fns[s] if s is not None else None
     kind = kinds[s] if s is not None else None
 
-    def outputs(ys=None, res=None, loss=None, metrics=None, final=None, dxs=None, dparams=None):
+    def outputs(
+        ys=None, res=None, loss=None, metrics=None, final=None, dxs=None, dparams=None, model=None
+    ):
         out = {}
         if has_f:  # only the boundaries that send this tick (not every one: memory)
             out["ys"] = {
@@ -100,6 +103,8 @@ def _branch(prog, plan, s: int | None, kinds: tuple, has_f: bool, has_b: bool):
             out["metrics"] = metrics if metrics is not None else _zeros(st.metrics, ())
             if prog.collect:
                 out["final"] = final if final is not None else _zeros(st.final, ())
+            if prog.train:  # the stage's running state: new after a forward, else as it was
+                out["model"] = model
         if has_b:
             out["dxs"] = {
                 b: dxs if (dxs is not None and b == s - 1) else _zeros(sh, ())
@@ -108,23 +113,25 @@ def _branch(prog, plan, s: int | None, kinds: tuple, has_f: bool, has_b: bool):
             out["dparams"] = dparams if dparams is not None else _zeros(prog.grad_struct, ())
         return _local.to_varying(out, axes)
 
-    def branch(local, x_in, acts, cotangents, ring, slot_b, lab_f, lab_b):
+    def branch(local, x_in, acts, cotangents, ring, slot_b, lab_f, lab_b, model):
         if kind is None:
-            return outputs()
+            return outputs(model=model)
         params = st.layout.unpack_stage(s, local)
+        state = st.model_layout.unpack_stage(s, model)
         h = x_in if s == 0 else acts[s - 1]
         if kind == F and not prog.train:
-            y = fns.stage(params, h)
+            y = fns.stage(params, state, h)
             if s < num - 1:
                 return outputs(ys=y)
             loss, metrics = _prepare.split_loss(prog.loss_fn(y, lab_f))
             metrics = jax.tree.map(lambda v: v.astype(jnp.float32), metrics)
             return outputs(loss=loss.astype(jnp.float32), metrics=metrics, final=y)
         if kind == F:
-            out, aux, res = _residuals.forward(plan, fns, s, params, h, lab_f)
+            out, aux, res, new_state = _residuals.forward(plan, fns, s, params, h, lab_f, state)
+            new_model = st.model_layout.pack_stage(s, new_state)
             if s < num - 1:
-                return outputs(ys=out, res=res)
-            return outputs(res=res, loss=out, metrics=aux)
+                return outputs(ys=out, res=res, model=new_model)
+            return outputs(res=res, loss=out, metrics=aux, model=new_model)
         if s == num - 1:
             ct = _local.to_varying(jnp.asarray(1.0 / prog.num_microbatches, jnp.float32), axes)
         else:
@@ -133,8 +140,8 @@ def _branch(prog, plan, s: int | None, kinds: tuple, has_f: bool, has_b: bool):
         # the ring is only read in here: a row sliced out inside the branch costs no copy
         res_row = {g: lax.dynamic_index_in_dim(r, slot_b, 0, keepdims=False)
                    for g, r in ring.items()}  # fmt: skip
-        dp, dx = _residuals.backward(plan, fns, s, params, res_row, ct, like, lab_b)
-        return outputs(dxs=dx, dparams=st.layout.pack_stage(s, dp))
+        dp, dx = _residuals.backward(plan, fns, s, params, res_row, ct, like, lab_b, state)
+        return outputs(dxs=dx, dparams=st.layout.pack_stage(s, dp), model=model)
 
     return branch
 
@@ -218,13 +225,15 @@ def _tick(prog, plan, carry, t, kinds, local, x, labels, ids, key, tables):
     slot_b = jnp.maximum(jnp.asarray(row_b)[stage], 0) % slots
     out = lax.switch(
         index[stage], branches, local, x_in, carry.acts, carry.cotangents, carry.residuals,
-        slot_b, lab_f, lab_b,
+        slot_b, lab_f, lab_b, carry.model,
     )  # fmt: skip
-    residuals, grads, loss, metrics, outputs = (
-        carry.residuals, carry.grads, carry.loss, carry.metrics, carry.outputs
+    residuals, grads, loss, metrics, outputs, model = (
+        carry.residuals, carry.grads, carry.loss, carry.metrics, carry.outputs, carry.model
     )  # fmt: skip
     if has_f:
         loss = loss + out["loss"]
+        if prog.train:
+            model = out["model"]
         metrics = jax.tree.map(jnp.add, metrics, out["metrics"])
         if prog.train:  # one row per tick, written without reading the ring first: a
             # select against the old row would make XLA keep a copy of the whole ring
@@ -268,8 +277,9 @@ def _tick(prog, plan, carry, t, kinds, local, x, labels, ids, key, tables):
                 prog.compress,
             )  # fmt: skip
     return Carry(
-        tuple(acts), tuple(cotangents), residuals, masks, grads, states, loss, metrics, outputs
-    )
+        tuple(acts), tuple(cotangents), residuals, masks, grads, states, loss, metrics, outputs,
+        model,
+    )  # fmt: skip
 
 
 def _move(b: int):
@@ -286,10 +296,11 @@ def plan_here(prog: Program, local: dict, labels: Any) -> _residuals.ResidualPla
     st, axes = prog.static, prog.axes
     params = [st.layout.unpack_stage(s, local) for s in range(prog.num_stages)]
     inputs = [_zeros(s, axes) for s in st.inputs]
-    return _residuals.plan(prog.fns, params, inputs, _take(labels, 0))
+    states = [_zeros(s, axes) for s in st.model_layout.structs()]
+    return _residuals.plan(prog.fns, params, inputs, _take(labels, 0), states)
 
 
-def run(prog: Program, local, x, labels, ids, key, states) -> Carry:
+def run(prog: Program, local, x, labels, ids, key, states, model=None) -> Carry:
     """Runs every tick of ``prog`` on this device (inside ``shard_map``).
 
     Args:
@@ -298,10 +309,13 @@ def run(prog: Program, local, x, labels, ids, key, states) -> Carry:
       x: ``[M, mb, ...]`` inputs; labels: pytree of ``[M, mb, ...]``; ids: ``[M, mb]`` or None.
       key: PRNG key (or ``None`` for deterministic codecs).
       states: this device's packed link-state vectors ``{dtype: [L_s]}``.
+      model: this device's packed running state of its stage ``{dtype: [L_m]}`` (``None``:
+        the model has none).
 
     Returns:
       The final :class:`Carry`: ``loss`` and ``metrics`` are sums over microbatches (non-zero on
-      the last stage), ``grads`` this stage's gradient, ``states`` the new link ends.
+      the last stage), ``grads`` this stage's gradient, ``states`` the new link ends,
+      ``model`` the stage's running state after its forwards of microbatches ``0 .. M - 1``.
     """
     st, num, axes, m_ = prog.static, prog.num_stages, prog.axes, prog.num_microbatches
     tables = _tables(prog.schedule, num, m_, prog.train)
@@ -328,6 +342,7 @@ def run(prog: Program, local, x, labels, ids, key, states) -> Carry:
         jnp.zeros((), jnp.float32),
         jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), st.metrics),
         outputs,
+        {} if model is None else model,
     )
     carry = _local.to_varying(carry, axes)
 

@@ -21,6 +21,9 @@
                                 # activation (gradient) norms (pipeline.adaptive_link)
   detector = {"interval_epochs": 1, "check_every": 10, "eta": 0.5}  # or "interval_steps"
                                 # (one of the two; an interval is 1 epoch by default)
+  sync_batch_stats = False      # BatchNorm with data replicas: per-replica statistics (False)
+                                # or synchronised over data (SyncBatchNorm)
+  eval_batch_stats = "worker0"  # BatchNorm, per replica: evaluate with replica 0's or "mean"
 
 With ``forward_high`` / ``backward_high`` (also in ``boundaries`` entries) every step logs each
 adaptive boundary's mode (``link_mode_forward_<b>`` / ``link_mode_backward_<b>``: 0 low, 1
@@ -33,6 +36,15 @@ A channel spec is a codec name plus its arguments, with ``feedback`` one of ``No
 ``"ef21"``, ``"aq_sgd"`` (``per_sample_buffers: True`` keys EF/EF21 buffers by sample id).
 Evaluation runs with boundary compression on (each forward codec, no feedback: the paper's
 compressed inference) and off.
+
+BatchNorm (``model.norm = "batch"``, as paper 1's ResNet-18) keeps its running statistics as
+pipeline state: each stage's on the device that runs it (in ``PipelineState.link_states``,
+checkpointed with it), updated by every real microbatch's forward in microbatch order, so after
+a step they are what the unpipelined model leaves after applying the ``M`` microbatches one
+after another (each normalised with its own statistics, as PyTorch does for a model fed
+microbatch by microbatch). With data replicas each replica keeps its own statistics, or with
+``sync_batch_stats`` normalises with the statistics of the microbatch concatenated over the
+replicas; evaluation uses the running statistics (replica 0's, or their mean).
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ from jaxcomp import comm
 from jaxcomp import pipeline
 from jaxcomp.compressors import _base
 from jaxcomp.models import _staged
+from jaxcomp.train import _batch_stats
 from jaxcomp.train import _config
 from jaxcomp.train import _dense
 from jaxcomp.train import _dp_mode
@@ -72,6 +85,8 @@ PIPELINE_DEFAULTS = {
     "forward_high": None,
     "backward_high": None,
     "detector": None,
+    "sync_batch_stats": False,
+    "eval_batch_stats": "worker0",
 }
 DETECTOR_DEFAULTS = {"interval_epochs": None, "interval_steps": None, "check_every": 10, "eta": 0.5}
 
@@ -222,6 +237,17 @@ def build_pipeline(
             f"(one per stage); got mesh {dict(mesh.shape)}."
         )
     replicas = mesh.shape.get(comm.DATA, 1)
+    sync, eval_with = cfg["sync_batch_stats"], cfg["eval_batch_stats"]
+    if not isinstance(sync, bool):
+        raise ValueError(f"config.pipeline.sync_batch_stats must be a bool; got {sync!r}.")
+    if eval_with not in _batch_stats.EVAL_WITH:
+        raise ValueError(
+            f"config.pipeline.eval_batch_stats must be one of {_batch_stats.EVAL_WITH}; got "
+            f"{eval_with!r}."
+        )
+    if sync and model.has_batch_stats and replicas > 1 and not cfg["simulate"]:
+        model = model.with_batch_axis(comm.DATA)
+    eval_stats = "mean" if eval_with == "mean" else "replica0"
     m = int(cfg["num_microbatches"])
     for name, bs in (
         ("batch_size", config.batch_size),
@@ -237,7 +263,9 @@ def build_pipeline(
     averaging, averaging_name = _replica_mean(
         cfg, config, replicas, steps_per_epoch, num_train_samples
     )
-    pmodel = pipeline.StagedModel(model.stage_fns(train=True), _loss_fn(model))
+    pmodel = pipeline.StagedModel(
+        model.stages, _loss_fn(model), stateful=model.stateful, eval_stages=model.eval_stages
+    )
     checkpoint = cfg["checkpoint"] if cfg["checkpoint"] not in (False, None) else None
     detector = _detector(cfg, links, config, steps_per_epoch)
     mask = tuple(
@@ -262,13 +290,13 @@ def build_pipeline(
     batch_abs = _dense.abstract_batch(model, config.batch_size, batch_sharding)
 
     def init(key):
-        params, _ = _mode.split_variables(model.init(key))
+        params, model_state = _mode.split_variables(model.init(key))
         packed = pipeline.pack_params(params)
-        return packed, opt.init(packed)
+        return packed, opt.init(packed), (model_state if model.stateful else None)
 
     with jax.set_mesh(mesh):
-        params_abs, opt_abs = jax.eval_shape(init, jax.random.key(0))
-        link_abs = jax.eval_shape(lambda: pipe.init(params_abs, batch_abs))
+        params_abs, opt_abs, model_abs = jax.eval_shape(init, jax.random.key(0))
+        link_abs = jax.eval_shape(lambda: pipe.init(params_abs, batch_abs, model_abs))
     shardings = PipelineState(
         jax.tree.map(lambda _: stage_sharding, params_abs),
         jax.tree.map(lambda _: stage_sharding if not cfg["simulate"] else replicated, opt_abs),
@@ -282,8 +310,8 @@ def build_pipeline(
     )
 
     def full_init(key):
-        packed, opt_state = init(key)
-        return PipelineState(packed, opt_state, pipe.init(packed, batch_abs))
+        packed, opt_state, model_state = init(key)
+        return PipelineState(packed, opt_state, pipe.init(packed, batch_abs, model_state))
 
     def train_step(state, batch, key_data, compress, modes):
         key = jax.random.wrap_key_data(key_data)
@@ -308,7 +336,10 @@ def build_pipeline(
         return new, out
 
     def eval_step(state, batch, compress, modes):
-        _, _, logits = pipe.evaluate(state.params, batch, None, compress=compress, modes=modes)
+        _, _, logits = pipe.evaluate(
+            state.params, batch, None, compress=compress, modes=modes, states=state.link_states,
+            stats=eval_stats,
+        )  # fmt: skip
         return _mode.eval_sums(model, logits, batch)
 
     with jax.set_mesh(mesh):
@@ -337,7 +368,9 @@ def build_pipeline(
     for compress in (True, False) if warmup_steps else (True,):
         program(compress, low)
     hlo = _mode.compiled_text_bytes(program(True, low))
-    counts = pipe.bytes_per_step(params_abs, batch_abs, compress=True, train=True, modes=low)
+    counts = pipe.bytes_per_step(
+        params_abs, batch_abs, compress=True, train=True, modes=low, states=link_abs
+    )
 
     def modes_of(state):
         return None if detector is None else pipeline.link_modes(state.link_states)
@@ -363,6 +396,9 @@ def build_pipeline(
         "microbatches": m,
         "links": names,
         "schedule": cfg["schedule"],
+        "batch_stats": _batch_stats.BatchStats(not sync or replicas == 1, eval_with).describe(
+            model.has_batch_stats
+        ),
     }
     if replicas > 1 and not cfg["simulate"]:
         # the float gradient of every stage, what a plain mean sends per replica
@@ -372,7 +408,7 @@ def build_pipeline(
             sum(layout.stage_bytes(s) for s in range(model.num_stages))
         )
     if detector is not None:
-        hi_counts = pipe.bytes_per_step(params_abs, batch_abs, modes=high)
+        hi_counts = pipe.bytes_per_step(params_abs, batch_abs, modes=high, states=link_abs)
         extra.update(
             adaptive=f"interval {detector.interval_steps} steps, every {detector.check_every}, "
             f"eta={detector.eta}",

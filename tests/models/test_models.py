@@ -75,8 +75,55 @@ def test_batchnorm_statistics_update_in_training_and_block_pipelining():
     before = jax.tree.leaves(variables[0]["batch_stats"])
     after = jax.tree.leaves(new[0]["batch_stats"])
     assert any(not np.allclose(a, b) for a, b in zip(before, after))
-    with pytest.raises(ValueError, match="norm='group'"):
+    with pytest.raises(ValueError, match="stateful_stage_fns"):
         model.stage_fns()
+
+
+BN = {
+    "resnet18": lambda: models.resnet18(width=8, blocks=(1, 1), cuts=("stem", "layer1")),
+    "vgg16": lambda: models.vgg16(width_divisor=16, norm="batch", cuts=("block1", "block4")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BN))
+def test_stateful_stage_fns_compose_to_the_whole_batchnorm_model(name):
+    """Training: outputs and updated statistics of the chained stages == the whole model's;
+    evaluation: the running statistics."""
+    model = BN[name]()
+    assert model.stateful and model.has_batch_stats
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(4, *model.input_shape)), jnp.float32)
+
+    @jax.jit
+    def run(variables, x):
+        whole = model.apply(variables, x, train=True)
+        h, h_eval, stats = x, x, []
+        fns = zip(model.stateful_stage_fns(True), model.stateful_stage_fns(False), variables)
+        for train_fn, eval_fn, v in fns:
+            state = {k: c for k, c in v.items() if k != "params"}
+            h_eval = eval_fn(v["params"], state, h_eval)
+            h, new = train_fn(v["params"], state, h)
+            stats.append(new)
+        return whole, (h, tuple(stats)), model.apply(variables, x)[0], h_eval
+
+    variables = jax.jit(model.init)(jax.random.key(0))
+    (y, new), (h, stats), y_eval, h_eval = run(variables, x)
+    np.testing.assert_allclose(h, y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(h_eval, y_eval, rtol=1e-5, atol=1e-6)
+    want = tuple({k: c for k, c in v.items() if k != "params"} for v in new)
+    for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert jax.tree.structure(stats) == jax.tree.structure(want)
+
+
+def test_vgg16_batchnorm_is_kuangliu_vgg16():
+    shapes = jax.eval_shape(models.vgg16(norm="batch").init, jax.random.key(0))
+    assert sum(int(np.prod(x.shape)) for v in shapes for x in jax.tree.leaves(v["params"])) == (
+        14_728_266  # kuangliu/pytorch-cifar VGG('VGG16'): 13 x (conv + BN) + Linear(512, 10)
+    )
+    stats = jax.tree.leaves([v["batch_stats"] for v in shapes])
+    assert sum(x.size for x in stats) == 2 * 4224  # a running mean and variance per channel
+    with pytest.raises(ValueError, match="norm must be one of"):
+        models.vgg16(norm="instance")
 
 
 def test_bad_names_raise_clear_errors():

@@ -1,7 +1,12 @@
 """Small configs shared by the trainer tests (dense digits: compiles in a few seconds)."""
 
+import jax
 import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+
+from jaxcomp import train
 
 
 def digits_config(**overrides) -> ml_collections.ConfigDict:
@@ -26,3 +31,35 @@ def digits_config(**overrides) -> ml_collections.ConfigDict:
 @pytest.fixture(scope="session")  # a pure function: module-scoped fixtures may use it
 def make_config():
     return digits_config
+
+
+def _last_checkpoint(workdir: str):
+    ckpt = train.Checkpointer(workdir)
+    step = ckpt.all_steps()[-1]
+    out = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    ckpt.close()
+    return step, out["state"]
+
+
+def resume_is_bit_identical(config: ml_collections.ConfigDict, tmp_path, stop: int = 2):
+    """Trains ``config`` uninterrupted and stopped after ``stop`` steps then resumed; asserts
+    the last checkpointed states are bit-identical and the eval records equal; returns
+    ``(step, state)`` of the last checkpoint (a raw pytree as orbax restores it)."""
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    train.train_and_evaluate(config, full)
+    assert train.train_and_evaluate(config, part, stop_after=stop) == {"stopped_at": stop}
+    train.train_and_evaluate(config, part)
+    (s1, a), (s2, b) = _last_checkpoint(full), _last_checkpoint(part)
+    assert s1 == s2 == config.total_steps
+    a_leaves, b_leaves = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(a_leaves) == len(b_leaves)
+    for x, y in zip(a_leaves, b_leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    evals = [[r for r in train.read_metrics(w) if r["split"] == "eval"] for w in (full, part)]
+    assert evals[0] == evals[1] and evals[0]
+    return s1, a
+
+
+@pytest.fixture(scope="session")
+def check_resume():
+    return resume_is_bit_identical
