@@ -225,8 +225,8 @@ def test_stateful_pipelines_name_a_missing_or_mismatched_state(resnet, reference
         stateless.init(params, batch, state)
     short = {g: b[:, :-1] for g, b in states.model.items()}  # e.g. a checkpoint of another model
     bad = pipeline.LinkStates(
-        states.buffers, states.layout, states.replica, states.replica_layout, short,
-        states.model_layout,
+        states.buffers, states.layout, states.replica, states.replica_layout,
+        model=short, model_layout=states.model_layout,
     )  # fmt: skip
     with pytest.raises(ValueError, match="model state buffers"):
         sim.step(params, batch, bad)
