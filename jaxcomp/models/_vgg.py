@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxcomp.compressors import _base
+from jaxcomp import _validate
 from jaxcomp.models import _norm as _norms
 from jaxcomp.models import _staged
 
@@ -76,7 +76,7 @@ def vgg16(
     if not isinstance(width_divisor, int) or width_divisor < 1 or 64 % width_divisor:
         raise ValueError(f"width_divisor must be a positive divisor of 64; got {width_divisor!r}.")
     if norm is not None:
-        _base.check_choice("norm", norm, _norms.NORMS)
+        _validate.check_choice("norm", norm, _norms.NORMS)
     segments = [
         (f"block{i + 1}", VGGBlock(tuple(c // width_divisor for c in chans), norm))
         for i, chans in enumerate(VGG16_BLOCKS)

@@ -24,8 +24,8 @@ import numpy as np
 from jax import lax
 
 from jaxcomp import _critical
+from jaxcomp import _validate
 from jaxcomp.comm import _mesh
-from jaxcomp.compressors import _base
 from jaxcomp.pipeline import _link_state
 
 LOW_COMPRESSION = 0  #: critical regime: the boundary's ``low`` link
@@ -78,8 +78,8 @@ def check_detector(detector: Any) -> Detector:
             "PipelineConfig.detector must be a pipeline.Detector(interval_steps, ...) when a "
             f"link is adaptive; got {type(detector).__name__}."
         )
-    _base.check_int_range("detector.interval_steps", detector.interval_steps, 1)
-    _base.check_int_range("detector.check_every", detector.check_every, 1)
+    _validate.check_int("detector.interval_steps", detector.interval_steps, 1)
+    _validate.check_int("detector.check_every", detector.check_every, 1)
     eta = detector.eta
     if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not eta > 0:
         raise ValueError(f"detector.eta must be a number > 0; got {eta!r}.")
@@ -89,7 +89,7 @@ def check_detector(detector: Any) -> Detector:
         raise ValueError(
             f"detector.learning_rate must be None, a number or a schedule; got {lr!r}."
         )
-    _base.check_choice("detector.statistic", detector.statistic, STATISTICS)
+    _validate.check_choice("detector.statistic", detector.statistic, STATISTICS)
     return detector
 
 

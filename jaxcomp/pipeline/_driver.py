@@ -20,9 +20,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _validate
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
-from jaxcomp.compressors import _base
 from jaxcomp.pipeline import _adaptive
 from jaxcomp.pipeline import _batch
 from jaxcomp.pipeline import _config
@@ -371,7 +371,7 @@ def evaluate(
 ):
     """Forward only (see :class:`jaxcomp.pipeline.Pipeline`)."""
     compress = _prepare.check_compress(compress)
-    _base.check_choice("stats", stats, _model_state.EVAL_STATS)
+    _validate.check_choice("stats", stats, _model_state.EVAL_STATS)
     spec = _adaptive.combo_or_low(spec, modes)
     elinks = _links.eval_links(spec.links)
     prep = _prepare_for(

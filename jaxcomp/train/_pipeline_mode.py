@@ -63,7 +63,6 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import _validate
 from jaxcomp import comm
 from jaxcomp import pipeline
-from jaxcomp.compressors import _base
 from jaxcomp.models import _staged
 from jaxcomp.train import _batch_stats
 from jaxcomp.train import _config
@@ -163,7 +162,7 @@ def _detector(cfg: dict, links, config, steps_per_epoch: int):
         )
     if steps is None:  # a whole number of epochs (1 by default), never rounded
         epochs = 1 if epochs is None else epochs
-        _base.check_int_range("config.pipeline.detector.interval_epochs", epochs, 1)
+        _validate.check_int("config.pipeline.detector.interval_epochs", epochs, 1)
         steps = epochs * steps_per_epoch
     return pipeline.Detector(
         steps, sub["check_every"], sub["eta"], learning_rate=_config.learning_rate(config)
