@@ -31,7 +31,7 @@ from IPython.display import display
 import jaxcomp
 
 RESULTS = pathlib.Path(jaxcomp.__file__).parents[1] / "docs" / "results"
-studies = sorted(p.parent.name for p in RESULTS.glob("*/report.md"))
+studies = sorted(p.parent.name for p in RESULTS.glob("*/report.csv"))
 print(len(studies), "studies:", ", ".join(studies))
 
 # %% [markdown]

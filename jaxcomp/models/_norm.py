@@ -35,8 +35,8 @@ class BatchNorm(nn.BatchNorm):
       >>> x = jnp.arange(8.0).reshape(4, 2)
       >>> variables = bn.init(jax.random.key(0), x)
       >>> y, updates = bn.apply(variables, x, mutable=["batch_stats"])
-      >>> updates["batch_stats"]["mean"].round(2).tolist()
-      [0.3, 0.4]
+      >>> [round(m, 3) for m in updates["batch_stats"]["mean"].tolist()]  # momentum 0.99
+      [0.03, 0.04]
     """
 
     @nn.compact

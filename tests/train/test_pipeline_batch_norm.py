@@ -36,9 +36,10 @@ def test_resume_with_pipeline_batchnorm_is_bit_identical(make_config, check_resu
         else {"forward": {"name": "top_k", "fraction": 0.25, "feedback": "ef"}}
     )
     _, state = check_resume(_trainer_config(make_config, **options), tmp_path)
-    # the link states' last leaf: the running statistics {float32: [S, D, L]}, stage 0 (the
-    # stem: one BatchNorm of 4 channels, mean and var) and stage 1 (layer1: two BatchNorms)
-    stats = np.asarray(state["mode_state"]["link_states"][-1])
+    # the link states' last child is the adaptive links' detector slot (none here); the one
+    # before it the running statistics {float32: [S, D, L]}, stage 0 (the stem: one BatchNorm
+    # of 4 channels, mean and var) and stage 1 (layer1: two BatchNorms)
+    stats = np.asarray(state["mode_state"]["link_states"][-2])
     assert stats.shape == (2, 2, 16)
     stem = stats[0, :, :8]
     assert not np.allclose(stem[:, :4], 0.0) and not np.allclose(stem[:, 4:], 1.0)  # updated

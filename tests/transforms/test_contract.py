@@ -417,8 +417,11 @@ def test_ab_last_in_an_optax_chain(ab_mesh, ab_reference):
 def test_ab_inject_hyperparams_learning_rate(ab_mesh, ab_reference):
     """The learning rate injected (the options static): the reference's numbers; a rate set in
     the state is the rate used (== ab_training built with it)."""
-    injected = optax.inject_hyperparams(transforms.ab_training, static_args=tuple(AB_OPTIONS))
-    tx = injected(AB_LR, **AB_OPTIONS)
+
+    def ab_with_options(learning_rate):  # ab_training's options are keyword-only (**options)
+        return transforms.ab_training(learning_rate, **AB_OPTIONS)
+
+    tx = optax.inject_hyperparams(ab_with_options)(AB_LR)
     state = tx.init(AB_PARAMS)
     assert set(state.hyperparams) == {"learning_rate"}
     got, _ = _ab_run(tx, ab_mesh, AB_GRADS, state)
