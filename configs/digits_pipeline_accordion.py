@@ -11,9 +11,16 @@ eta = 0.5; the first interval is critical.
   python -m jaxcomp.main --config configs/digits_pipeline_accordion.py --workdir runs/dpa
   python -m jaxcomp.main --config configs/digits_pipeline_accordion.py:smoke --workdir runs/s
 
-Expected: see the measured figures below (accuracy with boundary compression on and off, bytes
-per step against the fixed 8-bit and fixed 4-bit links). The train metrics log each boundary's
-mode per step (``link_mode_forward_<b>`` / ``link_mode_backward_<b>``, 0 = 8-bit, 1 = 4-bit).
+Expected: ~35 s on 2 CPU cores (33.4 s measured, 600 steps, one seed; the fixed links take
+21-23 s: the adaptive run compiles one program per mode combination it meets). Test accuracy
+with boundary compression on / off at evaluation, and boundary bytes per step (dense 393,216):
+
+  adaptive 8/8 <-> 4/4   97.8% / 98.3%   60,150 B (mean over the run)
+  fixed 8-bit (low)      98.3% / 98.3%   104,496 B
+  fixed 4-bit (high)     97.8% / 98.1%   55,344 B
+
+The train metrics log each boundary's mode per step (``link_mode_forward_<b>`` /
+``link_mode_backward_<b>``, 0 = 8-bit, 1 = 4-bit).
 """
 
 import importlib.util
