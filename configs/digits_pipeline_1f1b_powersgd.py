@@ -23,21 +23,15 @@ the compiled step's collectives total 93.70 KiB (the two axes plus 34 B of scala
 means), where the uncompressed pipeline would send 973 KiB.
 """
 
-import importlib.util
 import pathlib
 
-
-def _digits_pipeline():
-    """configs/digits_pipeline.py (this config is that run with 1F1B and PowerSGD replicas)."""
-    path = pathlib.Path(__file__).with_name("digits_pipeline.py")
-    spec = importlib.util.spec_from_file_location("digits_pipeline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from jaxcomp.main import load_config
 
 
 def get_config(arg=None):
-    c = _digits_pipeline().get_config(arg)
+    c = load_config(
+        f"{pathlib.Path(__file__).with_name('digits_pipeline.py')}" + (f":{arg}" if arg else "")
+    )
     c.pipeline.schedule = "1f1b"
     c.pipeline.replica_mean = dict(
         transform="compressed_mean",

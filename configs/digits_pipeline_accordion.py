@@ -23,21 +23,15 @@ The train metrics log each boundary's mode per step (``link_mode_forward_<b>`` /
 ``link_mode_backward_<b>``, 0 = 8-bit, 1 = 4-bit).
 """
 
-import importlib.util
 import pathlib
 
-
-def _digits_pipeline():
-    """configs/digits_pipeline.py (this config is that run with adaptive links)."""
-    path = pathlib.Path(__file__).with_name("digits_pipeline.py")
-    spec = importlib.util.spec_from_file_location("digits_pipeline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from jaxcomp.main import load_config
 
 
 def get_config(arg=None):
-    c = _digits_pipeline().get_config(arg)
+    c = load_config(
+        f"{pathlib.Path(__file__).with_name('digits_pipeline.py')}" + (f":{arg}" if arg else "")
+    )
     c.pipeline.forward = dict(name="quantize", bits=8, scale="feature")
     c.pipeline.forward_high = dict(name="quantize", bits=4, scale="feature")
     c.pipeline.backward = dict(name="quantize", bits=8)

@@ -22,21 +22,16 @@ dense mean (``min_compression_rate``).
 written by :func:`jaxcomp.data.write_fake_tfds`; point ``data.data_dir`` at it).
 """
 
-import importlib.util
 import pathlib
 
-
-def _powersgd_config():
-    """The PowerSGD variant this config overrides (configs/ is not a package)."""
-    path = pathlib.Path(__file__).with_name("resnet18_cifar10_accordion_powersgd.py")
-    spec = importlib.util.spec_from_file_location("resnet18_cifar10_accordion_powersgd", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from jaxcomp.main import load_config
 
 
 def get_config(arg=None):
-    c = _powersgd_config().get_config(arg)
+    c = load_config(
+        f"{pathlib.Path(__file__).with_name('resnet18_cifar10_accordion_powersgd.py')}"
+        + (f":{arg}" if arg else "")
+    )
     c.data_parallel.low = dict(name="top_k", fraction=0.99)
     c.data_parallel.high = dict(name="top_k", fraction=0.1)
     return c
