@@ -14,6 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+LOW_COMPRESSION = 0  #: mode in a critical regime: the low-compression codec or link
+HIGH_COMPRESSION = 1  #: mode otherwise: the high-compression codec or link
+STATISTICS = ("worker0", "mean")  #: whose norms decide: worker 0's or the workers' mean
+
 
 def critical_regime(prev_norm: jax.Array, norm: jax.Array, eta: Any, first: Any) -> jax.Array:
     r"""Accordion's test: is the interval that produced ``norm`` in a critical regime?

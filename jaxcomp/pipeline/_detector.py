@@ -28,9 +28,9 @@ from jaxcomp import _validate
 from jaxcomp.comm import _mesh
 from jaxcomp.pipeline import _link_state
 
-LOW_COMPRESSION = 0  #: critical regime: the boundary's ``low`` link
-HIGH_COMPRESSION = 1  #: otherwise: its ``high`` link
-STATISTICS = ("worker0", "mean")
+LOW_COMPRESSION = _critical.LOW_COMPRESSION  #: critical regime: the boundary's ``low`` link
+HIGH_COMPRESSION = _critical.HIGH_COMPRESSION  #: otherwise: its ``high`` link
+STATISTICS = _critical.STATISTICS
 
 
 class Detector(NamedTuple):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomp import _critical
 from jaxcomp import _validate
 from jaxcomp import compressors
 from jaxcomp import feedback
@@ -26,8 +27,8 @@ from jaxcomp.compressors import _protocol
 from jaxcomp.transforms import _compressed_mean as _cm
 from jaxcomp.transforms import _regime
 
-LOW_COMPRESSION = 0  #: critical regime: the low-compression codec (e.g. PowerSGD rank 2)
-HIGH_COMPRESSION = 1  #: otherwise: the high-compression codec (e.g. PowerSGD rank 1)
+LOW_COMPRESSION = _critical.LOW_COMPRESSION  #: critical regime: e.g. PowerSGD rank 2
+HIGH_COMPRESSION = _critical.HIGH_COMPRESSION  #: otherwise: e.g. PowerSGD rank 1
 UNCOMPRESSED = -1  #: reported for parameters averaged uncompressed in both modes
 
 

@@ -15,11 +15,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxcomp import _critical
 from jaxcomp import _validate
 from jaxcomp._critical import critical_regime  # noqa: F401 (re-exported)
 from jaxcomp._critical import replicated_norms  # noqa: F401 (re-exported)
 
-STATISTICS = ("worker0", "mean")
+STATISTICS = _critical.STATISTICS
 
 
 def local_norm(accum: jax.Array) -> jax.Array:
