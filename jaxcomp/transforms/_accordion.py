@@ -15,6 +15,7 @@ from jaxcomp import compressors
 from jaxcomp import feedback
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _reduce_plan
+from jaxcomp.transforms import _compressed_mean as _cm
 from jaxcomp.transforms import _regime
 from jaxcomp.transforms._accordion_step import HIGH_COMPRESSION
 from jaxcomp.transforms._accordion_step import LOW_COMPRESSION
@@ -62,7 +63,7 @@ def accordion(
     check_every: int = 10,
     eta: float = 0.5,
     learning_rate: float | Callable[[jax.Array], jax.Array] | None = None,
-    axis_name: str | None = _mesh.DATA,
+    axis_name: str | tuple[str, str] | None = _mesh.DATA,
     error_feedback: bool = True,
     reset_on_switch: bool = True,
     reset_memory_on_switch: bool = False,
@@ -102,6 +103,15 @@ def accordion(
     this worker's reconstruction (PowerSGD: the averaged one, as the reference), so a mode
     averaged densely sends the memory along and clears it.
 
+    **Hierarchical meshes.** With ``axis_name=(slow, fast)`` each worker's gradient is first
+    averaged densely over ``fast`` (inside a host or slice), then Accordion runs as above over
+    ``slow`` among the fast-group means (as :func:`compressed_mean` with a pair): the
+    accumulators, the memory and the codec states belong to a slow worker (place the state
+    with ``comm.place_state(state, mesh, slow)``), the statistic is a group mean's norm
+    (``"worker0"``: slow worker 0's group), identical on every device of the mesh, and only
+    the selected codec's payload crosses the slow links. ``bytes_sent`` counts the slow axis,
+    ``fast_bytes_sent`` the dense average over the fast one.
+
     Deliberate differences from the reference (SPEC.md §2.9), all documented fixes:
 
     * TopK payloads are **averaged** (the reference sums them without dividing by W) and run
@@ -127,7 +137,9 @@ def accordion(
         ``update(..., learning_rate=lr)`` (extra args) overrides it. A drop between two steps
         switches everything to low compression, so give piecewise-constant schedules (a
         smoothly decaying one triggers at every step).
-      axis_name: the data-parallel axis (``None``: one worker, no collectives).
+      axis_name: the data-parallel axis (``None``: one worker, no collectives), or a pair
+        ``(slow, fast)`` of a hierarchical mesh: dense over ``fast``, the codecs over ``slow``
+        (see below).
       error_feedback: wrap *codecs* in :func:`jaxcomp.feedback.error_feedback` (the
         reference's memory); ``False``: no memory. Channels bring their own compensation.
       reset_on_switch: re-initialise the incoming codec's state on a switch.
@@ -175,7 +187,7 @@ def accordion(
         _reduce_plan.check_path(channel.codec, path)
         _reduce_plan.check_channel(channel)
     _regime.check_detector_args(interval_steps, check_every, eta, statistic, learning_rate)
-    _validate.check_axis_name(axis_name)
+    slow, fast = _cm.split_axes(axis_name)
     config = AccordionConfig(
         low=low,
         high=high,
@@ -184,7 +196,8 @@ def accordion(
         check_every=_validate.static_int("check_every", check_every, 1),
         eta=eta,
         learning_rate=learning_rate,
-        axis_name=axis_name,
+        axis_name=slow,
+        fast_axis=fast,
         reset_on_switch=bool(reset_on_switch),
         reset_memory_on_switch=bool(reset_memory_on_switch),
         statistic=statistic,
@@ -209,8 +222,8 @@ def accordion_metrics(opt_state: Any) -> dict[str, Any]:
 
     Returns:
       ``{"modes": tree of int32[] (LOW_COMPRESSION, HIGH_COMPRESSION or UNCOMPRESSED),
-      "bytes_sent": float32[], "count": int32[]}``. Under ``shard_map`` the values are
-      replicated.
+      "bytes_sent": float32[], "fast_bytes_sent": float32[], "count": int32[]}``. Under
+      ``shard_map`` the values are replicated.
     """
     (state,) = _regime.find_states(opt_state, AccordionState)
 
@@ -220,4 +233,9 @@ def accordion_metrics(opt_state: Any) -> dict[str, Any]:
         return jnp.asarray(UNCOMPRESSED, jnp.int32)
 
     modes = jax.tree.map(mode, state.leaves, is_leaf=is_leaf_state)
-    return {"modes": modes, "bytes_sent": state.bytes_sent, "count": state.count}
+    return {
+        "modes": modes,
+        "bytes_sent": state.bytes_sent,
+        "fast_bytes_sent": state.fast_bytes_sent,
+        "count": state.count,
+    }

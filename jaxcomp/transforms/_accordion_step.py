@@ -62,9 +62,12 @@ class AccordionState(NamedTuple):
       count: ``int32[]``, steps taken; interval ``e = count // interval_steps``.
       key: ``uint32[2]``, raw PRNG key data for stochastic codecs.
       last_lr: ``float32[]``, the learning rate seen at the last step (NaN before any).
-      bytes_sent: ``float32[]``, bytes this worker put into collectives at the last step.
+      bytes_sent: ``float32[]``, bytes this worker put into collectives at the last step
+        (with an axis pair: over the slow axis, the compressed payloads and the statistic).
       leaves: per parameter, an :class:`AccordionLeaf`, or a
         :class:`jaxcomp.comm.DenseReduce` for parameters never compressed.
+      fast_bytes_sent: ``float32[]``, bytes this worker put into the dense average over the
+        fast axis of an axis pair at the last step (0 without one).
     """
 
     count: jax.Array
@@ -72,6 +75,7 @@ class AccordionState(NamedTuple):
     last_lr: jax.Array
     bytes_sent: jax.Array
     leaves: Any
+    fast_bytes_sent: jax.Array
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -79,6 +83,8 @@ class AccordionConfig:
     """The validated static configuration of :func:`accordion` (see its arguments).
 
     ``low`` and ``high`` are channels with the same error compensation, ``feedback``.
+    ``axis_name`` is the axis the codecs reduce over (the slow axis of a pair), ``fast_axis``
+    the fast axis of a pair, averaged densely first (``None`` without one).
     """
 
     low: feedback.Channel
@@ -89,6 +95,7 @@ class AccordionConfig:
     eta: Any
     learning_rate: Any
     axis_name: str | None
+    fast_axis: str | None
     reset_on_switch: bool
     reset_memory_on_switch: bool
     statistic: str
@@ -149,6 +156,7 @@ def init_accordion(config: AccordionConfig, params: Any) -> AccordionState:
         last_lr=jnp.asarray(jnp.nan, jnp.float32),
         bytes_sent=jnp.zeros((), jnp.float32),
         leaves=jax.tree.unflatten(treedef, leaves),
+        fast_bytes_sent=jnp.zeros((), jnp.float32),
     )
 
 
@@ -240,10 +248,17 @@ def end_of_interval(config, protocols, leaf, stat, like, end, interval, num_work
 def update_accordion(
     config: AccordionConfig, updates: Any, state: AccordionState, params: Any = None, **extra
 ) -> tuple[Any, AccordionState]:
-    """``accordion``'s ``update`` (inside ``shard_map`` over ``config.axis_name``)."""
+    """``accordion``'s ``update`` (inside ``shard_map`` over ``config.axis_name``, and
+    ``config.fast_axis`` with an axis pair)."""
     del params
     axis_name = config.axis_name
     _validate.check_tree(updates, state.leaves, "accordion")
+    fast_sent = jnp.zeros((), jnp.float32)
+    if config.fast_axis is not None:  # dense over the fast links first: one value per group,
+        # so the accumulators, their norms and the modes are the same on a group's devices
+        _protocol.axis_size(config.fast_axis)  # a clear error for a wrong axis
+        updates = jax.tree.map(lambda g: lax.pmean(g, config.fast_axis), updates)
+        fast_sent += sum(compressors.dense_bytes(g) for g in jax.tree.leaves(updates))
     num = _protocol.axis_size(axis_name)
     flat, treedef = jax.tree.flatten(updates)
     leaf_states = treedef.flatten_up_to(state.leaves)
@@ -310,5 +325,6 @@ def update_accordion(
         last_lr=state.last_lr if lr is None else lr,
         bytes_sent=sent,
         leaves=treedef.unflatten(new_leaves),
+        fast_bytes_sent=fast_sent,
     )
     return treedef.unflatten(means), new_state

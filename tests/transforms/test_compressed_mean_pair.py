@@ -156,11 +156,6 @@ def test_bad_axis_pairs_are_named(axis_name):
         T.compressed_mean(C.quantize(4), axis_name)
 
 
-def test_accordion_rejects_a_pair_it_does_not_support():
-    with pytest.raises(ValueError, match="axis_name must be a mesh axis name"):
-        T.accordion(C.power_sgd(2), C.power_sgd(1), axis_name=(SLOW, FAST), interval_steps=2)
-
-
 def test_two_processes_are_the_slow_axis(tmp_path):
     """2 processes x 2 CPU devices (gloo), processes = the slow axis == one process's 2 x 2."""
     worker = pathlib.Path(__file__).with_name("_pair_worker.py")
