@@ -33,6 +33,8 @@ FREE_SECTIONS = ("model", "data", "eval_data", "optax")
 CODEC_SPECS = (
     "pipeline.forward",
     "pipeline.backward",
+    "pipeline.forward_high",
+    "pipeline.backward_high",
     "data_parallel.codec",
     "data_parallel.low",
     "data_parallel.high",
@@ -100,6 +102,8 @@ def _check_value(
     if value is None and _kind(default) is not None:
         raise ValueError(f"config.{key} cannot be None (its default is {default!r}).")
     if codec_spec:
+        if value is None:  # only where the default is None (checked above): the link is off
+            return
         if not isinstance(value, (str, Mapping)):
             raise ValueError(
                 f"config.{key} is a codec spec: a codec name or a dict "
@@ -161,6 +165,11 @@ def _check_codec_spec(key: str, spec: Any) -> None:
     if not isinstance(spec, Mapping):
         _check_value(key, spec, None, codec_spec=True)
     name = spec.get("name")
+    if name is None:
+        raise ValueError(
+            f"config.{key} has no codec name: set config.{key} to a codec name first "
+            f"(e.g. '{key}=top_k' before '{key}.fraction=0.1') or give the whole spec dict."
+        )
     if name not in _config.CODECS:
         raise ValueError(
             f"config.{key}.name: unknown codec {name!r}; allowed codecs are {list(_config.CODECS)}."
@@ -250,7 +259,7 @@ def apply_overrides(
     for spec_key in CODEC_SPECS:
         touched = any(".".join(p).startswith(spec_key) for p in applied)
         section, name = spec_key.split(".")
-        if touched and name in tree.get(section, {}):
+        if touched and tree.get(section, {}).get(name) is not None:
             _check_codec_spec(spec_key, tree[section][name])
     return ml_collections.ConfigDict(tree)
 

@@ -110,3 +110,47 @@ def test_cli_and_api_agree():
     )
     assert cli.to_dict() == api.to_dict()
     assert train.parse_overrides(["lr=1", "lr=2"]) == {"lr": 2}
+
+
+def test_high_links_are_codec_specs_like_forward_and_backward():
+    # a bare name, then a dotted key into it (the CLI's --set forward_high=top_k ...fraction=0.05)
+    items = [
+        "pipeline.forward_high=quantize",
+        "pipeline.forward_high.bits=4",
+        "pipeline.backward_high=top_k",
+        "pipeline.backward_high.fraction=0.05",
+    ]
+    out = train.apply_overrides(_config(), train.parse_overrides(items))
+    assert out.pipeline.forward_high.to_dict() == {"name": "quantize", "bits": 4}
+    assert out.pipeline.backward_high.to_dict() == {"name": "top_k", "fraction": 0.05}
+    # descending into a high link the config gives as a bare name
+    c = _config()
+    c.pipeline.forward_high = "top_k"
+    out = train.apply_overrides(c, {"pipeline.forward_high.fraction": 0.1})
+    assert out.pipeline.forward_high.to_dict() == {"name": "top_k", "fraction": 0.1}
+    # None switches a high link off (its default): the fixed-links run of an adaptive config
+    out = train.apply_overrides(out, {"pipeline.forward_high": None})
+    assert out.pipeline.forward_high is None
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"pipeline.forward_high": "quantize:4"}, r"config\.pipeline\.forward_high\.name"),
+        ({"pipeline.backward_high": "topk"}, r"config\.pipeline\.backward_high\.name"),
+        ({"pipeline.forward_high": 4}, r"config\.pipeline\.forward_high is a codec spec"),
+        # a dotted key into an unset high link: the spec would have no codec name
+        ({"pipeline.forward_high.bits": 4}, r"config\.pipeline\.forward_high has no codec name"),
+        (
+            {"pipeline.forward_high": "quantize", "pipeline.forward_high.bitz": 4},
+            r"pipeline\.forward_high\.bitz",
+        ),
+        (
+            {"pipeline.backward_high": "quantize", "pipeline.backward_high.bits": "four"},
+            r"config\.pipeline\.backward_high\.bits must be a number",
+        ),
+    ],
+)
+def test_an_invalid_high_link_spec_is_an_error_naming_the_key(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        train.apply_overrides(_config(), overrides)
