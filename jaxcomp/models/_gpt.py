@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxcomp.models import _norm
 from jaxcomp.models import _staged
 
 
@@ -37,12 +38,12 @@ class DecoderBlock(nn.Module):
     def __call__(self, x, train: bool = False):
         del train
         mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-        h = nn.LayerNorm(name="ln1")(x)
+        h = _norm.layer_norm(name="ln1")(x)
         h = nn.MultiHeadDotProductAttention(
             num_heads=self.num_heads, qkv_features=self.dim, name="attn"
         )(h, h, mask=mask)
         x = x + h
-        h = nn.LayerNorm(name="ln2")(x)
+        h = _norm.layer_norm(name="ln2")(x)
         h = nn.Dense(self.mlp_ratio * self.dim, name="fc_in")(h)
         h = nn.Dense(self.dim, name="fc_out")(nn.gelu(h))
         return x + h
@@ -56,7 +57,7 @@ class LMHead(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):
         del train
-        x = nn.LayerNorm(name="ln_f")(x)
+        x = _norm.layer_norm(name="ln_f")(x)
         return nn.Dense(self.vocab_size, use_bias=False, name="unembed")(x)
 
 

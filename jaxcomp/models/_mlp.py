@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxcomp.models import _norm
 from jaxcomp.models import _staged
 
 
@@ -43,7 +44,7 @@ class ConvBlock(nn.Module):
     def __call__(self, x, train: bool = False):
         del train
         x = nn.Conv(self.features, (3, 3), padding="SAME")(x)
-        x = nn.relu(nn.LayerNorm()(x))
+        x = nn.relu(_norm.layer_norm()(x))
         return nn.max_pool(x, (2, 2), (2, 2)) if self.pool else x
 
 

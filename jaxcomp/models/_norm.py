@@ -1,15 +1,21 @@
-"""BatchNorm as the models use it: exact variance, PyTorch's momentum, SyncBatchNorm over an axis.
+"""The models' normalisation layers: exact variance; BatchNorm with PyTorch's momentum and sync.
 
-Flax's :class:`flax.linen.BatchNorm` with ``use_fast_variance=False`` (the variance as the mean
-of ``(x - mean)^2``: ``E[x^2] - E[x]^2`` in float32 is off by several percent once the mean is
-~1e3 times the spread), PyTorch's defaults (running-average momentum 0.1, i.e. Flax's 0.9; eps
-1e-5), and one change for the synchronised form: the batch mean and variance, all-reduced over
-``axis_name`` and so invariant over it, are marked *varying* over it before they normalise
-``x``. The numbers and collectives are the same (JAX inserts that cast at the first use of an
-invariant value beside a varying one anyway); what changes is that every value the backward
-keeps is varying, so a pipeline stage can store them with its other activations and feed them
-back to its pullback (:mod:`jaxcomp.pipeline._residuals`). The running averages are updated
-from the invariant statistics, so they stay replicated in data parallelism.
+Every layer here computes the variance in two passes, as the mean of ``(x - mean)^2``: Flax's
+default ``E[x^2] - E[x]^2`` (``use_fast_variance=True``) in float32 is off by several percent
+once the mean is ~1e3 times the spread, and by more than the variance itself beyond ~1e4
+(GroupNorm and LayerNorm normalise every sample with its own statistics, so one sample with a
+large offset is enough). :func:`layer_norm` and :func:`group_norm` are Flax's layers with
+``use_fast_variance=False``; the models use them instead of ``nn.LayerNorm``/``nn.GroupNorm``.
+
+BatchNorm is Flax's :class:`flax.linen.BatchNorm` with ``use_fast_variance=False``, PyTorch's
+defaults (running-average momentum 0.1, i.e. Flax's 0.9; eps 1e-5), and one change for the
+synchronised form: the batch mean and variance, all-reduced over ``axis_name`` and so invariant
+over it, are marked *varying* over it before they normalise ``x``. The numbers and collectives
+are the same (JAX inserts that cast at the first use of an invariant value beside a varying one
+anyway); what changes is that every value the backward keeps is varying, so a pipeline stage
+can store them with its other activations and feed them back to its pullback
+(:mod:`jaxcomp.pipeline._residuals`). The running averages are updated from the invariant
+statistics, so they stay replicated in data parallelism.
 """
 
 from __future__ import annotations
@@ -105,6 +111,38 @@ def batch_norm(train: bool, batch_axis: str | None = None, name: str | None = No
     )
 
 
+def layer_norm(name: str | None = None) -> nn.LayerNorm:
+    """Flax's LayerNorm over the last axis with the two-pass variance.
+
+    ``y = (x - mean) / sqrt(var + 1e-6) * scale + bias``, ``mean`` and ``var = mean((x -
+    mean)^2)`` over the last axis of each sample.
+
+    Args:
+      name: the module name (``None``: Flax's automatic one).
+
+    Returns:
+      A :class:`flax.linen.LayerNorm` with ``use_fast_variance=False``.
+    """
+    return nn.LayerNorm(use_fast_variance=False, name=name)
+
+
+def group_norm(group_size: int = 8, name: str | None = None) -> nn.GroupNorm:
+    """Flax's GroupNorm over groups of ``group_size`` channels with the two-pass variance.
+
+    Each sample's channels (last axis) are split into groups of ``group_size``; each group is
+    normalised with the mean and variance (``mean((x - mean)^2)``) over its channels and all
+    spatial positions, then scaled and shifted per channel.
+
+    Args:
+      group_size: channels per group (the channel count must be a multiple).
+      name: the module name (``None``: Flax's automatic one).
+
+    Returns:
+      A :class:`flax.linen.GroupNorm` with ``use_fast_variance=False``.
+    """
+    return nn.GroupNorm(num_groups=None, group_size=group_size, use_fast_variance=False, name=name)
+
+
 def layer(
     kind: str, train: bool, batch_axis: str | None = None, name: str | None = None
 ) -> nn.Module:
@@ -117,8 +155,9 @@ def layer(
     of the batch concatenated over that mesh axis (SyncBatchNorm): the mean of the workers'
     means, the variance the mean of their ``E[(x - mean)^2]`` around that global mean (equal
     shards). Running variances are the biased batch variances (PyTorch keeps the unbiased ones,
-    a factor ``n / (n - 1)`` apart, n = samples x pixels per channel). ``"group"`` is GroupNorm
-    with groups of 8 channels, ``"layer"`` LayerNorm (both stateless).
+    a factor ``n / (n - 1)`` apart, n = samples x pixels per channel). ``"group"`` is
+    :func:`group_norm` (groups of 8 channels), ``"layer"`` :func:`layer_norm` (both stateless,
+    same two-pass variance).
 
     Args:
       kind: one of :data:`NORMS`.
@@ -132,7 +171,7 @@ def layer(
     if kind == "batch":
         return batch_norm(train, batch_axis, name)
     if kind == "group":
-        return nn.GroupNorm(num_groups=None, group_size=8, name=name)
+        return group_norm(8, name)
     if kind == "layer":
-        return nn.LayerNorm(name=name)
+        return layer_norm(name)
     raise ValueError(f"norm must be one of {NORMS}; got {kind!r}.")
