@@ -53,9 +53,30 @@ def has_nan(x: jax.Array) -> jax.Array:
     in one vectorised kernel, while a select in front of it is materialised first (3.4 vs 2.1
     ms for a quantize encode of 4M floats, vs 2.5 ms with this sum). Also true for +inf and
     -inf together, and for a finite ``x`` whose float32 sum overflows both ways (magnitudes
-    near 1e38 / size); never false for a NaN.
+    near 1e38 / size); never false for a NaN. ``has_nan(abs(x))`` is exact (a sum of
+    magnitudes overflows to ``+inf`` at worst) but made quantize(8) 4.2 -> 5.2 ms (4M floats).
     """
     return jnp.isnan(jnp.sum(x))
+
+
+FOLD_MIN_FEATURES = 256  # leading_absmax folds when a row has at least this many entries
+
+
+def leading_absmax(a: jax.Array) -> jax.Array:
+    """``max(a, axis=0)`` of a non-negative ``[R, F]`` array as halving folds, NaN kept.
+
+    ``a[:h]`` and ``a[h:2h]`` are combined by an elementwise ``maximum`` until one row is
+    left (an odd row is folded into every row of the half). XLA:CPU's ``max`` reduction over
+    the major axis runs strided: 1.4x a copy for ``[1024, 4096]`` and 10x for ``[64, 65536]``,
+    against 0.85x and 0.7x for the folds, which fuse into one vectorised pass. The elementwise
+    ``maximum`` propagates NaN (unlike the vectorised reduction), so a NaN entry leaves a NaN
+    in its column. Slower than the reduction for short rows (``F < FOLD_MIN_FEATURES``).
+    """
+    while a.shape[0] > 1:
+        rows, h = a.shape[0], a.shape[0] // 2
+        folded = jnp.maximum(a[:h], a[h : 2 * h])
+        a = jnp.maximum(folded, a[2 * h :]) if rows % 2 else folded
+    return a[0]
 
 
 def pow2_inverse(amax: jax.Array) -> jax.Array:

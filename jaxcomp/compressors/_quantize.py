@@ -39,9 +39,11 @@ Non-finite inputs are never made finite, for every size, jitted or not: an Inf m
 group's scale ``+inf`` (min-max: ``hi = +inf`` or ``lo = -inf``) and a NaN *anywhere* makes
 every scale ``+inf`` (min-max: ``hi``), so every entry of those groups decodes to NaN or +-Inf.
 XLA:CPU's vectorised ``max`` drops NaN on large arrays, so NaN is detected from the tensor's
-sum, which keeps it (a finite tensor whose float32 sum overflows both ways, magnitudes near
-``3e38 / size``, may be reported non-finite too). A zero-size input gives an empty payload
-(all-zero scales) and decodes to an empty array.
+sum, which keeps it (tensor and min-max scales: +inf with -inf, or a finite tensor whose float32
+sum overflows both ways, magnitudes near ``3e38 / size``, is taken for a NaN too), for feature
+scales exactly, from the sum of magnitudes or the elementwise folds that take the maxima over
+leading axes. A zero-size input gives an empty payload (all-zero scales) and decodes to an
+empty array.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from jaxcomp.compressors import _noise
 SCALE_MODES = ("tensor", "feature", "minmax")
 ROUNDING_MODES = ("nearest", "stochastic")
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
+_FOLD = _checks.FOLD_MIN_FEATURES
 
 
 class QuantizedPayload(NamedTuple):
@@ -217,8 +220,17 @@ def quantize(
             codes = jnp.clip(_rounded(v, key, stochastic), 0.0, levels)
             return codes, _to_wire(jnp.stack([lo, hi]))
         red = () if scale == "tensor" else feature_axes(x.ndim)
-        absmax = jnp.max(jnp.abs(xf), axis=red or None, initial=0.0)  # Inf: its group's is inf
-        absmax = jnp.where(_checks.has_nan(xf), jnp.inf, absmax)  # NaN: every scale is inf
+        rows = math.prod(xf.shape[: len(red)])
+        if red and red == tuple(range(len(red))) and rows > 1 and xf.size >= rows * _FOLD:
+            # leading axes: elementwise folds (NaN kept in its column) instead of a strided max
+            absmax = _checks.leading_absmax(jnp.abs(xf).reshape(rows, -1))
+            absmax = absmax.reshape(xf.shape[len(red) :])
+            absmax = jnp.where(jnp.any(jnp.isnan(absmax)), jnp.inf, absmax)
+        else:
+            absmax = jnp.max(jnp.abs(xf), axis=red or None, initial=0.0)  # Inf: its group's
+            # NaN: every scale inf (feature: exactly NaN, as the folds, whatever the shape)
+            nan = _checks.has_nan(jnp.abs(xf) if scale == "feature" else xf)
+            absmax = jnp.where(nan, jnp.inf, absmax)
         s = _outwards(absmax, scale_dtype, True)
         s32 = jnp.expand_dims(s.astype(jnp.float32), red)
         v = xf / jnp.where(s32 > 0, s32, 1.0) * half

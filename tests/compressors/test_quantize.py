@@ -71,6 +71,41 @@ def test_scales_are_rounded_outwards_so_nothing_clips_beyond_the_top_level():
     assert lo <= float(x.min()) and hi >= float(x.max())
 
 
+# rows shorter than the fold threshold (the max reduction), odd leading rows folded (the last
+# row folded into every row of the half), even rows, two leading axes folded as one, and
+# axes that are not leading (the reduction)
+FEATURE_PATHS = [((5, 255), (0,)), ((5, 256), (0,)), ((64, 1024), (0,)), ((2, 3, 300), (0, 1))]
+FEATURE_PATHS += [((4, 300), (1,))]
+
+
+@pytest.mark.parametrize("bad", ["none", "nan_last", "inf_both_signs"])
+@pytest.mark.parametrize("shape, axes", FEATURE_PATHS)
+def test_feature_scale_is_the_exact_absmax_on_every_path(shape, axes, bad):
+    red = [shape[a] for a in axes]
+    rest = [d for i, d in enumerate(shape) if i not in axes]
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal((math.prod(red), math.prod(rest)))
+    g = g * 10.0 ** rng.uniform(-30, 30, g.shape)
+    g[-1, ::2] = 1e35 * np.arange(1, g[-1, ::2].size + 1)  # every other max in the last row
+    x = np.moveaxis(g.reshape(red + rest), range(len(axes)), axes).copy()
+    flat = x.reshape(-1)
+    if bad == "nan_last":
+        flat[-1] = np.nan
+    elif bad == "inf_both_signs":  # two groups: +inf in one, -inf in another
+        flat[0], flat[-1] = np.inf, -np.inf
+    x = x.astype(np.float32)
+    codec = compressors.quantize(4, scale="feature", axes=axes, scale_dtype=jnp.float32)
+    payload, y = jax.jit(lambda x: roundtrip(codec, x))(jnp.asarray(x))
+    expect = np.abs(x).max(axis=axes)
+    if np.isnan(x).any():  # a NaN anywhere: every scale inf
+        expect = np.full(expect.shape, np.inf, np.float32)
+    np.testing.assert_array_equal(scales(payload), expect)
+    y, s = np.asarray(y, np.float64), np.expand_dims(expect, axes)
+    ok = np.isfinite(np.broadcast_to(s, x.shape))
+    assert np.all(np.abs(y - x)[ok] <= np.broadcast_to(s, x.shape)[ok] / 8 * (1 + 1e-6))
+    assert not np.isfinite(y[~ok]).any()
+
+
 def test_feature_scale_over_batch_and_sequence():
     x = jax.random.normal(KEY, (2, 3, 5))
     payload, y = roundtrip(compressors.quantize(8, scale="feature", axes=(0, 1)), x)
