@@ -20,9 +20,10 @@ passes:
    prefix sum over the ``d / 32`` words, a scatter of each word's first output slot and a
    running maximum give the K indices in increasing order (:func:`_compact`).
 
-If any row's bracket fails (an adversarial sample, or more tied candidates than the buffer
-holds: all-equal, all-zero or subnormal rows), ``T`` and ``p`` come from ``lax.top_k`` instead
-(``lax.cond``): the selected set is the same either way, only the time differs. Ties at ``T``
+Where a row's bracket fails (an adversarial sample, or more tied candidates than the buffer
+holds: all-equal, all-zero or subnormal rows), its ``T`` and ``p`` come from ``lax.top_k``
+instead, for those rows alone when they are few (:func:`_fall_back`): the selected set is the
+same either way, only the time differs. Ties at ``T``
 keep the lowest indices, which is ``lax.top_k``'s own rule, so the selected set equals
 ``lax.top_k``'s bit for bit.
 """
@@ -295,6 +296,39 @@ def _reference_cut(keys: jax.Array, k: int):
     return t, p
 
 
+_FEW_ROWS = 16  # up to this many rows whose bracket failed are redone alone by lax.top_k
+
+
+def _fall_back(x: jax.Array, t: jax.Array, p: jax.Array, ok: jax.Array, k: int):
+    """``(T, p)`` with every row whose bracket failed (``~ok``) taken from ``lax.top_k``.
+
+    Up to ``_FEW_ROWS`` failed rows (a dead activation: all zero, all equal, subnormal) are
+    gathered and redone alone; more, and every row is redone. The fallback recomputes the
+    keys from ``x``: a branch holding the padded keys themselves costs ~0.7x of the whole
+    selection on XLA:CPU (they are then materialised for the branch, not fused).
+    """
+    b = x.shape[0]
+    n_bad = jnp.sum(~ok)
+
+    def keep(x, t, p):
+        return t, p
+
+    def every_row(x, t, p):
+        return _reference_cut(magnitude_keys(x), k)
+
+    if b <= _FEW_ROWS:
+        return lax.cond(n_bad == 0, keep, every_row, x, t, p)
+
+    def few_rows(x, t, p):
+        # unused slots name row 0, whose reference (T, p) is right whether it failed or not
+        (bad,) = jnp.nonzero(~ok, size=_FEW_ROWS, fill_value=0)
+        t_bad, p_bad = _reference_cut(magnitude_keys(x[bad]), k)
+        return t.at[bad].set(t_bad), p.at[bad].set(p_bad)
+
+    branch = jnp.where(n_bad == 0, 0, jnp.where(n_bad <= _FEW_ROWS, 1, 2))
+    return lax.switch(branch, [keep, few_rows, every_row], x, t, p)
+
+
 def top_k_indices(x: jax.Array, k: int) -> jax.Array:
     """Indices of the K largest magnitudes of each row of ``x`` ``[b, d]``, increasing.
 
@@ -321,16 +355,7 @@ def top_k_indices(x: jax.Array, k: int) -> jax.Array:
     pad = -(-d // _WORD) * _WORD - d
     kp = jnp.pad(magnitude_keys(x), ((0, 0), (0, pad)), constant_values=_NO_KEY)
     t, p, ok = _bracketed(kp, d, k) if d > 65536 else _short_bracketed(kp, d, k)
-    # the fallback recomputes the keys from x: a cond holding kp itself costs ~0.7x of the
-    # whole selection on XLA:CPU (kp is then materialised for the branch, not fused)
-    t, p = lax.cond(
-        jnp.all(ok),
-        lambda x, t, p: (t, p),
-        lambda x, t, p: _reference_cut(magnitude_keys(x), k),
-        x,
-        t,
-        p,
-    )
+    t, p = _fall_back(x, t, p, ok, k)
     i = lax.broadcasted_iota(jnp.int32, kp.shape, 1)
     sel = (kp > t[:, None]) | ((kp == t[:, None]) & (i < p[:, None]))
     idx, _ = _compact(_words(sel), k)

@@ -5,6 +5,8 @@ The bracket may fail on some rows (then ``lax.top_k`` decides every row): a test
 falls back, so the short-row bracket is also checked row by row where it reports success.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,14 +80,34 @@ def _keys(x):
     return jnp.pad(_select.magnitude_keys(x), ((0, 0), (0, pad)), constant_values=-1)
 
 
+NO_FALLBACK = ["normal", "edges", "quarters", "subnormal"]
+
+
+@functools.cache
+def _outputs(d: int, k: int) -> dict:
+    """Both tests' outputs for one (d, k), from ONE compiled function (a compile costs more than
+    the runs): the short bracket's ``(T, p, ok)``, ``lax.top_k``'s ``(T, p)`` and
+    ``top_k_indices``, on a matrix of every row kind and on one of the kinds in ``NO_FALLBACK``
+    (cycled to the same number of rows)."""
+
+    def f(x):
+        t, p, ok = _select._short_bracketed(_keys(x), d, k)
+        t_ref, p_ref = _select._reference_cut(_select.magnitude_keys(x), k)
+        return t, p, ok, t_ref, p_ref, _select.top_k_indices(x, k)
+
+    f = jax.jit(f)
+    out = {}
+    for name, kinds in (("all", KINDS), ("no_fallback", (NO_FALLBACK * 3)[: len(KINDS)])):
+        x = _matrix(kinds, d, seed=1)
+        out[name] = (x, *(np.asarray(a) for a in f(jnp.asarray(x))))
+    return out
+
+
 @pytest.mark.parametrize("d, k", SHAPES)
 def test_short_bracket_agrees_with_lax_top_k_on_every_row_it_accepts(d, k):
-    x = jnp.asarray(_matrix(KINDS, d))
-    t, p, ok = jax.jit(lambda x: _select._short_bracketed(_keys(x), d, k))(x)
-    t_ref, p_ref = jax.jit(lambda x: _select._reference_cut(_select.magnitude_keys(x), k))(x)
-    ok = np.asarray(ok)
-    np.testing.assert_array_equal(np.asarray(t)[ok], np.asarray(t_ref)[ok])
-    np.testing.assert_array_equal(np.asarray(p)[ok], np.asarray(p_ref)[ok])
+    x, t, p, ok, t_ref, p_ref, _ = _outputs(d, k)["all"]
+    np.testing.assert_array_equal(t[ok], t_ref[ok])
+    np.testing.assert_array_equal(p[ok], p_ref[ok])
     reps = x.shape[0] // len(KINDS)
     normal = ok[: reps * KINDS.index("edges")]
     assert normal.all(), "the bracket fails on Gaussian rows: the fast path is never taken"
@@ -93,10 +115,26 @@ def test_short_bracket_agrees_with_lax_top_k_on_every_row_it_accepts(d, k):
 
 @pytest.mark.parametrize("d, k", SHAPES)
 def test_top_k_indices_is_the_stable_top_k_with_and_without_fallback(d, k):
-    f = jax.jit(lambda x: _select.top_k_indices(x, k))
-    for kinds in (["normal", "edges", "quarters", "subnormal"], KINDS):
-        x = _matrix(kinds, d, seed=1)
-        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x))), _stable_top(x, k))
+    for x, *_, idx in _outputs(d, k).values():
+        np.testing.assert_array_equal(idx, _stable_top(x, k))
+
+
+@pytest.mark.parametrize("n_bad", [0, 1, _select._FEW_ROWS, _select._FEW_ROWS + 1, 40])
+def test_rows_whose_bracket_fails_fall_back_alone_or_all_together(n_bad):
+    # Gaussian rows with n_bad dead ones (all zero, all equal, subnormal: the bracket fails):
+    # up to _FEW_ROWS are redone alone, more and every row is; one compiled function for all
+    d, k = 512, 51
+    rng = np.random.default_rng(2)
+    x = np.stack([_row("normal", d, rng) for _ in range(40)])
+    dead = rng.permutation(40)[:n_bad]
+    for j, r in enumerate(dead):
+        x[r] = _row(["all_zero", "all_equal", "subnormal"][j % 3], d, rng)
+    np.testing.assert_array_equal(np.asarray(_TOP_51(jnp.asarray(x))), _stable_top(x, k))
+    t, p, ok = jax.jit(lambda x: _select._short_bracketed(_keys(x), d, k))(jnp.asarray(x))
+    assert set(np.flatnonzero(~np.asarray(ok))) == set(dead)  # the rows that fall back
+
+
+_TOP_51 = jax.jit(lambda x: _select.top_k_indices(x, 51))
 
 
 def test_compact_lists_set_positions_in_order_across_the_packed_key():
