@@ -23,6 +23,7 @@ from jaxcomp.comm import GROUP
 from jaxcomp.comm import MEMBER
 from jaxcomp.comm import make_mesh
 from jaxcomp.parallel import _ab_programs
+from jaxcomp.parallel import _driver
 from jaxcomp.parallel._data_parallel import TrainState
 from jaxcomp.transforms import _ab_factor as F
 from jaxcomp.transforms._ab_config import ABConfig
@@ -77,7 +78,7 @@ def per_worker(
     when the members of a group agree).
     """
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    return _ab_programs.per_worker(tree, mesh, axes)
+    return _driver.stack_per_worker(tree, mesh, axes)
 
 
 def worker_entry(tree: Any, worker: int = 0) -> Any:
@@ -198,20 +199,19 @@ def ab_data_parallel(
     if _many_local_cpu_devices(mesh):
         single_thread_lapack()
     programs = _ab_programs.Programs(config, loss_fn, mesh, has_aux, donate, check_finite)
-    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(axes))
+    split = NamedSharding(mesh, P(axes))
     state_axes = config.state_axes(mesh)
 
     def init(params):
-        step0 = jax.device_put(jnp.zeros((), jnp.int32), replicated)
         opt = jax.jit(lambda p: init_state(config, p))(params)
-        return TrainState(
-            step0, per_worker(params, mesh, state_axes), per_worker(opt, mesh, state_axes)
-        )
+        step0 = _driver.replicate(jnp.zeros((), jnp.int32), mesh)
+        return TrainState(step0, *_driver.stack_per_worker((params, opt), mesh, state_axes))
 
     def shard_batch(batch):
         return jax.device_put(batch, split)
 
     def step(state, batch):
+        _driver.layout_of(state, mesh)  # raises for a state that does not live on the mesh
         t = int(state.step)  # the step kind picks the programs: read on the host
         batch = shard_batch(batch)
         metrics, finite = {}, []

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.comm import local_value_and_grad
+from jaxcomp.parallel import _driver
 from jaxcomp.parallel._data_parallel import TrainState
 from jaxcomp.transforms import _ab_step
 from jaxcomp.transforms import _ab_sync
@@ -83,7 +84,7 @@ class Programs:
     check_finite: bool = True
 
     def __post_init__(self):
-        self._compiled: dict[tuple, Any] = {}  # a compile cache, not training state
+        self._programs: dict[str, _driver.Program] = {}  # compile caches, not training state
         self.axes = self.config.axis_name
         self.state_axes = self.config.state_axes(self.mesh)
 
@@ -130,20 +131,25 @@ class Programs:
 
         return body
 
+    def _program(self, name: str) -> _driver.Program:
+        if name not in self._programs:
+            specs = TrainState(P(), P(self.state_axes), P(self.state_axes))
+            workers = {"workers": P(self.state_axes)}
+            if name in ("dense", "ab"):
+                metrics = {"loss": P(), **workers, **({"aux": P()} if self.has_aux else {})}
+                in_out = ((specs, P(self.axes)), (specs, metrics))
+                body = self._train_body(name)
+            else:
+                in_out = ((specs, P()), (specs, workers))
+                body = self._transition_body(name)
+            self._programs[name] = _driver.Program(
+                body, self.mesh, lambda *_: in_out, donate=self.donate
+            )
+        return self._programs[name]
+
     def _sharded(self, name: str):
-        specs = TrainState(P(), P(self.state_axes), P(self.state_axes))
-        if name in ("dense", "ab"):
-            metrics = {"loss": P(), "workers": P(self.state_axes)}
-            if self.has_aux:
-                metrics["aux"] = P()
-            in_specs = (specs, P(self.axes))
-            fn = jax.shard_map(self._train_body(name), mesh=self.mesh, in_specs=in_specs,
-                               out_specs=(specs, metrics))  # fmt: skip
-        else:
-            fn = jax.shard_map(self._transition_body(name), mesh=self.mesh,
-                               in_specs=(specs, P()),
-                               out_specs=(specs, {"workers": P(self.state_axes)}))  # fmt: skip
-        return jax.jit(fn, donate_argnums=(0,) if self.donate else ())
+        """The ``jax.jit`` function of program ``name`` (to lower, trace or export)."""
+        return self._program(name).jitted()
 
     # ---- compile and run ----------------------------------------------------------------
 
@@ -159,14 +165,7 @@ class Programs:
         A program not compiled yet for these shapes is compiled here, after waiting for
         ``args`` (so that no compilation runs beside a multi-device step).
         """
-        name = "refactor" if name == "factorise" else name
-        key = (name, jax.tree.structure(args),
-               tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)))  # fmt: skip
-        if key not in self._compiled:
-            jax.block_until_ready([x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)])
-            abstract = jax.tree.map(_abstract, args)
-            self._compiled[key] = self._sharded(name).lower(*abstract).compile()
-        return self._compiled[key]
+        return self._program("refactor" if name == "factorise" else name).compiled(*args)
 
     def run(self, name: str, state: TrainState, batch=None):
         args = self._args(name, state, batch)
@@ -184,11 +183,8 @@ def _state_metrics(check: bool, changed, params, opt, loss=None) -> dict[str, ja
     Per worker (no collective): the host combines them over the workers. Only the parts of
     the state a program writes are checked (the rest was checked when it was written).
     """
-    leaves = [x for x in jax.tree.leaves(changed) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    finite = jnp.stack([jnp.isfinite(x).all() for x in leaves]).all() if leaves and check else True
-    if loss is not None:
-        finite = finite & jnp.isfinite(loss)
-    out = {"finite": jnp.asarray(finite, jnp.int32)}
+    scalars = () if loss is None else (loss,)
+    out = {"finite": _driver.all_finite(changed if check else (), *scalars)}
     if loss is not None:
         m = ab_metrics(opt, params)
         out.update(count=opt.count, phase=m["phase"], compression_ratio=m["compression_ratio"],
@@ -196,32 +192,9 @@ def _state_metrics(check: bool, changed, params, opt, loss=None) -> dict[str, ja
     return out
 
 
-def _abstract(x):
-    sharding = getattr(x, "sharding", None)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-
-def per_worker(tree: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> Any:
-    """Copies every leaf once per entry of ``axes``: ``[N, ...]``, sharded over them."""
-    n = int(np.prod([mesh.shape[a] for a in axes]))
-    sharding = NamedSharding(mesh, P(axes))
-
-    def stack(x):
-        x = np.asarray(x)
-        return jax.device_put(np.broadcast_to(x, (n, *x.shape)), sharding)
-
-    return jax.tree.map(stack, tree)
-
-
 def abstract_train_state(config: ABConfig, params: Any, mesh: jax.sharding.Mesh) -> TrainState:
     """``ShapeDtypeStruct``s (with shardings) of the harness's train state for ``params``."""
-    axes = config.state_axes(mesh)
-    n = int(np.prod([mesh.shape[a] for a in axes]))
-    workers = NamedSharding(mesh, P(axes))
     opt = jax.eval_shape(lambda p: _ab_step.init_state(config, p), params)
-    lead = lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=workers)  # noqa: E731
-    return TrainState(
-        jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
-        jax.tree.map(lead, params),
-        jax.tree.map(lead, opt),
-    )
+    params = jax.eval_shape(lambda p: p, params)
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    return TrainState(step, *_driver.stack_per_worker((params, opt), mesh, config.state_axes(mesh)))

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _placement
+from jaxcomp.parallel import _driver
 from jaxcomp.transforms import _compressed_mean
 
 
@@ -77,6 +78,7 @@ def data_parallel(
     has_aux: bool = False,
     has_state: bool = False,
     donate: bool = True,
+    check_finite: bool = False,
 ) -> DataParallel:
     """A jitted data-parallel train step whose gradient averaging is done by ``tx``.
 
@@ -106,9 +108,15 @@ def data_parallel(
         otherwise). Not with an axis pair (a per-worker model state would belong to a device,
         the optimizer's to a slow worker).
       donate: donate the old state's buffers to the new one.
+      check_finite: add ``metrics["finite"]``, ``int32[W]``: per worker, 1 if its loss and
+        its new parameters, optimizer state and model state are finite (no collective is
+        added: the host combines the flags; with ``donate=False`` the previous state can be
+        kept when one is 0).
 
     Returns:
-      A :class:`DataParallel` with ``init``, ``step`` and ``shard_batch``.
+      A :class:`DataParallel` with ``init``, ``step`` and ``shard_batch``. The step's program
+      is compiled once per state layout, on its first call (or ahead of time through
+      ``step.lower(state, batch).compile()``).
 
     Example:
       >>> # mesh = jaxcomp.comm.make_mesh([("data", 8)])
@@ -132,9 +140,7 @@ def data_parallel(
             return jax.jit(tx.init)(params)
 
     def init(params, model_state=()):
-        # copy first: a replicated device_put aliases the caller's buffer, which step donates
-        params = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params), replicated)
-        step0 = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+        step0, params = _driver.replicate((jnp.zeros((), jnp.int32), params), mesh)
         opt_state = _placement.place_state(init_opt(params), mesh, slow)
         return TrainState(step0, params, opt_state, _place_model_state(model_state))
 
@@ -171,6 +177,8 @@ def data_parallel(
         metrics = {"loss": lax.pmean(loss, axes)}
         if has_aux:
             metrics["aux"] = jax.tree.map(lambda a: lax.pmean(a, axes), aux)
+        if check_finite:  # this worker's own loss and state: no collective
+            metrics["finite"] = _driver.all_finite((params, opt_state, model_state), loss)[None]
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
     def _check_model_state(new, old):
@@ -192,43 +200,40 @@ def data_parallel(
                 f"declare them compressors.PerWorker or synchronise them over {axis_name!r}."
             )
 
-    def _step(layout, state, batch):
-        treedef, flat_specs = layout
-        specs = jax.tree.unflatten(treedef, flat_specs)
-        batch_specs = jax.tree.map(lambda _: split.spec, batch)
-        sharded = jax.shard_map(
-            body, mesh=mesh, in_specs=(specs, batch_specs), out_specs=(specs, P())
-        )
-        return sharded(state, batch)
+    def specs(state, batch):
+        state_specs = _driver.layout_of(state, mesh)
+        metrics = {"loss": P(), **({"aux": P()} if has_aux else {})}
+        if check_finite:
+            metrics["finite"] = split.spec
+        return (state_specs, jax.tree.map(lambda _: split.spec, batch)), (state_specs, metrics)
 
-    jitted = jax.jit(_step, static_argnums=(0,), donate_argnums=(1,) if donate else ())
+    program = _driver.Program(body, mesh, specs, donate=donate)
 
     def shard_batch(batch):
         return jax.device_put(batch, split)
 
-    def spec_of(leaf):
-        sharding = getattr(leaf, "sharding", None)
-        if not isinstance(sharding, NamedSharding) or sharding.mesh.shape != mesh.shape:
-            raise ValueError(
-                "the train state must live on the mesh: create it with init(params), or restore "
-                "it with the shardings of state_sharding(params)."
-            )
-        return sharding.spec
-
-    def layout_of(state):
-        flat, treedef = jax.tree.flatten(state)
-        return treedef, tuple(spec_of(leaf) for leaf in flat)
-
     def step(state, batch):
-        return jitted(layout_of(state), state, shard_batch(batch))
+        return program(state, shard_batch(batch))
 
-    # so that jax.jit-style tools (comm.measure_collectives) can compile it without running
-    step.lower = lambda state, batch: jitted.lower(layout_of(state), state, shard_batch(batch))
-    # ... trace it (comm.check_collective_uniformity) and export it for other platforms
-    step.trace = lambda state, batch: jitted.trace(layout_of(state), state, shard_batch(batch))
-    step.export = lambda state, batch, platforms: jax.export.export(jitted, platforms=platforms)(
-        layout_of(state), state, shard_batch(batch)
-    )
+    def jitted(state, batch):
+        batch = shard_batch(batch)
+        return program.jitted(state, batch), (state, batch)
+
+    def lower(state, batch):
+        fn, args = jitted(state, batch)
+        return fn.lower(*args)
+
+    def trace(state, batch):
+        fn, args = jitted(state, batch)
+        return fn.trace(*args)
+
+    def export(state, batch, platforms):
+        fn, args = jitted(state, batch)
+        return jax.export.export(fn, platforms=platforms)(*args)
+
+    # so that jax.jit-style tools (comm.measure_collectives) can compile it without running,
+    # comm.check_collective_uniformity trace it, and tests export it for other platforms
+    step.lower, step.trace, step.export = lower, trace, export
 
     def state_sharding(params, model_state=()):
         with jax.set_mesh(mesh):

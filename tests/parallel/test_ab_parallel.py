@@ -219,3 +219,11 @@ def test_update_outside_shard_map_or_with_other_params_raises():
     bad_grads = {**params, "head": {"kernel": jnp.zeros((6, 3)), "bias": jnp.zeros(2)}}
     with pytest.raises(ValueError, match=r"gradient of head/kernel has shape \(6, 3\)"):
         tx.update(bad_grads, state, params)
+
+
+def test_a_state_off_the_mesh_is_an_error_naming_it(grouped):
+    _, dp = grouped
+    state = dp.init(init_params())
+    host = jax.tree.map(np.asarray, state)  # e.g. restored without state_sharding
+    with pytest.raises(ValueError, match="must live on the mesh"):
+        dp.step(host, batches(1)[0])

@@ -119,3 +119,54 @@ def test_errors_name_the_problem(mesh):
 
     with pytest.raises(ValueError, match="leading worker axis"):
         comm.place_state(scalar_state().init(PARAMS), mesh, comm.DATA)
+
+
+def test_check_finite_flags_each_worker_without_a_collective(mesh):
+    tx = optax.chain(transforms.compressed_mean(compressors.identity()), optax.sgd(0.1))
+    plain = parallel.data_parallel(loss_fn, tx, mesh, donate=False)
+    dp = parallel.data_parallel(loss_fn, tx, mesh, donate=False, check_finite=True)
+    state = dp.init(PARAMS)
+    new, metrics = dp.step(state, BATCH)
+    assert metrics["finite"].shape == (W,) and np.asarray(metrics["finite"]).tolist() == [1] * W
+    assert "finite" not in plain.step(plain.init(PARAMS), BATCH)[1]
+    # a NaN in worker 2's shard: its flag drops; the others' fall too once the NaN is averaged
+    # into the replicated parameters (their own new state is not finite)
+    x, y = BATCH[0].copy(), BATCH[1]
+    x[2 * len(x) // W] = np.nan
+    _, bad = dp.step(state, (x, y))
+    assert np.asarray(bad["finite"]).tolist() == [0] * W and np.isnan(float(bad["loss"]))
+    # the flags add no collective
+    ours = comm.measure_collectives(dp.step, state, BATCH)
+    base = comm.measure_collectives(plain.step, plain.init(PARAMS), BATCH)
+    assert sorted(r.shape for r in ours.records) == sorted(r.shape for r in base.records)
+
+
+def test_only_a_worker_whose_own_state_is_not_finite_is_flagged(mesh):
+    # a per-worker model state (as BatchNorm statistics per worker) that only worker 1's
+    # shard makes infinite; the averaged gradient and the parameters stay finite
+    tx = optax.chain(transforms.compressed_mean(compressors.identity()), optax.sgd(0.1))
+
+    def stateful(params, model_state, batch):
+        x, s = batch
+        new = compressors.PerWorker({"m": model_state.value["m"] + s.sum()})
+        return loss_fn(params, (x, BATCH[1][: len(x)])), new
+
+    dp = parallel.data_parallel(stateful, tx, mesh, has_state=True, donate=False,
+                                check_finite=True)  # fmt: skip
+    s = np.zeros((len(BATCH[0]),), np.float32)
+    s[len(s) // W] = np.inf  # the first row of worker 1's shard
+    state = dp.init(PARAMS, compressors.PerWorker({"m": jnp.zeros((1,))}))
+    new, metrics = dp.step(state, (BATCH[0], s))
+    assert np.asarray(metrics["finite"]).tolist() == [1, 0, 1, 1]
+    assert np.isfinite(float(metrics["loss"]))
+    assert np.asarray(new.model_state.value["m"]).tolist() == [0, np.inf, 0, 0]
+
+
+def test_a_python_scalar_parameter_runs_two_steps(mesh):
+    # a weakly typed leaf: the step's compile cache keys on weak types too
+    tx = optax.chain(transforms.compressed_mean(compressors.identity()), optax.sgd(0.1))
+    dp = parallel.data_parallel(lambda p, b: loss_fn(p, b) + p["s"] ** 2, tx, mesh)
+    state = dp.init({**PARAMS, "s": 1.0})
+    for _ in range(2):
+        state, _ = dp.step(state, BATCH)
+    assert float(state.params["s"]) == pytest.approx(1.0 * 0.8**2, rel=1e-5)

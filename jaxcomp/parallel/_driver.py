@@ -1,0 +1,145 @@
+"""The one driver under :mod:`jaxcomp.parallel`'s step builders.
+
+:func:`~jaxcomp.parallel.data_parallel` and :func:`~jaxcomp.parallel.ab_data_parallel` differ
+in what a worker computes; how it runs is shared here:
+
+* **placement**: fresh replicated copies (:func:`replicate`, so a step may donate them) and
+  per-worker stacks ``[N, ...]`` sharded over the worker axes (:func:`stack_per_worker`),
+  for arrays and for ``ShapeDtypeStruct`` trees alike (an orbax restore target);
+* **programs**: ``jit(shard_map(body))`` with in/out specs given by the arguments
+  (:class:`Program`), the state donated, each compiled once per argument layout, ahead of
+  time, after the arguments are ready (no compilation beside a running multi-device step);
+* **finiteness**: one flag per worker over what a program wrote (:func:`all_finite`),
+  without a collective: the host combines the flags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Copies of ``tree``'s leaves, replicated on ``mesh``.
+
+    A replicated ``device_put`` may alias the caller's buffer, which a donating step would
+    then invalidate: the copy comes first.
+    """
+    copies = jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+    return jax.device_put(copies, NamedSharding(mesh, P()))
+
+
+def stack_per_worker(tree: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> Any:
+    """Every leaf once per entry of ``axes``: ``[N, ...]`` sharded ``P(axes)``.
+
+    ``ShapeDtypeStruct`` leaves give ``ShapeDtypeStruct``s of the stacked shape and sharding.
+    """
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    sharding = NamedSharding(mesh, P(axes))
+
+    def stack(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding)
+        x = np.asarray(x)
+        return jax.device_put(np.broadcast_to(x, (n, *x.shape)), sharding)
+
+    return jax.tree.map(stack, tree)
+
+
+def layout_of(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """The ``PartitionSpec`` of each leaf of a placed ``tree`` (arrays or abstract).
+
+    Raises:
+      ValueError: if a leaf does not live on ``mesh`` (e.g. a state made without ``init``
+        or restored without the builder's shardings).
+    """
+
+    def spec_of(leaf):
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, NamedSharding) or sharding.mesh.shape != mesh.shape:
+            raise ValueError(
+                "the train state must live on the mesh: create it with init(params), or restore "
+                "it with the shardings of state_sharding(params)."
+            )
+        return sharding.spec
+
+    return jax.tree.map(spec_of, tree)
+
+
+def all_finite(tree: Any, *scalars: jax.Array) -> jax.Array:
+    """``int32[]`` 1 if every inexact leaf of ``tree`` (one worker's view) and every scalar is
+    finite, else 0. Inside ``shard_map`` it is this worker's flag: no collective is added."""
+    leaves = [x for x in jax.tree.leaves((tree, scalars)) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    finite = jnp.stack([jnp.isfinite(x).all() for x in leaves]).all() if leaves else True
+    return jnp.asarray(finite, jnp.int32)
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    sharding = getattr(x, "sharding", None)
+    weak = bool(getattr(x, "weak_type", False))
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=weak)
+
+
+def _key(tree: Any) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, P))
+    return treedef, tuple(leaves)
+
+
+class Program:
+    """``jit(shard_map(body))`` on ``mesh``, its state donated, compiled once per layout.
+
+    Args:
+      body: one worker's ``body(*args)``; the first argument is the state (donated).
+      mesh: the mesh.
+      specs: ``specs(*args) -> (in_specs, out_specs)`` for arguments (arrays or abstract),
+        e.g. read from their shardings with :func:`layout_of`, or fixed.
+      donate: donate the first argument's buffers to the result.
+
+    The compile cache is a cache, not training state: it maps an argument layout (tree
+    structure, shapes, dtypes, weak types, shardings) to its executable.
+    """
+
+    def __init__(
+        self,
+        body: Callable[..., Any],
+        mesh: jax.sharding.Mesh,
+        specs: Callable[..., tuple[Any, Any]],
+        *,
+        donate: bool = True,
+    ):
+        self.body, self.mesh, self.specs, self.donate = body, mesh, specs, donate
+        self._jitted: dict[tuple, Any] = {}
+        self._compiled: dict[tuple, Any] = {}
+
+    def jitted(self, *args: Any) -> Any:
+        """The ``jax.jit`` function for arguments laid out like ``args`` (lower, trace,
+        export it)."""
+        in_specs, out_specs = self.specs(*args)
+        key = _key((in_specs, out_specs))
+        if key not in self._jitted:
+            fn = jax.shard_map(self.body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+            self._jitted[key] = jax.jit(fn, donate_argnums=(0,) if self.donate else ())
+        return self._jitted[key]
+
+    def compiled(self, *args: Any) -> Any:
+        """The executable for arguments like ``args``; compiled here on first use, after
+        waiting for ``args`` (so that no compilation runs beside a multi-device step)."""
+        leaves, treedef = jax.tree.flatten(args)
+        key = (treedef, tuple(
+            (x.shape, str(x.dtype), bool(getattr(x, "weak_type", False)),
+             getattr(x, "sharding", None)) for x in leaves
+        ))  # fmt: skip
+        if key not in self._compiled:
+            jax.block_until_ready([x for x in leaves if isinstance(x, jax.Array)])
+            abstract = jax.tree.map(_abstract, args)
+            self._compiled[key] = self.jitted(*args).lower(*abstract).compile()
+        return self._compiled[key]
+
+    def __call__(self, *args: Any) -> Any:
+        return self.compiled(*args)(*args)
