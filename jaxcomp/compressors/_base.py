@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp import _validate
 from jaxcomp.compressors import _protocol
 
 Array = jax.Array
@@ -228,13 +227,6 @@ def payload_shape(codec: Codec, like: Like) -> Payload:
 def dense_bytes(like: Like) -> int:
     """Bytes of the uncompressed array ``like``."""
     return math.prod(like.shape) * np.dtype(like.dtype).itemsize
-
-
-# Names kept for code written before jaxcomp._validate (branches in flight); new code calls
-# jaxcomp._validate directly.
-check_choice = _validate.check_choice
-check_int_range = _validate.check_int
-check_fraction = _validate.check_fraction
 
 
 def check_float(x: Like, codec_name: str) -> None:

@@ -36,14 +36,6 @@ def _is_number(x: Any) -> bool:
     return not isinstance(x, bool) and isinstance(x, (int, float))
 
 
-def _check_int(name: str, value: Any, low: int, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        none = "None or " if optional else ""
-        raise ValueError(f"{name} must be {none}an int >= {low}; got {value!r}.")
-
-
 @dataclasses.dataclass(frozen=True)
 class ABConfig:
     r"""Every option of AB-Training (Coquelin et al., 2024), validated at construction.
@@ -141,7 +133,9 @@ class ABConfig:
         elif not callable(lr) and (not _is_number(lr) or not 0 <= lr < math.inf):
             raise ValueError(f"learning_rate must be a finite float >= 0, a scalar array or a "
                              f"schedule; got {lr!r}.")  # fmt: skip
-        ABSchedule(self.warmup_steps, self.sync_every, self.full_rank_steps)  # validates
+        schedule = ABSchedule(self.warmup_steps, self.sync_every, self.full_rank_steps)
+        for name in ("warmup_steps", "sync_every", "full_rank_steps"):  # validated, Python ints
+            set_(name, getattr(schedule, name))
         inner = optax.scale_by_adam() if self.inner is None else self.inner
         if not (hasattr(inner, "init") and hasattr(inner, "update")):
             raise ValueError(f"inner must be an optax GradientTransformation; got {inner!r}.")
@@ -158,11 +152,11 @@ class ABConfig:
         if isinstance(self.exclude, str) or not all(isinstance(n, str) for n in self.exclude):
             raise ValueError(f"exclude must be a sequence of layer names; got {self.exclude!r}.")
         set_("exclude", tuple(self.exclude))
-        _check_int("max_rank", self.max_rank, 1, optional=True)
+        set_("max_rank", _validate.check_int("max_rank", self.max_rank, 1, optional=True))
         frac = self.max_rank_fraction
         if frac is not None and (not _is_number(frac) or not 0 < frac <= 1):
             raise ValueError(f"max_rank_fraction must be None or in (0, 1]; got {frac!r}.")
-        _check_int("lr_rebound_steps", self.lr_rebound_steps, 0)
+        set_("lr_rebound_steps", _validate.check_int("lr_rebound_steps", self.lr_rebound_steps, 0))
         floor = self.lr_rebound_floor
         if not _is_number(floor) or not floor > 0:
             raise ValueError(f"lr_rebound_floor must be a number > 0; got {floor!r}.")
@@ -180,8 +174,8 @@ class ABConfig:
         if len(set(axes)) != len(axes):
             raise ValueError(f"axis_name has a repeated axis: {axes!r}.")
         set_("axis_name", axes)
-        _check_int("group_size", self.group_size, 1, optional=True)
-        _check_int("num_groups", self.num_groups, 1, optional=True)
+        set_("group_size", _validate.check_int("group_size", self.group_size, 1, optional=True))
+        set_("num_groups", _validate.check_int("num_groups", self.num_groups, 1, optional=True))
         if self.group_size is not None and self.num_groups is not None:
             raise ValueError("give group_size or num_groups, not both.")
 

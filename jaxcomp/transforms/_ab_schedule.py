@@ -23,6 +23,8 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
+from jaxcomp import _validate
+
 
 class ABPhase(enum.IntEnum):
     """Training phase, as stored in :class:`~jaxcomp.transforms.ABTrainingState` ``.phase``."""
@@ -35,12 +37,6 @@ class ABPhase(enum.IntEnum):
 #: What one step does (static): a dense step, a dense step that ends by re-factorising with
 #: truncation, an AB step, or an AB step that ends by syncing the groups.
 STEP_KINDS = ("dense", "dense_then_refactor", "ab", "ab_then_sync")
-
-
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}; got {value!r}.")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +61,8 @@ class ABSchedule:
     full_rank_steps: int
 
     def __post_init__(self):
-        _check_int("warmup_steps", self.warmup_steps, 0)
-        _check_int("sync_every", self.sync_every, 2)
-        _check_int("full_rank_steps", self.full_rank_steps, 1)
+        for name, low in (("warmup_steps", 0), ("sync_every", 2), ("full_rank_steps", 1)):
+            object.__setattr__(self, name, _validate.check_int(name, getattr(self, name), low))
         if self.full_rank_steps >= self.sync_every:
             raise ValueError(
                 f"full_rank_steps must be < sync_every ({self.sync_every}); "
@@ -131,7 +126,7 @@ class ABSchedule:
         Returns:
           An optax schedule of the step count.
         """
-        _check_int("rebound_steps", rebound_steps, 0)
+        _validate.check_int("rebound_steps", rebound_steps, 0)
         if not floor > 0:
             raise ValueError(f"floor must be > 0; got {floor!r}.")
         base_fn = base if callable(base) else (lambda _: base)

@@ -148,8 +148,8 @@ def test_a_checkpoint_mid_ab_phase_restores_and_continues_identically(grouped, t
         (dict(sync_mode="stale"), "sync_mode must be one of"),
         (dict(comm_setup="ring"), "comm_setup must be one of"),
         (dict(dense_sync="mean"), "dense_sync must be None or one of"),
-        (dict(max_rank=0), "max_rank must be None or an int >= 1"),
-        (dict(max_rank=0.5), "max_rank must be None or an int >= 1"),
+        (dict(max_rank=0), "max_rank must be None or an integer >= 1"),
+        (dict(max_rank=0.5), "max_rank must be None or an integer >= 1"),
         (dict(max_rank_fraction=0.0), r"max_rank_fraction must be None or in \(0, 1\]"),
         (dict(max_rank_fraction=2), r"max_rank_fraction must be None or in \(0, 1\]"),
         (dict(full_rank_steps=4), "full_rank_steps must be <"),
@@ -163,14 +163,16 @@ def test_a_checkpoint_mid_ab_phase_restores_and_continues_identically(grouped, t
         (dict(learning_rate=jnp.asarray(jnp.inf)), "learning_rate must be finite and >= 0"),
         (dict(learning_rate=jnp.ones(2)), r"learning_rate must be a scalar; got .* shape \(2,\)"),
         (dict(learning_rate=jnp.asarray(True)), "learning_rate must be a scalar; got .* bool"),
-        (dict(lr_rebound_steps=-2), "lr_rebound_steps must be an int >= 0"),
+        (dict(lr_rebound_steps=-2), "lr_rebound_steps must be an integer >= 0"),
         (dict(lr_rebound_floor=0.0), "lr_rebound_floor must be a number > 0"),
         (dict(max_grad_norm="1"), "max_grad_norm must be None or a number > 0"),
         (dict(reset_opt=1), "reset_opt must be a bool"),
         (dict(axis_name=("group", "group")), "axis_name has a repeated axis"),
         (dict(axis_name=3), "axis_name must be a mesh axis name"),
-        (dict(group_size=0), "group_size must be None or an int >= 1"),
+        (dict(group_size=0), "group_size must be None or an integer >= 1"),
         (dict(group_size=2, num_groups=2), "give group_size or num_groups, not both"),
+        (dict(sync_every=True), "sync_every must be an integer >= 2"),
+        (dict(num_groups=np.float32(2)), "num_groups must be None or an integer >= 1"),
     ],
 )
 def test_bad_arguments_raise_at_construction(kwargs, match):
@@ -178,6 +180,13 @@ def test_bad_arguments_raise_at_construction(kwargs, match):
         transforms.ABConfig(**{"learning_rate": 1e-3, **TX_KWARGS, **kwargs})
     with pytest.raises(ValueError, match=match):
         transforms.ab_training(**{"learning_rate": 1e-3, **TX_KWARGS, **kwargs})
+
+
+def test_numpy_integers_are_taken_and_stored_as_python_ints():
+    config = transforms.ABConfig(1e-3, **{**TX_KWARGS, "warmup_steps": np.int64(2)},
+                                 max_rank=np.int32(3), num_groups=np.int64(2))  # fmt: skip
+    values = (config.warmup_steps, config.max_rank, config.num_groups, config.schedule.sync_every)
+    assert values == (2, 3, 2, 4) and all(type(v) is int for v in values)
 
 
 def test_group_count_must_divide_the_data_axis():
