@@ -2,6 +2,8 @@
 
 import contextlib
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -9,6 +11,30 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+
+
+def _compilation_cache_dir() -> str | None:
+    """One persistent XLA compilation cache per test run and xdist worker (shared with the
+    subprocesses a test launches, through the environment).
+
+    Many tests compile a program another test (or an earlier step of the same test) already
+    compiled: a resumed run recompiles the original run's step, the CLI tests launch one config
+    several times, the smoke configs share models. A cache hit loads the same executable XLA
+    built, so results are unchanged. One directory per worker: the cache writes its files
+    without a lock. ``JAXCOMP_TEST_COMPILATION_CACHE=0`` turns it off."""
+    if os.environ.get("JAXCOMP_TEST_COMPILATION_CACHE", "1") == "0":
+        return None
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    return os.path.join(tempfile.gettempdir(), f"jaxcomp-tests-xla-cache-{run[:12]}-{worker}")
+
+
+_CACHE_DIR = _compilation_cache_dir()
+if _CACHE_DIR and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+else:
+    _CACHE_DIR = None  # a cache the caller chose is theirs to keep
 
 import jax  # noqa: E402
 
@@ -63,3 +89,9 @@ def pytest_pyfunc_call(pyfuncitem):
     ctx = jax.set_mesh(meshes[0]) if meshes else contextlib.nullcontext()
     with ctx:
         yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Removes this worker's compilation cache (see :func:`_compilation_cache_dir`)."""
+    if _CACHE_DIR:
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
