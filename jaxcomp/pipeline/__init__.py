@@ -37,7 +37,9 @@ Contracts:
   ``compress=False`` sends dense and lets the channels observe it (AQ-SGD warm-up).
 * **Metrics**: ``loss``, the ``loss_fn`` metrics, and the theoretical ``wire_bytes`` (forward +
   backward payloads per step) and ``dense_bytes``; exact counts from ``pipe.bytes_per_step``.
-  With data replicas also ``data_wire_bytes`` / ``data_dense_bytes`` (the gradient average).
+  With data replicas also ``data_wire_bytes`` / ``data_dense_bytes`` (the gradient average;
+  with a ``(slow, fast)`` pair of data axes, ``gpipe(..., data_axis=(slow, fast))``,
+  ``data_wire_bytes`` is the slow axis's and ``data_fast_wire_bytes`` the fast one's).
 """
 
 from jaxcomp.pipeline._adaptive import AdaptiveLink

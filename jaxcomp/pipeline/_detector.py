@@ -168,11 +168,14 @@ def collect_stacked(acc: Accumulators, states: dict, end: jax.Array):
     return stats, {**states, acc.buffer: buf}
 
 
-def replicate(stats: jax.Array, detector: Detector, replicas: int) -> jax.Array:
-    """The statistic every replica decides with (one tiny all-reduce over ``data``)."""
+def replicate(
+    stats: jax.Array, detector: Detector, replicas: int, data: Any = _mesh.DATA
+) -> jax.Array:
+    """The statistic every replica decides with (one tiny all-reduce over ``data``, the
+    replicas' axis or axes)."""
     if replicas < 2:
         return stats
-    return _critical.replicated_norms(stats, _mesh.DATA, detector.statistic)
+    return _critical.replicated_norms(stats, data, detector.statistic)
 
 
 def interval_end(detector: Detector, state: DetectorState) -> jax.Array:
@@ -215,14 +218,16 @@ def update(adaptive: Any, state: DetectorState, stats: jax.Array) -> DetectorSta
     )
 
 
-def program_statistic(adaptive: Any, layout, states: dict, state: DetectorState, replicas: int):
+def program_statistic(
+    adaptive: Any, layout, states: dict, state: DetectorState, replicas: int, data=_mesh.DATA
+):
     """Inside the pipeline program: ``(statistic, states)`` of :func:`collect_local`, made
     identical over ``data`` (:func:`replicate`); ``(None, states)`` without adaptive links."""
     if adaptive is None:
         return None, states
     acc = accumulators(layout, adaptive)
     stats, states = collect_local(acc, states, interval_end(adaptive.detector, state))
-    return replicate(stats, adaptive.detector, replicas), states
+    return replicate(stats, adaptive.detector, replicas, data), states
 
 
 def stacked_statistic(adaptive: Any, layout, states: dict, state: DetectorState):

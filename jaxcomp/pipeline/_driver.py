@@ -48,11 +48,15 @@ class Spec(NamedTuple):
       schedule: ``"gpipe"`` or ``"1f1b"``.
       fns: the stages' objectives (:func:`jaxcomp.pipeline._residuals.stage_fns`).
       mesh: the ``(data,) stage`` mesh, or ``None`` for the single-device simulation.
-      replicas: data replicas (``1`` without a ``data`` axis of size > 1).
+      replicas: data replicas (``1`` without a ``data`` axis of size > 1; with an axis pair, the
+        product of the two sizes).
       replica_mean: the optax transform averaging the replicas' gradients over ``data``, or
         ``None`` (``pmean``; also with one replica, where there is nothing to average).
       adaptive: the adaptive boundaries (:class:`jaxcomp.pipeline._adaptive.Adaptive`) or
         ``None``; ``links`` are then those of the mode combination the program runs.
+      data_axes: the replicas' mesh axes: ``("data",)``, or a ``(slow, fast)`` pair of a
+        hierarchical mesh (the replicas are the devices of both; ``replica_mean`` averages
+        over the pair, e.g. dense over ``fast`` and compressed over ``slow``).
     """
 
     model: _config.StagedModel
@@ -64,6 +68,7 @@ class Spec(NamedTuple):
     replicas: int
     replica_mean: Any = None
     adaptive: Any = None
+    data_axes: tuple[str, ...] = (_mesh.DATA,)
 
     @property
     def lead(self) -> tuple[int, ...]:
@@ -72,15 +77,20 @@ class Spec(NamedTuple):
 
     @property
     def axes(self) -> tuple[str, ...]:
-        return (_mesh.STAGE, _mesh.DATA) if self.replicas > 1 else (_mesh.STAGE,)
+        return (_mesh.STAGE, *self.data_axes) if self.replicas > 1 else (_mesh.STAGE,)
+
+    @property
+    def data(self) -> str | tuple[str, ...]:
+        """The replicas' axis name for collectives (a tuple for a pair)."""
+        return self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
 
     @property
     def state_spec(self) -> P:
-        return P(_mesh.STAGE, _mesh.DATA) if self.replicas > 1 else P(_mesh.STAGE)
+        return P(_mesh.STAGE, self.data) if self.replicas > 1 else P(_mesh.STAGE)
 
     @property
     def batch_spec(self) -> P:
-        return P(_mesh.DATA) if self.replicas > 1 else P()
+        return P(self.data) if self.replicas > 1 else P()
 
 
 def _prepare_for(spec: Spec, params, batch, *, links=None, need_ids=None, model_layout=None):
@@ -157,20 +167,21 @@ def _stage_buffers(spec: Spec, params: Any, layout: _params.ParamLayout) -> dict
 def _replica_key(spec: Spec, key):
     if key is None or spec.replicas == 1:
         return key
-    return jax.random.fold_in(key, lax.axis_index(_mesh.DATA))
+    return jax.random.fold_in(key, lax.axis_index(spec.data))
 
 
-def _bytes_sent(state: Any) -> jax.Array:
+def _bytes_sent(state: Any, field: str = "bytes_sent") -> jax.Array:
     """The data-axis bytes a transform's state reports for its last step (``bytes_sent`` of
-    :func:`~jaxcomp.transforms.compressed_mean` / ``accordion`` states), NaN if none does."""
+    :func:`~jaxcomp.transforms.compressed_mean` / ``accordion`` states; ``fast_bytes_sent``:
+    over the fast axis of a pair), NaN if none does."""
     found = []
 
     def has(x):
-        return hasattr(x, "_fields") and "bytes_sent" in x._fields
+        return hasattr(x, "_fields") and field in x._fields
 
     def visit(x):
         if has(x):
-            found.append(jnp.asarray(x.bytes_sent, jnp.float32))
+            found.append(jnp.asarray(getattr(x, field), jnp.float32))
         return x
 
     jax.tree.map(visit, state, is_leaf=has)
@@ -192,7 +203,8 @@ def _average(spec: Spec, layout, replica_layout, local, grads, replica):
             # (per-worker parts) and its byte count are per device
             updates = _local.to_varying(layout.pack_stage(s, updates), (_mesh.STAGE,))
             packed = replica_layout.pack_stage(s, state)
-            return (updates, *_local.to_varying((packed, _bytes_sent(state)), spec.axes))
+            sent = jnp.stack([_bytes_sent(state), _bytes_sent(state, "fast_bytes_sent")])
+            return (updates, *_local.to_varying((packed, sent), spec.axes))
 
         return branch
 
@@ -203,17 +215,21 @@ def _average(spec: Spec, layout, replica_layout, local, grads, replica):
 def _plain_mean(spec: Spec, layout: _params.ParamLayout, grads: dict[str, jax.Array]):
     """The float ``pmean`` over ``data`` of each device's own stage gradient, without the
     padding of its packed row (a ``lax.switch`` on the stage index, one branch per stage):
-    every replica sends its stages' parameter bytes, ``data_dense_bytes`` in all."""
+    every replica sends its stages' parameter bytes, ``data_dense_bytes`` in all (with an axis
+    pair, over each axis: the fast one first)."""
 
     def make(s):
         def branch(grads):
             out = {}
             for g, row in grads.items():
                 used = sum(math.prod(sl.shape) for sl in layout.slots[s] if sl.group == g)
-                mean = lax.pmean(row[:used], _mesh.DATA)
+                mean = row[:used]
+                for axis in spec.data_axes[::-1]:  # a pair: the fast axis first, then the slow
+                    mean = lax.pmean(mean, axis)
                 pad = jnp.zeros((row.shape[0] - used,), row.dtype)
                 out[g] = _local.to_varying(jnp.concatenate([mean, pad]), (_mesh.STAGE,))
-            sent = jnp.asarray(layout.stage_bytes(s), jnp.float32)
+            fast = layout.stage_bytes(s) if len(spec.data_axes) == 2 else 0.0
+            sent = jnp.asarray([layout.stage_bytes(s), fast], jnp.float32)
             return out, _local.to_varying(sent, spec.axes)
 
         return branch
@@ -245,7 +261,7 @@ def _program(
         else:  # evaluation: every replica applies replica 0's or the mean running state
             states, replica, detector, model = None, None, None, states
             if has_data and model:
-                model = _model_state.for_eval(model, eval_stats)
+                model = _model_state.for_eval(model, eval_stats, spec.data)
         local = _local.to_varying({g: b[0] for g, b in buffers.items()}, spec.axes)
         x, lab = _batch.microbatches(inputs, m_), _batch.microbatches(labels, m_)
         ids = None if ids is None else _batch.microbatches(ids, m_)
@@ -265,12 +281,12 @@ def _program(
         if not train:
             loss, metrics, outputs = lax.psum((loss, metrics, carry.outputs), _mesh.STAGE)
             if has_data:
-                loss, metrics = lax.pmean((loss, metrics), _mesh.DATA)
+                loss, metrics = lax.pmean((loss, metrics), spec.data)
             return loss, metrics, _batch.unmicrobatch(outputs)
         loss, metrics = lax.psum((loss, metrics), _mesh.STAGE)
         grads, new_replica = carry.grads, replica
         if has_data:
-            loss, metrics = lax.pmean((loss, metrics), _mesh.DATA)
+            loss, metrics = lax.pmean((loss, metrics), spec.data)
             if spec.replica_mean is None:
                 grads, sent = _plain_mean(spec, static.layout, grads)
             else:
@@ -278,10 +294,12 @@ def _program(
                 grads, mine, sent = _average(spec, static.layout, replica_layout, local,
                                              grads, mine)  # fmt: skip
                 new_replica = {g: v.reshape(replica[g].shape) for g, v in mine.items()}
-            sent = lax.pmean(lax.psum(sent, _mesh.STAGE), _mesh.DATA)
-            metrics = {**metrics, "data_wire_bytes": sent}
+            sent = lax.pmean(lax.psum(sent, _mesh.STAGE), spec.data)
+            metrics = {**metrics, "data_wire_bytes": sent[0]}
+            if len(spec.data_axes) == 2:  # a pair: the slow axis above, the fast one here
+                metrics["data_fast_wire_bytes"] = sent[1]
         stats, own = _detector.program_statistic(  # adaptive links: the interval's norms
-            spec.adaptive, static.state_layout, carry.states, detector, spec.replicas
+            spec.adaptive, static.state_layout, carry.states, detector, spec.replicas, spec.data
         )
         new_states = {g: v.reshape(states[g].shape) for g, v in own.items()}
         new_model = {g: v.reshape(model_in[g].shape) for g, v in carry.model.items()}

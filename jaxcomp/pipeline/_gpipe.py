@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 
@@ -28,19 +29,23 @@ def _pipeline(spec: _driver.Spec) -> _prepare.Pipeline:
     )
 
 
-def _spec(model, config, mesh, replicas) -> _driver.Spec:
+def _spec(model, config, mesh, replicas, data_axes=(_mesh.DATA,)) -> _driver.Spec:
     _config.check_model(model)
     links, adaptive = _adaptive.resolve(config, model.num_stages)
     fns = _residuals.stage_fns(model, config.checkpoint, _prepare.split_loss)
     replica_mean = config.replica_mean if replicas > 1 else None
     return _driver.Spec(
         model, links, config.num_microbatches, config.schedule, fns, mesh, replicas, replica_mean,
-        adaptive,
+        adaptive, data_axes,
     )  # fmt: skip
 
 
 def gpipe(
-    model: _config.StagedModel, config: _config.PipelineConfig, mesh: jax.sharding.Mesh
+    model: _config.StagedModel,
+    config: _config.PipelineConfig,
+    mesh: jax.sharding.Mesh,
+    *,
+    data_axis: str | tuple[str, str] = _mesh.DATA,
 ) -> _prepare.Pipeline:
     r"""A pipeline of ``model``'s stages over ``mesh``'s ``stage`` axis, with compressed links.
 
@@ -51,6 +56,14 @@ def gpipe(
     :func:`jaxcomp.transforms.compressed_mean` or :func:`~jaxcomp.transforms.accordion`, run by
     each stage's devices on that stage's gradient; its bytes are the step's
     ``data_wire_bytes``, against ``data_dense_bytes``).
+
+    **Hierarchical meshes.** ``data_axis=(slow, fast)`` takes the replicas from two mesh axes
+    (e.g. ``[("slow", hosts), ("fast", devices per host / S), ("stage", S)]``): the batch is
+    split over both, and ``config.replica_mean`` must average over the pair, e.g.
+    ``compressed_mean(codec, (slow, fast))`` or ``accordion(..., axis_name=(slow, fast))``:
+    dense over ``fast`` (inside a host), the codec's payload over ``slow`` (between hosts).
+    ``data_wire_bytes`` is then the slow axis's bytes and ``data_fast_wire_bytes`` the fast
+    one's (the plain ``pmean`` averages over ``fast``, then ``slow``: a stage's bytes on each).
 
     **Schedule** (``config.schedule``, :mod:`jaxcomp.pipeline._schedule`). ``"gpipe"``: ``M``
     microbatches flow forward through ``S`` stages in ``M + S - 1`` ticks, then backward in as
@@ -102,7 +115,9 @@ def gpipe(
       model: the :class:`StagedModel` (``S`` stages, e.g. from :func:`jaxcomp.models.get_model`);
         ``S`` must equal the ``stage`` axis size.
       config: :class:`PipelineConfig` (microbatches, links, schedule, checkpointing).
-      mesh: a mesh with a ``stage`` axis (e.g. :func:`pipeline_mesh`) and optionally ``data``.
+      mesh: a mesh with a ``stage`` axis (e.g. :func:`pipeline_mesh`) and optionally ``data``
+        (or the two axes of ``data_axis``).
+      data_axis: the replicas' axis, or a ``(slow, fast)`` pair of axes (see above).
 
     Returns:
       A :class:`Pipeline`. ``params`` may be :class:`PackedParams` placed on the stages with
@@ -147,11 +162,32 @@ def gpipe(
             f"the mesh's {_mesh.STAGE!r} axis has {mesh.shape[_mesh.STAGE]} devices; the model "
             f"has {num} stages."
         )
-    extra = [a for a in mesh.axis_names if a not in (_mesh.STAGE, _mesh.DATA)]
+    data_axes = _data_axes(data_axis)
+    extra = [a for a in mesh.axis_names if a not in (_mesh.STAGE, *data_axes)]
     if extra:
-        raise ValueError(f"mesh axes must be 'stage' and optionally 'data'; got {extra}.")
-    replicas = mesh.shape[_mesh.DATA] if _mesh.DATA in mesh.axis_names else 1
-    return _pipeline(_spec(model, config, mesh, replicas))
+        raise ValueError(
+            f"mesh axes must be 'stage' and optionally {' and '.join(map(repr, data_axes))} "
+            f"(data_axis); got {extra}."
+        )
+    missing = [a for a in data_axes if a not in mesh.axis_names]
+    if len(data_axes) == 2 and missing:
+        raise ValueError(f"data_axis {data_axis!r}: {missing} not an axis of the mesh.")
+    replicas = math.prod(mesh.shape[a] for a in data_axes if a in mesh.axis_names)
+    return _pipeline(_spec(model, config, mesh, replicas, data_axes))
+
+
+def _data_axes(data_axis) -> tuple[str, ...]:
+    """``(data,)`` or ``(slow, fast)``; ``ValueError`` naming anything else."""
+    pair = tuple(data_axis) if isinstance(data_axis, (tuple, list)) else ()
+    if isinstance(data_axis, str):
+        pair = (data_axis,)
+    ok = len(pair) in (1, 2) and all(isinstance(a, str) for a in pair)
+    if not ok or len(set(pair)) != len(pair) or _mesh.STAGE in pair:
+        raise ValueError(
+            "data_axis must be a mesh axis name (str) or a pair of distinct names (slow, fast), "
+            f"none of them {_mesh.STAGE!r}; got {data_axis!r}."
+        )
+    return pair
 
 
 def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> _prepare.Pipeline:

@@ -93,11 +93,14 @@ def check(
         )
 
 
-def for_eval(model: dict[str, jax.Array], how: str) -> dict[str, jax.Array]:
+def for_eval(
+    model: dict[str, jax.Array], how: str, data: str | tuple[str, ...] = _mesh.DATA
+) -> dict[str, jax.Array]:
     """Inside ``shard_map``: the running state every replica evaluates with, replica 0's
-    (``how="replica0"``: a ``psum`` of it and zeros, exact) or the mean over replicas."""
+    (``how="replica0"``: a ``psum`` of it and zeros, exact) or the mean over replicas
+    (``data``: the replicas' axis, or axes)."""
     if how == "mean":
-        return lax.pmean(model, _mesh.DATA)
-    first = lax.axis_index(_mesh.DATA) == 0
+        return lax.pmean(model, data)
+    first = lax.axis_index(data) == 0
     kept = jax.tree.map(lambda b: jnp.where(first, b, jnp.zeros_like(b)), model)
-    return lax.psum(kept, _mesh.DATA)
+    return lax.psum(kept, data)
