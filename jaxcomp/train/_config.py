@@ -216,3 +216,22 @@ def build_channel(spec: Any, num_samples: int | None = None):
         return feedback.aq_sgd(codec, num_samples)
     n = num_samples if per_sample_buffers else None
     return (feedback.error_feedback if kind == "ef" else feedback.ef21)(codec, num_samples=n)
+
+
+def data_axes(mesh: Any, mode: str, others: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The data-parallel axes of a trainer's ``config.mesh``: ``()``, ``("data",)``, or a
+    hierarchical ``(slow, fast)`` pair.
+
+    The mesh's axes other than ``others`` (the pipeline's ``stage``), in mesh order: none, one
+    named ``data``, or two of any names, the first the slow one (:func:`jaxcomp.comm.make_mesh`
+    puts the first axis across hosts, so ``[("hosts", 2), ("local", 4), ...]`` reads slow,
+    fast). ``ValueError`` naming the mesh otherwise.
+    """
+    axes = tuple(a for a in mesh.axis_names if a not in others)
+    if len(axes) == 2 or axes in ((), ("data",)):
+        return axes
+    extra = f" besides {list(others)}" if others else ""
+    raise ValueError(
+        f"{mode} mode takes one data axis named 'data' or two data axes (slow, fast){extra}, "
+        f"e.g. config.mesh = [('slow', 2), ('fast', 4)]; got mesh {dict(mesh.shape)}."
+    )

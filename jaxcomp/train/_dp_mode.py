@@ -17,6 +17,14 @@
   sync_batch_stats = False       # BatchNorm: per-worker statistics (False) or SyncBatchNorm
   eval_batch_stats = "worker0"   # BatchNorm, per worker: evaluate with "worker0"'s or "mean"
 
+``config.mesh`` is ``[("data", W)]``, or two data axes of a hierarchical cluster, read as
+``(slow, fast)`` in that order (:func:`jaxcomp.comm.make_mesh` puts the first across hosts),
+e.g. ``[("slow", hosts), ("fast", devices_per_host)]``: the transform averages densely over
+``fast`` (inside a host: NVLink, ICI) and compressed over ``slow`` (between hosts), per-worker
+state belongs to a host, and the step's ``wire_bytes`` are the slow axis's, ``fast_wire_bytes``
+the fast one's. On a pair: ``accordion`` and ``compressed_mean`` (not
+``accordion_batch_size``), models without BatchNorm.
+
 ``accordion_batch_size`` is Accordion's batch-size variant: the same detector chooses how many
 ``batch_size`` micro-batches make one update (``small_steps`` in critical regimes,
 ``large_steps`` otherwise), the mean over them goes through ``compressed_mean(codec)`` and the
@@ -85,8 +93,9 @@ DP_DEFAULTS = {
 TRANSFORMS = ("accordion", "compressed_mean", "accordion_batch_size")
 
 
-def _reducer(cfg: dict, schedule, steps_per_epoch: int, num_samples: int):
-    """``(transform, description)`` for ``config.data_parallel``."""
+def _reducer(cfg: dict, schedule, steps_per_epoch: int, num_samples: int, axis=comm.DATA):
+    """``(transform, description)`` for ``config.data_parallel``, averaging over ``axis`` (the
+    data axis or a ``(slow, fast)`` pair)."""
     _base_choice("config.data_parallel.transform", cfg["transform"], TRANSFORMS)
     if cfg["transform"] == "accordion":
         low, high = _config.build_codec(cfg["low"]), _config.build_codec(cfg["high"])
@@ -97,25 +106,30 @@ def _reducer(cfg: dict, schedule, steps_per_epoch: int, num_samples: int):
             check_every=int(cfg["check_every"]),
             eta=float(cfg["eta"]),
             learning_rate=schedule,
-            axis_name=comm.DATA,
+            axis_name=axis,
             error_feedback=bool(cfg["error_feedback"]),
             min_compression_rate=float(cfg["min_compression_rate"]),
         )
         return tx, f"accordion({low.name} / {high.name}, eta={cfg['eta']})"
     channel = _config.build_channel(cfg["codec"], num_samples)
     tx = transforms.compressed_mean(
-        channel, comm.DATA, min_compression_rate=float(cfg["min_compression_rate"])
+        channel, axis, min_compression_rate=float(cfg["min_compression_rate"])
     )
     return tx, f"compressed_mean({channel.name})"
 
 
-def _transform(cfg: dict, config, schedule, steps_per_epoch: int, num_samples: int):
+def _transform(cfg: dict, config, schedule, steps_per_epoch: int, num_samples: int, axis):
     """``(transform, description)``: the reducer chained with the optimizer, or, for
     ``accordion_batch_size``, the accumulation around ``chain(compressed_mean, optimizer)``."""
     opt = _config.optimizer(config, schedule)
     if cfg["transform"] != "accordion_batch_size":
-        reducer, name = _reducer(cfg, schedule, steps_per_epoch, num_samples)
+        reducer, name = _reducer(cfg, schedule, steps_per_epoch, num_samples, axis)
         return optax.chain(reducer, opt), name
+    if not isinstance(axis, str):
+        raise ValueError(
+            "config.data_parallel.transform 'accordion_batch_size' takes one data axis; got the "
+            f"(slow, fast) pair {axis!r} (use 'accordion' or 'compressed_mean' on a pair)."
+        )
     channel = _config.build_channel(cfg["codec"], num_samples)
     mean = transforms.compressed_mean(
         channel, comm.DATA, min_compression_rate=float(cfg["min_compression_rate"])
@@ -145,21 +159,30 @@ def _reducer_state(opt_state):
     return opt_state[0]  # chain(reducer, optimizer)
 
 
-def _compile_step(dp, tx, mesh, stats, model, batch_size, variables_abs):
-    """``dp.step`` compiled ahead of time for the state ``dp.init`` places and a training batch."""
+def _compile_step(dp, tx, mesh, stats, model, batch_size, variables_abs, axes, has_state):
+    """``dp.step`` compiled ahead of time for the state ``dp.init`` places and a training batch
+    (``axes``: the data axis or the ``(slow, fast)`` pair; per-worker state over the first)."""
     params, model_state = _mode.split_variables(variables_abs)
     replicated = NamedSharding(mesh, P())
     with jax.set_mesh(mesh):
         opt_state = jax.eval_shape(tx.init, params)
+    model_state = jax.eval_shape(stats.wrap, model_state) if has_state else ()
     state = parallel.TrainState(
         jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), params),
-        comm.place_state(opt_state, mesh, comm.DATA),
-        comm.place_state(jax.eval_shape(stats.wrap, model_state), mesh, comm.DATA),
+        comm.place_state(opt_state, mesh, axes[0]),
+        comm.place_state(model_state, mesh, axes[0]),
     )
-    batch = _dense.abstract_batch(model, batch_size, NamedSharding(mesh, P(comm.DATA)))
+    batch = _dense.abstract_batch(model, batch_size, NamedSharding(mesh, P(axes)))
     batch = {k: np.zeros(v.shape, v.dtype) for k, v in batch.items()}
     return dp.step.lower(state, batch).compile()
+
+
+def _over(axes, mesh) -> str:
+    if len(axes) == 1:
+        return ""
+    slow, fast = axes
+    return f" ({mesh.shape[slow]} {slow} x {mesh.shape[fast]} {fast}: dense over {fast})"
 
 
 def _base_choice(name, value, allowed):
@@ -175,9 +198,21 @@ def build_data_parallel(
 ) -> _mode.Mode:
     """Builds the compressed data-parallel mode (``config.mode = "data_parallel"``)."""
     cfg = _config.check_sub_config("data_parallel", config.data_parallel, DP_DEFAULTS)
-    if tuple(mesh.axis_names) != (comm.DATA,):
+    axes = _config.data_axes(mesh, "data_parallel")
+    if not axes:
         raise ValueError(
-            f"data_parallel mode needs a mesh with only a 'data' axis; got {dict(mesh.shape)}."
+            "data_parallel mode needs a 'data' mesh axis or two (slow, fast) data axes; got "
+            f"mesh {dict(mesh.shape)}."
+        )
+    axis = axes[0] if len(axes) == 1 else axes  # what the transforms average over
+    # a model state per worker is per device, the optimizer's per slow worker on a pair:
+    # parallel.data_parallel(has_state=True) takes one axis, so a pair runs stateless models
+    has_state = len(axes) == 1
+    if not has_state and model.has_batch_stats:
+        raise ValueError(
+            f"data_parallel mode over the (slow, fast) pair {axes} does not support BatchNorm "
+            f"statistics yet ({model.name} has them): use a 'data' mesh axis, or a model "
+            "without BatchNorm (e.g. config.model.norm = 'group')."
         )
     _base_choice(
         "config.data_parallel.eval_batch_stats", cfg["eval_batch_stats"], _batch_stats.EVAL_WITH
@@ -185,14 +220,14 @@ def build_data_parallel(
     sync = cfg["sync_batch_stats"]
     if not isinstance(sync, bool):
         raise ValueError(f"config.data_parallel.sync_batch_stats must be a bool; got {sync!r}.")
-    if sync:
+    if sync and has_state:
         model = model.with_batch_axis(comm.DATA)
-    workers = mesh.shape[comm.DATA]
+    workers = math.prod(mesh.shape[a] for a in axes)
     if config.batch_size % workers:
         raise ValueError(f"batch_size {config.batch_size} is not divisible by {workers} workers.")
     steps_per_epoch = max(1, num_train_samples // config.batch_size)
     schedule = _config.learning_rate(config)
-    tx, name = _transform(cfg, config, schedule, steps_per_epoch, num_train_samples)
+    tx, name = _transform(cfg, config, schedule, steps_per_epoch, num_train_samples, axis)
 
     stats = _batch_stats.BatchStats(per_worker=not sync, eval_with=cfg["eval_batch_stats"])
 
@@ -203,12 +238,23 @@ def build_data_parallel(
         loss = model.loss_fn(logits, batch["label"])
         return loss, (_staged.accuracy(logits, batch["label"]), new_state)
 
-    dp = parallel.data_parallel(loss_fn, tx, mesh, has_aux=True, has_state=True, donate=False)
-    batch_sharding = NamedSharding(mesh, P(comm.DATA))
+    no_state = None  # a stateless model's (empty) per-stage collections, on a pair
+
+    def stateless_loss_fn(params, batch):
+        loss, (aux, _) = loss_fn(params, no_state, batch)
+        return loss, aux
+
+    dp = parallel.data_parallel(
+        loss_fn if has_state else stateless_loss_fn, tx, mesh, axis_name=axis, has_aux=True,
+        has_state=has_state, donate=False,
+    )  # fmt: skip
+    batch_sharding = NamedSharding(mesh, P(axis))
     is_accordion = cfg["transform"] == "accordion"
 
     def init(key):
         params, model_state = _mode.split_variables(jax.jit(model.init)(key))
+        if not has_state:
+            return dp.init(params)
         return dp.init(params, stats.wrap(model_state))
 
     @jax.jit
@@ -217,6 +263,8 @@ def build_data_parallel(
         reducer_state = _reducer_state(new.opt_state)
         wire = reducer_state.bytes_sent + sync_bytes  # BatchNorm sync: every micro-step
         out = {"finite": finite.astype(jnp.int32), "wire_bytes": wire}
+        if not has_state:  # a pair: wire_bytes over the slow axis, the dense mean's over fast
+            out["fast_wire_bytes"] = reducer_state.fast_bytes_sent
         if is_accordion:
             modes = transforms.accordion_metrics(new.opt_state)["modes"]
             modes = jnp.stack([jnp.asarray(v) for v in jax.tree.leaves(modes)])
@@ -233,14 +281,18 @@ def build_data_parallel(
 
     @jax.jit
     def eval_step(state, batch):
-        variables = _mode.join_variables(state.params, stats.for_eval(state.model_state))
+        model_state = state.model_state if has_state else no_state
+        variables = _mode.join_variables(state.params, stats.for_eval(model_state))
         logits, _ = model.apply(variables, batch["x"])
         return _mode.eval_sums(model, logits, batch)
 
     params_abs = jax.eval_shape(model.init, jax.random.key(0))
+    no_state = stats.wrap(_mode.split_variables(params_abs)[1])  # () leaves without BatchNorm
     dense = 4.0 * _mode.param_count([v["params"] for v in params_abs])
     # compiled here (the trainer runs this executable): its HLO gives the step's collectives
-    step_c = _compile_step(dp, tx, mesh, stats, model, config.batch_size, params_abs)
+    step_c = _compile_step(
+        dp, tx, mesh, stats, model, config.batch_size, params_abs, axes, has_state
+    )
     sync_bytes = 0.0
     if sync and model.has_batch_stats:
         # synchronised statistics are replicated, like the parameters
@@ -258,7 +310,8 @@ def build_data_parallel(
         batch_sharding=batch_sharding,
         wire_bytes=math.nan,  # the transform reports each step's bytes (modes switch)
         dense_bytes=dense,
-        description=f"data parallel over {workers} workers, {name}, optax.{config.optax_name}",
+        description=f"data parallel over {workers} workers{_over(axes, mesh)}, {name}, "
+        f"optax.{config.optax_name}",
         extra={
             "reducer": name,
             "batch_stats": stats.describe(model.has_batch_stats),

@@ -25,6 +25,12 @@
                                 # or synchronised over data (SyncBatchNorm)
   eval_batch_stats = "worker0"  # BatchNorm, per replica: evaluate with replica 0's or "mean"
 
+``config.mesh`` has a ``stage`` axis and optionally the replicas' axes: ``data``, or two axes
+of a hierarchical cluster read as ``(slow, fast)`` in mesh order, e.g. ``[("slow", hosts),
+("fast", 2), ("stage", 4)]``: ``replica_mean`` then averages densely over ``fast`` and with
+its codec over ``slow`` (``data_wire_bytes``: the slow axis's bytes, ``data_fast_wire_bytes``
+the fast one's; without ``replica_mean`` a float mean over each).
+
 With ``forward_high`` / ``backward_high`` (also in ``boundaries`` entries) every step logs each
 adaptive boundary's mode (``link_mode_forward_<b>`` / ``link_mode_backward_<b>``: 0 low, 1
 high), ``low_compression_links`` and its own ``wire_bytes``; each mode combination is compiled
@@ -169,9 +175,12 @@ def _detector(cfg: dict, links, config, steps_per_epoch: int):
     )
 
 
-def _replica_mean(cfg: dict, config, replicas: int, steps_per_epoch: int, num_samples: int):
+def _replica_mean(
+    cfg: dict, config, replicas: int, steps_per_epoch: int, num_samples: int, axis=comm.DATA
+):
     """``(transform or None, description)`` for ``config.pipeline.replica_mean``: the same
-    keys and defaults as ``config.data_parallel``."""
+    keys and defaults as ``config.data_parallel``, averaging over ``axis`` (the data axis or a
+    ``(slow, fast)`` pair)."""
     spec = cfg["replica_mean"]
     if spec is None:
         return None, "float32 pmean"
@@ -187,7 +196,7 @@ def _replica_mean(cfg: dict, config, replicas: int, steps_per_epoch: int, num_sa
         "config.pipeline.replica_mean.transform", sub["transform"], REPLICA_TRANSFORMS
     )
     schedule = _config.learning_rate(config)
-    return _dp_mode._reducer(sub, schedule, steps_per_epoch, num_samples)
+    return _dp_mode._reducer(sub, schedule, steps_per_epoch, num_samples, axis)
 
 
 def _adaptive_metrics(metrics: dict, mask) -> dict:
@@ -235,7 +244,10 @@ def build_pipeline(
             f"pipeline mode needs a mesh with a 'stage' axis of {model.num_stages} devices "
             f"(one per stage); got mesh {dict(mesh.shape)}."
         )
-    replicas = mesh.shape.get(comm.DATA, 1)
+    data_axes = _config.data_axes(mesh, "pipeline", (comm.STAGE,))
+    replicas = math.prod(mesh.shape[a] for a in data_axes)
+    pair = len(data_axes) == 2
+    data = data_axes if pair else comm.DATA  # the replicas' axis, or the (slow, fast) pair
     sync, eval_with = cfg["sync_batch_stats"], cfg["eval_batch_stats"]
     if not isinstance(sync, bool):
         raise ValueError(f"config.pipeline.sync_batch_stats must be a bool; got {sync!r}.")
@@ -245,6 +257,12 @@ def build_pipeline(
             f"{eval_with!r}."
         )
     if sync and model.has_batch_stats and replicas > 1 and not cfg["simulate"]:
+        if pair:
+            raise ValueError(
+                "config.pipeline.sync_batch_stats over the (slow, fast) data axes "
+                f"{data_axes} is not supported; use per-replica statistics (False) or a 'data' "
+                "axis."
+            )
         model = model.with_batch_axis(comm.DATA)
     eval_stats = "mean" if eval_with == "mean" else "replica0"
     m = int(cfg["num_microbatches"])
@@ -260,7 +278,7 @@ def build_pipeline(
     links = _links(cfg, model.num_stages - 1, num_train_samples)
     steps_per_epoch = max(1, num_train_samples // config.batch_size)
     averaging, averaging_name = _replica_mean(
-        cfg, config, replicas, steps_per_epoch, num_train_samples
+        cfg, config, replicas, steps_per_epoch, num_train_samples, data
     )
     pmodel = pipeline.StagedModel(
         model.stages, _loss_fn(model), stateful=model.stateful, eval_stages=model.eval_stages
@@ -277,15 +295,15 @@ def build_pipeline(
     pipe = (
         pipeline.simulate(pmodel, pconfig)
         if cfg["simulate"]
-        else pipeline.gpipe(pmodel, pconfig, mesh)
+        else pipeline.gpipe(pmodel, pconfig, mesh, **({"data_axis": data} if pair else {}))
     )
     opt = _config.optimizer(config)
     warmup_steps = int(cfg["warmup_epochs"]) * steps_per_epoch
 
     replicated = NamedSharding(mesh, P())
     stage_sharding = NamedSharding(mesh, P(comm.STAGE)) if not cfg["simulate"] else replicated
-    data_axis = (comm.DATA,) if replicas > 1 and not cfg["simulate"] else ()
-    batch_sharding = NamedSharding(mesh, P(data_axis) if data_axis else P())
+    split = replicas > 1 and not cfg["simulate"]
+    batch_sharding = NamedSharding(mesh, P(data) if split else P())
     batch_abs = _dense.abstract_batch(model, config.batch_size, batch_sharding)
 
     def init(key):
@@ -330,6 +348,8 @@ def build_pipeline(
         }
         if "data_wire_bytes" in metrics:  # data replicas: the gradient average's bytes
             out["data_wire_bytes"] = metrics["data_wire_bytes"]
+        if "data_fast_wire_bytes" in metrics:  # a (slow, fast) pair: the fast axis's
+            out["data_fast_wire_bytes"] = metrics["data_fast_wire_bytes"]
         if detector is not None:
             out.update(_adaptive_metrics(metrics, mask))
         return new, out
