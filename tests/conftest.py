@@ -59,12 +59,27 @@ def fake_tfds_dir(tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """Test ids must be the same in every process (pytest-xdist compares them)."""
+    _check_also_under_set_mesh(items)
     unstable = [item.nodeid for item in items if " at 0x" in item.nodeid]
     if unstable:
         raise ValueError(
             "test ids contain object addresses, which differ between xdist workers; pass "
             f"ids= to parametrize: {unstable[:3]}"
         )
+
+
+def _check_also_under_set_mesh(items):
+    """Every :data:`ALSO_UNDER_SET_MESH` test of a collected file exists (a renamed test must
+    not silently drop out of the set)."""
+    modules = {item.nodeid.split("::")[0]: getattr(item, "module", None) for item in items}
+    missing = [
+        n
+        for n in ALSO_UNDER_SET_MESH
+        if modules.get(n.split("::")[0]) is not None
+        and not hasattr(modules[n.split("::")[0]], n.split("::")[1])
+    ]
+    if missing:
+        raise ValueError(f"tests/conftest.py ALSO_UNDER_SET_MESH names missing tests: {missing}")
 
 
 def pytest_addoption(parser):
@@ -77,15 +92,60 @@ def pytest_addoption(parser):
     )
 
 
-def _meshes(item):
+#: Tests that every run (CI included) also runs under ``jax.set_mesh`` of their mesh (a second
+#: parametrization, ``[set_mesh]``): a representative, cheap set of mesh-using tests, the pipeline
+#: step and evaluate, data parallelism (flat and over a (slow, fast) pair), Accordion's mode
+#: switch and AB-Training's grouped step. ``pytest --set-mesh`` runs every Mesh-fixture test so.
+ALSO_UNDER_SET_MESH = (
+    "tests/pipeline/test_gpipe.py::test_identity_mlp_matches_unpipelined",
+    "tests/pipeline/test_compressed.py::"
+    "test_compressed_evaluation_applies_each_forward_codec_with_the_documented_keys",
+    "tests/parallel/test_data_parallel.py::test_identity_compression_equals_full_batch_training",
+    "tests/parallel/test_data_parallel_pair.py::test_per_worker_state_belongs_to_a_slow_worker",
+    "tests/transforms/test_accordion.py::"
+    "test_low_compression_mode_equals_compressed_mean_with_power_sgd",
+    "tests/parallel/test_ab_parallel.py::test_truncation_cuts_the_rank_and_capacity_can_follow",
+    "tests/comm/test_uniformity.py::test_the_set_mesh_option_wraps_tests_taking_a_mesh",
+)
+
+
+@pytest.fixture
+def under_set_mesh(request):
+    """Whether this run of an :data:`ALSO_UNDER_SET_MESH` test is the ``jax.set_mesh`` one."""
+    return request.param
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.nodeid.split("[")[0] in ALSO_UNDER_SET_MESH:
+        metafunc.fixturenames.append("under_set_mesh")
+        metafunc.parametrize(
+            "under_set_mesh", [False, True], ids=["no_set_mesh", "set_mesh"], indirect=True
+        )
+
+
+def _meshes(item, deep=False):
+    """The Mesh fixtures of a test (``deep``: also a mesh inside a tuple fixture or its
+    elements' ``.mesh``, e.g. AB-Training's ``(config, dp)``)."""
     args = getattr(item, "funcargs", {}) or {}
-    return [v for v in args.values() if isinstance(v, jax.sharding.Mesh)]
+    values = list(args.values())
+    if deep:
+        for v in list(values):
+            parts = v if isinstance(v, tuple) else (v,)
+            values += [getattr(p, "mesh", p) for p in parts]
+    return [v for v in values if isinstance(v, jax.sharding.Mesh)]
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_pyfunc_call(pyfuncitem):
-    """With ``--set-mesh``: the test body runs under ``jax.set_mesh`` of its mesh fixture."""
+    """With ``--set-mesh``: the test body runs under ``jax.set_mesh`` of its mesh fixture; so
+    does the ``[set_mesh]`` run of an :data:`ALSO_UNDER_SET_MESH` test."""
+    variant = getattr(pyfuncitem, "callspec", None)
+    variant = variant is not None and variant.params.get("under_set_mesh", False)
     meshes = _meshes(pyfuncitem) if pyfuncitem.config.getoption("--set-mesh") else []
+    if variant:
+        meshes = _meshes(pyfuncitem, deep=True)
+        if not meshes:
+            raise ValueError(f"{pyfuncitem.nodeid} is in ALSO_UNDER_SET_MESH but has no mesh.")
     ctx = jax.set_mesh(meshes[0]) if meshes else contextlib.nullcontext()
     with ctx:
         yield

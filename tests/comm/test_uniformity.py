@@ -136,9 +136,13 @@ def test_branches_outside_shard_map_and_without_collectives_are_ignored(mesh, x)
 
 
 def test_the_set_mesh_option_wraps_tests_taking_a_mesh(mesh, request):
-    """``pytest --set-mesh`` (tests/conftest.py) runs this body under ``jax.set_mesh(mesh)``."""
+    """``pytest --set-mesh`` (tests/conftest.py) runs this body under ``jax.set_mesh(mesh)``;
+    so does the ``[set_mesh]`` run of a test listed in ``ALSO_UNDER_SET_MESH`` (this one too)."""
     current = jax.sharding.get_abstract_mesh()
-    if request.config.getoption("--set-mesh"):
+    callspec = getattr(request.node, "callspec", None)
+    variant = callspec is not None and callspec.params.get("under_set_mesh", False)
+    assert callspec is not None and "under_set_mesh" in callspec.params  # it is listed
+    if request.config.getoption("--set-mesh") or variant:
         assert tuple(current.axis_names) == tuple(mesh.axis_names)
     else:
         assert current.empty
