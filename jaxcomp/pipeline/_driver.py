@@ -85,6 +85,21 @@ class Spec(NamedTuple):
         return self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
 
     @property
+    def replica_lead(self) -> tuple[int, ...]:
+        """Leading dims of the averaging transform's state: ``(S, D)``; with a pair
+        ``(S, slow size)``: it belongs to a slow worker (the fast axis is averaged first)."""
+        if len(self.data_axes) == 2 and self.replicas > 1:
+            return (self.model.num_stages, self.mesh.shape[self.data_axes[0]])
+        return self.lead
+
+    @property
+    def replica_spec(self) -> P:
+        """The transform state's spec: as the link states', or ``(stage, slow)`` with a pair."""
+        if len(self.data_axes) == 2 and self.replicas > 1:
+            return P(_mesh.STAGE, self.data_axes[0])
+        return self.state_spec
+
+    @property
     def state_spec(self) -> P:
         return P(_mesh.STAGE, self.data) if self.replicas > 1 else P(_mesh.STAGE)
 
@@ -143,9 +158,9 @@ def _replica_init(spec: Spec, layout: _params.ParamLayout):
         ]
         states = [jax.tree.map(jnp.asarray, spec.replica_mean.init(p)) for p in stages]
         found["layout"] = replica_layout = _params.param_layout(states)
-        return _model_state.per_replica(replica_layout.pack(states), spec.lead)
+        return _model_state.per_replica(replica_layout.pack(states), spec.replica_lead)
 
-    out = jax.jit(make, out_shardings=NamedSharding(spec.mesh, spec.state_spec))()
+    out = jax.jit(make, out_shardings=NamedSharding(spec.mesh, spec.replica_spec))()
     return out, found["layout"]
 
 
@@ -199,12 +214,24 @@ def _average(spec: Spec, layout, replica_layout, local, grads, replica):
             g = layout.unpack_stage(s, grads)
             state = replica_layout.unpack_stage(s, replica)
             updates, state = spec.replica_mean.update(g, state, layout.unpack_stage(s, local))
+            varying = set().union(*map(_local.varying_axes, jax.tree.leaves(updates)))
+            differ = set(spec.data_axes) & varying
+            if differ:
+                raise ValueError(
+                    f"replica_mean returned updates that differ per replica over {sorted(differ)}"
+                    f": it must average over {spec.data!r} (e.g. transforms.compressed_mean("
+                    f"codec, {spec.data!r}))."
+                )
             # the averaged updates are replicated over data (as out_specs say); the state
-            # (per-worker parts) and its byte count are per device
+            # (per-worker parts) is per replica (per slow worker with a pair), its byte
+            # count per device
             updates = _local.to_varying(layout.pack_stage(s, updates), (_mesh.STAGE,))
             packed = replica_layout.pack_stage(s, state)
-            sent = jnp.stack([_bytes_sent(state), _bytes_sent(state, "fast_bytes_sent")])
-            return (updates, *_local.to_varying((packed, sent), spec.axes))
+            packed = _local.to_varying(packed, (_mesh.STAGE, *spec.data_axes[:1]))
+            sent = (_bytes_sent(state),)
+            if len(spec.data_axes) == 2:
+                sent += (_bytes_sent(state, "fast_bytes_sent"),)
+            return updates, packed, _local.to_varying(sent, spec.axes)
 
         return branch
 
@@ -228,8 +255,7 @@ def _plain_mean(spec: Spec, layout: _params.ParamLayout, grads: dict[str, jax.Ar
                     mean = lax.pmean(mean, axis)
                 pad = jnp.zeros((row.shape[0] - used,), row.dtype)
                 out[g] = _local.to_varying(jnp.concatenate([mean, pad]), (_mesh.STAGE,))
-            fast = layout.stage_bytes(s) if len(spec.data_axes) == 2 else 0.0
-            sent = jnp.asarray([layout.stage_bytes(s), fast], jnp.float32)
+            sent = (jnp.asarray(layout.stage_bytes(s), jnp.float32),) * len(spec.data_axes)
             return out, _local.to_varying(sent, spec.axes)
 
         return branch
@@ -296,7 +322,7 @@ def _program(
                 new_replica = {g: v.reshape(replica[g].shape) for g, v in mine.items()}
             sent = lax.pmean(lax.psum(sent, _mesh.STAGE), spec.data)
             metrics = {**metrics, "data_wire_bytes": sent[0]}
-            if len(spec.data_axes) == 2:  # a pair: the slow axis above, the fast one here
+            if len(spec.data_axes) == 2:  # a pair: the slow axis's above, the fast one's here
                 metrics["data_fast_wire_bytes"] = sent[1]
         stats, own = _detector.program_statistic(  # adaptive links: the interval's norms
             spec.adaptive, static.state_layout, carry.states, detector, spec.replicas, spec.data
@@ -308,7 +334,7 @@ def _program(
 
     bs = spec.batch_spec
     if train:
-        carried = (spec.state_spec, spec.state_spec, P(), spec.state_spec)
+        carried = (spec.state_spec, spec.replica_spec, P(), spec.state_spec)
         in_specs = (P(_mesh.STAGE), bs, bs, carried, P(), bs)
         out_specs = (P(), P(_mesh.STAGE), carried, P())
     else:

@@ -138,3 +138,10 @@ def test_bad_data_axes_are_named(setup, data_axis, match):
     mlp, _, mesh = setup
     with pytest.raises(ValueError, match=match):
         _pipe(mlp, mesh, None, data_axis=data_axis)
+
+
+def test_a_replica_mean_that_does_not_average_over_the_pair_is_named(setup):
+    mlp, batch, mesh = setup
+    pipe = _pipe(mlp, mesh, transforms.compressed_mean(C.identity(), SLOW), data_axis=PAIR)
+    with pytest.raises(ValueError, match=r"differ per replica over \['fast'\]"):
+        pipe.step(mlp.params, batch, pipe.init(mlp.params, batch), jax.random.key(0))
