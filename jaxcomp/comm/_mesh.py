@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 
 STAGE = "stage"  #: pipeline stages
 DATA = "data"  #: data-parallel replicas
@@ -24,9 +26,13 @@ def make_mesh(
     """Builds a mesh from ``[(name, size), ...]``; one size may be ``-1``.
 
     Its axes are ``AxisType.Auto`` (``jax.sharding.Mesh``'s default, not ``jax.make_mesh``'s
-    Explicit): ``shard_map`` accepts inputs of any placement and XLA reshards them. Devices are
-    taken in ``jax.devices()`` order, process by process, so on several hosts the first axis
-    spans the hosts (the slow links) and the last stays inside one.
+    Explicit): ``shard_map`` accepts inputs of any placement and XLA reshards them. On several
+    hosts the first axis spans the hosts (the slow links) and the last stays inside one: with
+    the default devices, a mesh of all of them whose first axis is a multiple of the number of
+    TPU slices (several slices) or else of processes is laid out by
+    ``mesh_utils.create_hybrid_device_mesh`` (each slice's or process's devices form one block
+    of the first axis, in the accelerator's topology order inside it); otherwise (one host,
+    explicit ``devices``, a smaller mesh) devices are taken in order.
 
     Args:
       axes: axis names and sizes, outermost first; ``-1`` fills with the remaining devices.
@@ -43,6 +49,7 @@ def make_mesh(
       >>> from jaxcomp import comm
       >>> mesh = comm.make_mesh([("stage", 4)], devices=jax.devices()[:4])  # doctest: +SKIP
     """
+    given = devices
     devices = list(jax.devices() if devices is None else devices)
     names = [a[0] for a in axes]
     sizes = [int(a[1]) for a in axes]
@@ -63,5 +70,29 @@ def make_mesh(
         raise ValueError(
             f"mesh {dict(zip(names, sizes))} needs {total} devices; only {len(devices)} available."
         )
-    grid = np.asarray(devices[:total], dtype=object).reshape(sizes)
+    grid = device_grid(devices, sizes) if given is None else None
+    if grid is None:
+        grid = np.asarray(devices[:total], dtype=object).reshape(sizes)
     return jax.sharding.Mesh(grid, tuple(names))
+
+
+def device_grid(devices: Sequence[Any], sizes: Sequence[int]) -> np.ndarray | None:
+    """The hybrid layout of ``devices`` (all of them) as ``sizes``, the first axis across TPU
+    slices or else processes (``mesh_utils.create_hybrid_device_mesh``); ``None`` where there
+    is one granule, the first axis is not a multiple of their number, or they differ in size
+    (the caller then takes the devices in order)."""
+    if math.prod(sizes) != len(devices) or not sizes:
+        return None
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    by_slice = len(slices) > 1 and None not in slices
+    granules = len(slices) if by_slice else len({d.process_index for d in devices})
+    if granules == 1 or sizes[0] % granules:
+        return None
+    dcn = [granules] + [1] * (len(sizes) - 1)
+    ici = [sizes[0] // granules, *sizes[1:]]
+    try:
+        return mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, process_is_granule=not by_slice
+        )
+    except ValueError:  # granules of different sizes
+        return None

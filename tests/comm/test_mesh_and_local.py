@@ -73,3 +73,63 @@ def test_to_varying_keeps_already_varying_leaves():
             body, mesh=mesh, in_specs=(P(comm.STAGE), P()), out_specs=P(comm.STAGE, comm.DATA)
         )
     )(a, b)
+
+
+def _fake_devices(processes, per_process, slices=None, interleave=True):
+    """Stand-ins for multi-host devices (``device_grid`` reads their process and slice)."""
+    import types
+
+    devs = [
+        types.SimpleNamespace(
+            id=i,
+            process_index=i % processes if interleave else i // per_process,
+            platform="cpu",
+            device_kind="cpu",
+            slice_index=None if slices is None else (i % processes) * slices // processes,
+        )  # fmt: skip
+        for i in range(processes * per_process)
+    ]
+    return devs
+
+
+@pytest.mark.parametrize("sizes", [(2, 4), (4, 2), (2, 2, 2)], ids=str)
+def test_hybrid_grid_puts_processes_on_the_first_axis(sizes):
+    """Even when the device list interleaves the processes, each process's devices form one
+    block of the first axis (what the trainer's (slow, fast) meshes rely on on many hosts)."""
+    from jaxcomp.comm import _mesh
+
+    grid = _mesh.device_grid(_fake_devices(2, 4), list(sizes))
+    assert grid.shape == sizes
+    procs = np.vectorize(lambda d: d.process_index)(grid)
+    half = sizes[0] // 2
+    assert (procs[:half] == 0).all() and (procs[half:] == 1).all(), procs
+    assert sorted(d.id for d in grid.ravel()) == list(range(8))
+
+
+def test_hybrid_grid_uses_tpu_slices_over_processes():
+    """4 processes in 2 TPU slices: the first axis spans the slices (DCN), not the hosts."""
+    from jaxcomp.comm import _mesh
+
+    grid = _mesh.device_grid(_fake_devices(4, 2, slices=2), [2, 4])
+    slices = np.vectorize(lambda d: d.slice_index)(grid)
+    assert (slices[0] == 0).all() and (slices[1] == 1).all(), slices
+
+
+@pytest.mark.parametrize(
+    "devices, sizes",
+    [
+        (_fake_devices(1, 8), [2, 4]),  # one process: devices in order
+        (_fake_devices(2, 4), [3, 2]),  # first axis not a multiple of the processes
+        (_fake_devices(2, 4), [2, 2]),  # a mesh of part of the devices
+    ],
+    ids=["one_process", "first_axis_not_multiple", "part_of_the_devices"],
+)
+def test_hybrid_grid_falls_back_to_device_order(devices, sizes):
+    from jaxcomp.comm import _mesh
+
+    assert _mesh.device_grid(devices, sizes) is None
+
+
+def test_make_mesh_on_one_process_keeps_device_order():
+    mesh = comm.make_mesh([("slow", 2), ("fast", 4)])
+    assert [d.id for d in mesh.devices.ravel()] == [d.id for d in jax.devices()]
