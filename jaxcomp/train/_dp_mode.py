@@ -287,7 +287,8 @@ def build_data_parallel(
         return _mode.eval_sums(model, logits, batch)
 
     params_abs = jax.eval_shape(model.init, jax.random.key(0))
-    no_state = stats.wrap(_mode.split_variables(params_abs)[1])  # () leaves without BatchNorm
+    if not has_state:  # a pair (no BatchNorm): the per-stage collections are empty dicts
+        no_state = stats.wrap(_mode.split_variables(params_abs)[1])
     dense = 4.0 * _mode.param_count([v["params"] for v in params_abs])
     # compiled here (the trainer runs this executable): its HLO gives the step's collectives
     step_c = _compile_step(
