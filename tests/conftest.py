@@ -44,6 +44,26 @@ jax.config.update("jax_num_cpu_devices", 8)
 FAKE_IMAGES, FAKE_CHARS = 32, 1200
 
 
+def _last_checkpoint(workdir: str):
+    """``(step, state)`` of the newest checkpoint in a run's ``workdir``, the state the raw
+    pytree orbax restores without a target."""
+    import orbax.checkpoint as ocp
+
+    from jaxcomp import train
+
+    ckpt = train.Checkpointer(workdir)
+    step = ckpt.all_steps()[-1]
+    out = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    ckpt.close()
+    return step, out["state"]
+
+
+@pytest.fixture(scope="session")  # conftest functions are not importable in importlib mode
+def last_checkpoint():
+    """:func:`_last_checkpoint`: ``last_checkpoint(workdir) -> (step, state)``."""
+    return _last_checkpoint
+
+
 @pytest.fixture(scope="session")
 def fake_tfds_dir(tmp_path_factory):
     """A tfds data_dir with fake ``cifar10`` (``FAKE_IMAGES`` images per split, label ``i % 10``)

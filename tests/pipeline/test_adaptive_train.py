@@ -40,16 +40,6 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-def _final_state(workdir):
-    import orbax.checkpoint as ocp
-
-    ckpt = train.Checkpointer(workdir)
-    step = ckpt.all_steps()[-1]
-    out = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-    ckpt.close()
-    return step, out["state"]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     full = str(tmp_path_factory.mktemp("full"))
@@ -81,9 +71,9 @@ def test_metrics_log_each_boundary_mode_and_the_bytes_of_that_mode(runs):
             assert high < r["wire_bytes"] < low
 
 
-def test_resume_mid_interval_is_bit_identical(runs):
+def test_resume_mid_interval_is_bit_identical(runs, last_checkpoint):
     _, full, part = runs
-    (s1, a), (s2, b) = _final_state(full), _final_state(part)
+    (s1, a), (s2, b) = last_checkpoint(full), last_checkpoint(part)
     assert s1 == s2 == 8
     for x, y in zip(_leaves(a), _leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)

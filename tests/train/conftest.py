@@ -1,9 +1,10 @@
 """Small configs shared by the trainer tests (dense digits: compiles in a few seconds)."""
 
+import functools
+
 import jax
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from jaxcomp import train
@@ -33,23 +34,18 @@ def make_config():
     return digits_config
 
 
-def _last_checkpoint(workdir: str):
-    ckpt = train.Checkpointer(workdir)
-    step = ckpt.all_steps()[-1]
-    out = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-    ckpt.close()
-    return step, out["state"]
-
-
-def resume_is_bit_identical(config: ml_collections.ConfigDict, tmp_path, stop: int = 2):
+def resume_is_bit_identical(
+    config: ml_collections.ConfigDict, tmp_path, stop: int = 2, *, last_checkpoint
+):
     """Trains ``config`` uninterrupted and stopped after ``stop`` steps then resumed; asserts
     the last checkpointed states are bit-identical and the eval records equal; returns
-    ``(step, state)`` of the last checkpoint (a raw pytree as orbax restores it)."""
+    ``(step, state)`` of the last checkpoint (a raw pytree as orbax restores it;
+    ``last_checkpoint`` is the root conftest's fixture)."""
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     train.train_and_evaluate(config, full)
     assert train.train_and_evaluate(config, part, stop_after=stop) == {"stopped_at": stop}
     train.train_and_evaluate(config, part)
-    (s1, a), (s2, b) = _last_checkpoint(full), _last_checkpoint(part)
+    (s1, a), (s2, b) = last_checkpoint(full), last_checkpoint(part)
     assert s1 == s2 == config.total_steps
     a_leaves, b_leaves = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(a_leaves) == len(b_leaves)
@@ -61,5 +57,5 @@ def resume_is_bit_identical(config: ml_collections.ConfigDict, tmp_path, stop: i
 
 
 @pytest.fixture(scope="session")
-def check_resume():
-    return resume_is_bit_identical
+def check_resume(last_checkpoint):
+    return functools.partial(resume_is_bit_identical, last_checkpoint=last_checkpoint)
