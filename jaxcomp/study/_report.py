@@ -168,8 +168,10 @@ def collectives_of(run: Run) -> tuple[list[_cost.Collective] | None, str]:
     then exact up to the few bytes of the loss and metric means the transform does not count;
     the split between branches, hence the message count, is estimated). For the pipeline mode
     otherwise rebuilt from ``boundary_bytes_per_step`` (``2 M (S-1)`` single-pair permutes,
-    every boundary carrying the same payload) and ``hlo_collective_bytes_per_step`` (the rest:
-    the gradient mean over the ``data`` axis, an all-reduce); ``None`` otherwise.
+    every boundary carrying the same payload; with adaptive links, whose modes change during the
+    run, the run's measured mean ``wire_bytes_per_step`` instead) and
+    ``hlo_collective_bytes_per_step`` (the rest: the gradient mean over the ``data`` axis, an
+    all-reduce); ``None`` otherwise.
     """
     s = run.summary
     if isinstance(s.get("collectives"), list):
@@ -177,13 +179,20 @@ def collectives_of(run: Run) -> tuple[list[_cost.Collective] | None, str]:
     if s.get("mode") == "pipeline" and s.get("boundary_bytes_per_step") is not None:
         m, stages = int(s["microbatches"]), int(s["stages"])
         sends = 2 * m * (stages - 1)
-        boundary = float(s["boundary_bytes_per_step"])
+        boundary = rest_base = float(s["boundary_bytes_per_step"])
+        how = "boundary permutes + data-axis all-reduce of the rest of the HLO bytes"
+        if s.get("adaptive"):  # the links switch modes: the run's mean, not the low links'
+            boundary = _finite(s.get("wire_bytes_per_step"))
+            if boundary is None:
+                return None, "adaptive links but no finite mean boundary bytes per step"
+            how = how.replace(
+                "boundary permutes", "boundary permutes (the run's mean boundary bytes)"
+            )
         out = [_cost.Collective("collective-permute", boundary / max(sends, 1), 2, sends)]
-        rest = float(s.get("hlo_collective_bytes_per_step", boundary)) - boundary
+        rest = float(s.get("hlo_collective_bytes_per_step", rest_base)) - rest_base
         replicas = _data_axis_size(run.experiment)
         if rest > 0 and replicas != 1:
             out.append(_cost.Collective("all-reduce", rest, replicas or 2, 1))
-        how = "boundary permutes + data-axis all-reduce of the rest of the HLO bytes"
         if replicas is None:
             how += " (data axis size unknown: priced for 2 replicas)"
         return out, how

@@ -309,6 +309,36 @@ def test_collectives_in_branches_are_scaled_to_the_runs_mean_bytes():
         _report.collectives_of(_run({"collectives": [{"kind": "all-reduce"}]}))
 
 
+def test_adaptive_pipeline_links_are_priced_at_the_runs_mean_boundary_bytes():
+    # figures of a digits run (data 2 x stage 4, M=4): low links 104,496 B, high 55,344 B,
+    # the data-axis gradient mean the same in both programs (HLO total minus the boundary)
+    summary = {"mode": "pipeline", "microbatches": 4, "stages": 4,
+               "boundary_bytes_per_step": 104496.0, "hlo_collective_bytes_per_step": 707754.0,
+               "adaptive": "interval 11 steps, every 2, eta=0.5",
+               "boundary_bytes_per_step_high": 55344.0,
+               "hlo_collective_bytes_per_step_high": 658602.0}  # fmt: skip
+    mean = {**summary, "wire_bytes_per_step": 62552.96}
+    run = _report.Run(
+        "cell", "adaptive", {}, 0, "done", mean, [], [], {"mesh": [["data", 2], ["stage", 4]]}
+    )
+    colls, how = _report.collectives_of(run)
+    by_kind = _report.bytes_by_kind(colls)
+    assert by_kind["collective-permute/2"] == pytest.approx(62552.96)  # the measured mean
+    assert by_kind["all-reduce/2"] == pytest.approx(707754.0 - 104496.0)
+    assert "mean boundary bytes" in how
+    # a fixed-link run is priced at its compiled boundary bytes
+    fixed = {k: v for k, v in summary.items() if "adaptive" not in k and "_high" not in k}
+    colls, _ = _report.collectives_of(
+        run._replace(summary={**fixed, "wire_bytes_per_step": 104496.0})
+    )
+    assert _report.bytes_by_kind(colls)["collective-permute/2"] == pytest.approx(104496.0)
+    # an adaptive run without a finite mean cannot be priced: no silent low-link figure
+    colls, how = _report.collectives_of(
+        run._replace(summary={**summary, "wire_bytes_per_step": None})
+    )
+    assert colls is None and "adaptive" in how
+
+
 def test_report_state_plot_for_adaptive_methods(finished):
     cell = os.path.join(finished, "dense__optimizer=adam__seed0", "metrics.jsonl")
     with open(cell, "a") as f:
