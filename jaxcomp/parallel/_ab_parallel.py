@@ -110,14 +110,17 @@ class ABDataParallel(NamedTuple):
     """What :func:`ab_data_parallel` returns.
 
     Attributes:
-      init: ``init(params) -> TrainState``: parameters and optimizer state with a leading axis
-        over ``config.state_axes(mesh)``: one entry per group when the members of a group
-        agree (a ``(group, member)`` mesh with ``comm_setup="groups"``), else per worker.
+      init: ``init(params, model_state=()) -> TrainState``: parameters and optimizer state
+        with a leading axis over ``config.state_axes(mesh)``: one entry per group when the
+        members of a group agree (a ``(group, member)`` mesh with ``comm_setup="groups"``),
+        else per worker; the model state (``has_state``) always per worker.
       step: ``step(state, batch) -> (state, metrics)``; reads ``state.step`` on the host to
         choose the programs (so it waits for the previous step to finish).
       shard_batch: places a host batch on the mesh (``step`` calls it too).
-      state_sharding: ``state_sharding(params) -> TrainState`` of ``NamedSharding``s.
-      abstract_state: ``abstract_state(params) -> TrainState`` of ``ShapeDtypeStruct``s with
+      state_sharding: ``state_sharding(params, model_state=()) -> TrainState`` of
+        ``NamedSharding``s.
+      abstract_state: ``abstract_state(params, model_state=()) -> TrainState`` of
+        ``ShapeDtypeStruct``s with
         their shardings (an orbax restore target, or :attr:`compile`'s input).
       mesh: the mesh.
       axis_name: the workers' axes.
@@ -129,11 +132,11 @@ class ABDataParallel(NamedTuple):
         (and their worker-weighted ``"mean"``) for AB kinds, ``"all"`` for dense ones.
     """
 
-    init: Callable[[Any], TrainState]
+    init: Callable[..., TrainState]
     step: Callable[..., tuple[TrainState, dict[str, Any]]]
     shard_batch: Callable[[Any], Any]
-    state_sharding: Callable[[Any], TrainState]
-    abstract_state: Callable[[Any], TrainState]
+    state_sharding: Callable[..., TrainState]
+    abstract_state: Callable[..., TrainState]
     mesh: jax.sharding.Mesh
     axis_name: tuple[str, ...]
     config: ABConfig
@@ -147,6 +150,7 @@ def ab_data_parallel(
     mesh: jax.sharding.Mesh,
     *,
     has_aux: bool = False,
+    has_state: bool = False,
     donate: bool = True,
     check_finite: bool = True,
 ) -> ABDataParallel:
@@ -166,6 +170,15 @@ def ab_data_parallel(
       mesh: a mesh with ``config.axis_name`` (e.g. :func:`ab_mesh`); ``batch`` leaves are
         split over those axes along their first dimension.
       has_aux: ``metrics["aux"]`` is ``aux`` averaged over all workers.
+      has_state: the model has mutable state (BatchNorm running statistics), as in
+        :func:`~jaxcomp.parallel.data_parallel`: ``loss_fn(params, model_state, batch)``
+        returns ``(loss, model_state)`` (``(loss, (aux, model_state))`` with ``has_aux``).
+        Each worker keeps its own (``[N, ...]`` over all of ``config.axis_name``), updated
+        by its own forward passes only (a model that synchronises its statistics over the
+        group, e.g. BatchNorm with ``batch_axis``, makes a group's workers agree). At a
+        sync it follows the non-factorised parameters' rule
+        (:attr:`~jaxcomp.transforms.ABConfig.effective_dense_sync`,
+        :func:`jaxcomp.transforms._ab_sync.sync_model_state`).
       donate: donate the old state's buffers to the new one.
       check_finite: report in ``metrics["finite"]`` whether the loss and each worker's new
         state are finite (a pass over what each program writes; on CPU about as long as a
@@ -198,14 +211,20 @@ def ab_data_parallel(
     sizes = config.group_sizes([mesh.shape[a] for a in axes])  # raises for impossible groups
     if _many_local_cpu_devices(mesh):
         single_thread_lapack()
-    programs = _ab_programs.Programs(config, loss_fn, mesh, has_aux, donate, check_finite)
+    programs = _ab_programs.Programs(
+        config, loss_fn, mesh, has_aux, donate, check_finite, has_state=has_state
+    )
     split = NamedSharding(mesh, P(axes))
     state_axes = config.state_axes(mesh)
 
-    def init(params):
+    def init(params, model_state=()):
+        if jax.tree.leaves(model_state) and not has_state:
+            raise ValueError("a model_state was given to an ab_data_parallel built without "
+                             "has_state.")  # fmt: skip
         opt = jax.jit(lambda p: init_state(config, p))(params)
         step0 = _driver.replicate(jnp.zeros((), jnp.int32), mesh)
-        return TrainState(step0, *_driver.stack_per_worker((params, opt), mesh, state_axes))
+        placed = _driver.stack_per_worker((params, opt), mesh, state_axes)
+        return TrainState(step0, *placed, _driver.stack_per_worker(model_state, mesh, axes))
 
     def shard_batch(batch):
         return jax.device_put(batch, split)
@@ -227,11 +246,11 @@ def ab_data_parallel(
             metrics["finite"] = jnp.minimum(metrics["finite"], f)
         return state, metrics
 
-    def abstract_state(params):
-        return _ab_programs.abstract_train_state(config, params, mesh)
+    def abstract_state(params, model_state=()):
+        return _ab_programs.abstract_train_state(config, params, mesh, model_state)
 
-    def state_sharding(params):
-        return jax.tree.map(lambda x: x.sharding, abstract_state(params))
+    def state_sharding(params, model_state=()):
+        return jax.tree.map(lambda x: x.sharding, abstract_state(params, model_state))
 
     def compile_all(state, batch):
         return programs.compile_all(state, shard_abstract(batch))

@@ -71,6 +71,9 @@ class Programs:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
       mesh: the mesh holding ``config.axis_name``.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      has_state: ``loss_fn(params, model_state, batch)`` returns the new model state too
+        (``(loss, model_state)``, or ``(loss, (aux, model_state))`` with ``has_aux``), as
+        :func:`~jaxcomp.parallel.data_parallel` takes it; the state is each worker's own.
       donate: donate the state's buffers to each program's result.
       check_finite: report whether each worker's loss and new state are finite (one pass
         over what a program writes); if False, ``finite`` is always 1.
@@ -82,6 +85,7 @@ class Programs:
     has_aux: bool = False
     donate: bool = True
     check_finite: bool = True
+    has_state: bool = False
 
     def __post_init__(self):
         self._programs: dict[str, _driver.Program] = {}  # compile caches, not training state
@@ -95,11 +99,11 @@ class Programs:
 
     def _train_body(self, kind: str):
         def body(state: TrainState, batch):
-            params, opt = _unstack((state.params, state.opt_state))
-            value, grads = local_value_and_grad(self.loss_fn, self.axes, has_aux=self.has_aux)(
-                params, batch
-            )
-            loss, aux = value if self.has_aux else (value, None)
+            params, opt, model_state = _unstack((state.params, state.opt_state, state.model_state))
+            loss_fn = _driver.stateful_loss(self.loss_fn, self.has_aux, self.has_state)
+            (loss, (aux, model_state)), grads = local_value_and_grad(
+                loss_fn, self.axes, has_aux=True
+            )(params, model_state, batch)
             ctx = self._ctx(params)
             check_shapes(ctx.layout, opt, grads, params)
             lr = jnp.asarray(self.config.lr_schedule()(opt.count), jnp.float32)
@@ -108,33 +112,40 @@ class Programs:
             opt = advance(self.config, opt, opt.count)
             changed = (params, opt.dense_state, opt.other_state) if kind == "dense" else (
                 params, opt.a, opt.b, opt.a_state, opt.b_state, opt.other_state)  # fmt: skip
+            changed = (changed, model_state)
             loss = lax.pmean(loss, self.axes)  # non-finite if any worker's is
             workers = {"lr": lr, **_state_metrics(self.check_finite, changed, params, opt, loss)}
             metrics = {"loss": loss, "workers": _stack(workers)}
             if self.has_aux:
                 metrics["aux"] = jax.tree.map(lambda a: lax.pmean(a, self.axes), aux)
-            return TrainState(state.step + 1, *_stack((params, opt))), metrics
+            return TrainState(state.step + 1, *_stack((params, opt, model_state))), metrics
 
         return body
 
     def _transition_body(self, name: str):
         def body(state: TrainState, exact: jax.Array):
-            params, opt = _unstack((state.params, state.opt_state))
+            params, opt, model_state = _unstack((state.params, state.opt_state, state.model_state))
             ctx = self._ctx(params)
             if name == "sync":
                 params, opt = _ab_sync.sync(ctx, opt, params)
+                model_state = _ab_sync.sync_model_state(ctx, model_state)
             else:  # one program for both: the flag is an input (replicated, so uniform)
                 params, opt = _ab_sync.refactor(ctx, opt, params, exact=exact)
-            changed = (params, opt.a, opt.b, opt.a_state, opt.b_state)
+            changed = (params, opt.a, opt.b, opt.a_state, opt.b_state, model_state)
             workers = _stack(_state_metrics(self.check_finite, changed, params, opt))
-            return TrainState(state.step, *_stack((params, opt))), {"workers": workers}
+            new = TrainState(state.step, *_stack((params, opt, model_state)))
+            return new, {"workers": workers}
 
         return body
 
     def _program(self, name: str) -> _driver.Program:
         if name not in self._programs:
-            specs = TrainState(P(), P(self.state_axes), P(self.state_axes))
-            workers = {"workers": P(self.state_axes)}
+            # the model state (BatchNorm statistics) is each worker's own, even where the
+            # members of a group agree on the parameters
+            specs = TrainState(P(), P(self.state_axes), P(self.state_axes), P(self.axes))
+            # per-worker metrics: one entry per state entry, or per worker with a model state
+            # (its finiteness is each worker's own)
+            workers = {"workers": P(self.axes if self.has_state else self.state_axes)}
             if name in ("dense", "ab"):
                 metrics = {"loss": P(), **workers, **({"aux": P()} if self.has_aux else {})}
                 in_out = ((specs, P(self.axes)), (specs, metrics))
@@ -192,9 +203,13 @@ def _state_metrics(check: bool, changed, params, opt, loss=None) -> dict[str, ja
     return out
 
 
-def abstract_train_state(config: ABConfig, params: Any, mesh: jax.sharding.Mesh) -> TrainState:
-    """``ShapeDtypeStruct``s (with shardings) of the harness's train state for ``params``."""
+def abstract_train_state(
+    config: ABConfig, params: Any, mesh: jax.sharding.Mesh, model_state: Any = ()
+) -> TrainState:
+    """``ShapeDtypeStruct``s (with shardings) of the harness's train state for ``params`` (and
+    a model state, per worker over all of ``config.axis_name``)."""
     opt = jax.eval_shape(lambda p: _ab_step.init_state(config, p), params)
-    params = jax.eval_shape(lambda p: p, params)
+    params, model_state = jax.eval_shape(lambda t: t, (params, model_state))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
-    return TrainState(step, *_driver.stack_per_worker((params, opt), mesh, config.state_axes(mesh)))
+    placed = _driver.stack_per_worker((params, opt), mesh, config.state_axes(mesh))
+    return TrainState(step, *placed, _driver.stack_per_worker(model_state, mesh, config.axis_name))

@@ -149,13 +149,7 @@ def data_parallel(
             raise ValueError("a model_state was given to a data_parallel built without has_state.")
         return _placement.place_state(model_state, mesh, slow)
 
-    def model_loss(params, model_state, batch):
-        """``loss_fn`` as ``(params, model_state, batch) -> (loss, (aux, model_state))``."""
-        if has_state:
-            loss, out = loss_fn(params, model_state, batch)
-            return (loss, out) if has_aux else (loss, (None, out))
-        out = loss_fn(params, batch)
-        return (out[0], (out[1], model_state)) if has_aux else (out, (None, model_state))
+    model_loss = _driver.stateful_loss(loss_fn, has_aux, has_state)
 
     def body(state, batch):
         grad_fn = _local.local_value_and_grad(model_loss, axes, has_aux=True)

@@ -72,6 +72,25 @@ def layout_of(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree.map(spec_of, tree)
 
 
+def stateful_loss(loss_fn: Callable[..., Any], has_aux: bool, has_state: bool) -> Callable:
+    """``loss_fn`` as ``(params, model_state, batch) -> (loss, (aux, model_state))``.
+
+    ``loss_fn`` is ``(params, batch) -> loss`` (``(loss, aux)`` with ``has_aux``), or with
+    ``has_state`` ``(params, model_state, batch) -> (loss, model_state)`` (``(loss, (aux,
+    model_state))`` with ``has_aux``); ``aux`` is ``None`` without ``has_aux``, the model
+    state passes through unchanged without ``has_state``.
+    """
+
+    def fn(params, model_state, batch):
+        if has_state:
+            loss, out = loss_fn(params, model_state, batch)
+            return (loss, out) if has_aux else (loss, (None, out))
+        out = loss_fn(params, batch)
+        return (out[0], (out[1], model_state)) if has_aux else (out, (None, model_state))
+
+    return fn
+
+
 def all_finite(tree: Any, *scalars: jax.Array) -> jax.Array:
     """``int32[]`` 1 if every inexact leaf of ``tree`` (one worker's view) and every scalar is
     finite, else 0. Inside ``shard_map`` it is this worker's flag: no collective is added."""

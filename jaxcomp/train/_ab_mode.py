@@ -22,6 +22,8 @@ size allowed, as the reference spreads the remainder workers). ``config.ab`` (al
   align_moments = True        # moments follow the singular vectors at re-factorisations
   max_grad_norm = None        # clip the averaged trained gradients (the reference: 1.0)
   inner = "adamw"             # "adam", "adamw" (+ config.weight_decay) or "sgd" (momentum 0.9)
+  sync_batch_stats = False    # BatchNorm: per-worker statistics (False) or synced over the group
+  eval_batch_stats = "worker0"  # BatchNorm: evaluate with worker 0's statistics or the "mean"
 
 The learning rate is ``config.lr`` with ``config.schedule``; ``ab_training`` applies it (with
 the rebound). Every program (the dense and AB steps, the transitions, the finiteness check) is
@@ -29,6 +31,21 @@ compiled here, before the first step; bytes per step are read from their HLO and
 step by the step's kind. A step whose loss or new state is not finite is skipped (the state
 is kept, as ``_mode.commit_if_finite`` does in the other modes); the AB schedule then runs a
 step behind the trainer's count, as optax's ``count`` does in the dense mode.
+
+**BatchNorm** (a model with running statistics, e.g. ``--set model.norm=batch`` on
+``configs/vgg16_cifar10_ab.py``): the statistics are model state, each worker's own
+(:func:`jaxcomp.parallel.ab_data_parallel` ``has_state``), updated only by its own batches.
+``sync_batch_stats=True`` normalises with the statistics of the group's batch (SyncBatchNorm
+over the group's workers: mean of the means, variance around that mean; the model's
+``with_batch_axis`` on the member axis of a ``(group, member)`` mesh, or on the data axis
+with one group; unequal flat groups are refused), so a group's workers agree, as its
+parameters do. At an AB sync the statistics follow the non-factorised parameters (BatchNorm's
+scale and shift): averaged over all workers by default, worker 0's with ``dense_sync="first"``
+(the default in ``individual`` and ``only-b``), kept with ``"keep"``
+(:func:`jaxcomp.transforms._ab_sync.sync_model_state` gives the reasoning). Evaluation uses
+worker 0's parameters with worker 0's statistics (``eval_batch_stats="mean"``: the mean of
+the workers' running means and variances, :class:`jaxcomp.train._batch_stats.BatchStats`).
+Their all-reduces (synchronised) are in the programs' HLO, so in ``wire_bytes``.
 
 The summary's ``collectives`` lists the run's mean step per collective kind and group size:
 each step kind's programs weighted by how many steps the schedule gives it
@@ -46,9 +63,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import compressors
 from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp.models import _staged
+from jaxcomp.train import _batch_stats
 from jaxcomp.train import _collectives
 from jaxcomp.train import _config
 from jaxcomp.train import _dense
@@ -76,7 +95,10 @@ AB_DEFAULTS = {
     "align_moments": True,
     "max_grad_norm": None,
     "inner": "adamw",
+    "sync_batch_stats": False,
+    "eval_batch_stats": "worker0",
 }
+_HARNESS_KEYS = ("inner", "sync_batch_stats", "eval_batch_stats")  # not ABConfig fields
 INNERS = ("adam", "adamw", "sgd")
 
 
@@ -96,7 +118,7 @@ def ab_config(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> tra
       ValueError: naming the ``config.ab`` key whose value is invalid.
     """
     cfg = _config.check_sub_config("ab", config.ab, AB_DEFAULTS)
-    options = {k: v for k, v in cfg.items() if k != "inner"}
+    options = {k: v for k, v in cfg.items() if k not in _HARNESS_KEYS}
     options["exclude"] = tuple(cfg["exclude"])
     try:
         return transforms.ABConfig(
@@ -107,6 +129,43 @@ def ab_config(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> tra
         )
     except ValueError as e:
         raise ValueError(f"config.ab: {e}") from e
+
+
+def _batch_stats_of(ab, model, cfg, mesh, sizes):
+    """``(model, BatchStats)``: the model synchronising its BatchNorm statistics over each
+    group's workers with ``ab.sync_batch_stats`` (``ValueError`` where groups are not mesh
+    rows), the statistics per worker otherwise."""
+    sync, eval_with = ab.get("sync_batch_stats", False), ab.get("eval_batch_stats", "worker0")
+    if not isinstance(sync, bool):
+        raise ValueError(f"config.ab.sync_batch_stats must be a bool; got {sync!r}.")
+    if eval_with not in _batch_stats.EVAL_WITH:
+        raise ValueError(f"config.ab.eval_batch_stats must be one of {_batch_stats.EVAL_WITH}; "
+                         f"got {eval_with!r}.")  # fmt: skip
+    # the harness stacks every worker's statistics: evaluation picks from them per worker
+    stats = _batch_stats.BatchStats(per_worker=True, eval_with=eval_with)
+    if not (sync and model.has_batch_stats):
+        return model, stats
+    axes = cfg.axis_name
+    if len(sizes) == 1:  # one group: all the workers
+        axis = axes[0] if len(axes) == 1 else axes
+    elif len(axes) == 2 and sizes == (mesh.shape[axes[1]],) * mesh.shape[axes[0]]:
+        axis = axes[1]  # groups are the rows of a (group, member) mesh
+    else:
+        raise ValueError(
+            f"config.ab.sync_batch_stats: the groups {list(sizes)} are not the rows of a "
+            "(group, member) mesh; synchronised statistics need config.mesh = [('group', G), "
+            "('member', M)] (or one group)."
+        )
+    return model.with_batch_axis(axis), stats
+
+
+def _describe(stats, model) -> str:
+    if not model.has_batch_stats:
+        return "none"
+    synced = any(getattr(m, "batch_axis", None) for _, m in model.segments)
+    if synced:
+        return "synchronised over each group (SyncBatchNorm)"
+    return f"per worker (evaluation: {stats.eval_with})"
 
 
 def _step_collectives(cfg, sizes, texts: dict[str, str], total_steps: int) -> list[dict]:
@@ -141,23 +200,22 @@ def build_ab(
     """Builds the AB-Training mode (``config.mode = "ab"``) and compiles its programs."""
     del num_train_samples
     cfg = ab_config(config, mesh)
-    if model.has_batch_stats:
-        raise ValueError(f"ab mode: {model.name} keeps BatchNorm statistics; use a model without.")
     if config.batch_size % mesh.size:
         raise ValueError(f"batch_size {config.batch_size} is not divisible by {mesh.size} workers.")
     sizes = cfg.group_sizes([mesh.shape[a] for a in cfg.axis_name])
+    model, stats = _batch_stats_of(config.ab, model, cfg, mesh, sizes)
 
-    def unstack(params):
-        return tuple({"params": p} for p in params)
+    def loss_fn(params, model_state, batch):
+        logits, new = model.apply(_mode.join_variables(params, model_state), batch["x"], train=True)
+        loss = model.loss_fn(logits, batch["label"])
+        return loss, (_staged.accuracy(logits, batch["label"]), _mode.split_variables(new)[1])
 
-    def loss_fn(params, batch):
-        logits, _ = model.apply(unstack(params), batch["x"], train=True)
-        return model.loss_fn(logits, batch["label"]), _staged.accuracy(logits, batch["label"])
-
-    dp = parallel.ab_data_parallel(loss_fn, cfg, mesh, has_aux=True, donate=False)
+    dp = parallel.ab_data_parallel(loss_fn, cfg, mesh, has_aux=True, has_state=True, donate=False)
     batch_sharding = NamedSharding(mesh, P(cfg.axis_name))
-    params_abs = tuple(v["params"] for v in jax.eval_shape(model.init, jax.random.key(0)))
-    state_abs = dp.abstract_state(params_abs)
+    params_abs, model_state_abs = _mode.split_variables(
+        jax.eval_shape(model.init, jax.random.key(0))
+    )
+    state_abs = dp.abstract_state(params_abs, model_state_abs)
     batch_abs = _dense.abstract_batch(model, config.batch_size, batch_sharding)
     kind_bytes = dp.step_bytes(state_abs, batch_abs)  # compiles every step program
 
@@ -195,12 +253,14 @@ def build_ab(
     @jax.jit
     def eval_step(state, batch):
         params = jax.tree.map(lambda x: x[0], state.params)  # worker 0 (all agree after a sync)
-        logits, _ = model.apply(unstack(params), batch["x"])
+        # worker 0's running statistics, or their mean (every leaf is [workers, ...])
+        per_worker = tuple(compressors.PerWorker(s) if s else s for s in state.model_state)
+        logits, _ = model.apply(_mode.join_variables(params, stats.for_eval(per_worker)),
+                                batch["x"])  # fmt: skip
         return _mode.eval_sums(model, logits, batch)
 
     def init(key):
-        params, _ = _mode.split_variables(jax.jit(model.init)(key))
-        return dp.init(params)
+        return dp.init(*_mode.split_variables(jax.jit(model.init)(key)))
 
     dense = bytes_of("dense")
     extra: dict = {"sync_mode": cfg.sync_mode, "comm_setup": cfg.comm_setup,
@@ -226,7 +286,8 @@ def build_ab(
         description=(
             f"AB-Training over {dict(mesh.shape)}, groups {list(sizes)}, {cfg.sync_mode}, "
             f"{cfg.comm_setup}, warm-up {cfg.warmup_steps}, S={cfg.sync_every}, "
-            f"D={cfg.full_rank_steps}, inner {config.ab.get('inner', 'adamw')}"
+            f"D={cfg.full_rank_steps}, inner {config.ab.get('inner', 'adamw')}, "
+            f"BatchNorm statistics: {_describe(stats, model)}"
         ),
         extra=extra,
     )

@@ -9,7 +9,8 @@ All run inside ``shard_map`` on one worker's state (SPEC §3.3-3.5):
   workers is agreed, as the reference); factor moments are aligned with the new singular
   vectors (``align_moments``) and zeroed beyond the new rank (the reference's pad/truncate);
 * :func:`sync` (AB -> full-rank): the factors are averaged per ``sync_mode``, and the
-  non-factorised parameters per ``dense_sync``.
+  non-factorised parameters per ``dense_sync``; a model's running state (BatchNorm
+  statistics) follows the non-factorised parameters (:func:`sync_model_state`).
 
 Each ends with the reference's ``reset_opt`` when set. With ``A_w, B_w`` held by worker ``w``
 (``N`` workers, ``N_A`` of them in A-groups):
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxcomp.comm import to_varying
 from jaxcomp.transforms import _ab_factor as F
@@ -156,3 +158,34 @@ def sync(ctx: Ctx, state: ABTrainingState, params):
             po = ctx.topo.first(po)
     state = _finish(ctx, state._replace(a=a, b=b), weights, po)
     return to_varying((ctx.layout.merge(weights, po), state), ctx.topo.state_axes)
+
+
+def sync_model_state(ctx: Ctx, model_state):
+    r"""A model's running state (one per worker, e.g. BatchNorm statistics) at a sync.
+
+    It follows the rule of the non-factorised parameters it belongs with (BatchNorm's scale
+    and shift; :attr:`~jaxcomp.transforms.ABConfig.effective_dense_sync`, by default
+    ``"average"`` with ``comm_setup="groups"`` outside ``only-b``, else ``"first"``):
+    ``"average"``: every worker gets the mean over all ``N`` workers,
+    :math:`\bar\mu = \frac1N\sum_w \mu_w`, :math:`\bar v = \frac1N\sum_w v_w` (the
+    running means and the running variances averaged, as timm's ``distribute_bn``);
+    ``"first"``: worker 0's; ``"keep"``: each worker keeps its own (the weights drift apart
+    too). Unlike the parameters, it is reduced even with one group or
+    ``reduce_dense_globally``: between syncs each worker (or, synchronised, each group)
+    updates it from its own batches only, so the workers' copies differ.
+
+    Why the reference's parameter rule: after a sync the workers share the weights, and
+    running statistics describe the weights that produced them; the reference's VGG-16 has
+    no BatchNorm, and its SyncBatchNorm configs all-reduce the batch statistics every step,
+    so there is no reference buffer rule to copy.
+    """
+    if not jax.tree.leaves(model_state):
+        return model_state
+    rule, axes = ctx.cfg.effective_dense_sync, ctx.topo.axes
+    if rule == "average":
+        model_state = lax.pmean(model_state, axes)
+    elif rule == "first":
+        first = ctx.topo.worker() == 0
+        kept = jax.tree.map(lambda x: jnp.where(first, x, jnp.zeros_like(x)), model_state)
+        model_state = lax.psum(kept, axes)  # exact: one non-zero term
+    return to_varying(model_state, axes)

@@ -236,3 +236,43 @@ def test_a_state_off_the_mesh_is_an_error_naming_it(grouped):
     host = jax.tree.map(np.asarray, state)  # e.g. restored without state_sharding
     with pytest.raises(ValueError, match="must live on the mesh"):
         dp.step(host, batches(1)[0])
+
+
+def _stateful_loss(params, model_state, batch):
+    """``loss_fn`` with a running state each worker updates from its own shard."""
+    x, _ = batch
+    return loss_fn(params, batch), {"m": 0.5 * model_state["m"] + 0.5 * x.mean(0)[:2]}
+
+
+@pytest.mark.parametrize(
+    "layout,rule",
+    [("flat", "average"), ("flat", "first"), ("flat", "keep"), ("rectangular", "average")],
+)
+def test_a_model_state_is_per_worker_and_follows_the_dense_sync_rule(layout, rule):
+    if layout == "flat":  # groups of 2 on a flat axis
+        mesh = comm.make_mesh([("data", 4)], jax.devices()[:4])
+        options = dict(axis_name="data", group_size=2)
+    else:  # the members of a group agree on the parameters: one entry per group
+        mesh, options = parallel.ab_mesh(2, jax.devices()[:4]), {}
+    config = transforms.ABConfig(1e-3, **TX_KWARGS, dense_sync=rule, **options)
+    dp = parallel.ab_data_parallel(_stateful_loss, config, mesh, has_state=True, donate=False)
+    state = dp.init(init_params(), {"m": jnp.zeros(2)})
+    data = batches(4)
+    assert [config.schedule.step_kind(t) for t in range(4)][-1] == "ab_then_sync"
+    for t in range(3):
+        state, _ = dp.step(state, data[t])
+    before = np.asarray(state.model_state["m"])
+    assert before.shape == (4, 2) and not np.allclose(before[0], before[1])  # each its own
+    own = 0.5 * before + 0.5 * data[3][0].reshape(4, 2, 8).mean(1)[:, :2]  # 2 rows per worker
+    state, metrics = dp.step(state, data[3])
+    want = {"average": own.mean(0), "first": own[0], "keep": own}[rule]
+    np.testing.assert_allclose(state.model_state["m"], np.broadcast_to(want, own.shape),
+                               rtol=1e-6, atol=1e-7)  # fmt: skip
+    assert int(np.min(metrics["finite"])) == 1
+    assert dp.abstract_state(init_params(), {"m": jnp.zeros(2)}).model_state["m"].shape == (4, 2)
+
+
+def test_a_model_state_needs_has_state(grouped):
+    _, dp = grouped
+    with pytest.raises(ValueError, match="without has_state"):
+        dp.init(init_params(), {"m": jnp.zeros(2)})
