@@ -52,6 +52,7 @@ def test_compressors_benchmark_writes_its_keys(tmp_path):
         assert r["hlo_bytes"] == r["payload_bytes"], r["name"]
         assert r["time_q1_s"] <= r["time_s"] <= r["time_q3_s"], r["name"]
         assert r["copy_time_s"] == data["copy_time_s"]  # one shared baseline
+    assert data["self_ratio_q1"] <= data["self_ratio_q3"] and data["self_ratio"] > 0
 
 
 def test_print_table_without_rows_prints_the_header(capsys):
