@@ -16,7 +16,11 @@ interquartile ranges and ``jax_over_torch``:
 * ``powersgd_r4``: one PowerSGD round on a square matrix vs the math of torch's
   ``powerSGD_hook`` (``M Q``, ``_orthogonalize``, ``M^T P``, ``P Q^T``).
 
-Not done here: a 2-worker data-parallel step against DDP with the hooks (gloo, 2 processes).
+* ``ddp_dense`` and ``ddp_powersgd_r2``: a 2-worker data-parallel training step (an MLP of
+  4.2M parameters, forward, backward, averaging, SGD with momentum) against torch
+  ``DistributedDataParallel`` over gloo, plain and with ``powerSGD_hook`` (rank 2, error
+  feedback), the two sides alternating step by step (:mod:`jaxcomp.bench._peers_ddp`; 2
+  torch processes of one thread each; ``--no-ddp`` leaves these rows out).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxcomp import compressors  # noqa: E402
+from jaxcomp.bench import _peers_ddp  # noqa: E402
 
 
 def _torch():
@@ -84,7 +89,7 @@ def torch_rows(torch, n: int):
     ]
 
 
-def run(n: int = 4 * 1024 * 1024, repeats: int = 20) -> tuple[list[dict], dict]:
+def run(n: int = 4 * 1024 * 1024, repeats: int = 20, ddp: bool = True) -> tuple[list[dict], dict]:
     """Times every row; returns (records, run info)."""
     torch = _torch()
     x_np = np.random.default_rng(0).standard_normal(n).astype(np.float32)
@@ -110,7 +115,6 @@ def run(n: int = 4 * 1024 * 1024, repeats: int = 20) -> tuple[list[dict], dict]:
     base, timed = _common.round_robin([(copy_j, (x_j,))], candidates, repeats)
     # torch's own copy, alternating with jax's: both baselines in one more round-robin
     _, (copy_t,) = _common.round_robin([(copy_j, (x_j,))], [[(lambda: x_t * 1.0001, ())]], repeats)
-    load_after = _common.load_average()
     results = []
     for i, label in enumerate(meta):
         tj, tt = timed[2 * i], timed[2 * i + 1]
@@ -132,6 +136,14 @@ def run(n: int = 4 * 1024 * 1024, repeats: int = 20) -> tuple[list[dict], dict]:
             f"  {label:20s} jax {r['jax_time_s'] * 1e3:8.2f} ms  torch "
             f"{r['torch_time_s'] * 1e3:8.2f} ms  jax/torch {r['jax_over_torch']:.2f}"
         )
+    if ddp:
+        for r in _peers_ddp.run(repeats):
+            results.append(r)
+            print(
+                f"  {r['name']:20s} jax {r['jax_time_s'] * 1e3:8.2f} ms  torch "
+                f"{r['torch_time_s'] * 1e3:8.2f} ms  jax/torch {r['jax_over_torch']:.2f}"
+            )
+    load_after = _common.load_average()
     info = dict(
         jax_copy_time_s=_common.spread(base.samples)["median"],
         torch_copy_time_s=_common.spread(copy_t.samples)["median"],
@@ -147,6 +159,9 @@ def run(n: int = 4 * 1024 * 1024, repeats: int = 20) -> tuple[list[dict], dict]:
 def main(argv: list[str] | None = None) -> int:
     p = _common.parser(__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=4 * 1024 * 1024, help="elements per input")
+    p.add_argument(
+        "--no-ddp", action="store_true", help="leave out the 2-worker DDP training-step rows"
+    )
     args = p.parse_args(argv)
     if _torch() is None:
         print(
@@ -156,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.n % 1024 or math.isqrt(args.n) ** 2 != args.n:
         p.error(f"--n must be a square multiple of 1024; got {args.n}")
-    results, info = run(args.n, args.repeats)
+    results, info = run(args.n, args.repeats, ddp=not args.no_ddp)
     print(
         f"copy: jax {info['jax_copy_time_s'] * 1e3:.3f} ms, torch "
         f"{info['torch_copy_time_s'] * 1e3:.3f} ms; load {info['load_before']} -> "

@@ -3,6 +3,7 @@
 import json
 
 import jax.numpy as jnp
+import pytest
 
 from jaxcomp.bench import _common
 from jaxcomp.bench import compressors as compressors_bench
@@ -63,3 +64,27 @@ def test_print_table_without_rows_prints_the_header(capsys):
         [{"codec": "q8", "step_time_s": None}], [("codec", "s"), ("step_time_s", ".4f")]
     )
     assert capsys.readouterr().out.split() == ["codec", "step_time_s", "q8", "-"]
+
+
+def test_peers_without_torch_is_skipped_with_a_message(capsys):
+    """``bench peers`` needs the optional torch extra; without it, a message and exit 0."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("torch is installed here; the skip path is not reachable")
+    from jaxcomp.bench import peers
+
+    assert peers.main(["--repeats", "1"]) == 0
+    assert "skipped, torch is not installed" in capsys.readouterr().out
+
+
+def test_peers_ddp_step_matches_torch_shapes_when_torch_is_installed():
+    """The DDP rows run end to end (2 gloo ranks) and report positive times for both sides."""
+    pytest.importorskip("torch")
+    from jaxcomp.bench import _peers_ddp
+
+    rows = _peers_ddp.run(repeats=2, warmup=2)
+    assert [r["name"] for r in rows] == ["ddp_dense", "ddp_powersgd_r2"]
+    for r in rows:
+        assert r["jax_time_s"] > 0 and r["torch_time_s"] > 0
+        assert r["jax_q1_s"] <= r["jax_time_s"] <= r["jax_q3_s"]
