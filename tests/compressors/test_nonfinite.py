@@ -3,7 +3,14 @@ output, in the exact pattern its docstring states, for small and large inputs, e
 
 XLA:CPU's vectorised ``max`` drops NaN above a few thousand elements, so a scale taken with it
 made a NaN input finite on a ``(16, 256)`` tensor but not on a ``(4,)`` one; the large size
-here is above that threshold."""
+here is above that threshold, and above the sizes the codecs branch on: the sort-free exact
+top-K select (``b * d > 2**14``, ``d >= 256``; more than 16 rows per sample, so failed brackets
+are redone row by row) and the per-feature scale's elementwise folds (rows of at least 256
+entries); not the select's long-row bracket (one row longer than ``2**16``).
+
+Eagerly, every operation of the sort-free select is compiled alone (~500 of them per layout,
+~15 s): the eager large cases of the codecs that run it are one test per layout, so that a
+pytest-xdist run compiles each layout once, on one worker."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +19,7 @@ import pytest
 
 from jaxcomp import compressors as C
 
-SIZES = {"small": ((4, 8), (1, 3)), "large": ((64, 1024), (37, 777))}  # shape, bad position
+SIZES = {"small": ((4, 8), (1, 3)), "large": ((24, 1024), (17, 777))}  # shape, bad position
 BAD = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
 
 # what the decoded output holds, per codec (see each codec's docstring):
@@ -69,11 +76,15 @@ def jitted():
     return {name: jax.jit(_roundtrip(codec)) for name, (codec, _) in CODECS.items()}
 
 
-@pytest.mark.parametrize("bad", sorted(BAD))
-@pytest.mark.parametrize("mode", ["eager", "jit"])
-@pytest.mark.parametrize("size", sorted(SIZES))
-@pytest.mark.parametrize("name", sorted(CODECS))
-def test_non_finite_input_decodes_non_finite(name, size, mode, bad, jitted):
+# the codecs whose large input runs the sort-free select, by layout (rows of the select)
+EAGER_SELECT = {
+    "one_row": ("top_k_exact", "top_k+quantize8"),
+    "per_sample": ("top_k_per_sample",),
+}
+_EAGER_SELECT = {name for names in EAGER_SELECT.values() for name in names}
+
+
+def _check(name, size, mode, bad, jitted):
     codec, pattern = CODECS[name]
     shape, pos = SIZES[size]
     x = np.array(jax.random.normal(jax.random.key(0), shape))
@@ -96,3 +107,25 @@ def test_non_finite_input_decodes_non_finite(name, size, mode, bad, jitted):
     else:  # kept_all: every kept value is non-finite, the dropped entries exactly zero
         assert np.all(finite == (y == 0))
         assert (~finite).sum() == C.kept_count(y.size, 0.1, None)  # every such codec keeps 10%
+
+
+_CASES = [
+    pytest.param(name, size, mode, bad, id=f"{name}-{size}-{mode}-{bad}")
+    for name in sorted(CODECS)
+    for size in sorted(SIZES)
+    for mode in ["eager", "jit"]
+    for bad in sorted(BAD)
+    if not (name in _EAGER_SELECT and size == "large" and mode == "eager")
+]
+
+
+@pytest.mark.parametrize("name, size, mode, bad", _CASES)
+def test_non_finite_input_decodes_non_finite(name, size, mode, bad, jitted):
+    _check(name, size, mode, bad, jitted)
+
+
+@pytest.mark.parametrize("layout", sorted(EAGER_SELECT))
+def test_non_finite_large_input_decodes_non_finite_eagerly_through_the_select(layout, jitted):
+    for name in EAGER_SELECT[layout]:
+        for bad in sorted(BAD):
+            _check(name, "large", "eager", bad, jitted)
