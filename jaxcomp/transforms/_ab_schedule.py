@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 from typing import Any
 
 import jax.numpy as jnp
@@ -90,9 +91,26 @@ class ABSchedule:
         first = jnp.where((count >= w) & (w > 0), w, -1)
         return jnp.where(count >= self.first_sync, in_cycle, first).astype(jnp.int32)
 
+    def phase_of(self, count: int) -> int:
+        """:meth:`phase` on the host, for an int ``count`` (no device work).
+
+        Raises:
+          TypeError: if ``count`` is not an integer.
+          ValueError: if ``count`` is negative.
+        """
+        count = operator.index(count)
+        if count < 0:
+            raise ValueError(f"step count must be >= 0; got {count}.")
+        if count < self.warmup_steps:
+            return int(ABPhase.WARMUP)
+        if count < self.first_sync or count % self.sync_every >= self.full_rank_steps:
+            return int(ABPhase.AB)
+        return int(ABPhase.FULL)
+
     def step_kind(self, count: int) -> str:
-        """Which of :data:`STEP_KINDS` the step with index ``count`` is (Python ints)."""
-        now, nxt = int(self.phase(count)), int(self.phase(count + 1))
+        """Which of :data:`STEP_KINDS` the step with index ``count`` is (an int, on the host:
+        the harness asks every step, so no device work)."""
+        now, nxt = self.phase_of(count), self.phase_of(operator.index(count) + 1)
         if now == ABPhase.AB:
             return "ab_then_sync" if nxt == ABPhase.FULL else "ab"
         return "dense_then_refactor" if (now, nxt) == (ABPhase.FULL, ABPhase.AB) else "dense"

@@ -58,6 +58,27 @@ def test_step_kinds():
                      "ab_then_sync", "dense_then_refactor", "ab"]  # fmt: skip
 
 
+@pytest.mark.parametrize("warmup,every,full", [*CASES, (1, 2, 1), (4, 2, 1)])
+def test_step_kind_on_the_host_agrees_with_the_traced_phase(warmup, every, full):
+    # step_kind runs on the host every step (no device dispatch): it must agree with the
+    # traceable phase() at every count, near 2**31 too, and refuse what is not an int
+    s = ABSchedule(warmup, every, full)
+    big = 2**31 - 3 * every
+    for t in [*range(3 * every + warmup + 2), *range(big, big + 2 * every)]:
+        now, nxt = int(s.phase(np.int64(t))), int(s.phase(np.int64(t) + 1))
+        assert s.phase_of(t) == s.phase_of(np.int32(t)) == now
+        kind = s.step_kind(t)
+        if now == A:
+            assert kind == ("ab_then_sync" if nxt == F else "ab")
+        else:
+            assert kind == ("dense_then_refactor" if (now, nxt) == (F, A) else "dense")
+    for bad in (1.5, "3", None):
+        with pytest.raises(TypeError):
+            s.step_kind(bad)
+    with pytest.raises(ValueError, match="count"):
+        s.step_kind(-1)
+
+
 def reference_rebound(base, schedule, rebound_steps, floor, steps):
     """``_setup_lr_rebound`` / ``_pre_forward`` with a per-update scheduler (``step_update``)."""
     _, switches = reference_phases(
