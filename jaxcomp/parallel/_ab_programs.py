@@ -89,6 +89,8 @@ class Programs:
 
     def __post_init__(self):
         self._programs: dict[str, _driver.Program] = {}  # compile caches, not training state
+        # which leaves each program passes through, per state structure (found when traced)
+        self._kept: dict[tuple, tuple] = {}
         self.axes = self.config.axis_name
         self.state_axes = self.config.state_axes(self.mesh)
 
@@ -99,7 +101,8 @@ class Programs:
 
     def _train_body(self, kind: str):
         def body(state: TrainState, batch):
-            params, opt, model_state = _unstack((state.params, state.opt_state, state.model_state))
+            read = _unstack((state.params, state.opt_state, state.model_state))
+            params, opt, model_state = read
             loss_fn = _driver.stateful_loss(self.loss_fn, self.has_aux, self.has_state)
             (loss, (aux, model_state)), grads = local_value_and_grad(
                 loss_fn, self.axes, has_aux=True
@@ -118,13 +121,15 @@ class Programs:
             metrics = {"loss": loss, "workers": _stack(workers)}
             if self.has_aux:
                 metrics["aux"] = jax.tree.map(lambda a: lax.pmean(a, self.axes), aux)
-            return TrainState(state.step + 1, *_stack((params, opt, model_state))), metrics
+            new = self._written(kind, state, read, state.step + 1, (params, opt, model_state))
+            return new, metrics
 
         return body
 
     def _transition_body(self, name: str):
         def body(state: TrainState, exact: jax.Array):
-            params, opt, model_state = _unstack((state.params, state.opt_state, state.model_state))
+            read = _unstack((state.params, state.opt_state, state.model_state))
+            params, opt, model_state = read
             ctx = self._ctx(params)
             if name == "sync":
                 params, opt = _ab_sync.sync(ctx, opt, params)
@@ -133,10 +138,49 @@ class Programs:
                 params, opt = _ab_sync.refactor(ctx, opt, params, exact=exact)
             changed = (params, opt.a, opt.b, opt.a_state, opt.b_state, model_state)
             workers = _stack(_state_metrics(self.check_finite, changed, params, opt))
-            new = TrainState(state.step, *_stack((params, opt, model_state)))
+            new = self._written(name, state, read, state.step, (params, opt, model_state))
             return new, {"workers": workers}
 
         return body
+
+    def _written(self, name: str, state: TrainState, read: tuple, step, new: tuple) -> TrainState:
+        """The program's new state, stacked: all of it when the state is donated (XLA aliases
+        what passes through), else only the leaves the body wrote.
+
+        Without donation every output is a fresh buffer, so a leaf passed through unchanged
+        (the dense moments in an AB step, the factors in a dense one, most of the state in a
+        transition) would be copied on every worker at every step. A leaf counts as passed
+        through only if the body returned the very value it read (the same traced object),
+        so nothing the body computed can be left out; :meth:`run` puts the old leaves back.
+        ``read``: the unstacked ``(params, opt_state, model_state)`` the body read.
+        """
+        if self.donate:
+            return TrainState(step, *_stack(new))
+        masks, parts = [], []
+        for field, before, after in zip(TrainState._fields[1:], read, new):
+            b, tree_b = jax.tree.flatten(before)
+            a, tree_a = jax.tree.flatten(after)
+            if tree_a != tree_b:  # pragma: no cover - a program changes no structure
+                raise ValueError(f"program {name!r} changed the structure of state.{field}: "
+                                 f"{tree_b} -> {tree_a}.")  # fmt: skip
+            kept = tuple(x is y for x, y in zip(a, b))
+            masks.append(kept)
+            parts.append(tuple(x[None] for x, k in zip(a, kept) if not k))
+        step_kept = step is state.step
+        self._kept[name, jax.tree.structure(state)] = (step_kept, tuple(masks))
+        return TrainState(() if step_kept else (step,), *parts)
+
+    def _merged(self, name: str, state: TrainState, out: TrainState) -> TrainState:
+        """``state`` with the leaves program ``name`` wrote (``out``, see :meth:`_written`)."""
+        if self.donate:
+            return out
+        step_kept, masks = self._kept[name, jax.tree.structure(state)]
+        fields = [state.step if step_kept else out.step[0]]
+        for before, kept, written in zip(state[1:], masks, out[1:]):
+            leaves, tree = jax.tree.flatten(before)
+            it = iter(written)
+            fields.append(tree.unflatten([x if k else next(it) for x, k in zip(leaves, kept)]))
+        return TrainState(*fields)
 
     def _program(self, name: str) -> _driver.Program:
         if name not in self._programs:
@@ -180,7 +224,8 @@ class Programs:
 
     def run(self, name: str, state: TrainState, batch=None):
         args = self._args(name, state, batch)
-        return self.compiled(name, *args)(*args)
+        new, out = self.compiled(name, *args)(*args)
+        return self._merged("refactor" if name == "factorise" else name, state, new), out
 
     def compile_all(self, state: TrainState, batch) -> dict[str, Any]:
         """Compiles every program for ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``s)."""

@@ -152,20 +152,43 @@ def _train_factors(ctx: Ctx, gm, go_sq, lr, state: ABTrainingState):
       rings among its own role's workers only, and each worker keeps its role's result.
     """
     topo = ctx.topo
-    step = lambda role, reduce: lambda *x: _factor_step(ctx, role, *x, reduce)  # noqa: E731
-    args = (gm, go_sq, lr, state)
+
+    def step(role, reduce):
+        # only the factors and their moments go through a branch (and come out of it): the
+        # rest of the state (the dense moments above all) is neither copied into a ``cond``
+        # nor rewritten, so a program that does not donate its state need not return it
+        def run(gm, go_sq, lr, factors):
+            new, scale = _factor_step(ctx, role, gm, go_sq, lr, _with(state, factors), reduce)
+            return _factors(new), scale
+
+        return run
+
+    args = (gm, go_sq, lr, _factors(state))
     if topo.num_a == 0:
         reduce = (lambda g: g) if ctx.cfg.comm_setup == "individual" else topo.group_mean
-        return step("b", reduce)(*args)
-    if ctx.cfg.comm_setup == "individual":
-        return lax.cond(topo.is_a(), step("a", lambda g: g), step("b", lambda g: g), *args)
-    if topo.rectangular:
-        return lax.cond(topo.is_a(), step("a", topo.group_mean), step("b", topo.group_mean),
-                        *args)  # fmt: skip
-    a_groups, b_groups = range(topo.num_a), range(topo.num_a, topo.num_groups)
-    sa = step("a", lambda g: topo.group_mean(g, a_groups))(*args)
-    sb = step("b", lambda g: topo.group_mean(g, b_groups))(*args)
-    return jax.tree.map(lambda x, y: jnp.where(topo.is_a(), x, y), sa, sb)
+        factors, scale = step("b", reduce)(*args)
+    elif ctx.cfg.comm_setup == "individual":
+        factors, scale = lax.cond(topo.is_a(), step("a", lambda g: g), step("b", lambda g: g),
+                                  *args)  # fmt: skip
+    elif topo.rectangular:
+        factors, scale = lax.cond(topo.is_a(), step("a", topo.group_mean),
+                                  step("b", topo.group_mean), *args)  # fmt: skip
+    else:
+        a_groups, b_groups = range(topo.num_a), range(topo.num_a, topo.num_groups)
+        sa = step("a", lambda g: topo.group_mean(g, a_groups))(*args)
+        sb = step("b", lambda g: topo.group_mean(g, b_groups))(*args)
+        factors, scale = jax.tree.map(lambda x, y: jnp.where(topo.is_a(), x, y), sa, sb)
+    return _with(state, factors), scale
+
+
+def _factors(state: ABTrainingState) -> tuple:
+    """What an AB step's factor update writes: ``(a, b, a_state, b_state)``."""
+    return state.a, state.b, state.a_state, state.b_state
+
+
+def _with(state: ABTrainingState, factors: tuple) -> ABTrainingState:
+    a, b, a_state, b_state = factors
+    return state._replace(a=a, b=b, a_state=a_state, b_state=b_state)
 
 
 def ab_update(ctx: Ctx, grads, state: ABTrainingState, params, lr):

@@ -12,6 +12,7 @@ from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import parallel
 from jaxcomp import transforms
+from jaxcomp.transforms._ab_schedule import STEP_KINDS
 
 SPECTRUM = np.array([2.0, 1.0, 0.1, 0.05, 0.02, 0.01], np.float32)  # cutoff 0.15 keeps 2
 
@@ -276,3 +277,38 @@ def test_a_model_state_needs_has_state(grouped):
     _, dp = grouped
     with pytest.raises(ValueError, match="without has_state"):
         dp.init(init_params(), {"m": jnp.zeros(2)})
+
+
+@pytest.mark.parametrize(
+    "layout,options",
+    [
+        ("rectangular", dict(reset_opt=True, dense_sync="average")),  # transitions zero moments
+        ("flat", dict(axis_name="data", group_size=3, sync_mode="only-learned")),  # 3 + 1
+        ("rectangular", dict(comm_setup="individual", lr_rebound_steps=2)),
+    ],
+)
+def test_without_donation_the_programs_return_only_what_they_write(layout, options):
+    # donate=False (the trainer's, which keeps the previous state on a non-finite step) has
+    # each program return only the leaves it wrote and the host put back the rest: over
+    # every step kind (warm-up, factorisation, AB, sync, full rank, re-factorisation) the
+    # states, model states and metrics must equal the donating harness's bit for bit
+    if layout == "flat":
+        mesh = comm.make_mesh([("data", 4)], jax.devices()[:4])
+    else:
+        mesh = parallel.ab_mesh(2, jax.devices()[:4])
+    config = transforms.ABConfig(1e-3, **TX_KWARGS, **options)
+    assert {config.schedule.step_kind(t) for t in range(10)} == set(STEP_KINDS)
+    runs = {}
+    for donate in (True, False):
+        dp = parallel.ab_data_parallel(_stateful_loss, config, mesh, has_state=True, donate=donate)
+        state = dp.init(init_params(), {"m": jnp.zeros(2)})
+        history = []
+        for batch in batches(10):
+            old, saved = state, jax.tree.map(np.asarray, state)
+            state, metrics = dp.step(state, batch)
+            history.append(jax.tree.map(np.asarray, (state, metrics)))
+            if not donate:  # the previous state is intact, to fall back on
+                jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, old), saved)
+        runs[donate] = history
+    for got, want in zip(runs[False], runs[True]):
+        jax.tree.map(np.testing.assert_array_equal, got, want)
