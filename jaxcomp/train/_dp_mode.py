@@ -244,9 +244,11 @@ def build_data_parallel(
         loss, (aux, _) = loss_fn(params, no_state, batch)
         return loss, aux
 
+    # check_finite: each worker flags its loss and new state inside the step (fused with the
+    # update; no collective), the host-side check below only combines the flags
     dp = parallel.data_parallel(
         loss_fn if has_state else stateless_loss_fn, tx, mesh, axis_name=axis, has_aux=True,
-        has_state=has_state, donate=False,
+        has_state=has_state, donate=False, check_finite=True,
     )  # fmt: skip
     batch_sharding = NamedSharding(mesh, P(axis))
     is_accordion = cfg["transform"] == "accordion"
@@ -258,8 +260,10 @@ def build_data_parallel(
         return dp.init(params, stats.wrap(model_state))
 
     @jax.jit
-    def check(new, old, loss):
-        finite = jnp.isfinite(loss) & _mode.all_finite(new.params, new.model_state)
+    def check(new, old, loss, worker_finite):
+        # the workers' flags cover the parameters, optimizer and model state (as every mode's
+        # commit_if_finite); the mean loss too, should the finite losses' mean overflow
+        finite = jnp.isfinite(loss) & jnp.all(worker_finite == 1)
         reducer_state = _reducer_state(new.opt_state)
         wire = reducer_state.bytes_sent + sync_bytes  # BatchNorm sync: every micro-step
         out = {"finite": finite.astype(jnp.int32), "wire_bytes": wire}
@@ -276,7 +280,7 @@ def build_data_parallel(
     def train_step(state, batch, key, step):
         del key, step
         new, metrics = step_c(state, batch)
-        kept, out = check(new, state, metrics["loss"])
+        kept, out = check(new, state, metrics["loss"], metrics["finite"])
         return kept, {"loss": metrics["loss"], "accuracy": metrics["aux"], **out}
 
     @jax.jit
