@@ -24,17 +24,8 @@ def _tx(axis_name, statistic="worker0"):
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    return comm.make_mesh([(SLOW, 2), (FAST, 4)])
-
-
-@pytest.fixture(scope="module")
-def grads():
-    rng = np.random.default_rng(0)
-    return {
-        "w": rng.standard_normal((8, *SHAPE)).astype(np.float32),
-        "b": rng.standard_normal((8, SHAPE[1])).astype(np.float32),
-    }
+def grads(pair_grads):
+    return pair_grads(SHAPE)
 
 
 def _setup(tx, mesh, data_axes, state_axis, grads):
@@ -63,12 +54,12 @@ def _run(step, state, sharding, grads):
 
 
 @pytest.fixture(scope="module")
-def pair_run(mesh, grads):
-    step, state, sharding = _setup(_tx((SLOW, FAST)), mesh, (SLOW, FAST), SLOW, grads)
+def pair_run(pair_mesh, grads):
+    step, state, sharding = _setup(_tx((SLOW, FAST)), pair_mesh, (SLOW, FAST), SLOW, grads)
     return step, state, sharding, _run(step, state, sharding, grads)
 
 
-def test_pair_is_accordion_over_slow_of_the_host_means(mesh, grads, pair_run):
+def test_pair_is_accordion_over_slow_of_the_host_means(pair_mesh, grads, pair_run):
     """== the same transform over the slow axis alone (2 devices) fed each host's dense mean:
     the same means, modes (switching low, high, low, high) and slow-axis bytes."""
     host = {k: v.reshape(2, 4, *v.shape[1:]).mean(1) for k, v in grads.items()}
@@ -89,13 +80,13 @@ def test_pair_is_accordion_over_slow_of_the_host_means(mesh, grads, pair_run):
 
 
 @pytest.mark.parametrize("statistic", ["worker0", "mean"])
-def test_pair_equals_a_flat_axis_of_eight_when_hosts_agree(mesh, grads, statistic):
+def test_pair_equals_a_flat_axis_of_eight_when_hosts_agree(pair_mesh, grads, statistic):
     """Where every device of a host has the same gradient, the fast mean is exact and the
     8-worker statistics (worker 0's norm, the mean of norms) are the hosts': == a flat axis."""
     same = {k: np.repeat(v[::4], 4, axis=0) for k, v in grads.items()}  # host h: device 4h's
     data = comm.make_mesh([(comm.DATA, 8)])
     ref = _run(*_setup(_tx(comm.DATA, statistic), data, comm.DATA, comm.DATA, same), same)
-    got = _run(*_setup(_tx((SLOW, FAST), statistic), mesh, (SLOW, FAST), SLOW, same), same)
+    got = _run(*_setup(_tx((SLOW, FAST), statistic), pair_mesh, (SLOW, FAST), SLOW, same), same)
     assert [m for _, m, _ in got] == [m for _, m, _ in ref] == MODES
     for (mean, _, _), (ref_mean, _, _) in zip(got, ref):
         for k in grads:

@@ -28,17 +28,8 @@ SLOW_GROUPS = [[0, 4], [1, 5], [2, 6], [3, 7]]  # one device per host
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    return comm.make_mesh([(SLOW, 2), (FAST, 4)])
-
-
-@pytest.fixture(scope="module")
-def grads():
-    rng = np.random.default_rng(0)
-    return {
-        "w": rng.standard_normal((8, *SHAPE)).astype(np.float32),
-        "b": rng.standard_normal((8, 32)).astype(np.float32),
-    }
+def grads(pair_grads):
+    return pair_grads(SHAPE)
 
 
 def _step(tx, mesh, state):
@@ -61,18 +52,18 @@ def _setup(channel, mesh, grads):
     return _step(tx, mesh, state), g, state
 
 
-def test_identity_over_the_pair_is_the_mean_of_all_eight(mesh, grads):
-    step, g, state = _setup(C.identity(), mesh, grads)
+def test_identity_over_the_pair_is_the_mean_of_all_eight(pair_mesh, grads):
+    step, g, state = _setup(C.identity(), pair_mesh, grads)
     mean, new = step(g, state)
     for k in grads:
         np.testing.assert_allclose(np.asarray(mean[k]), grads[k].mean(0), rtol=1e-5, atol=1e-6)
     assert float(new.fast_bytes_sent) == 4 * (64 * 32 + 32)
 
 
-def test_power_sgd_with_ef_over_the_pair_is_power_sgd_of_the_host_means(mesh, grads):
+def test_power_sgd_with_ef_over_the_pair_is_power_sgd_of_the_host_means(pair_mesh, grads):
     """== the same transform over the slow axis alone, fed each host's dense mean."""
     channel = F.error_feedback(C.power_sgd(2))
-    step, g, state = _setup(channel, mesh, grads)
+    step, g, state = _setup(channel, pair_mesh, grads)
     host = {k: v.reshape(2, 4, *v.shape[1:]).mean(1) for k, v in grads.items()}
     flat_mesh = comm.make_mesh([(SLOW, 2)], devices=jax.devices()[:2])
     tx = T.compressed_mean(channel, SLOW)
@@ -127,9 +118,9 @@ def _collectives(exported):
     ],
     ids=["quantize4_ef", "top_k_ef", "power_sgd_ef"],
 )
-def test_hlo_dense_on_fast_compressed_on_slow(channel, payload, mesh, grads):
-    step, g, state = _setup(channel, mesh, grads)
-    with jax.set_mesh(mesh):
+def test_hlo_dense_on_fast_compressed_on_slow(channel, payload, pair_mesh, grads):
+    step, g, state = _setup(channel, pair_mesh, grads)
+    with jax.set_mesh(pair_mesh):
         exported = jax.export.export(step, platforms=["cuda", "tpu"])(g, state)
     found = _collectives(exported)
     dense = "tensor<64x32xf32>"
