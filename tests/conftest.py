@@ -1,7 +1,10 @@
 """Test-suite setup: 8 fake CPU devices, set before the JAX backend starts."""
 
 import contextlib
+import functools
+import importlib.util
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -62,6 +65,24 @@ def _last_checkpoint(workdir: str):
 def last_checkpoint():
     """:func:`_last_checkpoint`: ``last_checkpoint(workdir) -> (step, state)``."""
     return _last_checkpoint
+
+
+@functools.cache
+def _load_test_module(path: str):
+    """The file ``tests/<path>`` loaded as a module of its own name, once per process."""
+    file = pathlib.Path(__file__).parent / path
+    name = "_test_module_" + path.removesuffix(".py").replace("/", "_")
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def load_test_module():
+    """``load_test_module("transforms/test_user_protocol.py")``: another test file's module, for
+    its helpers (test files are not importable in importlib mode; loaded once per process)."""
+    return _load_test_module
 
 
 @pytest.fixture(scope="session")

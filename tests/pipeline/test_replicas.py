@@ -3,8 +3,6 @@ stage's gradient over ``data`` with an optax transform, exactly as that transfor
 hand to the replicas' gradients; the data-axis bytes are reported and are what the program
 sends."""
 
-import importlib.util
-import pathlib
 import re
 
 import jax
@@ -23,23 +21,18 @@ from jaxcomp import transforms
 STEPS = 2
 
 
-def _user_protocol_module():
-    """tests/transforms/test_user_protocol.py, whose ``majority_sign`` codec (signSGD with a
-    majority vote, its own reduction protocol) is the user codec here too."""
-    path = pathlib.Path(__file__).parents[1] / "transforms" / "test_user_protocol.py"
-    spec = importlib.util.spec_from_file_location("_user_protocol_for_pipeline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _power_sgd_ef():
+    return transforms.compressed_mean(F.error_feedback(C.power_sgd(2)))
 
 
-majority_sign = _user_protocol_module().majority_sign
-
-
+# each takes tests/transforms/test_user_protocol.py, whose majority_sign codec (signSGD with a
+# majority vote, its own reduction protocol) is the user codec here too
 TRANSFORMS = {
-    "power_sgd_ef": lambda: transforms.compressed_mean(F.error_feedback(C.power_sgd(2))),
-    "user_protocol_ef": lambda: transforms.compressed_mean(F.error_feedback(majority_sign())),
-    "accordion": lambda: transforms.accordion(
+    "power_sgd_ef": lambda user: _power_sgd_ef(),
+    "user_protocol_ef": lambda user: transforms.compressed_mean(
+        F.error_feedback(user.majority_sign())
+    ),
+    "accordion": lambda user: transforms.accordion(
         C.power_sgd(2), C.power_sgd(1), interval_steps=1, check_every=1
     ),
 }
@@ -100,9 +93,11 @@ def _bytes_states(states):
 
 
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
-def test_replica_averaging_equals_the_transform_applied_by_hand(name, setup, tools):
+def test_replica_averaging_equals_the_transform_applied_by_hand(
+    name, setup, tools, load_test_module
+):
     mlp, batch, mesh = setup
-    tx = TRANSFORMS[name]()
+    tx = TRANSFORMS[name](load_test_module("transforms/test_user_protocol.py"))
     config = pipeline.PipelineConfig(mlp.M, LINK, schedule="1f1b", replica_mean=tx)
     pipe = pipeline.gpipe(mlp.model, config, mesh)
     states = pipe.init(mlp.params, batch)
@@ -131,7 +126,7 @@ def test_data_axis_bytes_in_the_program_are_the_reported_bytes(setup):
     """The HLO's gradient collectives over ``data`` (one per stage, each run by its stage's
     devices) carry the transform's payloads: PowerSGD's factors, no dense gradient."""
     mlp, batch, mesh = setup
-    tx = TRANSFORMS["power_sgd_ef"]()
+    tx = _power_sgd_ef()
     config = pipeline.PipelineConfig(mlp.M, LINK, schedule="1f1b", replica_mean=tx)
     pipe = pipeline.gpipe(mlp.model, config, mesh)
     states = pipe.init(mlp.params, batch)
@@ -150,7 +145,7 @@ def test_replica_averaging_errors(setup):
     mlp, batch, mesh = setup
     with pytest.raises(TypeError, match="replica_mean must be None or an optax"):
         pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M, replica_mean="powersgd"), mesh)
-    tx = TRANSFORMS["power_sgd_ef"]()
+    tx = _power_sgd_ef()
     with_tx = pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M, replica_mean=tx), mesh)
     without = pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M), mesh)
     with pytest.raises(ValueError, match="have no replica-averaging state"):

@@ -3,9 +3,6 @@ replicas' gradients averaged densely over fast and compressed over slow; == a fl
 of 4 replicas where the math says so; the exported program's collectives say which axis
 carries what."""
 
-import importlib.util
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,19 +62,6 @@ def test_identity_over_the_pair_is_the_plain_mean_of_four_replicas(setup, tools)
     assert float(plain[2]["data_fast_wire_bytes"]) == float(plain[2]["data_wire_bytes"])
 
 
-def _pair_module():
-    """tests/transforms/test_compressed_mean_pair.py, whose ``_collectives`` reads the
-    exported module's collectives (kind, operand type, replica groups)."""
-    path = pathlib.Path(__file__).parents[1] / "transforms" / "test_compressed_mean_pair.py"
-    spec = importlib.util.spec_from_file_location("_compressed_mean_pair_for_pipeline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_collectives = _pair_module()._collectives
-
-
 def _groups(mesh, axis):
     """Device-id groups of a collective over ``axis`` (the mesh's devices in order)."""
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
@@ -95,7 +79,7 @@ def _groups(mesh, axis):
     ],
     ids=["power_sgd_ef", "accordion"],
 )
-def test_hlo_dense_on_fast_compressed_on_slow(setup, make_tx):
+def test_hlo_dense_on_fast_compressed_on_slow(setup, make_tx, load_test_module):
     mlp, batch, mesh = setup
     pipe = _pipe(mlp, mesh, make_tx(), data_axis=PAIR)
     states = pipe.init(mlp.params, batch)
@@ -103,7 +87,8 @@ def test_hlo_dense_on_fast_compressed_on_slow(setup, make_tx):
         exported = jax.export.export(jax.jit(pipe.step), platforms=["cuda", "tpu"])(
             mlp.params, batch, states, jax.random.key(0)
         )
-    found = _collectives(exported)
+    # test_compressed_mean_pair's _collectives: (kind, operand type, replica groups) of each
+    found = load_test_module("transforms/test_compressed_mean_pair.py")._collectives(exported)
     fast = [t for _, t, g in found if sorted(g) == _groups(mesh, FAST)]
     slow = [t for _, t, g in found if sorted(g) == _groups(mesh, SLOW)]
     w = "tensor<16x16xf32>"  # a stage's weight gradient
