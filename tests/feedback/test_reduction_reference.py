@@ -1,0 +1,143 @@
+"""EF and EF21 around a 2-worker reduction equal their reference formulas, bit for bit.
+
+The reductions fuse the residual (or the estimate) with the codec's decode; whatever they
+fuse, what they keep must be exactly the formula computed the slow way, one worker at a time,
+from ``codec.compress`` and ``codec.decompress``:
+
+* EF:   ``c = x + e``, ``e' = c - D(C(c))``, mean = mean over workers of ``D(C(c_w))``;
+* EF21: ``m = x - g``, ``g' = g + D(C(m))``, ``G' = G + mean_w D(C(m_w))``, output ``G'``;
+* PowerSGD's own protocol: ``e' = c - mean`` (the reference keeps the averaged reconstruction).
+
+Shapes are large enough for the codecs' fast paths (exact TopK's sort-free select, blockwise
+TopK's one-per-block mask of 100-entry blocks); worker 0 holds a NaN and a -inf.
+
+TopK's decode is a select, so every value is bit-identical. A quantizer's decode is a product
+``a * s``; fused into ``c - a * s`` (or ``d0 + a * s``) XLA:CPU contracts it into one FMA,
+which rounds once where the two-step reference rounds twice: there the values may differ by
+one unit in the last place of the operands' sum (non-finite exactly where the reference is).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp import comm
+from jaxcomp import compressors
+from jaxcomp import feedback
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+W = 2
+SHAPE = (256, 512)  # 131072 entries: exact TopK 1% takes the bracketed select (d > 65536)
+
+CODECS = [
+    compressors.top_k(0.01),
+    compressors.top_k(0.01, method="blockwise"),  # blocks of 100, one kept per block
+    compressors.top_k(0.02, method="blockwise", block_size=64),  # lax.top_k per block
+    compressors.quantize(8),
+]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return comm.make_mesh([(comm.DATA, W)], devices=jax.devices()[:W])
+
+
+def _inputs(nonfinite):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((W, *SHAPE)).astype(np.float32)
+    mem = (0.5 * rng.standard_normal((W, *SHAPE))).astype(np.float32)
+    if nonfinite:
+        x[0, 3, 5] = np.nan
+        x[0, 100, 7] = -np.inf
+    return x, mem
+
+
+def _step(channel, mesh):
+    """Jitted ``(x[W, ...], memory[W, ...]) -> (mean, memory'[W, ...])`` of one reduction,
+    with the memory (EF's residual, EF21's estimate; EF21's mean estimate is the mean of the
+    workers' estimates) set from ``memory``."""
+
+    def body(x, mem):
+        x, mem = x[0], mem[0]
+        protocol = comm.plan_reduce(channel, x, min_compression_rate=0)
+        state = protocol.init(x, W)
+        per_worker = compressors.PerWorker(mem[None])
+        if isinstance(state.memory, feedback.ErrorFeedbackMemory):
+            memory = feedback.ErrorFeedbackMemory(per_worker)
+            read = lambda m: m.residual.value  # noqa: E731
+        else:
+            memory = feedback.EF21Memory(per_worker, jax.lax.pmean(mem, comm.DATA))
+            read = lambda m: m.estimate.value  # noqa: E731
+        state = state._replace(memory=memory)
+        mean, _, state = comm.compressed_pmean(x, protocol, state, None, comm.DATA)
+        return mean, read(state.memory)
+
+    specs = (P(comm.DATA), P(comm.DATA))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P(comm.DATA))))
+
+
+def _round_trip(codec, c):
+    """``D(C(c))`` the slow way: compress, then decompress the payload."""
+    payload, _ = codec.compress(c, codec.init(c), None)
+    return np.asarray(codec.decompress(payload, c))
+
+
+def _assert_formula(codec, got, want, *operands):
+    """``got == want`` bit for bit; for a quantizer within one ulp of the operands' sum."""
+    got = np.asarray(got)
+    if codec.name.startswith("top_k"):
+        np.testing.assert_array_equal(got, want)
+        return
+    # non-finite exactly where the reference is (which of NaN/inf may differ: the quantizer's
+    # round trip decodes a NaN code as NaN, its packed payload as a clipped code times inf)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), finite)
+    ulp = np.spacing(np.sum([np.abs(o) for o in operands], axis=0))
+    assert np.all(np.abs(got - want)[finite] <= ulp[finite]), np.max(np.abs(got - want)[finite])
+
+
+def _put(mesh, a):
+    return jax.device_put(a, NamedSharding(mesh, P(comm.DATA)))
+
+
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nan_inf"])
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_error_feedback_reduction_is_the_reference_formula(mesh, codec, nonfinite):
+    x, e = _inputs(nonfinite)
+    mean, e_new = _step(feedback.error_feedback(codec), mesh)(_put(mesh, x), _put(mesh, e))
+    c = x + e
+    decoded = [_round_trip(codec, jnp.asarray(c[w])) for w in range(W)]
+    d = np.stack(decoded)
+    _assert_formula(codec, e_new, c - d, c, d)
+    _assert_formula(codec, mean, (d[0] + d[1]) / W, d[0] / W, d[1] / W)
+
+
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nan_inf"])
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_ef21_reduction_is_the_reference_formula(mesh, codec, nonfinite):
+    x, g = _inputs(nonfinite)
+    mean, g_new = _step(feedback.ef21(codec), mesh)(_put(mesh, x), _put(mesh, g))
+    decoded = [_round_trip(codec, jnp.asarray(x[w] - g[w])) for w in range(W)]
+    d = np.stack(decoded)
+    _assert_formula(codec, g_new, g + d, g, d)
+    g_mean = np.asarray(jax.jit(lambda a: (a[0] + a[1]) / W)(g))  # G: pmean's own rounding
+    want = g_mean + (d[0] + d[1]) / W
+    _assert_formula(codec, mean, want, g_mean, d[0] / W, d[1] / W, want)
+
+
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nan_inf"])
+def test_power_sgd_error_feedback_keeps_the_input_minus_the_averaged_reconstruction(
+    mesh, nonfinite
+):
+    x, e = _inputs(nonfinite)
+    channel = feedback.error_feedback(compressors.power_sgd(2))
+    mean, e_new = _step(channel, mesh)(_put(mesh, x), _put(mesh, e))
+    c = x + e
+    want = np.stack([c[w] - np.asarray(mean) for w in range(W)])
+    np.testing.assert_array_equal(np.asarray(e_new), want)
+    if not nonfinite:  # the reconstruction is a rank-2 approximation of the mean of c
+        np.testing.assert_allclose(np.linalg.matrix_rank(np.asarray(mean)), 2)
