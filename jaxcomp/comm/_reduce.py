@@ -20,7 +20,8 @@ codec         the codec's own :class:`~jaxcomp.compressors.ReduceProtocol` ``Cod
 
 Every protocol returns ``(mean, echo, state)``, ``echo`` being this worker's decoded payload
 (computed with :func:`~jaxcomp.compressors.compress_and_decode`, so error feedback gets it from
-the codec's fused round trip); the ``psum`` and ``all_gather`` paths also have
+the codec's fused round trip; on the ``all_gather`` path a codec without one decodes its
+payload as gathered, behind the collective); the ``psum`` and ``all_gather`` paths also have
 ``all_reduce_into``, which adds the echo into the residual (or EF21's estimate) with
 :func:`~jaxcomp.compressors.compress_into` (exact TopK: a scatter in place). Receivers
 decode gathered payloads with the codec's fused :func:`~jaxcomp.compressors.decode_sum` in
@@ -195,10 +196,24 @@ def gather_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
 
     def all_reduce_into(x, state, key, axis_name, base, direction):
         key = _protocol.worker_key(codec_key(codec, key), axis_name)
-        payload, codec_state, echo, into = compressors.compress_into(
-            codec, x, _protocol.this_worker(state.codec), key, base, direction
-        )
-        mean = decode_mean(codec, _protocol.all_gather(payload, axis_name), x)
+        codec_state = _protocol.this_worker(state.codec)
+        if codec.roundtrip is not None or axis_name is None:
+            payload, codec_state, echo, into = compressors.compress_into(
+                codec, x, codec_state, key, base, direction
+            )
+            gathered = _protocol.all_gather(payload, axis_name)
+        else:
+            # the echo decoded from this worker's payload as gathered: the collective stops
+            # XLA:CPU from fusing the selection into the decode (an optimization barrier
+            # does not), where it would be redone per decoded entry (blockwise TopK: a block's
+            # arg-max per entry, 8x the step)
+            payload, codec_state = codec.compress(x, codec_state, key)
+            gathered = _protocol.all_gather(payload, axis_name)
+            me = lax.axis_index(axis_name)
+            mine = jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, me, keepdims=False), gathered)
+            echo = codec.decompress(mine, x)
+            into = compressors.add_decoded(codec, base, mine, direction)
+        mean = decode_mean(codec, gathered, x)
         return mean, echo, into, GatherReduce(_protocol.per_worker(codec_state, axis_name))
 
     def all_reduce(x, state, key, axis_name):
