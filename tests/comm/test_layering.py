@@ -16,6 +16,7 @@ CONTRACT = {
     "PerWorker",
     "ReduceProtocol",
     "Reduction",
+    "add_decoded",
     "compress_and_decode",
     "compress_into",
     "decode_sum",
