@@ -74,7 +74,8 @@ class Programs:
       has_state: ``loss_fn(params, model_state, batch)`` returns the new model state too
         (``(loss, model_state)``, or ``(loss, (aux, model_state))`` with ``has_aux``), as
         :func:`~jaxcomp.parallel.data_parallel` takes it; the state is each worker's own.
-      donate: donate the state's buffers to each program's result.
+      donate: donate the state's buffers to each program's result; without it a program
+        returns only the leaves it writes and :meth:`run` reuses the others (no copies).
       check_finite: report whether each worker's loss and new state are finite (one pass
         over what a program writes); if False, ``finite`` is always 1.
     """
