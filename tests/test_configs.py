@@ -36,8 +36,10 @@ def test_the_paper_scale_configs_are_found():
     }
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_config_documents_its_run_and_smoke_trains_two_steps(path, tmp_path, fake_tfds_dir):
+GPT = CONFIGS[0].with_name("gpt_lm_pipeline.py")
+
+
+def _documents_its_run_and_smoke_trains_two_steps(path, workdir, fake_tfds_dir):
     module = load(path)
     doc = module.__doc__ or ""
     assert f"--config configs/{path.name}" in doc and "Expected" in doc, "docstring incomplete"
@@ -48,18 +50,29 @@ def test_config_documents_its_run_and_smoke_trains_two_steps(path, tmp_path, fak
         assert (smoke.data_name, smoke.data.name) == (full.data_name, full.data.name)
         assert "GPU" in doc and "tfds build" in doc
         smoke.data.data_dir = fake_tfds_dir
-    summary = train.train_and_evaluate(smoke, str(tmp_path))
+    summary = train.train_and_evaluate(smoke, str(workdir))
     assert summary["steps"] == 2
     assert summary["wire_bytes_per_step"] > 0
     assert summary["final_loss"] == summary["final_loss"]  # finite, not NaN
 
 
-def test_gpt_lm_smoke_trains_on_a_tfds_text_corpus(tmp_path, fake_tfds_dir):
-    c = load(CONFIGS[0].with_name("gpt_lm_pipeline.py")).get_config("smoke")
+OTHERS = [p for p in CONFIGS if p != GPT]
+
+
+@pytest.mark.parametrize("path", OTHERS, ids=[p.stem for p in OTHERS])
+def test_config_documents_its_run_and_smoke_trains_two_steps(path, tmp_path, fake_tfds_dir):
+    _documents_its_run_and_smoke_trains_two_steps(path, tmp_path, fake_tfds_dir)
+
+
+def test_gpt_lm_config_smoke_trains_on_pydoc_and_on_a_tfds_text_corpus(tmp_path, fake_tfds_dir):
+    # one test, so that the second run's programs (same shapes) come from the compilation
+    # cache of the same process (each pytest-xdist worker has its own)
+    _documents_its_run_and_smoke_trains_two_steps(GPT, tmp_path / "pydoc", fake_tfds_dir)
+    c = load(GPT).get_config("smoke")
     c.data_name = "tfds_text"  # tiny_shakespeare by default
     c.data.data_dir = fake_tfds_dir
     c.eval_data = {}
-    summary = train.train_and_evaluate(c, str(tmp_path))
+    summary = train.train_and_evaluate(c, str(tmp_path / "tfds"))
     assert summary["steps"] == 2 and summary["final_perplexity"] == summary["final_perplexity"]
 
 
