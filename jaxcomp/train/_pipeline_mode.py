@@ -34,7 +34,7 @@ the fast one's; without ``replica_mean`` a float mean over each).
 With ``forward_high`` / ``backward_high`` (also in ``boundaries`` entries) every step logs each
 adaptive boundary's mode (``link_mode_forward_<b>`` / ``link_mode_backward_<b>``: 0 low, 1
 high), ``low_compression_links`` and its own ``wire_bytes``; each mode combination is compiled
-once, when first used (the all-low and all-high programs at build time). The detector's
+once, when first used (the all-low program at build time). The detector's
 learning-rate rule reads the config's schedule (use ``constant`` or ``step``: a smooth decay
 keeps every link in low compression).
 
@@ -432,7 +432,6 @@ def build_pipeline(
             adaptive=f"interval {detector.interval_steps} steps, every {detector.check_every}, "
             f"eta={detector.eta}",
             boundary_bytes_per_step_high=float(hi_counts["wire_bytes"]),
-            hlo_collective_bytes_per_step_high=_mode.compiled_text_bytes(program(True, high)),
         )
         names += f"; adaptive, high: {_high_names(links)}"
         extra["links"] = names
