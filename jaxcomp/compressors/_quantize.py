@@ -272,8 +272,15 @@ def quantize(
 
     def roundtrip(x, state, key=None):
         q, s = codes_and_scale(x, key)
-        codes = _bitpack.pack(q.astype(jnp.uint8).reshape(-1), bits)
-        return QuantizedPayload(codes, s), state, decode(q, s, x.shape, x.dtype)
+        # decode the codes as sent: a NaN code (an Inf or NaN input under an inf scale) is
+        # code 0 on the wire (XLA converts NaN to 0), so the echo must decode it as 0 too
+        q8 = q.astype(jnp.uint8)
+        codes = _bitpack.pack(q8.reshape(-1), bits)
+        return (
+            QuantizedPayload(codes, s),
+            state,
+            decode(q8.astype(jnp.float32), s, x.shape, x.dtype),
+        )
 
     def decode_sum(stacked, like):
         check_payload(stacked, like, lead=stacked.codes.shape[:1])
