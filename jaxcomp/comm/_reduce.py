@@ -20,12 +20,12 @@ codec         the codec's own :class:`~jaxcomp.compressors.ReduceProtocol` ``Cod
 
 Every protocol returns ``(mean, echo, state)``, ``echo`` being this worker's decoded payload
 (computed with :func:`~jaxcomp.compressors.compress_and_decode`, so error feedback gets it from
-the codec's fused round trip; on the ``all_gather`` path a codec without one decodes its
-payload as gathered, behind the collective); the ``psum`` and ``all_gather`` paths also have
-``all_reduce_into``, which adds the echo into the residual (or EF21's estimate) with
-:func:`~jaxcomp.compressors.compress_into` (exact TopK: a scatter in place). Receivers
-decode gathered payloads with the codec's fused :func:`~jaxcomp.compressors.decode_sum` in
-passes of up to eight payloads.
+the codec's fused round trip; on the ``all_gather`` path a codec with
+``Codec.echo_from_wire`` decodes its payload as gathered, behind the collective); the
+``psum`` and ``all_gather`` paths also have ``all_reduce_into``, which adds the echo into the
+residual (or EF21's estimate) with :func:`~jaxcomp.compressors.compress_into` (exact TopK: a
+scatter in place). Receivers decode gathered payloads with the codec's fused
+:func:`~jaxcomp.compressors.decode_sum` in passes of up to eight payloads.
 """
 
 from __future__ import annotations
@@ -197,7 +197,8 @@ def gather_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
     def all_reduce_into(x, state, key, axis_name, base, direction):
         key = _protocol.worker_key(codec_key(codec, key), axis_name)
         codec_state = _protocol.this_worker(state.codec)
-        if codec.roundtrip is not None or axis_name is None:
+        if not codec.echo_from_wire or axis_name is None:
+            # (exact TopK: the gathered-echo form below made its EF step 1.3x slower, A/B)
             payload, codec_state, echo, into = compressors.compress_into(
                 codec, x, codec_state, key, base, direction
             )

@@ -83,6 +83,11 @@ class Codec(NamedTuple):
         decoding into a dense array of zeros and adding that. Must equal the dense form
         (``==``; a ``-0.0`` of ``base`` may stay ``-0.0``). Error feedback's residual and
         EF21's estimate use it through :func:`add_decoded`.
+      echo_from_wire: on the ``all_gather`` path, decode the sender's own echo (error
+        feedback's ``D(C(c))``, EF21's ``D(m)``) from its payload *as gathered*, behind the
+        collective, for codecs whose elementwise decode XLA would otherwise fuse with the
+        selection that made the payload and redo it per decoded entry (blockwise TopK's
+        per-block arg-max: error feedback was 8x the plain step). Values are the same.
     """
 
     init: Callable[[Like], CodecState]
@@ -96,6 +101,7 @@ class Codec(NamedTuple):
     decode_sum: Callable[[Payload, Like], Array] | None = None
     protocol: _protocol.ReduceProtocol | None = None
     add_decoded: Callable[[Array, Payload, int], Array] | None = None
+    echo_from_wire: bool = False
 
 
 def compress_and_decode(

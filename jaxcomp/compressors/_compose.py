@@ -75,4 +75,7 @@ def compose(outer: _base.Codec, inner: _base.Codec, *, field: str = "values") ->
         sub = inner.decompress(getattr(payload, field), field_like(like))
         return outer.decompress(payload._replace(**{field: sub}), like)
 
-    return _base.Codec(init, compress, decompress, name, _base.Reduction.GATHER, stochastic)
+    return _base.Codec(
+        init, compress, decompress, name, _base.Reduction.GATHER, stochastic,
+        echo_from_wire=outer.echo_from_wire or inner.echo_from_wire,
+    )  # fmt: skip

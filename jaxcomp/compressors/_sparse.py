@@ -306,7 +306,7 @@ def top_k(
 
     return _base.Codec(
         init, compress, decompress, name, _base.Reduction.GATHER, False, None, None, decode_sum,
-        add_decoded=add_decoded,
+        add_decoded=add_decoded, echo_from_wire=method == "blockwise",
     )  # fmt: skip
 
 
