@@ -89,3 +89,25 @@ def test_compressed_mean_data_parallel_sends_less_than_dense(make_config, tmp_pa
     assert {r["group_size"] for r in recs} == {8}
     total = sum(r["bytes_per_execution"] * r["executions"] for r in recs)
     assert total == summary["wire_bytes_per_step"] + 8
+
+
+def test_data_parallel_skips_a_step_whose_optimizer_state_overflows(make_config):
+    """A batch of 1e20s gives finite gradients whose squares overflow: Adam's second moment
+    becomes inf while its update (m / sqrt(v) = 0) leaves the parameters finite. Committed,
+    those weights would silently never move again; the step is skipped and says so."""
+    config = make_config(
+        mode="data_parallel",
+        optax_name="adam",
+        lr=1e-3,
+        data_parallel={"transform": "compressed_mean", "codec": {"name": "identity"}},
+    )
+    s = train.setup(config)
+    state = s.mode.init(jax.random.key(0))
+    before = _leaves(state)
+    batch, _ = s.train_loader.next(s.train_loader.initial_state())
+    batch["x"] = np.full_like(batch["x"], 1e20)
+    new, metrics = s.mode.train_step(state, _place(s, batch), _key(s, 0), 0)
+    assert np.isfinite(float(metrics["loss"]))
+    assert int(metrics["finite"]) == 0
+    for a, b in zip(before, _leaves(new), strict=True):
+        np.testing.assert_array_equal(a, b)
