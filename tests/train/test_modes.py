@@ -3,6 +3,7 @@ compressed_mean data parallelism."""
 
 import jax
 import numpy as np
+import pytest
 
 from jaxcomp import train
 from jaxcomp.train import _trainer
@@ -91,16 +92,23 @@ def test_compressed_mean_data_parallel_sends_less_than_dense(make_config, tmp_pa
     assert total == summary["wire_bytes_per_step"] + 8
 
 
-def test_data_parallel_skips_a_step_whose_optimizer_state_overflows(make_config):
+@pytest.mark.parametrize("mode", ["dense", "data_parallel", "pipeline"])
+def test_a_step_whose_optimizer_state_overflows_is_skipped(make_config, mode):
     """A batch of 1e20s gives finite gradients whose squares overflow: Adam's second moment
     becomes inf while its update (m / sqrt(v) = 0) leaves the parameters finite. Committed,
     those weights would silently never move again; the step is skipped and says so."""
-    config = make_config(
-        mode="data_parallel",
-        optax_name="adam",
-        lr=1e-3,
-        data_parallel={"transform": "compressed_mean", "codec": {"name": "identity"}},
-    )
+    extra = {
+        "dense": {},
+        "data_parallel": {
+            "data_parallel": {"transform": "compressed_mean", "codec": {"name": "identity"}}
+        },
+        "pipeline": {
+            "mesh": [("stage", 4)],
+            "model": {"hidden": (16, 16, 16)},
+            "pipeline": {"num_microbatches": 4},
+        },
+    }[mode]
+    config = make_config(mode=mode, optax_name="adam", lr=1e-3, **extra)
     s = train.setup(config)
     state = s.mode.init(jax.random.key(0))
     before = _leaves(state)
