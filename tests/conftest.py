@@ -8,12 +8,20 @@ import pathlib
 import shutil
 import tempfile
 
+import hypothesis
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+
+# Property tests are deterministic (the team rule: no flaky test): every run draws the same
+# examples. HYPOTHESIS_PROFILE=explore draws new ones; a failure found that way becomes an
+# explicit @example.
+hypothesis.settings.register_profile("ci", derandomize=True, database=None)
+hypothesis.settings.register_profile("explore", derandomize=False)
+hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def _compilation_cache_dir() -> str | None:
