@@ -178,6 +178,21 @@ def spread(samples: Sequence[float]) -> dict[str, float]:
     return {"median": float(median), "q1": float(q1), "q3": float(q3)}
 
 
+def side_by_side(name: str, jax_samples: Sequence[float], torch_samples: Sequence[float]) -> dict:
+    """A ``bench peers`` record: both sides' median and quartiles and ``jax_over_torch``."""
+    sj, st = spread(jax_samples), spread(torch_samples)
+    return dict(
+        name=name,
+        jax_time_s=sj["median"],
+        jax_q1_s=sj["q1"],
+        jax_q3_s=sj["q3"],
+        torch_time_s=st["median"],
+        torch_q1_s=st["q1"],
+        torch_q3_s=st["q3"],
+        jax_over_torch=sj["median"] / st["median"],
+    )
+
+
 def load_average() -> list[float]:
     """The machine's 1, 5 and 15 minute load averages (``/proc/loadavg``; empty elsewhere)."""
     try:

@@ -213,17 +213,5 @@ def run(repeats: int = 20, warmup: int = 3) -> list[dict]:
                         tt += peer.steps(1)
         finally:
             peer.close()
-        sj, st = _common.spread(tj), _common.spread(tt)
-        results.append(
-            dict(
-                name=label,
-                jax_time_s=sj["median"],
-                jax_q1_s=sj["q1"],
-                jax_q3_s=sj["q3"],
-                torch_time_s=st["median"],
-                torch_q1_s=st["q1"],
-                torch_q3_s=st["q3"],
-                jax_over_torch=sj["median"] / st["median"],
-            )
-        )
+        results.append(_common.side_by_side(label, tj, tt))
     return results

@@ -89,6 +89,13 @@ def torch_rows(torch, n: int):
     ]
 
 
+def _print_row(r: dict) -> None:
+    print(
+        f"  {r['name']:20s} jax {r['jax_time_s'] * 1e3:8.2f} ms  torch "
+        f"{r['torch_time_s'] * 1e3:8.2f} ms  jax/torch {r['jax_over_torch']:.2f}"
+    )
+
+
 def run(n: int = 4 * 1024 * 1024, repeats: int = 20, ddp: bool = True) -> tuple[list[dict], dict]:
     """Times every row; returns (records, run info)."""
     torch = _torch()
@@ -118,31 +125,12 @@ def run(n: int = 4 * 1024 * 1024, repeats: int = 20, ddp: bool = True) -> tuple[
     results = []
     for i, label in enumerate(meta):
         tj, tt = timed[2 * i], timed[2 * i + 1]
-        sj, st = _common.spread(tj.samples), _common.spread(tt.samples)
-        results.append(
-            dict(
-                name=label,
-                jax_time_s=sj["median"],
-                jax_q1_s=sj["q1"],
-                jax_q3_s=sj["q3"],
-                torch_time_s=st["median"],
-                torch_q1_s=st["q1"],
-                torch_q3_s=st["q3"],
-                jax_over_torch=sj["median"] / st["median"],
-            )
-        )
-        r = results[-1]
-        print(
-            f"  {label:20s} jax {r['jax_time_s'] * 1e3:8.2f} ms  torch "
-            f"{r['torch_time_s'] * 1e3:8.2f} ms  jax/torch {r['jax_over_torch']:.2f}"
-        )
+        results.append(_common.side_by_side(label, tj.samples, tt.samples))
+        _print_row(results[-1])
     if ddp:
         for r in _peers_ddp.run(repeats):
             results.append(r)
-            print(
-                f"  {r['name']:20s} jax {r['jax_time_s'] * 1e3:8.2f} ms  torch "
-                f"{r['torch_time_s'] * 1e3:8.2f} ms  jax/torch {r['jax_over_torch']:.2f}"
-            )
+            _print_row(r)
     load_after = _common.load_average()
     info = dict(
         jax_copy_time_s=_common.spread(base.samples)["median"],
