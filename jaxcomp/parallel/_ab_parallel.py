@@ -14,7 +14,6 @@ from typing import Any
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -222,7 +221,9 @@ def ab_data_parallel(
             raise ValueError("a model_state was given to an ab_data_parallel built without "
                              "has_state.")  # fmt: skip
         opt = jax.jit(lambda p: init_state(config, p))(params)
-        step0 = _driver.replicate(jnp.zeros((), jnp.int32), mesh)
+        # from the host: a fresh buffer, and no eager op to compile (jnp.zeros and the copy
+        # in _driver.replicate compiled three tiny programs)
+        step0 = jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, P()))
         placed = _driver.stack_per_worker((params, opt), mesh, state_axes)
         return TrainState(step0, *placed, _driver.stack_per_worker(model_state, mesh, axes))
 
@@ -242,8 +243,9 @@ def ab_data_parallel(
             else:
                 state, out = programs.run(name, state)
                 finite.append(out["workers"]["finite"])
-        for f in finite:  # the transitions' results must be finite too
-            metrics["finite"] = jnp.minimum(metrics["finite"], f)
+        if finite:  # the transitions' results must be finite too (combined on the host: an
+            # eager jnp.minimum compiled a program of its own at the first transition)
+            metrics["finite"] = np.min([np.asarray(f) for f in (metrics["finite"], *finite)], 0)
         return state, metrics
 
     def abstract_state(params, model_state=()):

@@ -150,8 +150,9 @@ class Program:
         """The executable for arguments like ``args``; compiled here on first use, after
         waiting for ``args`` (so that no compilation runs beside a multi-device step)."""
         leaves, treedef = jax.tree.flatten(args)
+        # dtype objects, not their names: str(dtype) was 90% of this key's 160 us per call
         key = (treedef, tuple(
-            (x.shape, str(x.dtype), bool(getattr(x, "weak_type", False)),
+            (x.shape, x.dtype, bool(getattr(x, "weak_type", False)),
              getattr(x, "sharding", None)) for x in leaves
         ))  # fmt: skip
         if key not in self._compiled:

@@ -98,6 +98,7 @@ AB_DEFAULTS = {
     "sync_batch_stats": False,
     "eval_batch_stats": "worker0",
 }
+_USED_WORKER_METRICS = ("finite", "phase", "compression_ratio", "mean_rank")
 _HARNESS_KEYS = ("inner", "sync_batch_stats", "eval_batch_stats")  # not ABConfig fields
 INNERS = ("adam", "adamw", "sgd")
 
@@ -234,7 +235,8 @@ def build_ab(
                 f"{step}; the checkpoint's state and step disagree."
             )
         new, metrics = dp.step(state, batch)
-        workers = jax.device_get({k: v for k, v in metrics.items() if k not in ("loss", "aux")})
+        # only the per-worker metrics used here (not lr and count): one transfer each
+        workers = jax.device_get({k: metrics[k] for k in _USED_WORKER_METRICS})
         # the harness checks the loss and what each program wrote; the same rule as
         # _mode.commit_if_finite, without a second pass over the whole state
         finite = int(workers["finite"].min())

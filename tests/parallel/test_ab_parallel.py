@@ -7,11 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import parallel
 from jaxcomp import transforms
+from jaxcomp.parallel import _driver
 from jaxcomp.transforms._ab_schedule import STEP_KINDS
 
 SPECTRUM = np.array([2.0, 1.0, 0.1, 0.05, 0.02, 0.01], np.float32)  # cutoff 0.15 keeps 2
@@ -312,3 +315,39 @@ def test_without_donation_the_programs_return_only_what_they_write(layout, optio
         runs[donate] = history
     for got, want in zip(runs[False], runs[True]):
         jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_a_sync_that_overflows_is_reported_even_when_the_ab_step_was_finite(grouped):
+    # each group's own product A_g B_g is moderate, the synced product of the means is not:
+    # group 0 holds (1e25 A, 1e-25 B), group 1 (1e-25 A, 1e25 B), so mean(A) mean(B) ~ 0.25e50
+    # A B = inf in float32. The AB program's own flags are 1; the sync's must reach metrics.
+    config, dp = grouped
+    state, data = dp.init(init_params()), batches(4)
+    assert config.schedule.step_kind(3) == "ab_then_sync"
+    for batch in data[:3]:
+        state, _ = dp.step(state, batch)
+
+    def scaled(factors, per_group):
+        scale = np.asarray(per_group, np.float32)[:, None, None]
+        return tuple(jax.device_put(np.asarray(x) * scale, x.sharding) for x in factors)
+
+    opt = state.opt_state
+    opt = opt._replace(a=scaled(opt.a, [1e25, 1e-25]), b=scaled(opt.b, [1e-25, 1e25]))
+    state, metrics = dp.step(state._replace(opt_state=opt), data[3])
+    assert not np.isfinite(np.asarray(state.params["l1"]["kernel"])).all()  # the case is real
+    finite = np.asarray(metrics["finite"])
+    assert finite.shape == (2,) and finite.tolist() == [0, 0]
+
+
+def test_a_program_compiles_again_for_another_dtype_or_weak_type():
+    # the compile cache's key: an argument of another dtype or weak type is another program
+    mesh = parallel.ab_mesh(2, jax.devices()[:4])
+    program = _driver.Program(lambda x: x * 2, mesh, lambda *_: (P(), P()), donate=False)
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P()))  # noqa: E731
+    f32, f16 = put(np.ones(3, np.float32)), put(np.ones(3, np.float16))
+    weak = put(jnp.asarray(1.0))  # a weakly typed float32 scalar
+    strong = put(np.float32(1.0))
+    assert program.compiled(f32) is program.compiled(put(np.zeros(3, np.float32)))
+    assert program.compiled(f32) is not program.compiled(f16)
+    assert program.compiled(weak) is not program.compiled(strong)
+    assert program(f16).dtype == np.float16 and program(weak).weak_type
