@@ -1,8 +1,8 @@
-"""AB-Training: bytes per phase vs plain data parallelism (VGG-16, from HLO) and step time per
+r"""AB-Training: bytes per phase vs plain data parallelism (VGG-16, from HLO) and step time per
 step kind vs a dense data-parallel step (the digits MLP, timed).
 
 ``python -m jaxcomp.bench ab_training [--json PATH] [--models ...] [--rank-fractions ...]
-[--repeats N] [--no-bytes] [--no-time] [--trainer-runs N]``
+[--repeats N] [--no-bytes] [--no-time] [--rows-per-worker R ...] [--trainer-runs N]``
 
 **Bytes** (nothing is trained): every step kind of :func:`jaxcomp.transforms.ab_training` is
 compiled on its own for the parameter shapes of a VGG-16 (``vgg16_cifar``: 13 convolutions and
@@ -24,7 +24,9 @@ full-rank and ``S - D`` AB steps; the paper's ``S = 759, D = 60``; ``traffic_red
 ``step_time_s = None``: a 15M/134M-parameter step is not timed on CPU.
 
 **Time**: the model, mesh and options of ``configs/digits_ab.py`` (the MLP 64-256-256-256-10,
-8 workers in 2 groups, rank capacity 64 of 256, ``fc1`` and ``head`` full-rank), batch 128.
+8 workers in 2 groups, rank capacity 64 of 256, ``fc1`` and ``head`` full-rank), at
+``--rows-per-worker`` rows per worker (default 16 and 128: batch 128, the trainer's digits
+config, and 1024; each record has ``rows_per_worker``).
 Each step kind runs as :func:`~jaxcomp.parallel.ab_data_parallel` runs it (the dense or AB
 program, then the transition's), and ``ab (lax.switch)`` is the optax transform's single
 program at an AB step; the baseline is a dense data-parallel step (``pmean`` + Adam,
@@ -34,6 +36,16 @@ call each per round, ``--repeats`` rounds: ``step_time_s`` and ``dense_step_time
 medians, with their quartiles (``*_q25_s``, ``*_q75_s``); ``time_ratio_to_dense`` is the
 median of the per-round ratios, with its quartiles. The machine's load average is recorded
 before and after.
+
+**Why the AB kinds cost more than a dense step at 16 rows per worker**: an AB step does the
+algorithm's own matrix work beside the model's: the factor gradient :math:`G B^\top` (or
+:math:`A^\top G`) and :math:`W = A B` per factorised layer, each ``m n c`` multiply-adds
+(256 x 256 x 64 here), independent of the batch. The layer's forward pass is ``rows m n``:
+at 16 rows each of the two products is 4x the forward, at 128 rows half of it. So the
+``ab`` ratio falls towards 1 as the rows per worker grow (the paper's VGG-16 runs 128 images
+per GPU); the 16-row rows show the harness's overhead at its most visible, the 128-row rows
+a realistic share. (:math:`X^\top (\delta B^\top)` would be cheaper than :math:`G B^\top`
+but is not bit-identical.) ``refactor`` is an SVD per factorised layer, once per cycle.
 
 ``--trainer-runs N`` also runs ``configs/digits_dense.py`` and ``configs/digits_ab.py`` through
 the trainer N times each, alternating, with the same steps, evaluation and checkpoint settings,
@@ -233,7 +245,8 @@ KIND_PHASE = {"dense": "full", "dense_then_refactor": "refactor", "ab": "ab",
               "dense (finite check)": "full_checked"}  # fmt: skip
 
 
-def _digits():
+def _digits(rows: int = 128):
+    """The digits MLP, its loss and a batch of ``rows`` rows."""
     model = models.get_model("mlp", hidden=(256, 256, 256))
     params = tuple(v["params"] for v in model.init(jax.random.key(0)))
 
@@ -242,8 +255,8 @@ def _digits():
         return model.loss_fn(logits, batch["label"])
 
     rng = np.random.default_rng(0)
-    batch = {"x": rng.standard_normal((128, *model.input_shape)).astype(np.float32),
-             "label": rng.integers(0, 10, 128).astype(np.int32)}  # fmt: skip
+    batch = {"x": rng.standard_normal((rows, *model.input_shape)).astype(np.float32),
+             "label": rng.integers(0, 10, rows).astype(np.int32)}  # fmt: skip
     return loss_fn, params, batch
 
 
@@ -290,10 +303,20 @@ def _quartiles(x) -> tuple[float, float, float]:
     return float(q50), float(q25), float(q75)
 
 
-def time_kinds(repeats: int) -> list[dict]:
-    """Step time per kind vs the dense data-parallel step, round-robin (see the docstring)."""
-    loss_fn, params, batch = _digits()
+def time_kinds(repeats: int, rows_per_worker: int = 16) -> list[dict]:
+    """Step time per kind vs the dense data-parallel step, round-robin (see the docstring).
+
+    Raises:
+      ValueError: if ``rows_per_worker`` is not a positive int.
+    """
+    if (
+        isinstance(rows_per_worker, bool)
+        or not isinstance(rows_per_worker, int)
+        or (rows_per_worker < 1)
+    ):
+        raise ValueError(f"rows_per_worker must be a positive int; got {rows_per_worker!r}.")
     mesh = parallel.ab_mesh(2, jax.devices()[:8])
+    loss_fn, params, batch = _digits(rows_per_worker * mesh.size)
     config = transforms.ABConfig(
         1e-3, warmup_steps=60, sync_every=40, full_rank_steps=5, exclude=("fc1", "head"),
         max_rank_fraction=0.25,
@@ -346,7 +369,8 @@ def time_kinds(repeats: int) -> list[dict]:
             "dense_step_time_s": dense[0], "dense_step_time_q25_s": dense[1],
             "dense_step_time_q75_s": dense[2], "time_ratio_to_dense": ratio[0],
             "time_ratio_q25": ratio[1], "time_ratio_q75": ratio[2], "repeats": repeats,
-            "load_before": load_before, "load_after": load_after,
+            "rows_per_worker": rows_per_worker, "load_before": load_before,
+            "load_after": load_after,
         })  # fmt: skip
     return rows
 
@@ -396,6 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-bytes", action="store_true", help="skip the VGG-16 byte analysis")
     p.add_argument("--no-time", action="store_true", help="skip the step timing")
     p.add_argument(
+        "--rows-per-worker",
+        nargs="+",
+        type=int,
+        default=[16, 128],
+        help="time the step kinds at these batch rows per worker (16: the digits config)",
+    )
+    p.add_argument(
         "--trainer-runs",
         type=int,
         default=0,
@@ -404,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     results = []
     if not args.no_time:
-        results += time_kinds(max(args.repeats, 1))
+        for rows in args.rows_per_worker:
+            results += time_kinds(max(args.repeats, 1), rows)
     if args.trainer_runs:
         results += trainer_runs(args.trainer_runs)
     if not args.no_bytes:
@@ -418,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             ("model", "s"),
             ("sync_mode", "s"),
             ("phase", "s"),
+            ("rows_per_worker", "d"),
             ("rank_fraction", ".2f"),
             ("hlo_bytes_per_step", ".4g"),
             ("dp_hlo_bytes_per_step", ".4g"),

@@ -88,3 +88,28 @@ def test_peers_ddp_step_matches_torch_shapes_when_torch_is_installed():
     for r in rows:
         assert r["jax_time_s"] > 0 and r["torch_time_s"] > 0
         assert r["jax_q1_s"] <= r["jax_time_s"] <= r["jax_q3_s"]
+
+
+@pytest.mark.parametrize("rows", [0, -16, 2.5, True, "16"])
+def test_ab_training_rows_per_worker_must_be_a_positive_int(rows):
+    from jaxcomp.bench import ab_training
+
+    with pytest.raises(ValueError, match="rows_per_worker must be a positive int"):
+        ab_training.time_kinds(1, rows)
+
+
+def test_ab_training_benchmark_times_each_rows_per_worker_and_keeps_its_keys(tmp_path):
+    from jaxcomp.bench import ab_training
+
+    path = tmp_path / "ab.json"
+    argv = ["--no-bytes", "--repeats", "1", "--rows-per-worker", "1", "4", "--json", str(path)]
+    assert ab_training.main(argv) == 0
+    results = json.loads(path.read_text())["results"]
+    phases = ["full", "refactor", "ab", "sync", "ab_switch", "full_checked"]
+    assert [(r["rows_per_worker"], r["phase"]) for r in results] == [
+        (rows, phase) for rows in (1, 4) for phase in phases
+    ]
+    for r in results:
+        keys = ("model", "phase", "hlo_bytes_per_step", "dp_hlo_bytes_per_step", "step_time_s")
+        assert all(r[k] is not None for k in (*keys, "dense_step_time_s"))
+        assert r["step_time_s"] > 0 and r["dense_step_time_s"] > 0
