@@ -27,8 +27,9 @@ full-rank and ``S - D`` AB steps; the paper's ``S = 759, D = 60``; ``traffic_red
 8 workers in 2 groups, rank capacity 64 of 256, ``fc1`` and ``head`` full-rank), at
 ``--rows-per-worker`` rows per worker (default 16 and 128: batch 128, the trainer's digits
 config, and 1024; each record has ``rows_per_worker``).
-Each step kind runs as :func:`~jaxcomp.parallel.ab_data_parallel` runs it (the dense or AB
-program, then the transition's), and ``ab (lax.switch)`` is the optax transform's single
+Each step kind runs as :func:`~jaxcomp.parallel.ab_data_parallel` runs it (the dense
+program, then the re-factorisation's; the AB program, with its sync flag set at a cycle's
+last AB step), and ``ab (lax.switch)`` is the optax transform's single
 program at an AB step; the baseline is a dense data-parallel step (``pmean`` + Adam,
 replicated parameters) of the same model. Like the baseline, these run without the harness's
 finiteness check; ``full_checked`` is the dense kind with it. All are timed round-robin, one
@@ -333,7 +334,7 @@ def time_kinds(repeats: int, rows_per_worker: int = 16) -> list[dict]:
         "dense": lambda: run("dense", state, sharded),
         "dense_then_refactor": lambda: run("refactor", run("dense", state, sharded)[0]),
         "ab": lambda: run("ab", factored, sharded),
-        "ab_then_sync": lambda: run("sync", run("ab", factored, sharded)[0]),
+        "ab_then_sync": lambda: run("ab_then_sync", factored, sharded),
         "ab (lax.switch)": _switch_step(config, loss_fn, params, batch, mesh, count=61),
         "dense (finite check)": lambda: guarded.run("dense", state, sharded),
     }

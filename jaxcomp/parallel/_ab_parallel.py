@@ -236,7 +236,7 @@ def ab_data_parallel(
         batch = shard_batch(batch)
         metrics, finite = {}, []
         for name in _ab_programs.schedule_programs(config, t):
-            if name in ("dense", "ab"):
+            if name in ("dense", "ab", "ab_then_sync"):
                 state, out = programs.run(name, state, batch)
                 metrics = {k: v for k, v in out.items() if k != "workers"}
                 metrics.update(out["workers"])
@@ -282,7 +282,7 @@ def kind_bytes(
     dense, refactor = total("dense", "shared"), total("refactor", "shared")
     out = {"dense": {"all": dense}, "dense_then_refactor": {"all": dense + refactor}}
     roles = ("a", "b") if num_a else ("b",)
-    for kind, extra in (("ab", 0.0), ("ab_then_sync", total("sync", "shared"))):
+    for kind, extra in (("ab", 0.0), ("ab_then_sync", by["ab"]["sync"].total_bytes)):
         out[kind] = {r: total("ab", r) + extra for r in roles}
         a = out[kind].get("a", 0.0)
         out[kind]["mean"] = (n_a * a + (n - n_a) * out[kind]["b"]) / n

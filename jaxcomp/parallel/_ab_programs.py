@@ -2,14 +2,17 @@
 
 A step of :func:`~jaxcomp.transforms.ab_training` is one of four kinds; instead of one
 program that picks the kind with ``lax.switch`` (which on the XLA CPU backend costs as much as
-the step itself), the harness compiles five programs and the host strings them together by
+the step itself), the harness compiles three programs and the host strings them together by
 the step index (:func:`schedule_programs`):
 
 * ``dense``: gradients averaged over all workers, every parameter updated;
-* ``ab``: the group's factor and the non-factorised parameters updated, ``W = A B``;
+* ``ab`` and ``ab_then_sync`` (the last AB step of a cycle): one compiled program with a
+  ``sync`` flag: the group's factor and the non-factorised parameters updated, then ``W = A
+  B``, or the groups' sync, which rebuilds ``W`` from the synced factors
+  (:func:`~jaxcomp.transforms._ab_sync.reconstruct_or_sync`: ``W`` is computed once, and a
+  sync costs no program of its own);
 * ``factorise`` (before the first AB step) and ``refactor`` (after the last full-rank step of
-  a cycle): one compiled program with an ``exact`` flag; ``sync`` (after the last AB step of a
-  cycle): the phase transitions, small programs without the model.
+  a cycle): one compiled program with an ``exact`` flag, without the model.
 
 Every program is compiled ahead of time, before anything runs (:class:`Programs`), so that no
 compilation competes with a running multi-device step for the CPU.
@@ -41,8 +44,10 @@ from jaxcomp.transforms._ab_topology import topology
 from jaxcomp.transforms._ab_training import advance
 from jaxcomp.transforms._ab_training import check_shapes
 
-#: The compiled programs; ``"factorise"`` in a schedule is ``"refactor"`` with ``exact``.
-PROGRAMS = ("dense", "ab", "refactor", "sync")
+#: The compiled programs; in a schedule, ``"factorise"`` is ``"refactor"`` with ``exact`` and
+#: ``"ab_then_sync"`` is ``"ab"`` with ``sync``.
+PROGRAMS = ("dense", "ab", "refactor")
+_PROGRAM_OF = {"factorise": "refactor", "ab_then_sync": "ab"}
 
 
 def schedule_programs(config: ABConfig, step: int) -> tuple[str, ...]:
@@ -51,7 +56,7 @@ def schedule_programs(config: ABConfig, step: int) -> tuple[str, ...]:
     if kind.startswith("dense"):
         return ("dense", "refactor") if kind == "dense_then_refactor" else ("dense",)
     first = ("factorise",) if step == config.warmup_steps else ()
-    return (*first, "ab", *(("sync",) if kind == "ab_then_sync" else ()))
+    return (*first, "ab_then_sync" if kind == "ab_then_sync" else "ab")
 
 
 def _unstack(tree):
@@ -64,7 +69,7 @@ def _stack(tree):
 
 @dataclasses.dataclass
 class Programs:
-    """The five programs of one config, loss and mesh, compiled on first use (ahead of time).
+    """The programs of one config, loss and mesh, compiled on first use (ahead of time).
 
     Attributes:
       config: the :class:`~jaxcomp.transforms.ABConfig`.
@@ -101,7 +106,7 @@ class Programs:
         return Ctx(self.config, build_layout(params, self.config.exclude), topology(self.config))
 
     def _train_body(self, kind: str):
-        def body(state: TrainState, batch):
+        def body(state: TrainState, batch, *sync):
             read = _unstack((state.params, state.opt_state, state.model_state))
             params, opt, model_state = read
             loss_fn = _driver.stateful_loss(self.loss_fn, self.has_aux, self.has_state)
@@ -111,11 +116,17 @@ class Programs:
             ctx = self._ctx(params)
             check_shapes(ctx.layout, opt, grads, params)
             lr = jnp.asarray(self.config.lr_schedule()(opt.count), jnp.float32)
-            fn = _ab_step.dense_update if kind == "dense" else _ab_step.ab_update
-            params, opt = fn(ctx, grads, opt, params, lr)
+            if kind == "dense":
+                params, opt = _ab_step.dense_update(ctx, grads, opt, params, lr)
+                changed = (params, opt.dense_state, opt.other_state)
+            else:  # W = A B, or the sync (``sync``: a replicated flag, so uniform)
+                params, opt = _ab_step.ab_update(ctx, grads, opt, params, lr, reconstruct=False)
+                params, opt, model_state = _ab_sync.reconstruct_or_sync(
+                    ctx, opt, params, model_state, sync[0]
+                )
+                changed = (params, opt.a, opt.b, opt.a_state, opt.b_state, opt.other_state,
+                           *((opt.dense_state,) if self.config.reset_opt else ()))  # fmt: skip
             opt = advance(self.config, opt, opt.count)
-            changed = (params, opt.dense_state, opt.other_state) if kind == "dense" else (
-                params, opt.a, opt.b, opt.a_state, opt.b_state, opt.other_state)  # fmt: skip
             changed = (changed, model_state)
             loss = lax.pmean(loss, self.axes)  # non-finite if any worker's is
             workers = {"lr": lr, **_state_metrics(self.check_finite, changed, params, opt, loss)}
@@ -132,11 +143,8 @@ class Programs:
             read = _unstack((state.params, state.opt_state, state.model_state))
             params, opt, model_state = read
             ctx = self._ctx(params)
-            if name == "sync":
-                params, opt = _ab_sync.sync(ctx, opt, params)
-                model_state = _ab_sync.sync_model_state(ctx, model_state)
-            else:  # one program for both: the flag is an input (replicated, so uniform)
-                params, opt = _ab_sync.refactor(ctx, opt, params, exact=exact)
+            # factorise and refactor: one program, the flag is an input (replicated: uniform)
+            params, opt = _ab_sync.refactor(ctx, opt, params, exact=exact)
             changed = (params, opt.a, opt.b, opt.a_state, opt.b_state, model_state)
             workers = _stack(_state_metrics(self.check_finite, changed, params, opt))
             new = self._written(name, state, read, state.step, (params, opt, model_state))
@@ -193,7 +201,8 @@ class Programs:
             workers = {"workers": P(self.axes if self.has_state else self.state_axes)}
             if name in ("dense", "ab"):
                 metrics = {"loss": P(), **workers, **({"aux": P()} if self.has_aux else {})}
-                in_out = ((specs, P(self.axes)), (specs, metrics))
+                flag = (P(),) if name == "ab" else ()
+                in_out = ((specs, P(self.axes), *flag), (specs, metrics))
                 body = self._train_body(name)
             else:
                 in_out = ((specs, P()), (specs, workers))
@@ -210,10 +219,11 @@ class Programs:
     # ---- compile and run ----------------------------------------------------------------
 
     def _args(self, name: str, state, batch=None):
-        if name in ("dense", "ab"):
+        if name == "dense":
             return (state, batch)
-        flag = np.asarray(name == "factorise")
-        return (state, jax.device_put(flag, NamedSharding(self.mesh, P())))
+        flag = np.asarray(name in ("factorise", "ab_then_sync"))
+        flag = jax.device_put(flag, NamedSharding(self.mesh, P()))
+        return (state, batch, flag) if name in ("ab", "ab_then_sync") else (state, flag)
 
     def compiled(self, name: str, *args):
         """The compiled program ``name`` for arguments shaped like ``args``.
@@ -221,12 +231,12 @@ class Programs:
         A program not compiled yet for these shapes is compiled here, after waiting for
         ``args`` (so that no compilation runs beside a multi-device step).
         """
-        return self._program("refactor" if name == "factorise" else name).compiled(*args)
+        return self._program(_PROGRAM_OF.get(name, name)).compiled(*args)
 
     def run(self, name: str, state: TrainState, batch=None):
         args = self._args(name, state, batch)
         new, out = self.compiled(name, *args)(*args)
-        return self._merged("refactor" if name == "factorise" else name, state, new), out
+        return self._merged(_PROGRAM_OF.get(name, name), state, new), out
 
     def compile_all(self, state: TrainState, batch) -> dict[str, Any]:
         """Compiles every program for ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``s)."""

@@ -186,9 +186,10 @@ def _step_collectives(cfg, sizes, texts: dict[str, str], total_steps: int) -> li
             if num_a:
                 parts.append(_collectives.from_report(by["ab"]["a"], w * share_a))
             parts.append(_collectives.from_report(by["ab"]["b"], w * (1.0 - share_a)))
-        extra_program = {"dense_then_refactor": "refactor", "ab_then_sync": "sync"}.get(kind)
-        if extra_program:
-            parts.append(_collectives.from_report(by[extra_program]["shared"], w))
+        if kind == "dense_then_refactor":
+            parts.append(_collectives.from_report(by["refactor"]["shared"], w))
+        elif kind == "ab_then_sync":  # the sync runs inside the AB program
+            parts.append(_collectives.from_report(by["ab"]["sync"], w))
     return _collectives.merge(*parts)
 
 

@@ -22,6 +22,7 @@ from jaxcomp.transforms._ab_schedule import ABPhase
 from jaxcomp.transforms._ab_step import ABTrainingState
 from jaxcomp.transforms._ab_step import Ctx
 from jaxcomp.transforms._ab_step import init_state
+from jaxcomp.transforms._ab_sync import SYNC_SCOPE
 from jaxcomp.transforms._ab_topology import topology
 from jaxcomp.transforms._ab_training import update_kind
 
@@ -93,9 +94,13 @@ def collectives_by_role(hlo_text: str) -> dict[str, CollectiveReport]:
     rectangular mesh it never reaches the other branch, and on a flat axis the other role's
     rings have it in no source-target pair.
 
+    The sync the harness runs inside its AB program (only at a cycle's last AB step) runs
+    under ``jax.named_scope("ab_sync")`` (:func:`~._ab_sync.reconstruct_or_sync`): its
+    collectives are the ``"sync"`` report, in no other.
+
     Returns:
-      ``{"a": ..., "b": ..., "shared": ...}`` reports; ``"a"`` and ``"b"`` include the shared
-      collectives.
+      ``{"a": ..., "b": ..., "shared": ..., "sync": ...}`` reports; ``"a"`` and ``"b"``
+      include the shared collectives.
     """
     ops = {}
     for line in hlo_text.splitlines():
@@ -103,17 +108,18 @@ def collectives_by_role(hlo_text: str) -> dict[str, CollectiveReport]:
         if name and op:
             ops[name.group(1)] = op.group(1)
     report = collective_report(hlo_text)
-    tagged = {"a": [], "b": [], "shared": []}
+    tagged = {"a": [], "b": [], "shared": [], "sync": []}
     for r in report.records:
         op = ops.get(r.name, "")
         role = "a" if "ab_role_a" in op else "b" if "ab_role_b" in op else "shared"
-        tagged[role].append(r)
+        tagged["sync" if SYNC_SCOPE in op else role].append(r)
     shared = tuple(tagged["shared"])
     unknown = report.unknown_trip_counts
     return {
         "a": CollectiveReport(shared + tuple(tagged["a"]), unknown),
         "b": CollectiveReport(shared + tuple(tagged["b"]), unknown),
         "shared": CollectiveReport(shared, unknown),
+        "sync": CollectiveReport(tuple(tagged["sync"]), unknown),
     }
 
 

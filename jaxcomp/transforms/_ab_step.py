@@ -191,8 +191,12 @@ def _with(state: ABTrainingState, factors: tuple) -> ABTrainingState:
     return state._replace(a=a, b=b, a_state=a_state, b_state=b_state)
 
 
-def ab_update(ctx: Ctx, grads, state: ABTrainingState, params, lr):
-    """An AB step: the group's factor and the non-factorised parameters train; ``W = A B``."""
+def ab_update(ctx: Ctx, grads, state: ABTrainingState, params, lr, *, reconstruct: bool = True):
+    """An AB step: the group's factor and the non-factorised parameters train; ``W = A B``.
+
+    With ``reconstruct=False`` the factorised weights are returned as they came (the caller
+    rebuilds them: :func:`~._ab_sync.reconstruct_or_sync`).
+    """
     cfg, topo, specs = ctx.cfg, ctx.topo, ctx.layout.specs
     pf, po = ctx.layout.split(params)
     gf, go = ctx.layout.split(grads)
@@ -201,5 +205,6 @@ def ab_update(ctx: Ctx, grads, state: ABTrainingState, params, lr):
     state, scale = _train_factors(ctx, gm, sq_norm(go), lr, state)
     po, other_state = inner_step(cfg, go, state.other_state, po, lr, scale)
     state = state._replace(other_state=other_state)
-    pf = tuple(F.reconstruct(x, y, s) for x, y, s in zip(state.a, state.b, specs))
+    if reconstruct:
+        pf = tuple(F.reconstruct(x, y, s) for x, y, s in zip(state.a, state.b, specs))
     return to_varying((ctx.layout.merge(pf, po), state), topo.state_axes)

@@ -160,6 +160,46 @@ def sync(ctx: Ctx, state: ABTrainingState, params):
     return to_varying((ctx.layout.merge(weights, po), state), ctx.topo.state_axes)
 
 
+#: The named scope of :func:`reconstruct_or_sync`'s sync branch: its collectives are a sync's,
+#: not an AB step's (``collectives_by_role`` reads it from the compiled HLO).
+SYNC_SCOPE = "ab_sync"
+
+
+def reconstruct_or_sync(ctx: Ctx, state: ABTrainingState, params, model_state, synced: jax.Array):
+    """The end of an AB step: ``W = A B``, or with ``synced`` (a bool uniform over the workers)
+    the sync that follows the cycle's last AB step (:func:`sync` and :func:`sync_model_state`).
+
+    The harness runs the cycle's last AB step and its sync as one program: ``params`` are
+    the step's, with the factorised weights not yet rebuilt (their values are not read), so
+    ``W = A B`` is computed once (of the synced factors) instead of once per program. Only
+    the factors, the non-factorised parameters and the model state go through the ``cond``
+    (and the moments, which a sync zeroes with ``reset_opt``). Returns ``(params, state,
+    model_state)``, the same values as ``ab_update`` followed by :func:`sync` and
+    :func:`sync_model_state`.
+    """
+    pf, po = ctx.layout.split(params)
+    moments = ("dense_state", "other_state", "a_state", "b_state") if ctx.cfg.reset_opt else ()
+    carried = (state.a, state.b, *(getattr(state, m) for m in moments))
+
+    def plain(carried, po, model_state):
+        a, b = carried[:2]
+        weights = tuple(F.reconstruct(x, y, s) for x, y, s in zip(a, b, ctx.layout.specs))
+        return to_varying((weights, carried, po, model_state), ctx.topo.state_axes)
+
+    def with_sync(carried, po, model_state):
+        with jax.named_scope(SYNC_SCOPE):
+            part = state._replace(a=carried[0], b=carried[1], **dict(zip(moments, carried[2:])))
+            params, new = sync(ctx, part, ctx.layout.merge(pf, po))
+            weights, po = ctx.layout.split(params)
+            model_state = sync_model_state(ctx, model_state)
+        carried = (new.a, new.b, *(getattr(new, m) for m in moments))
+        return to_varying((weights, carried, po, model_state), ctx.topo.state_axes)
+
+    weights, carried, po, model_state = lax.cond(synced, with_sync, plain, carried, po, model_state)
+    state = state._replace(a=carried[0], b=carried[1], **dict(zip(moments, carried[2:])))
+    return ctx.layout.merge(weights, po), state, model_state
+
+
 def sync_model_state(ctx: Ctx, model_state):
     r"""A model's running state (one per worker, e.g. BatchNorm statistics) at a sync.
 

@@ -1,4 +1,4 @@
-"""Every AB-Training program (the harness's four, on a rectangular and a flat layout, and the
+"""Every AB-Training program (the harness's three, on a rectangular and a flat layout, and the
 optax transform's ``lax.switch`` program) takes each branch holding a collective on every
 device of that collective's group (``comm.check_collective_uniformity``). Their cuda/tpu
 export is tested in ``tests/transforms/test_ab_export.py``."""
@@ -48,7 +48,7 @@ def test_every_harness_program_is_uniform(layout):
     flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=NamedSharding(mesh, P()))
     collectives = 0
     for name in _ab_programs.PROGRAMS:
-        args = (state, batch) if name in ("dense", "ab") else (state, flag)
+        args = {"dense": (state, batch), "ab": (state, batch, flag)}.get(name, (state, flag))
         with jax.set_mesh(mesh):
             report = comm.check_collective_uniformity(programs._sharded(name), *args)
         collectives += report.collectives

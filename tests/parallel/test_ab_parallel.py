@@ -282,6 +282,13 @@ def test_a_model_state_needs_has_state(grouped):
         dp.init(init_params(), {"m": jnp.zeros(2)})
 
 
+def _mesh_of(layout):
+    """4 workers: a flat ``data`` axis, or 2 groups of 2 (``ab_mesh``)."""
+    if layout == "flat":
+        return comm.make_mesh([("data", 4)], jax.devices()[:4])
+    return parallel.ab_mesh(2, jax.devices()[:4])
+
+
 @pytest.mark.parametrize(
     "layout,options",
     [
@@ -295,10 +302,7 @@ def test_without_donation_the_programs_return_only_what_they_write(layout, optio
     # each program return only the leaves it wrote and the host put back the rest: over
     # every step kind (warm-up, factorisation, AB, sync, full rank, re-factorisation) the
     # states, model states and metrics must equal the donating harness's bit for bit
-    if layout == "flat":
-        mesh = comm.make_mesh([("data", 4)], jax.devices()[:4])
-    else:
-        mesh = parallel.ab_mesh(2, jax.devices()[:4])
+    mesh = _mesh_of(layout)
     config = transforms.ABConfig(1e-3, **TX_KWARGS, **options)
     assert {config.schedule.step_kind(t) for t in range(10)} == set(STEP_KINDS)
     runs = {}
@@ -351,3 +355,27 @@ def test_a_program_compiles_again_for_another_dtype_or_weak_type():
     assert program.compiled(f32) is not program.compiled(f16)
     assert program.compiled(weak) is not program.compiled(strong)
     assert program(f16).dtype == np.float16 and program(weak).weak_type
+
+
+@pytest.mark.parametrize(
+    "layout,options",
+    [("rectangular", {}), ("flat", dict(axis_name="data", group_size=2, sync_mode="only-learned"))],
+)
+def test_the_sync_inside_the_ab_program_counts_at_the_sync_kind_only(layout, options):
+    # the harness runs a cycle's last AB step and its sync as one program (a cond on a flag):
+    # the sync's collectives must add to that kind's bytes exactly what they add to the optax
+    # transform's, and nothing to a plain AB step's
+    mesh = _mesh_of(layout)
+    config = transforms.ABConfig(1e-3, **TX_KWARGS, **options)
+    dp = parallel.ab_data_parallel(loss_fn, config, mesh, donate=False)
+    params = init_params()
+    harness = dp.step_bytes(dp.init(params), batches(1)[0])
+    kinds = ("ab", "ab_then_sync")
+    optax_ = transforms.ab_step_bytes(params, mesh, config, kinds=kinds)
+    for role in ("a", "b"):
+        sync = harness["ab_then_sync"][role] - harness["ab"][role]
+        want = optax_["ab_then_sync"][role].total_bytes - optax_["ab"][role].total_bytes
+        assert sync == want > 0
+    # the plain AB step's bytes are the optax transform's plus the loss's pmean (a scalar)
+    for role in ("a", "b"):
+        assert 0 < harness["ab"][role] - optax_["ab"][role].total_bytes <= 8

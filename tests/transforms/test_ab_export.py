@@ -1,9 +1,9 @@
 """Every AB-Training program lowers for GPU and TPU (``jax.export``, no hardware needed).
 
-The harness's four programs (dense step, AB step, re-factorisation, sync) on a rectangular and
-a flat (unequal groups) layout, and the optax transform's single ``lax.switch`` program, for
-``["cuda"]`` and ``["tpu"]``; the factor gradients travel as float32 collectives of the
-factors' shapes. The SVDs of the re-factorisation need the workaround of
+The harness's three programs (dense step, AB step with its sync, re-factorisation) on a
+rectangular and a flat (unequal groups) layout, and the optax transform's single
+``lax.switch`` program, for ``["cuda"]`` and ``["tpu"]``; the factor gradients travel as
+float32 collectives of the factors' shapes. The SVDs of the re-factorisation need the workaround of
 ``tests/upstream/test_tpu_svd_varying.py`` on TPU.
 """
 
@@ -62,7 +62,7 @@ def test_every_harness_program_exports(layout, platform):
     flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=NamedSharding(mesh, P()))
     texts = {}
     for name in _ab_programs.PROGRAMS:
-        args = (state, batch) if name in ("dense", "ab") else (state, flag)
+        args = {"dense": (state, batch), "ab": (state, batch, flag)}.get(name, (state, flag))
         texts[name] = _export(programs._sharded(name), args, mesh, platform)
     # the AB step's factor gradients travel as float32 of the factors' shapes, within the
     # group: A-gradients (6, 3) and (8, 3) (l2's tall view is 8 x 5), B-gradients (3, 5)

@@ -78,8 +78,11 @@ def test_flat_groups_reduce_in_rings_within_each_role_with_no_branch():
     assert reports["a"].total_bytes == 2 * compressors.wire_bytes(state.a) + other
     assert reports["b"].total_bytes == compressors.wire_bytes(state.b) + other
     assert {r.kind for r in reports["a"].records} == {"collective-permute"}
-    # the harness's AB program: the role is never a branch on the flat layout
-    assert "conditional" not in _ab_program_text(config, mesh)
+    # the harness's AB program: the role is never a branch on the flat layout; its one
+    # conditional is the sync at a cycle's last AB step (``reconstruct_or_sync``)
+    text = _ab_program_text(config, mesh)
+    assert text.count(" conditional(") == 1
+    assert "ab_role_a" in text and "ab_role_b" in text and "ab_sync" in text
 
 
 def _ab_program_text(config, mesh):
@@ -93,7 +96,8 @@ def _ab_program_text(config, mesh):
     n = mesh.size
     batch = jax.ShapeDtypeStruct((n, 36), jnp.float32,
                                  sharding=jax.NamedSharding(mesh, P(config.axis_name)))  # fmt: skip
-    return programs.compiled("ab", state, batch).as_text()
+    flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=jax.NamedSharding(mesh, P()))
+    return programs.compiled("ab", state, batch, flag).as_text()
 
 
 # ---- a tiny model with constant gradients: hand-computed optimizer states -----------------
