@@ -80,6 +80,20 @@ def test_blockwise_keeps_the_top_of_each_block():
             assert set(np.flatnonzero(yb[r, b])) == top
 
 
+def test_blockwise_decode_drops_an_index_past_its_block():
+    # a damaged payload: block 0's index 25 + j >= block_size 25 must not land in block 1 at j
+    # (the decode scatters at flat positions block * 25 + index); j not kept in block 1
+    x = jax.random.normal(KEY, (2, 100))
+    codec = compressors.top_k(0.1, per_sample=True, method="blockwise", block_size=25)
+    payload, y = roundtrip(codec, x)
+    j = min(set(range(25)) - set(np.asarray(payload.indices[0, 3:6]).tolist()))
+    bad = payload._replace(indices=payload.indices.at[0, 0].set(25 + j))
+    z = np.asarray(codec.decompress(bad, x))
+    expect = np.asarray(y).copy()
+    expect[0, int(payload.indices[0, 0])] = 0.0  # the damaged entry is dropped
+    np.testing.assert_array_equal(z, expect)
+
+
 def test_blockwise_with_one_per_block_is_blockwise_argmax_and_pads_the_tail():
     x = jax.random.normal(KEY, (103,))
     codec = compressors.top_k(count=11, method="blockwise", block_size=10)
