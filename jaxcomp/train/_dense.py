@@ -98,7 +98,9 @@ def build_dense(
 
     with jax.set_mesh(mesh):
         init_jit = jax.jit(init, out_shardings=replicated)
-        abstract = jax.eval_shape(init, jax.random.key(0))
+        # an abstract key: an eager key under the mesh would compile two programs that the
+        # trainer's key (outside it) compiles again
+        abstract = jax.eval_shape(init, jax.eval_shape(jax.random.key, 0))
         abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract
         )

@@ -10,7 +10,11 @@ whether or not the persistent compilation cache of the test run serves the execu
 import pathlib
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcomp import train
 from jaxcomp.main import load_config
@@ -106,3 +110,53 @@ def test_ab_mode_compiles_nothing_after_the_first_step(tmp_path, monkeypatch):
     assert summary["steps"] == 6
     late = [e for e in events if e[2] >= 1]
     assert not late, late
+
+
+def test_dense_setup_compiles_only_the_training_step(make_config):
+    """Building the dense mode lowers the training step and nothing else: the abstract state
+    comes from an abstract key (an eager ``jax.random.key(0)`` under the mesh compiled two
+    programs that the run compiled again outside it)."""
+    lowered = []
+
+    def listener(event, duration, fun_name=None, **_):
+        del duration
+        if event.endswith("jaxpr_to_mlir_module_duration"):
+            lowered.append(fun_name)
+
+    jax.clear_caches()  # programs another test compiled would not be lowered again
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        _trainer.setup(make_config())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert lowered == ["jit(train_step)"], lowered
+
+
+def test_a_state_saved_from_host_copies_restores_every_dtype_and_sharding(tmp_path):
+    """Orbax is handed host copies of the state: restoring with the abstract target gives back
+    ``jax.Array`` s of the same values, dtypes and shardings (replicated, sharded, 0-d)."""
+    mesh = jax.make_mesh((8,), ("data",))
+    rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    rng = np.random.default_rng(0)
+    host = {
+        "f32": rng.standard_normal((16, 3)).astype(np.float32),
+        "bf16": rng.standard_normal((8,)).astype(jnp.bfloat16),
+        "f16": rng.standard_normal((8, 2)).astype(np.float16),
+        "i8": rng.integers(-128, 128, (16,)).astype(np.int8),
+        "u32": rng.integers(0, 2**32, (2,), dtype=np.uint32),
+        "bool": rng.random((8,)) < 0.5,
+        "step": np.array(7, np.int32),
+    }
+    where = {"f32": split, "i8": split, "bool": split}
+    state = {k: jax.device_put(v, where.get(k, rep)) for k, v in host.items()}
+    ckpt = train.Checkpointer(str(tmp_path))
+    assert ckpt.save(3, state, {"step": 3})
+    ckpt.close()
+    ckpt = train.Checkpointer(str(tmp_path))
+    step, back, meta = ckpt.restore_latest(state)
+    ckpt.close()
+    assert step == 3 and meta["step"] == 3
+    for k, v in host.items():
+        assert isinstance(back[k], jax.Array), k
+        assert back[k].dtype == v.dtype and back[k].sharding == state[k].sharding, k
+        np.testing.assert_array_equal(np.asarray(back[k]), v)
