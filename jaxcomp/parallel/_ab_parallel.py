@@ -272,12 +272,14 @@ def ab_data_parallel(
 
 
 def kind_bytes(
-    config: ABConfig, sizes: Sequence[int], hlo: dict[str, str]
+    config: ABConfig, sizes: Sequence[int], hlo: dict[str, Any]
 ) -> dict[str, dict[str, float]]:
-    """Collective bytes per worker of each step kind from the programs' compiled HLO texts."""
+    """Collective bytes per worker of each step kind from the programs' compiled HLO texts
+    (or their :func:`~jaxcomp.transforms._ab_metrics.collectives_by_role` reports, parsed
+    once for several uses)."""
     num_a = num_a_groups(config.sync_mode, len(sizes))
     n_a, n = sum(sizes[:num_a]), sum(sizes)
-    by = {name: collectives_by_role(text) for name, text in hlo.items()}
+    by = {k: collectives_by_role(v) if isinstance(v, str) else v for k, v in hlo.items()}
     total = lambda name, role: by[name][role].total_bytes  # noqa: E731
     dense, refactor = total("dense", "shared"), total("refactor", "shared")
     out = {"dense": {"all": dense}, "dense_then_refactor": {"all": dense + refactor}}

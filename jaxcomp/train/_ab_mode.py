@@ -67,6 +67,7 @@ from jaxcomp import compressors
 from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp.models import _staged
+from jaxcomp.parallel._ab_parallel import kind_bytes as parallel_kind_bytes
 from jaxcomp.train import _batch_stats
 from jaxcomp.train import _collectives
 from jaxcomp.train import _config
@@ -169,11 +170,11 @@ def _describe(stats, model) -> str:
     return f"per worker (evaluation: {stats.eval_with})"
 
 
-def _step_collectives(cfg, sizes, texts: dict[str, str], total_steps: int) -> list[dict]:
+def _step_collectives(cfg, sizes, by: dict[str, dict], total_steps: int) -> list[dict]:
     """The collectives of the run's mean step (:mod:`jaxcomp.train._collectives`): each step
     kind's programs weighted by how many of ``total_steps`` the schedule gives it, an AB step's
-    role parts by the share of workers in each role (as ``kind_bytes`` averages them)."""
-    by = {name: collectives_by_role(text) for name, text in texts.items()}
+    role parts by the share of workers in each role (as ``kind_bytes`` averages them);
+    ``by``: each program's ``collectives_by_role`` reports."""
     num_a = num_a_groups(cfg.sync_mode, len(sizes))
     share_a = sum(sizes[:num_a]) / sum(sizes)
     kinds = collections.Counter(cfg.schedule.step_kind(t) for t in range(total_steps))
@@ -219,7 +220,10 @@ def build_ab(
     )
     state_abs = dp.abstract_state(params_abs, model_state_abs)
     batch_abs = _dense.abstract_batch(model, config.batch_size, batch_sharding)
-    kind_bytes = dp.step_bytes(state_abs, batch_abs)  # compiles every step program
+    # compiles every step program; their HLO is parsed once, for the bytes and the collectives
+    texts = {k: c.as_text() for k, c in dp.compile(state_abs, batch_abs).items()}
+    by_role = {k: collectives_by_role(text) for k, text in texts.items()}
+    kind_bytes = parallel_kind_bytes(cfg, sizes, by_role)
 
     def bytes_of(kind: str) -> float:
         return kind_bytes[kind]["all" if kind.startswith("dense") else "mean"]
@@ -275,8 +279,7 @@ def build_ab(
     extra.update(
         cycle_bytes_per_step=cycle_bytes, cycle_traffic_reduction=1.0 - cycle_bytes / dense
     )
-    texts = {k: c.as_text() for k, c in dp.compile(state_abs, batch_abs).items()}
-    extra["collectives"] = _step_collectives(cfg, sizes, texts, int(config.total_steps))
+    extra["collectives"] = _step_collectives(cfg, sizes, by_role, int(config.total_steps))
     return _mode.Mode(
         name="ab",
         mesh=mesh,
