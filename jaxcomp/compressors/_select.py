@@ -287,7 +287,7 @@ def _sample_cells(real: jax.Array, want: list[int], tol: int) -> jax.Array:
     lo0 = jnp.broadcast_to(lo0.astype(jnp.int32), (b, pivots))
     hi0 = jnp.max(real, axis=1, keepdims=True).astype(jnp.int32) + 1
     hi0 = jnp.broadcast_to(hi0, (b, pivots))
-    c_hi0 = jnp.zeros((b, pivots), jnp.int32)
+    c_hi0 = lo0 * 0  # zeros from the data: per-device (varying) under shard_map, like c_mid
 
     def live(lo, hi, c_hi):
         return (hi - lo > 1) & (c_hi < want - tol)

@@ -274,3 +274,36 @@ def test_exact_top_k_called_eagerly_traces_the_select_once(caplog):
     assert len(traced) <= 40, len(traced)
     ref = jax.jit(lambda x: codec.compress(x, codec.init(x), None)[0])(x)
     jax.tree.map(np.testing.assert_array_equal, payload, ref)
+
+
+@pytest.mark.parametrize(
+    "codec, shape",
+    [
+        (compressors.top_k(0.1, per_sample=True), (8, 4096)),
+        (compressors.top_k(0.01), (70016,)),
+        (compressors.top_k(0.05, method="blockwise", block_size=512), (32768,)),
+    ],
+    ids=["per_sample", "tensor", "blockwise_512"],
+)
+def test_sort_free_select_runs_under_shard_map(codec, shape):
+    # shapes past the lax.top_k shortcut: the select's loops carry per-device (varying)
+    # values, which shard_map's type check rejects if an initial carry is a constant
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxcomp import comm
+
+    mesh = comm.make_mesh([("x", 2)], devices=jax.devices()[:2])
+    x = jax.random.normal(KEY, (2 * shape[0], *shape[1:]))
+
+    def encode(x):
+        payload, _ = codec.compress(x, codec.init(x), None)
+        return payload
+
+    sharded = jax.jit(jax.shard_map(encode, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    got = sharded(jax.device_put(x, NamedSharding(mesh, P("x"))))
+    for half, sl in enumerate([slice(0, shape[0]), slice(shape[0], None)]):
+        want = jax.jit(encode)(x[sl])
+        n = want.values.shape[0]
+        np.testing.assert_array_equal(got.values[half * n : (half + 1) * n], want.values)
+        np.testing.assert_array_equal(got.indices[half * n : (half + 1) * n], want.indices)
