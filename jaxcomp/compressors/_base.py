@@ -114,8 +114,8 @@ def compress_and_decode(
     unpacked element (10-30x slower on CPU); codecs with a ``roundtrip`` fast path decode from
     the unpacked codes instead, with identical results. Others decode with ``decompress``,
     which XLA fuses with an error-feedback residual where it is elementwise (blockwise TopK's
-    mask); for a scatter (exact TopK) use :func:`compress_into`, which adds the kept values
-    into the residual in place.
+    mask, when its blocks divide the array); for a scatter (exact TopK) use
+    :func:`compress_into`, which adds the kept values into the residual in place.
     """
     if codec.roundtrip is not None:
         return codec.roundtrip(x, state, key)
