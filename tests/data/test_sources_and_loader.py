@@ -1,9 +1,15 @@
 """Offline datasets and the seeded, resumable loader with sample ids."""
 
+import gzip
+import importlib.machinery
+import importlib.util
+import re
+
 import numpy as np
 import pytest
 
 from jaxcomp import data
+from jaxcomp.data import _sources
 
 
 @pytest.fixture(scope="module")
@@ -13,13 +19,66 @@ def digits_train():
 
 def test_digits_split_is_fixed_disjoint_and_complete(digits_train):
     test = data.digits("test")
-    assert len(digits_train) + len(test) == 1797
+    assert (len(digits_train), len(test)) == (1438, 359)
     assert digits_train.arrays["x"].shape[1:] == (64,) and test.arrays["x"].dtype == np.float32
     assert data.digits("test", flat=False).arrays["x"].shape[1:] == (8, 8, 1)
     rows = {r.tobytes() for r in digits_train.arrays["x"]}
     overlap = sum(r.tobytes() in rows for r in test.arrays["x"])
     assert overlap < 5  # a handful of digits are pixel-identical duplicates in the source
     np.testing.assert_array_equal(data.digits("test").arrays["label"], test.arrays["label"])
+
+
+def test_digits_read_with_numpy_are_bit_identical_to_sklearn_load_digits():
+    from sklearn.datasets import load_digits  # the only sklearn import of the suite (~1.7 s)
+
+    bunch = load_digits()
+    pixels, target = _sources._read_digits_csv(_sources._digits_csv_path())
+    assert pixels.dtype == bunch.data.dtype and target.dtype == bunch.target.dtype
+    assert pixels.tobytes() == bunch.data.tobytes() and target.tobytes() == bunch.target.tobytes()
+    test = data.digits("test").arrays  # what digits() builds from them: 359 test images
+    order = np.random.default_rng(0).permutation(1797)[:359]
+    assert test["x"].tobytes() == (bunch.data[order] / 16.0).astype(np.float32).tobytes()
+    assert test["label"].tobytes() == bunch.target[order].astype(np.int32).tobytes()
+
+
+def test_digits_without_the_sklearn_file_names_what_is_missing(monkeypatch, tmp_path):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(FileNotFoundError, match="scikit-learn is not installed"):
+        data.digits("train")
+    spec = importlib.machinery.ModuleSpec("sklearn", None, is_package=True)
+    spec.submodule_search_locations.append(str(tmp_path))  # a package without the file
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec)
+    with pytest.raises(FileNotFoundError, match=r"datasets/data/digits\.csv\.gz; not found in"):
+        data.digits("train")
+
+
+def _table(last_row: bytes, rows: int = 1797) -> bytes:
+    """A gzipped digits CSV of ``rows`` rows, the last one ``last_row`` (others: 0s, label 3)."""
+    return gzip.compress((b"0," * 64 + b"3\n") * (rows - 1) + last_row)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"not gzip", "BadGzipFile"),
+        (gzip.compress(b""), r"shape \(0,\)"),
+        (gzip.compress(b"1,2,x\n"), "ValueError"),
+        (_table(b"", rows=2), r"shape \(65,\)"),
+        (_table(b"", rows=1797), r"shape \(1796, 65\)"),
+        (_table(b"0," * 63 + b"3\n"), "ValueError"),  # a row one column short
+        (_table(b"0," * 64 + b"10\n"), "labels"),
+        (_table(b"0," * 64 + b"2.5\n"), "labels"),
+        (_table(b"17," * 64 + b"1\n"), "pixels"),
+        (_table(b"nan," * 64 + b"1\n"), "pixels"),
+    ],
+    ids=["not_gzip", "empty", "not_numeric", "one_row", "a_row_missing", "a_column_missing",
+         "label_10", "label_2.5", "pixel_17", "pixel_nan"],
+)  # fmt: skip
+def test_a_damaged_digits_file_is_an_error_naming_it(tmp_path, content, message):
+    path = tmp_path / "digits.csv.gz"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))} is damaged.*{message}"):
+        _sources._read_digits_csv(path)
 
 
 def test_pydoc_text_windows_are_next_token_pairs_and_pinned():
