@@ -18,7 +18,8 @@ The training harness (:mod:`jaxcomp.models`, :mod:`jaxcomp.data`, :mod:`jaxcomp.
 ``python -m jaxcomp.main``) and the studies (:mod:`jaxcomp.study`, ``python -m jaxcomp.study``)
 are imported on first attribute access, so ``import jaxcomp`` stays
 light (no Flax model zoo, scikit-learn, orbax or matplotlib); benchmarks run with
-``python -m jaxcomp.bench``.
+``python -m jaxcomp.bench``. :func:`tune_host_malloc` keeps freed host memory mapped for
+reuse (glibc; the command-line entry points call it; a CPU training script may too).
 """
 
 import importlib
@@ -29,6 +30,8 @@ from jaxcomp import feedback
 from jaxcomp import parallel
 from jaxcomp import pipeline
 from jaxcomp import transforms
+from jaxcomp._host_malloc import HostMalloc
+from jaxcomp._host_malloc import tune_host_malloc
 from jaxcomp.comm import measure_collectives
 from jaxcomp.compressors import wire_bytes
 
@@ -44,6 +47,7 @@ def __getattr__(name):
 
 
 __all__ = (
+    "HostMalloc",
     "comm",
     "compressors",
     "data",
@@ -55,5 +59,6 @@ __all__ = (
     "study",
     "train",
     "transforms",
+    "tune_host_malloc",
     "wire_bytes",
 )

@@ -5,7 +5,10 @@ processes, loads the config, applies ``--set`` overrides (:func:`jaxcomp.train.a
 and calls :func:`jaxcomp.train.train_and_evaluate`.
 
 On CPU it gives JAX ``--cpu_devices`` (default 8) fake devices *before* JAX starts its backend,
-so the default 4-stage pipeline runs on one machine. Several processes (hosts) are joined with
+so the default 4-stage pipeline runs on one machine, and sets glibc to keep freed host memory
+for reuse (``--host_malloc=keep``, :func:`jaxcomp.tune_host_malloc`: XLA's CPU backend
+otherwise page-faults its large per-step temporaries in anew every step; ``default`` keeps
+glibc's settings). Several processes (hosts) are joined with
 ``jax.distributed.initialize`` (:func:`distributed_plan`): explicit ``--coordinator_address``,
 ``--num_processes`` and ``--process_id`` (or ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
 ``JAX_PROCESS_ID``) win; otherwise ``--distributed=auto`` (the default) lets JAX detect the
@@ -51,6 +54,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="configs/NAME.py, optionally :ARG (e.g. :smoke)")
     p.add_argument("--workdir", required=True, help="run directory (checkpoints, metrics, plot)")
     p.add_argument("--cpu_devices", type=int, default=8, help="fake CPU devices per process")
+    p.add_argument(
+        "--host_malloc",
+        choices=("keep", "default"),
+        default=os.environ.get("JAXCOMP_HOST_MALLOC", "keep"),
+        help="keep freed host memory for reuse (glibc; default: $JAXCOMP_HOST_MALLOC or keep)",
+    )
     p.add_argument("--coordinator_address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))
     p.add_argument("--num_processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
     p.add_argument("--process_id", type=int, default=_env_int("JAX_PROCESS_ID"))
@@ -176,7 +185,11 @@ def distributed_plan(args, environ=None) -> dict | None:
 
 
 def setup_devices(args) -> None:
-    """Fake CPU devices and multi-process initialisation, before JAX's backend starts."""
+    """Host allocator, fake CPU devices and multi-process initialisation, before JAX's backend
+    starts."""
+    from jaxcomp import _host_malloc
+
+    _host_malloc.tune_host_malloc(args.host_malloc)
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = (

@@ -2,6 +2,10 @@
 
 ``python -m jaxcomp.bench --help`` lists the benchmarks with their flags;
 ``python -m jaxcomp.bench NAME --help`` shows one benchmark's.
+
+Before a benchmark imports JAX's backend, the host allocator is set to keep freed memory for
+reuse (:func:`jaxcomp.tune_host_malloc`; ``JAXCOMP_HOST_MALLOC=default`` keeps glibc's
+defaults); every JSON file records which under ``env.host_malloc``.
 """
 
 from __future__ import annotations
@@ -52,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in BENCHMARKS:
         got = f"unknown benchmark {argv[0]!r}; " if argv else ""
         print(f"{got}{USAGE}\n(--help lists every benchmark's flags)", file=sys.stderr)
+        return 2
+    from jaxcomp import _host_malloc
+    from jaxcomp.bench import _common
+
+    try:
+        _common.HOST_MALLOC = _host_malloc.tune_host_malloc()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     module = importlib.import_module(BENCHMARKS[argv[0]])
     return int(module.main(argv[1:]) or 0)

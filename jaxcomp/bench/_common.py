@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
+HOST_MALLOC = None  # what ``python -m jaxcomp.bench`` did with the host allocator (env_info)
+
 
 def request_cpu_devices(n: int = 8) -> None:
     """Asks for ``n`` fake CPU devices; must run before JAX initialises its backend."""
@@ -214,6 +216,9 @@ def env_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
+        "host_malloc": "not set (run through python -m jaxcomp.bench)"
+        if HOST_MALLOC is None
+        else HOST_MALLOC.reason,
     }
 
 
