@@ -65,7 +65,14 @@ def _thin_svd(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return jnp.linalg.svd(w, full_matrices=False)
 
 
-def svd(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _thin_svd_own_layout(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    # ``w @ I`` equals ``w`` (each entry is ``w_ij * 1`` plus zeros; a -0 may come out +0), but
+    # XLA:CPU lays out a dot's result row-major, so LAPACK's column-major operand becomes a
+    # copy of that result instead of the layout of whatever computed ``w``
+    return _thin_svd(w @ jnp.eye(w.shape[-1], dtype=w.dtype))
+
+
+def svd(w: jax.Array, *, in_branch: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Thin SVD in ``float32`` (as the reference), ``(u [m, n], s [n], vh [n, n])``.
 
     Inside ``shard_map`` on a value that varies over mesh axes, the SVD runs in a nested
@@ -74,13 +81,28 @@ def svd(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     iteration) starts its loop carry with an unvarying ``True`` and fails with "scan body
     function carry input and carry output must have equal types ... bool[]{V:axis}" on varying
     inputs (``tests/upstream/test_tpu_svd_varying.py``). Nothing is communicated either way.
+
+    ``in_branch``: the SVD sits in a branch of a ``lax.cond``/``lax.switch`` that also returns
+    other state (the optax transform's step-kind ``switch``). XLA gives a conditional's results
+    the layout of its branch with the most instructions, the re-factorisation's, where
+    LAPACK's column-major operand spreads to everything computed with it (the dense moments):
+    every other branch then copied the state it passes through into column-major, and the
+    results back, on every step (measured: about a third of that program's own work on
+    XLA:CPU). On CPU the operand is then taken from ``w @ I``
+    (:func:`jax.lax.platform_dependent`; one ``m n^2`` product more per re-factorisation);
+    elsewhere nothing changes.
     """
     w = w.astype(jnp.float32)
+    fn = _thin_svd
+    if in_branch:
+        fn = lambda x: jax.lax.platform_dependent(  # noqa: E731
+            x, cpu=_thin_svd_own_layout, default=_thin_svd
+        )
     axes = tuple(sorted(varying_axes(w)))
     if not axes:
-        return _thin_svd(w)
+        return fn(w)
     local = jax.shard_map(
-        _thin_svd, mesh=get_abstract_mesh(), in_specs=P(), out_specs=P(),
+        fn, mesh=get_abstract_mesh(), in_specs=P(), out_specs=P(),
         axis_names=frozenset(), check_vma=False,
     )  # fmt: skip
     # check_vma=False types the results as unvarying although they differ between workers:

@@ -39,8 +39,9 @@ from jaxcomp.transforms._ab_step import ABTrainingState
 from jaxcomp.transforms._ab_step import Ctx
 
 
-def _svds(ctx: Ctx, weights):
-    return [F.svd(F.to_matrix(w, s)) for w, s in zip(weights, ctx.layout.specs)]
+def _svds(ctx: Ctx, weights, in_branch: bool = False):
+    specs = ctx.layout.specs
+    return [F.svd(F.to_matrix(w, s), in_branch=in_branch) for w, s in zip(weights, specs)]
 
 
 def _factorise(ctx: Ctx, usv, state: ABTrainingState, rank: jax.Array) -> ABTrainingState:
@@ -74,22 +75,32 @@ def _finish(ctx: Ctx, state: ABTrainingState, pf, po) -> ABTrainingState:
     return state
 
 
-def factorise_exact(ctx: Ctx, state: ABTrainingState, params) -> ABTrainingState:
+def factorise_exact(
+    ctx: Ctx, state: ABTrainingState, params, *, in_branch: bool = False
+) -> ABTrainingState:
     """Entering the first AB phase: factors of the current weights, rank = capacity."""
-    return refactor(ctx, state, params, exact=True)[1]
+    return refactor(ctx, state, params, exact=True, in_branch=in_branch)[1]
 
 
-def refactor(ctx: Ctx, state: ABTrainingState, params, exact: bool | jax.Array = False):
+def refactor(
+    ctx: Ctx,
+    state: ABTrainingState,
+    params,
+    exact: bool | jax.Array = False,
+    *,
+    in_branch: bool = False,
+):
     """Full-rank -> AB: the truncated re-factorisation; returns ``(params, state)``.
 
     With ``exact`` (a Python bool, or a traced one that the harness passes so that one
     compiled program serves both transitions) this is :func:`factorise_exact` instead: rank =
-    capacity and the parameters are returned unchanged.
+    capacity and the parameters are returned unchanged. ``in_branch``: it runs in a branch of
+    the transform's step-kind ``switch`` (see :func:`._ab_factor.svd`).
     """
     pf, po = ctx.layout.split(params)
     if not pf:
         return to_varying((params, _finish(ctx, state, pf, po)), ctx.topo.state_axes)
-    usv = _svds(ctx, pf)
+    usv = _svds(ctx, pf, in_branch)
     caps = jnp.asarray([x.shape[-1] for x in state.a], jnp.int32)
     if exact is True:
         rank = caps

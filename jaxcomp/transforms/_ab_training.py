@@ -92,13 +92,24 @@ def update_kind(ctx: Ctx, kind: str, grads, state: ABTrainingState, params, lr):
     if kind in ("dense", "dense_then_refactor"):
         params, state = dense_update(ctx, grads, state, params, lr)
         if kind == "dense_then_refactor":
-            params, state = refactor(ctx, state, params)
+            params, state = refactor(ctx, state, params, in_branch=True)
         return match_vma((params, state), given)
+    # the first AB step after the warm-up factorises first; only what that writes goes through
+    # the ``cond`` (a branch that passes a value through copies it)
+    fields = ("rank", "a", "b", "a_state", "b_state")
+    fields += ("dense_state", "other_state") if ctx.cfg.reset_opt else ()
+
+    def exact(carried, params):
+        part = state._replace(**dict(zip(fields, carried)))
+        new = factorise_exact(ctx, part, params, in_branch=True)
+        return match_vma(tuple(getattr(new, f) for f in fields), carried)
+
+    def keep(carried, params):
+        return match_vma(to_varying(carried, ctx.topo.state_axes), carried)
+
     first = state.count == ctx.cfg.warmup_steps
-    state = lax.cond(
-        first, lambda s, p: match_vma(factorise_exact(ctx, s, p), s),
-        lambda s, p: match_vma(to_varying(s, ctx.topo.state_axes), s), state, params,
-    )  # fmt: skip
+    carried = lax.cond(first, exact, keep, tuple(getattr(state, f) for f in fields), params)
+    state = state._replace(**dict(zip(fields, carried)))
     params, state = ab_update(ctx, grads, state, params, lr)
     if kind == "ab_then_sync":
         params, state = sync(ctx, state, params)
