@@ -32,6 +32,9 @@ Two tables:
    step), every row round-robin in one run; ``step_time_s`` is the median and
    ``step_time_q1_s``/``step_time_q3_s`` the interquartile range. ``ratio_to_plain`` is a
    ``+ef``/``+ef21`` row's median over the same codec's without feedback.
+   ``minor_faults_per_step`` counts the process's minor page faults per timed call
+   (``getrusage``): XLA:CPU takes a program's temporaries from the host ``malloc`` on every
+   call, and glibc may hand back fresh pages each time (a fault per 4 KiB touched).
 
 On the CPU backend a 16-bit ``psum`` travels as ``float32`` (JAX-NOTES §2): the ``cast``
 row on the ``psum`` path shows twice its payload; its ``two_phase`` row keeps ``u16``.
@@ -40,6 +43,7 @@ row on the ``psum`` path shows twice its payload; its ``two_phase`` row keeps ``
 from __future__ import annotations
 
 import math
+import resource
 
 from jaxcomp.bench import _common
 
@@ -274,11 +278,26 @@ def run_feedback(repeats: int, workers: int = 2) -> list[dict]:
     grads = worker_grads(params, mesh, seed=2)
     rows = feedback_table()
     steps = [_Step(make(), params, mesh, optimizer=False, donate=True) for _, _, make in rows]
+    calls = [s.threaded(grads) for s in steps]
+    for call in calls:  # compile-time and first-call allocations are not counted below
+        jax.block_until_ready(call())
+    faults = [[0, 0] for _ in calls]  # minor page faults, calls
+
+    def counted(i):
+        def call():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            out = jax.block_until_ready(calls[i]())
+            faults[i][0] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+            faults[i][1] += 1
+            return out
+
+        return call
+
     load_before = _common.load_average()
-    samples = _common.time_samples([(s.threaded(grads), ()) for s in steps], repeats=repeats)
+    samples = _common.time_samples([(counted(i), ()) for i in range(len(calls))], repeats)
     load_after = _common.load_average()
     results, medians = [], {}
-    for (label, plain, _), times in zip(rows, samples):
+    for (label, plain, _), times, (num_faults, num_calls) in zip(rows, samples, faults):
         stats = _common.spread(times)
         medians[label] = stats["median"]
         results.append(
@@ -291,6 +310,7 @@ def run_feedback(repeats: int, workers: int = 2) -> list[dict]:
                 "step_time_q1_s": stats["q1"],
                 "step_time_q3_s": stats["q3"],
                 "ratio_to_plain": stats["median"] / medians[plain] if plain else None,
+                "minor_faults_per_step": num_faults / num_calls,
                 "repeats": repeats,
                 "load_before": load_before,
                 "load_after": load_after,
@@ -299,7 +319,8 @@ def run_feedback(repeats: int, workers: int = 2) -> list[dict]:
         ratio = f"  x{results[-1]['ratio_to_plain']:.2f}" if plain else ""
         print(
             f"  {label:24s} {stats['median'] * 1e3:8.2f} ms  "
-            f"[{stats['q1'] * 1e3:.2f}, {stats['q3'] * 1e3:.2f}]{ratio}",
+            f"[{stats['q1'] * 1e3:.2f}, {stats['q3'] * 1e3:.2f}]  "
+            f"faults/step {num_faults / num_calls:7.0f}{ratio}",
             flush=True,
         )
     return results
@@ -432,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             ("step_time_q1_s", ".4f"),
             ("step_time_q3_s", ".4f"),
             ("ratio_to_plain", ".2f"),
+            ("minor_faults_per_step", ".0f"),
         ],
     )
     widened = ("cast_bf16", "psum")  # CPU backend: the 16-bit all-reduce runs in f32

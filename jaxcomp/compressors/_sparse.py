@@ -304,17 +304,18 @@ def top_k(
 
     def add_decoded(base, payload, sign):
         # base +- decompress(payload): the kept values scattered into base (in place), not a
-        # dense decode of zeros; one elementwise pass for one kept value per block (a mask)
+        # dense decode of zeros (blockwise too: its mask is a full pass and a temporary array)
         check_payload(payload, base)
         b, d, _, nb, blk, kb = layout(base)
-        if nb * kb == 0 or kb == 1:
+        if nb * kb == 0:
             decoded = decompress(payload, base)
             return base + decoded if sign == 1 else base - decoded
         vals = payload.values.reshape(-1).astype(base.dtype)
         idx = payload.indices.reshape(b, nb, kb).astype(jnp.int32)
         pos = jnp.arange(nb, dtype=jnp.int32).reshape(1, nb, 1) * blk + idx  # in its row
         flat = jnp.arange(b, dtype=jnp.int32).reshape(b, 1, 1) * d + pos
-        flat = jnp.where(pos < d, flat, b * d + flat).reshape(-1)  # padding: dropped, unique
+        # as decompress: padding and an index past its block (a damaged payload) are dropped
+        flat = jnp.where((idx < blk) & (pos < d), flat, b * d + flat).reshape(-1)
         flat_base = base.reshape(-1).at[flat]
         out = flat_base.add(vals if sign == 1 else -vals, mode="drop", unique_indices=True)
         return out.reshape(base.shape)

@@ -38,10 +38,14 @@ class ErrorFeedbackMemory(NamedTuple):
     residual: _protocol.PerWorker
 
 
-def new_residual(corrected: jax.Array, decoded: jax.Array, decay: float) -> jax.Array:
-    r"""The error-feedback update :math:`e' = \beta\,(c - \hat c)`, shared by every path."""
-    residual = corrected - decoded
+def decayed(residual: jax.Array, decay: float) -> jax.Array:
+    r""":math:`\beta\,(c - \hat c)` from :math:`c - \hat c`, shared by every path."""
     return residual if decay == 1.0 else decay * residual
+
+
+def new_residual(corrected: jax.Array, decoded: jax.Array, decay: float) -> jax.Array:
+    r"""The error-feedback update :math:`e' = \beta\,(c - \hat c)`."""
+    return decayed(corrected - decoded, decay)
 
 
 def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compensate.Feedback:
@@ -55,13 +59,11 @@ def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compen
     channel's); with PowerSGD's protocol it is the averaged reconstruction (the reference's
     memory); on a dense path it is ``c`` itself, so the memory is sent along and cleared.
     The residual update is fused by XLA with the echo's decoding where the codec's decode is
-    elementwise (quantize, sign, PowerSGD's factors, blockwise TopK where the blocks divide the
-    array: a mask; with a padded last block it decodes by a scatter): one pass, no decoded
-    copy in memory. Exact TopK's decode is a scatter: it is not subtracted from ``c`` in place
-    (``Codec.add_decoded``) because ``c`` is also what is compressed, and XLA then copies it
-    (measured slower than the dense form: 20.3 vs 17.5-19.0 ms on a 1024x2048 leaf, 2 CPU
-    workers); EF21, whose base is its estimate, uses the scatter. A round averaged
-    uncompressed leaves the memory untouched.
+    elementwise (quantize, sign, PowerSGD's factors): one pass, no decoded copy in memory.
+    TopK (exact, per sample, blockwise) subtracts its kept values from ``c`` in place
+    (``Codec.add_decoded``, a scatter into the donated residual) once the compression has
+    read ``c`` (:func:`~jaxcomp.compressors.compress_into`): no dense decode of zeros, no
+    temporary array. A round averaged uncompressed leaves the memory untouched.
 
     Args:
       decay: :math:`\beta \in (0, 1]`.
@@ -81,9 +83,10 @@ def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compen
         _channel.check_buffer(e, x, False, residual_dtype is None, name)
         # in the per-worker layout [1, ...]: XLA then updates the (donated) residual in place
         corrected = x[None] + memory.residual.value.astype(x.dtype)
-        # c - echo in one pass fused with the echo's decoding (see the docstring: no scatter)
-        mean, echo, aux = run(corrected[0])
-        e_new = new_residual(corrected, echo[None], decay).astype(e.dtype)
+        c = corrected[0]
+        # c - echo made by the protocol: TopK subtracts its kept values from c in place
+        mean, echo, kept, aux = run(c, into=(c, -1))
+        e_new = decayed(kept[None], decay).astype(e.dtype)
         memory = ErrorFeedbackMemory(_protocol.per_worker(e_new, axis_name, stacked=True))
         return mean, echo, memory, aux
 

@@ -1,0 +1,161 @@
+"""EF and EF21 around a 2-worker reduction keep their formulas bit for bit, signed zeros too.
+
+``test_reduction_reference`` compares with ``assert_array_equal``, for which ``-0.0 == 0.0``;
+the error-feedback paths may be rewritten for speed (a scatter into a buffer instead of a dense
+subtraction), and a rewrite that turned a kept ``-0.0`` into ``+0.0`` (or the reverse) would
+pass it. Here every output is compared as bit patterns (every NaN counts as one pattern):
+
+* EF:   ``c = x + e``, ``e' = decay * (c - D(C(c)))`` (decay 1: exactly ``c - D(C(c))``);
+* EF21: ``g' = g + D(C(x - g))``, where the scatter form may keep a ``-0.0`` of ``g`` that the
+  dense sum turns into ``+0.0`` (``Codec.add_decoded``'s contract): only that may differ;
+* the mean of both: ``((0 + D_0) + D_1) / W`` (the receivers' scatter-add into zeros).
+
+Inputs hold NaN, +-inf, +-0.0 in ``x`` and in the memory (``-0.0 + -0.0`` stays ``-0.0``),
+ties, and magnitudes 1e-10 .. 1e6, on both workers; the TopK codecs run on shapes that take
+their fast paths (the sort-free select, the blockwise mask and scatter), on the all_gather
+path, and RandK on the psum path. One program per codec computes EF (decay 1 and 0.5) and EF21.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp import comm
+from jaxcomp import compressors
+from jaxcomp import feedback
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+W = 2
+SHAPE = (256, 512)  # 131072 entries: exact TopK 1% takes the bracketed select (d > 65536)
+
+CASES = [
+    (compressors.top_k(0.01), SHAPE),  # exact, per tensor
+    (compressors.top_k(0.05, per_sample=True), SHAPE),  # exact, per sample
+    (compressors.top_k(0.01, method="blockwise"), SHAPE),  # blocks of 100, padded: a scatter
+    (compressors.top_k(count=1024, method="blockwise"), SHAPE),  # blocks of 128 divide: a mask
+    (compressors.top_k(0.02, method="blockwise", block_size=64), SHAPE),  # select per block
+    (compressors.top_k(0.1, per_sample=True, method="blockwise"), SHAPE),
+    (compressors.top_k(0.6), (16, 24)),  # most entries kept: kept signed zeros
+    (compressors.rand_k(0.1), SHAPE),  # the psum path
+]
+
+
+def _inputs(shape):
+    """``x`` and a memory ``[W, *shape]`` with every edge value on both workers."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((W, *shape)).astype(np.float32)
+    mem = (0.5 * rng.standard_normal((W, *shape))).astype(np.float32)
+    flat_x, flat_m = x.reshape(W, -1), mem.reshape(W, -1)
+    n = flat_x.shape[1]
+    for w in range(W):
+        pos = rng.permutation(n)
+        edges = np.array([np.nan, np.inf, -np.inf, 1e6, -1e6, 1e-10, -1e-10], np.float32)
+        flat_x[w, pos[: len(edges)]] = edges
+        zeros = pos[len(edges) : len(edges) + n // 8]  # x = -0.0 (half with memory -0.0)
+        flat_x[w, zeros] = -0.0
+        flat_m[w, zeros[: len(zeros) // 2]] = -0.0
+        flat_x[w, pos[n // 4 : n // 4 + n // 16]] = 2.5  # a tie larger than most entries
+        flat_m[w, pos[n // 4 : n // 4 + n // 16]] = 0.0
+        flat_m[w, pos[-3:]] = [np.nan, np.inf, -0.0]
+        flat_x[w, pos[-3:]] = [1.0, -np.inf, +0.0]  # inf - inf: NaN in c
+    return x, mem
+
+
+def _bits(a):
+    """Bit patterns of a float32 array, every NaN mapped to one pattern."""
+    a = np.asarray(a, np.float32)
+    return np.where(np.isnan(a), np.float32(np.nan), a).view(np.uint32)
+
+
+def _assert_bits(got, want, what):
+    got_b, want_b = _bits(got), _bits(want)
+    bad = np.flatnonzero(got_b != want_b)
+    assert bad.size == 0, (
+        f"{what}: {bad.size} entries differ, e.g. at {bad[:5]}: got "
+        f"{np.asarray(got).reshape(-1)[bad[:5]]} want {np.asarray(want).reshape(-1)[bad[:5]]}"
+    )
+
+
+def _program(codec, mesh, like):
+    """Jitted ``(x, e, g, key) -> (EF mean, e', EF decay 0.5 e', EF21 mean, g')`` on W workers."""
+    channels = [
+        feedback.error_feedback(codec),
+        feedback.error_feedback(codec, decay=0.5),
+        feedback.ef21(codec),
+    ]
+    protocols = [comm.plan_reduce(ch, like, min_compression_rate=0) for ch in channels]
+
+    def body(x, e, g, key):
+        x, e, g = x[0], e[0], g[0]
+        outs = []
+        for protocol in protocols:
+            state = protocol.init(x, W)
+            if isinstance(state.memory, feedback.ErrorFeedbackMemory):
+                memory = feedback.ErrorFeedbackMemory(compressors.PerWorker(e[None]))
+            else:
+                g_mean = jax.lax.pmean(g, comm.DATA)
+                memory = feedback.EF21Memory(compressors.PerWorker(g[None]), g_mean)
+            state = state._replace(memory=memory)
+            mean, _, state = comm.compressed_pmean(x, protocol, state, key, comm.DATA)
+            kept = getattr(state.memory, "residual", None) or state.memory.estimate
+            outs += [mean, kept.value]
+        return tuple(outs)
+
+    data = P(comm.DATA)
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(data, data, data, P()),
+            out_specs=(P(), data) * len(protocols),
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return comm.make_mesh([(comm.DATA, W)], devices=jax.devices()[:W])
+
+
+@pytest.mark.parametrize("codec,shape", CASES, ids=lambda v: getattr(v, "name", v))
+def test_error_feedback_and_ef21_reductions_keep_their_formulas_bit_for_bit(mesh, codec, shape):
+    x, e = _inputs(shape)
+    g = e[::-1].copy()  # another memory for EF21
+    key = jax.random.key(5)
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P(comm.DATA)))  # noqa: E731
+    outs = _program(codec, mesh, jax.ShapeDtypeStruct(shape, jnp.float32))(
+        put(x), put(e), put(g), key
+    )
+    ef_mean, ef_e, ef_half_mean, ef_half_e, ef21_mean, ef21_g = (np.asarray(o) for o in outs)
+
+    round_trip = jax.jit(lambda c, k: codec.decompress(codec.compress(c, codec.init(c), k)[0], c))
+    k = key if codec.stochastic else None
+    with np.errstate(invalid="ignore"):
+        c = x + e
+        d = np.stack([np.asarray(round_trip(jnp.asarray(c[w]), k)) for w in range(W)])
+        zero = np.zeros(shape, np.float32)
+        mean = ((zero + d[0]) + d[1]) / np.float32(W)
+        _assert_bits(ef_e, c - d, "EF residual")
+        _assert_bits(ef_half_e, np.float32(0.5) * (c - d), "EF residual, decay 0.5")
+        if codec.reduction is compressors.Reduction.GATHER:
+            _assert_bits(ef_mean, mean, "EF mean")
+            _assert_bits(ef_half_mean, mean, "EF mean, decay 0.5")
+        else:  # psum: the values are summed before the decode (a -0.0 sum may stay -0.0)
+            np.testing.assert_array_equal(ef_mean, mean)
+            np.testing.assert_array_equal(ef_half_mean, mean)
+
+        m = x - g
+        d = np.stack([np.asarray(round_trip(jnp.asarray(m[w]), k)) for w in range(W)])
+        want = g + d
+        # the scatter form may keep base's -0.0 where the dense sum gives +0.0: only there
+        signed_zero = (want == 0) & (ef21_g == 0)
+        _assert_bits(np.where(signed_zero, 0, ef21_g), np.where(signed_zero, 0, want), "EF21 g")
+        g_mean = np.asarray(jax.jit(lambda a: (a[0] + a[1]) / W)(g))
+        want = g_mean + ((zero + d[0]) + d[1]) / np.float32(W)
+        np.testing.assert_array_equal(ef21_mean, want)  # pmean's own rounding: values only
+    assert np.isnan(ef_e).any() and np.isinf(x).any()  # the edges reached the reduction
+    assert np.any(_bits(ef_e) == _bits(np.float32(-0.0)))  # unkept -0.0 residuals exist
