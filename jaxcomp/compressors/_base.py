@@ -179,7 +179,10 @@ def after_payload(x: Array, payload: Payload) -> Array:
     XLA:CPU proves the compression's reads of ``x`` come before such a write only through data
     dependencies; without one it copies the donated buffer ``x`` lives in (and duplicates
     ``x``'s producer), which made error feedback around TopK slower than the dense form. The
-    select is one elementwise pass, in place; the values (NaN, -0.0 too) are ``x``'s.
+    select is one elementwise pass, in place; the values (NaN, -0.0 too) are ``x``'s (were
+    the flag ever false, every value would be NaN). For a scalar ``x`` it also gives each
+    payload a value of its own: a zero broadcast that several scatters share is copied once
+    per scatter by XLA:CPU.
     """
     flag = None
     for leaf in jax.tree.leaves(payload):
@@ -187,7 +190,7 @@ def after_payload(x: Array, payload: Payload) -> Array:
             v = leaf.reshape(-1)[0].astype(jnp.float32)  # exact for every index dtype used
             v = (v == v) | (v != v)  # true for every value, NaN included; XLA does not fold it
             flag = v if flag is None else flag & v
-    return x if flag is None else jnp.where(flag, x, jnp.zeros((), x.dtype))
+    return x if flag is None else jnp.where(flag, x, jnp.full((), jnp.nan, x.dtype))
 
 
 def decode_sum(codec: Codec, stacked: Payload, like: Like) -> Array:
