@@ -38,15 +38,19 @@ medians, with their quartiles (``*_q25_s``, ``*_q75_s``); ``time_ratio_to_dense`
 median of the per-round ratios, with its quartiles. The machine's load average is recorded
 before and after.
 
-**Why the AB kinds cost more than a dense step at 16 rows per worker**: an AB step does the
-algorithm's own matrix work beside the model's: the factor gradient :math:`G B^\top` (or
-:math:`A^\top G`) and :math:`W = A B` per factorised layer, each ``m n c`` multiply-adds
-(256 x 256 x 64 here), independent of the batch. The layer's forward pass is ``rows m n``:
-at 16 rows each of the two products is 4x the forward, at 128 rows half of it. So the
-``ab`` ratio falls towards 1 as the rows per worker grow (the paper's VGG-16 runs 128 images
-per GPU); the 16-row rows show the harness's overhead at its most visible, the 128-row rows
-a realistic share. (:math:`X^\top (\delta B^\top)` would be cheaper than :math:`G B^\top`
-but is not bit-identical.) ``refactor`` is an SVD per factorised layer, once per cycle.
+**Why the AB kinds cost more than a dense step**: not their arithmetic. An AB step does the
+algorithm's own matrix work beside the model's (the factor gradient :math:`G B^\top` or
+:math:`A^\top G`, and :math:`W = A B`, ``m n c`` multiply-adds each per factorised layer,
+256 x 256 x 64 here), but trains fewer parameters with Adam; XLA:CPU's per-thunk traces
+(2026-12-01, 16 rows per worker) show each product at ~0.1 ms per device and the AB program's
+own work per device *below* the dense step's (1.0-1.2 vs 1.4-1.5 ms). The rest of a step is
+the 8 device threads waiting for each other at the collectives on 2 cores, which grows with
+the work between two collectives (an AB step has the loss's all-worker mean after the forward
+pass, then the group's means; the dense step one all-reduce at the end). Packing a
+collective's operands into one vector (XLA:CPU makes one rendezvous per operand) is not
+bit-identical (XLA fuses what follows differently) and measured no clear gain.
+``ab (lax.switch)`` also copies, in every branch, what that branch passes through (the dense
+moments at an AB step). ``refactor`` is an SVD per factorised layer, once per cycle.
 
 ``--trainer-runs N`` also runs ``configs/digits_dense.py`` and ``configs/digits_ab.py`` through
 the trainer N times each, alternating, with the same steps, evaluation and checkpoint settings,
