@@ -33,7 +33,8 @@ class Feedback(NamedTuple):
         protocol (``aux``: whatever ``run`` carries, e.g. the wrapped protocol's new state),
         and ``run(c, into=(base, sign)) -> (mean, echo, base + sign * echo, aux)`` also adds
         the echo into ``base`` in place where the codec allows (``sign``: 1 or -1; see
-        :func:`~jaxcomp.compressors.add_decoded`).
+        :func:`~jaxcomp.compressors.add_decoded`); ``run.in_place`` (if set) says whether the
+        wrapped protocol has such a path (``ReduceProtocol.all_reduce_into``).
       dense: ``dense(x, mean, memory, axis_name) -> memory``: the memory after a round that
         averaged ``x`` uncompressed into ``mean`` (warm-up).
       name: the compensation and its parameters without the codec, e.g.
@@ -89,6 +90,7 @@ def compensate(
                 return inner.all_reduce(c, state.inner, key, axis_name)
             return _protocol.all_reduce_into(inner, c, state.inner, key, axis_name, *into)
 
+        run.in_place = inner.all_reduce_into is not None  # read by error feedback
         mean, echo, memory, inner_state = feedback.reduce(x, state.memory, run, axis_name)
         return mean, echo, Compensated(memory, inner_state)
 

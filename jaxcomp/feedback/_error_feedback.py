@@ -84,9 +84,15 @@ def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compen
         # in the per-worker layout [1, ...]: XLA then updates the (donated) residual in place
         corrected = x[None] + memory.residual.value.astype(x.dtype)
         c = corrected[0]
-        # c - echo made by the protocol: TopK subtracts its kept values from c in place
-        mean, echo, kept, aux = run(c, into=(c, -1))
-        e_new = decayed(kept[None], decay).astype(e.dtype)
+        if getattr(run, "in_place", False):
+            # c - echo made by the protocol: TopK subtracts its kept values from c in place
+            mean, echo, kept, aux = run(c, into=(c, -1))
+            e_new = decayed(kept[None], decay).astype(e.dtype)
+        else:
+            # c - echo in one pass fused with the echo's decoding, in the [1, ...] layout (PowerSGD:
+            # c - echo formed on c's [...] view made XLA:CPU copy the residual and redo x + e)
+            mean, echo, aux = run(c)
+            e_new = new_residual(corrected, echo[None], decay).astype(e.dtype)
         memory = ErrorFeedbackMemory(_protocol.per_worker(e_new, axis_name, stacked=True))
         return mean, echo, memory, aux
 
