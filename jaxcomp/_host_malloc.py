@@ -18,13 +18,18 @@ freed memory to the kernel, so the pages stay mapped and the next call reuses th
 * ``M_TRIM_THRESHOLD = 2**31 - 1`` (the largest ``mallopt`` takes): the heap's free top is
   returned to the kernel only past 2 GiB.
 
-The cost: the process's resident memory stays at its high-water mark (what a training loop
-reaches in its first steps anyway). It is a process-wide setting, so the library never applies
-it by itself: the command-line entry points (``python -m jaxcomp.main`` and ``python -m
-jaxcomp.bench``) call it before JAX starts its backend unless ``JAXCOMP_HOST_MALLOC=default``;
-a user's own script may call it first thing. Arenas that threads already own stay; blocks
-already mapped are unmapped when freed as before. It does nothing where the C library is not
-glibc (macOS, musl) and reports so.
+The cost: the process's resident memory stays at its high-water mark, and with one arena
+XLA:CPU's device threads share one lock: the digits trainer (8 device threads on 2 cores) ran
+5-24% slower with it (process wall, digits_ab and digits_dense, 4 pairs, idle). Since the
+temporaries of the TopK error-feedback programs were brought under 32 MiB they fault little
+without it, so the entry points (``python -m jaxcomp.main``, ``python -m jaxcomp.bench``,
+``python -m jaxcomp.study``) keep glibc's defaults unless asked (``--host_malloc=keep`` or
+``JAXCOMP_HOST_MALLOC=keep``); a CPU job whose programs have temporaries above 32 MiB per
+device (``compiled.memory_analysis().temp_size_in_bytes``) may gain from it. It is a
+process-wide setting, so the library never applies it by itself: call it first thing, before
+JAX starts its backend. Arenas that threads already own stay; blocks already mapped are
+unmapped when freed as before. It does nothing where the C library is not glibc (macOS, musl)
+and reports so.
 
 The same, set from outside the process (before it starts)::
 
@@ -60,12 +65,13 @@ class HostMalloc(NamedTuple):
     reason: str
 
 
-def tune_host_malloc(choice: str | None = None) -> HostMalloc:
+def tune_host_malloc(choice: str | None = "keep") -> HostMalloc:
     """Keeps freed host memory mapped for reuse (glibc only; see the module docstring).
 
     Args:
       choice: ``"keep"`` (apply) or ``"default"`` (leave glibc's defaults); ``None`` reads
-        the ``JAXCOMP_HOST_MALLOC`` environment variable (default ``"keep"``).
+        the ``JAXCOMP_HOST_MALLOC`` environment variable (unset: ``"default"``), as the
+        command-line entry points do.
 
     Returns:
       A :class:`HostMalloc` saying whether the settings were applied, and why not.
@@ -80,7 +86,7 @@ def tune_host_malloc(choice: str | None = None) -> HostMalloc:
     """
     source = "choice"
     if choice is None:
-        choice, source = os.environ.get(ENV, "keep"), f"${ENV}"
+        choice, source = os.environ.get(ENV, "default"), f"${ENV}"
     if choice not in CHOICES:
         raise ValueError(f"{source} must be one of {CHOICES}; got {choice!r}.")
     if choice == "default":

@@ -5,10 +5,10 @@ processes, loads the config, applies ``--set`` overrides (:func:`jaxcomp.train.a
 and calls :func:`jaxcomp.train.train_and_evaluate`.
 
 On CPU it gives JAX ``--cpu_devices`` (default 8) fake devices *before* JAX starts its backend,
-so the default 4-stage pipeline runs on one machine, and sets glibc to keep freed host memory
-for reuse (``--host_malloc=keep``, :func:`jaxcomp.tune_host_malloc`: XLA's CPU backend
-otherwise page-faults its large per-step temporaries in anew every step; ``default`` keeps
-glibc's settings). Several processes (hosts) are joined with
+so the default 4-stage pipeline runs on one machine. ``--host_malloc=keep`` (or
+``JAXCOMP_HOST_MALLOC=keep``) sets glibc to keep freed host memory for reuse
+(:func:`jaxcomp.tune_host_malloc`; off by default: it slowed the digits trainer). Several
+processes (hosts) are joined with
 ``jax.distributed.initialize`` (:func:`distributed_plan`): explicit ``--coordinator_address``,
 ``--num_processes`` and ``--process_id`` (or ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
 ``JAX_PROCESS_ID``) win; otherwise ``--distributed=auto`` (the default) lets JAX detect the
@@ -57,8 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--host_malloc",
         choices=("keep", "default"),
-        default=os.environ.get("JAXCOMP_HOST_MALLOC", "keep"),
-        help="keep freed host memory for reuse (glibc; default: $JAXCOMP_HOST_MALLOC or keep)",
+        default=None,
+        help="keep: freed host memory kept for reuse (glibc); default: $JAXCOMP_HOST_MALLOC, "
+        "else glibc's defaults",
     )
     p.add_argument("--coordinator_address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))
     p.add_argument("--num_processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
@@ -189,7 +190,7 @@ def setup_devices(args) -> None:
     starts."""
     from jaxcomp import _host_malloc
 
-    _host_malloc.tune_host_malloc(args.host_malloc)
+    _host_malloc.tune_host_malloc(getattr(args, "host_malloc", None))  # None: the environment
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = (

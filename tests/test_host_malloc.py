@@ -67,16 +67,18 @@ def test_bad_choice_is_named(bad, monkeypatch):
     if bad is None:  # the environment variable's value
         monkeypatch.setenv(_host_malloc.ENV, "yes")
         with pytest.raises(ValueError, match=r"\$JAXCOMP_HOST_MALLOC must be one of .*'yes'"):
-            jaxcomp.tune_host_malloc()
+            jaxcomp.tune_host_malloc(None)
     else:
         with pytest.raises(ValueError, match=rf"choice must be one of .*{bad!r}"):
             jaxcomp.tune_host_malloc(bad)
 
 
-def test_environment_default_is_read(monkeypatch):
+def test_environment_is_read_for_none_and_unset_means_glibc_defaults(monkeypatch):
+    monkeypatch.delenv(_host_malloc.ENV, raising=False)
+    got = jaxcomp.tune_host_malloc(None)
+    assert got == jaxcomp.HostMalloc(False, "$JAXCOMP_HOST_MALLOC=default: glibc's defaults kept")
     monkeypatch.setenv(_host_malloc.ENV, "default")
-    got = jaxcomp.tune_host_malloc()
-    assert not got.applied and "$JAXCOMP_HOST_MALLOC=default" in got.reason
+    assert not jaxcomp.tune_host_malloc(None).applied
 
 
 def test_not_glibc_reports_it(monkeypatch):
@@ -102,7 +104,7 @@ def test_main_job_takes_the_flag(monkeypatch):
 
     monkeypatch.delenv(_host_malloc.ENV, raising=False)
     base = ["--config", "configs/x.py", "--workdir", "w"]
-    assert main.parse_args(base).host_malloc == "keep"
+    assert main.parse_args(base).host_malloc is None  # the environment, else glibc's defaults
     assert main.parse_args([*base, "--host_malloc", "default"]).host_malloc == "default"
-    monkeypatch.setenv(_host_malloc.ENV, "default")
-    assert main.parse_args(base).host_malloc == "default"
+    with pytest.raises(SystemExit):
+        main.parse_args([*base, "--host_malloc", "on"])

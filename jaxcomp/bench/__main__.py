@@ -3,9 +3,9 @@
 ``python -m jaxcomp.bench --help`` lists the benchmarks with their flags;
 ``python -m jaxcomp.bench NAME --help`` shows one benchmark's.
 
-Before a benchmark imports JAX's backend, the host allocator is set to keep freed memory for
-reuse (:func:`jaxcomp.tune_host_malloc`; ``JAXCOMP_HOST_MALLOC=default`` keeps glibc's
-defaults); every JSON file records which under ``env.host_malloc``.
+With ``JAXCOMP_HOST_MALLOC=keep`` the host allocator keeps freed memory for reuse before a
+benchmark starts JAX's backend (:func:`jaxcomp.tune_host_malloc`; unset: glibc's defaults, as
+the main job); every JSON file records which under ``env.host_malloc``.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxcomp.bench import _common
 
     try:
-        _common.HOST_MALLOC = _host_malloc.tune_host_malloc()
+        _common.HOST_MALLOC = _host_malloc.tune_host_malloc(None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
