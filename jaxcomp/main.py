@@ -190,7 +190,7 @@ def setup_devices(args) -> None:
     starts."""
     from jaxcomp import _host_malloc
 
-    _host_malloc.tune_host_malloc(getattr(args, "host_malloc", None))  # None: the environment
+    _host_malloc.tune_host_malloc(args.host_malloc)  # None: the environment
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = (

@@ -106,6 +106,7 @@ def main(argv=None, *, compile_cache: bool = False) -> int:
                 num_processes=None,
                 coordinator_address=None,
                 process_id=None,
+                host_malloc=None,  # $JAXCOMP_HOST_MALLOC, else glibc's defaults
             )  # fmt: skip
         )
         if compile_cache:
