@@ -1,7 +1,7 @@
 r"""Accordion on digits: 8 data-parallel workers, PowerSGD rank 2 in critical regimes, rank 1
 otherwise, switching per layer (Agarwal et al., 2021), momentum SGD.
 
-An "interval" (the paper's epoch) is one pass over the 1,437 training digits (11 steps), checked
+An "interval" (the paper's epoch) is one pass over the 1,438 training digits (11 steps), checked
 every 2 intervals (the paper: every 10 epochs of 300).
 
   python -m jaxcomp.main --config configs/digits_accordion.py --workdir runs/digits_accordion

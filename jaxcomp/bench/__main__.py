@@ -58,15 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{got}{USAGE}\n(--help lists every benchmark's flags)", file=sys.stderr)
         return 2
     from jaxcomp import _host_malloc
-    from jaxcomp.bench import _common
 
     try:
-        _common.HOST_MALLOC = _host_malloc.tune_host_malloc(None)
+        host_malloc = _host_malloc.tune_host_malloc(None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     module = importlib.import_module(BENCHMARKS[argv[0]])
-    return int(module.main(argv[1:]) or 0)
+    return int(module.main(argv[1:], host_malloc=host_malloc) or 0)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
-HOST_MALLOC = None  # what ``python -m jaxcomp.bench`` did with the host allocator (env_info)
+from jaxcomp._host_malloc import HostMalloc
 
 
 def request_cpu_devices(n: int = 8) -> None:
@@ -204,8 +204,14 @@ def load_average() -> list[float]:
         return []
 
 
-def env_info() -> dict[str, Any]:
-    """Versions and devices, recorded with every result file."""
+def env_info(host_malloc: HostMalloc | None = None) -> dict[str, Any]:
+    """Versions and devices, recorded with every result file.
+
+    Args:
+      host_malloc: what ``python -m jaxcomp.bench`` did with the host allocator
+        (:func:`jaxcomp.tune_host_malloc`); ``None`` when a benchmark's ``main`` was called
+        in-process, which leaves the allocator as the caller set it.
+    """
     import jax
 
     return {
@@ -217,8 +223,8 @@ def env_info() -> dict[str, Any]:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "host_malloc": "not set (run through python -m jaxcomp.bench)"
-        if HOST_MALLOC is None
-        else HOST_MALLOC.reason,
+        if host_malloc is None
+        else host_malloc.reason,
     }
 
 
@@ -232,13 +238,22 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str
         print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
 
 
-def write_json(path: str | None, benchmark: str, results: list[dict[str, Any]], **extra) -> None:
-    """Writes ``{"benchmark", "env", "results", **extra}`` to ``path`` (if given)."""
+def write_json(
+    path: str | None,
+    benchmark: str,
+    results: list[dict[str, Any]],
+    host_malloc: HostMalloc | None = None,
+    **extra,
+) -> None:
+    """Writes ``{"benchmark", "env", "results", **extra}`` to ``path`` (if given); ``env`` is
+    :func:`env_info` with ``host_malloc``."""
     if not path:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(
-            {"benchmark": benchmark, "env": env_info(), "results": results, **extra}, f, indent=2
+            {"benchmark": benchmark, "env": env_info(host_malloc), "results": results, **extra},
+            f,
+            indent=2,
         )
     print(f"wrote {path}")

@@ -68,6 +68,7 @@ import sys
 import tempfile
 import time
 
+from jaxcomp._host_malloc import HostMalloc
 from jaxcomp.bench import _common
 
 _common.request_cpu_devices(8)
@@ -416,7 +417,7 @@ def trainer_runs(runs: int, steps: int = 300) -> list[dict]:
     }]  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, host_malloc: HostMalloc | None = None) -> int:
     p = _common.parser(__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["vgg16_cifar", "vgg16_timm"])
     p.add_argument("--sync-modes", nargs="+", default=["only-b", "with-stale"])
@@ -468,5 +469,6 @@ def main(argv: list[str] | None = None) -> int:
         ],
     )
     _common.write_json(args.json, "ab_training", results, cycle=CYCLE,
-                       full_rank_steps=FULL_RANK_STEPS, load=list(os.getloadavg()))  # fmt: skip
+                       full_rank_steps=FULL_RANK_STEPS, load=list(os.getloadavg()),
+                       host_malloc=host_malloc)  # fmt: skip
     return 0

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 
+from jaxcomp._host_malloc import HostMalloc
 from jaxcomp.bench import _common
 
 _common.request_cpu_devices(8)
@@ -190,7 +191,7 @@ def run(n: int = 4 * 1024 * 1024, repeats: int = 20, only: str = "") -> tuple[li
     return results, info
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, host_malloc: HostMalloc | None = None) -> int:
     p = _common.parser(__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=4 * 1024 * 1024, help="elements per input")
     p.add_argument("--only", default="", help="comma-separated codec labels to run (default: all)")
@@ -227,5 +228,5 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r["name"] for r in results if r["hlo_bytes"] != r["payload_bytes"]]
     if bad:
         print(f"HLO bytes differ from payload bytes for: {bad}")
-    _common.write_json(args.json, "compressors", results, **info)
+    _common.write_json(args.json, "compressors", results, host_malloc=host_malloc, **info)
     return 1 if bad else 0

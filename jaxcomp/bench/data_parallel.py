@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import resource
 
+from jaxcomp._host_malloc import HostMalloc
 from jaxcomp.bench import _common
 
 _common.request_cpu_devices(8)
@@ -397,7 +398,7 @@ def run(
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, host_malloc: HostMalloc | None = None) -> int:
     p = _common.parser(__doc__.splitlines()[0])
     p.set_defaults(repeats=5)
     p.add_argument("--workers", type=int, default=8, help="workers of the codec table")
@@ -466,5 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if bad:
         print(f"HLO bytes differ from the transform's bytes_sent for: {bad}")
-    _common.write_json(args.json, "data_parallel", results, resnet18_params=RESNET18_PARAMS)
+    _common.write_json(
+        args.json,
+        "data_parallel",
+        results,
+        resnet18_params=RESNET18_PARAMS,
+        host_malloc=host_malloc,
+    )
     return 1 if bad else 0

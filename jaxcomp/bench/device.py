@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from jaxcomp._host_malloc import HostMalloc
 from jaxcomp.bench import _common
 
 _common.request_cpu_devices(8)  # before JAX starts; only CPU-only machines (and --tiny) use them
@@ -123,7 +124,7 @@ def run(parts=PARTS, repeats: int = 20, tiny: bool = False) -> tuple[list[dict],
     return rows, skipped
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, host_malloc: HostMalloc | None = None) -> int:
     p = _common.parser(__doc__.splitlines()[0])
     p.set_defaults(repeats=20)
     p.add_argument("--tiny", action="store_true", help="tiny sizes, also on CPU-only machines")
@@ -152,7 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     for reason in skipped:
         print(f"skipped {reason}")
     _common.write_json(
-        args.json, "device", rows, skipped=skipped, tiny=args.tiny, load=_common.load_average()
+        args.json,
+        "device",
+        rows,
+        skipped=skipped,
+        tiny=args.tiny,
+        load=_common.load_average(),
+        host_malloc=host_malloc,
     )
     return 0
 

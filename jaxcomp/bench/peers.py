@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 
+from jaxcomp._host_malloc import HostMalloc
 from jaxcomp.bench import _common
 
 _common.request_cpu_devices(8)
@@ -144,7 +145,7 @@ def run(n: int = 4 * 1024 * 1024, repeats: int = 20, ddp: bool = True) -> tuple[
     return results, info
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, host_malloc: HostMalloc | None = None) -> int:
     p = _common.parser(__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=4 * 1024 * 1024, help="elements per input")
     p.add_argument(
@@ -178,5 +179,5 @@ def main(argv: list[str] | None = None) -> int:
             ("jax_over_torch", ".2f"),
         ],
     )
-    _common.write_json(args.json, "peers", results, **info)
+    _common.write_json(args.json, "peers", results, host_malloc=host_malloc, **info)
     return 0

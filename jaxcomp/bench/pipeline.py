@@ -31,6 +31,7 @@ compression buys.
 
 from __future__ import annotations
 
+from jaxcomp._host_malloc import HostMalloc
 from jaxcomp.bench import _common
 
 _common.request_cpu_devices(8)
@@ -217,7 +218,7 @@ def _check_targets(rows: list[dict]) -> None:
         print(f"{name}: AQ-SGD link-state bytes per device vs live size: within {worst:.2%}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, host_malloc: HostMalloc | None = None) -> int:
     p = _common.parser(__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
@@ -260,6 +261,6 @@ def main(argv: list[str] | None = None) -> int:
     results += _schedule_part(args)
     _common.write_json(
         args.json, "pipeline", results, loadavg_before=load_before,
-        loadavg_after=_common.load_average(),
+        loadavg_after=_common.load_average(), host_malloc=host_malloc,
     )  # fmt: skip
     return 1 if mismatched else 0
