@@ -1,7 +1,8 @@
 """The step driver shared by :func:`~jaxcomp.pipeline.gpipe` and :func:`~jaxcomp.pipeline.simulate`.
 
-A pipeline is a static :class:`Spec`; ``init``, ``step``, ``evaluate``, ``bytes_per_step`` and
-``memory`` are the module-level functions below with the spec bound. Each validates its inputs
+A pipeline is a static :class:`Spec`; ``init``, ``step``, ``evaluate`` and ``bytes_per_step``
+are the module-level functions below with the spec bound (``memory``:
+:mod:`jaxcomp.pipeline._memory`). Each validates its inputs
 (:func:`jaxcomp.pipeline._prepare.prepare`), then runs the spec's program: the tick program on
 the ``stage`` mesh (:mod:`jaxcomp.pipeline._ticks`, its ``shard_map`` built once per shape
 signature and cached) or the single-device one (:mod:`jaxcomp.pipeline._simulate`).
@@ -10,9 +11,7 @@ signature and cached) or the single-device one (:mod:`jaxcomp.pipeline._simulate
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,90 +24,19 @@ from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
 from jaxcomp.pipeline import _adaptive
 from jaxcomp.pipeline import _batch
-from jaxcomp.pipeline import _config
 from jaxcomp.pipeline import _detector
 from jaxcomp.pipeline import _link_state
 from jaxcomp.pipeline import _links
 from jaxcomp.pipeline import _model_state
 from jaxcomp.pipeline import _params
 from jaxcomp.pipeline import _prepare
-from jaxcomp.pipeline import _residuals
-from jaxcomp.pipeline import _schedule
+from jaxcomp.pipeline import _replica_mean
 from jaxcomp.pipeline import _simulate
 from jaxcomp.pipeline import _ticks
+from jaxcomp.pipeline._spec import Spec
 
 
-class Spec(NamedTuple):
-    """A pipeline, statically (hashable).
-
-    Attributes:
-      model: the :class:`StagedModel`.
-      links: one :class:`Link` per boundary.
-      num_microbatches: ``M``.
-      schedule: ``"gpipe"`` or ``"1f1b"``.
-      fns: the stages' objectives (:func:`jaxcomp.pipeline._residuals.stage_fns`).
-      mesh: the ``(data,) stage`` mesh, or ``None`` for the single-device simulation.
-      replicas: data replicas (``1`` without a ``data`` axis of size > 1; with an axis pair, the
-        product of the two sizes).
-      replica_mean: the optax transform averaging the replicas' gradients over ``data``, or
-        ``None`` (``pmean``; also with one replica, where there is nothing to average).
-      adaptive: the adaptive boundaries (:class:`jaxcomp.pipeline._adaptive.Adaptive`) or
-        ``None``; ``links`` are then those of the mode combination the program runs.
-      data_axes: the replicas' mesh axes: ``("data",)``, or a ``(slow, fast)`` pair of a
-        hierarchical mesh (the replicas are the devices of both; ``replica_mean`` averages
-        over the pair, e.g. dense over ``fast`` and compressed over ``slow``).
-    """
-
-    model: _config.StagedModel
-    links: tuple[_config.Link, ...]
-    num_microbatches: int
-    schedule: str
-    fns: tuple[_residuals.StageFns, ...]
-    mesh: jax.sharding.Mesh | None
-    replicas: int
-    replica_mean: Any = None
-    adaptive: Any = None
-    data_axes: tuple[str, ...] = (_mesh.DATA,)
-
-    @property
-    def lead(self) -> tuple[int, ...]:
-        num = self.model.num_stages
-        return (num, self.replicas) if self.replicas > 1 else (num,)
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        return (_mesh.STAGE, *self.data_axes) if self.replicas > 1 else (_mesh.STAGE,)
-
-    @property
-    def data(self) -> str | tuple[str, ...]:
-        """The replicas' axis name for collectives (a tuple for a pair)."""
-        return self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
-
-    @property
-    def replica_lead(self) -> tuple[int, ...]:
-        """Leading dims of the averaging transform's state: ``(S, D)``; with a pair
-        ``(S, slow size)``: it belongs to a slow worker (the fast axis is averaged first)."""
-        if len(self.data_axes) == 2 and self.replicas > 1:
-            return (self.model.num_stages, self.mesh.shape[self.data_axes[0]])
-        return self.lead
-
-    @property
-    def replica_spec(self) -> P:
-        """The transform state's spec: as the link states', or ``(stage, slow)`` with a pair."""
-        if len(self.data_axes) == 2 and self.replicas > 1:
-            return P(_mesh.STAGE, self.data_axes[0])
-        return self.state_spec
-
-    @property
-    def state_spec(self) -> P:
-        return P(_mesh.STAGE, self.data) if self.replicas > 1 else P(_mesh.STAGE)
-
-    @property
-    def batch_spec(self) -> P:
-        return P(self.data) if self.replicas > 1 else P()
-
-
-def _prepare_for(spec: Spec, params, batch, *, links=None, need_ids=None, model_layout=None):
+def prepare_for(spec: Spec, params, batch, *, links=None, need_ids=None, model_layout=None):
     return _prepare.prepare(
         spec.model, spec.links if links is None else links, spec.num_microbatches, params,
         batch, replicas=spec.replicas, need_ids=need_ids, model_layout=model_layout,
@@ -120,7 +48,7 @@ def init(spec: Spec, params: Any, batch: Any, model_state: Any = None) -> _link_
     :class:`jaxcomp.pipeline.Pipeline`)."""
     sharding = None if spec.mesh is None else NamedSharding(spec.mesh, spec.state_spec)
     model, model_layout = _model_state.init(spec.model, model_state, spec.lead, sharding)
-    prep = _prepare_for(spec, params, batch, need_ids=False, model_layout=model_layout)
+    prep = prepare_for(spec, params, batch, need_ids=False, model_layout=model_layout)
     layout = prep.static.state_layout
     detector = _adaptive.init_detector(spec.adaptive, prep.static.shapes, spec.mesh)
     shapes, lead = prep.static.shapes, spec.lead
@@ -185,85 +113,6 @@ def _replica_key(spec: Spec, key):
     return jax.random.fold_in(key, lax.axis_index(spec.data))
 
 
-def _bytes_sent(state: Any, field: str = "bytes_sent") -> jax.Array:
-    """The data-axis bytes a transform's state reports for its last step (``bytes_sent`` of
-    :func:`~jaxcomp.transforms.compressed_mean` / ``accordion`` states; ``fast_bytes_sent``:
-    over the fast axis of a pair), NaN if none does."""
-    found = []
-
-    def has(x):
-        return hasattr(x, "_fields") and field in x._fields
-
-    def visit(x):
-        if has(x):
-            found.append(jnp.asarray(getattr(x, field), jnp.float32))
-        return x
-
-    jax.tree.map(visit, state, is_leaf=has)
-    return sum(found[1:], found[0]) if found else jnp.asarray(jnp.nan, jnp.float32)
-
-
-def _average(spec: Spec, layout, replica_layout, local, grads, replica):
-    """Each stage device averages its stage's gradient over ``data`` with the transform: a
-    ``lax.switch`` on the stage index (uniform over ``data``, so the transform's collectives
-    over ``data`` run in lockstep) unpacks the stage's gradient, parameters and transform
-    state, runs ``update`` and packs the results back."""
-
-    def make(s):
-        def branch(grads, replica, local):
-            g = layout.unpack_stage(s, grads)
-            state = replica_layout.unpack_stage(s, replica)
-            updates, state = spec.replica_mean.update(g, state, layout.unpack_stage(s, local))
-            varying = set().union(*map(_local.varying_axes, jax.tree.leaves(updates)))
-            differ = set(spec.data_axes) & varying
-            if differ:
-                raise ValueError(
-                    f"replica_mean returned updates that differ per replica over {sorted(differ)}"
-                    f": it must average over {spec.data!r} (e.g. transforms.compressed_mean("
-                    f"codec, {spec.data!r}))."
-                )
-            # the averaged updates are replicated over data (as out_specs say); the state
-            # (per-worker parts) is per replica (per slow worker with a pair), its byte
-            # count per device
-            updates = _local.to_varying(layout.pack_stage(s, updates), (_mesh.STAGE,))
-            packed = replica_layout.pack_stage(s, state)
-            packed = _local.to_varying(packed, (_mesh.STAGE, *spec.data_axes[:1]))
-            sent = (_bytes_sent(state),)
-            if len(spec.data_axes) == 2:
-                sent += (_bytes_sent(state, "fast_bytes_sent"),)
-            return updates, packed, _local.to_varying(sent, spec.axes)
-
-        return branch
-
-    branches = [make(s) for s in range(spec.model.num_stages)]
-    return lax.switch(lax.axis_index(_mesh.STAGE), branches, grads, replica, local)
-
-
-def _plain_mean(spec: Spec, layout: _params.ParamLayout, grads: dict[str, jax.Array]):
-    """The float ``pmean`` over ``data`` of each device's own stage gradient, without the
-    padding of its packed row (a ``lax.switch`` on the stage index, one branch per stage):
-    every replica sends its stages' parameter bytes, ``data_dense_bytes`` in all (with an axis
-    pair, over each axis: the fast one first)."""
-
-    def make(s):
-        def branch(grads):
-            out = {}
-            for g, row in grads.items():
-                used = sum(math.prod(sl.shape) for sl in layout.slots[s] if sl.group == g)
-                mean = row[:used]
-                for axis in spec.data_axes[::-1]:  # a pair: the fast axis first, then the slow
-                    mean = lax.pmean(mean, axis)
-                pad = jnp.zeros((row.shape[0] - used,), row.dtype)
-                out[g] = _local.to_varying(jnp.concatenate([mean, pad]), (_mesh.STAGE,))
-            sent = (jnp.asarray(layout.stage_bytes(s), jnp.float32),) * len(spec.data_axes)
-            return out, _local.to_varying(sent, spec.axes)
-
-        return branch
-
-    branches = [make(s) for s in range(spec.model.num_stages)]
-    return lax.switch(lax.axis_index(_mesh.STAGE), branches, grads)
-
-
 @functools.lru_cache(maxsize=64)
 def _program(
     spec: Spec,
@@ -314,11 +163,12 @@ def _program(
         if has_data:
             loss, metrics = lax.pmean((loss, metrics), spec.data)
             if spec.replica_mean is None:
-                grads, sent = _plain_mean(spec, static.layout, grads)
+                grads, sent = _replica_mean.plain_mean(spec, static.layout, grads)
             else:
                 mine = {g: b.reshape(b.shape[2:]) for g, b in replica.items()}
-                grads, mine, sent = _average(spec, static.layout, replica_layout, local,
-                                             grads, mine)  # fmt: skip
+                grads, mine, sent = _replica_mean.average(
+                    spec, static.layout, replica_layout, local, grads, mine
+                )
                 new_replica = {g: v.reshape(replica[g].shape) for g, v in mine.items()}
             sent = lax.pmean(lax.psum(sent, _mesh.STAGE), spec.data)
             metrics = {**metrics, "data_wire_bytes": sent[0]}
@@ -361,7 +211,7 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True, modes=
     compress = _prepare.check_compress(compress)
     modes = _adaptive.step_modes(spec.adaptive, link_states, modes)
     spec = _adaptive.combo(spec, modes)
-    prep = _prepare_for(spec, params, batch, model_layout=_model_state.layout_of(link_states))
+    prep = prepare_for(spec, params, batch, model_layout=_model_state.layout_of(link_states))
     static, parsed = prep.static, prep.batch
     _links.check_key(spec.links, key, compress)
     _link_state.check_link_states(link_states, static.state_layout, spec.lead)
@@ -418,7 +268,7 @@ def evaluate(
     _validate.check_choice("stats", stats, _model_state.EVAL_STATS)
     spec = _adaptive.combo_or_low(spec, modes)
     elinks = _links.eval_links(spec.links)
-    prep = _prepare_for(
+    prep = prepare_for(
         spec,
         params,
         batch,
@@ -456,7 +306,7 @@ def bytes_per_step(
 ) -> dict[str, int]:
     """Theoretical bytes per step and pipeline replica (see :func:`jaxcomp.pipeline.gpipe`)."""
     spec = _adaptive.combo_or_low(spec, modes)
-    prep = _prepare_for(
+    prep = prepare_for(
         spec, params, batch, need_ids=False, model_layout=_model_state.layout_of(states)
     )
     use = spec.links if train else _links.eval_links(spec.links)
@@ -468,79 +318,3 @@ def _eval_program(spec: Spec, static: _prepare.Static, compress: bool, eval_stat
     """:func:`_program`'s evaluation, jitted: called eagerly, an un-jitted ``shard_map`` runs
     (and compiles) op by op, ~400 programs for a small GPT (15.6 s of the README example)."""
     return jax.jit(_program(spec, static, compress, False, None, eval_stats))
-
-
-def _plan(spec: Spec, static: _prepare.Static, labels: Any) -> _residuals.ResidualPlan:
-    """The residual plan the program makes (traced in a ``shard_map`` body on a mesh)."""
-    m_ = spec.num_microbatches
-    if spec.mesh is None:
-        lab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
-                           _batch.microbatches(labels, m_))  # fmt: skip
-        return _residuals.plan(
-            spec.fns, static.layout.structs(), static.inputs, lab, static.model_layout.structs()
-        )
-    prog = _ticks.Program(
-        spec.model.loss_fn, spec.links, spec.fns, static, spec.schedule, m_, spec.axes, True, True,
-        False,
-    )  # fmt: skip
-    found = []
-
-    def probe(buffers, labels):
-        local = _local.to_varying({g: b[0] for g, b in buffers.items()}, spec.axes)
-        lab = _local.to_varying(_batch.microbatches(labels, m_), spec.axes)
-        found.append(_ticks.plan_here(prog, local, lab))
-        return jnp.zeros((), jnp.float32)
-
-    def struct(shape, dtype, pspec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(spec.mesh, pspec))
-
-    buffers = {
-        g: struct((spec.model.num_stages, n), g, P(_mesh.STAGE)) for g, n in static.layout.lengths
-    }
-    labels = jax.tree.map(lambda a: struct(a.shape, a.dtype, spec.batch_spec), labels)
-    fn = jax.shard_map(
-        probe, mesh=spec.mesh, in_specs=(P(_mesh.STAGE), spec.batch_spec), out_specs=P()
-    )
-    jax.eval_shape(fn, buffers, labels)
-    return found[0]
-
-
-def memory(spec: Spec, params, batch, states=None) -> dict[str, Any]:
-    """The planned per-device memory of a training step, in bytes.
-
-    Returns:
-      ``residual_bytes_per_stage`` (each stage's saved residuals per microbatch),
-      ``residual_row_bytes`` (one ring-buffer row: the largest stage's, per dtype),
-      ``in_flight`` (per stage, microbatches alive at once), ``residual_slots``,
-      ``ideal_activation_bytes`` (over the stages, the largest of a stage's residuals times its
-      in-flight microbatches), ``residual_buffer_bytes`` (what every device allocates for them),
-      ``link_state_bytes`` (one device's packed row of link states) and
-      ``live_link_state_bytes`` (per device, the bytes of its own ends). A stateful model
-      needs its ``states`` (from ``init``).
-    """
-    prep = _prepare_for(
-        spec, params, batch, need_ids=False, model_layout=_model_state.layout_of(states)
-    )
-    static = prep.static
-    num, m_ = spec.model.num_stages, spec.num_microbatches
-    per_stage = _plan(spec, static, prep.batch.labels).stage_bytes()
-    if spec.mesh is None:  # one microbatch at a time, no ring buffer
-        flight, slots = (1,) * num, 1
-    else:
-        flight = _schedule.in_flight(spec.schedule, num, m_)
-        slots = _schedule.residual_slots(spec.schedule, num, m_)
-    row = (
-        max(per_stage)
-        if spec.mesh is None
-        else _plan(spec, static, prep.batch.labels).layout.row_bytes()
-    )
-    return {
-        "residual_bytes_per_stage": per_stage,
-        "residual_row_bytes": row,
-        "in_flight": flight,
-        "residual_slots": slots,
-        "ideal_activation_bytes": max(b * f for b, f in zip(per_stage, flight)),
-        "residual_buffer_bytes": slots * row,
-        "link_state_bytes": static.state_layout.row_bytes(),
-        "live_link_state_bytes": tuple(static.state_layout.device_bytes(d) for d in range(num)),
-    }

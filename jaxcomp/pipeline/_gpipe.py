@@ -11,17 +11,19 @@ from jaxcomp.comm import _mesh
 from jaxcomp.pipeline import _adaptive
 from jaxcomp.pipeline import _config
 from jaxcomp.pipeline import _driver
+from jaxcomp.pipeline import _memory
 from jaxcomp.pipeline import _prepare
 from jaxcomp.pipeline import _residuals
+from jaxcomp.pipeline._spec import Spec
 
 
-def _pipeline(spec: _driver.Spec) -> _prepare.Pipeline:
+def _pipeline(spec: Spec) -> _prepare.Pipeline:
     return _prepare.Pipeline(
         init=functools.partial(_driver.init, spec),
         step=functools.partial(_driver.step, spec),
         evaluate=functools.partial(_driver.evaluate, spec),
         bytes_per_step=functools.partial(_driver.bytes_per_step, spec),
-        memory=functools.partial(_driver.memory, spec),
+        memory=functools.partial(_memory.memory, spec),
         num_stages=spec.model.num_stages,
         num_microbatches=spec.num_microbatches,
         links=spec.links,
@@ -29,12 +31,12 @@ def _pipeline(spec: _driver.Spec) -> _prepare.Pipeline:
     )
 
 
-def _spec(model, config, mesh, replicas, data_axes=(_mesh.DATA,)) -> _driver.Spec:
+def _make_spec(model, config, mesh, replicas, data_axes=(_mesh.DATA,)) -> Spec:
     _config.check_model(model)
     links, adaptive = _adaptive.resolve(config, model.num_stages)
     fns = _residuals.stage_fns(model, config.checkpoint, _prepare.split_loss)
     replica_mean = config.replica_mean if replicas > 1 else None
-    return _driver.Spec(
+    return Spec(
         model, links, config.num_microbatches, config.schedule, fns, mesh, replicas, replica_mean,
         adaptive, data_axes,
     )  # fmt: skip
@@ -173,7 +175,7 @@ def gpipe(
     if len(data_axes) == 2 and missing:
         raise ValueError(f"data_axis {data_axis!r}: {missing} not an axis of the mesh.")
     replicas = math.prod(mesh.shape[a] for a in data_axes if a in mesh.axis_names)
-    return _pipeline(_spec(model, config, mesh, replicas, data_axes))
+    return _pipeline(_make_spec(model, config, mesh, replicas, data_axes))
 
 
 def _data_axes(data_axis) -> tuple[str, ...]:
@@ -226,4 +228,4 @@ def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> _pre
       >>> round(float(loss), 4)
       0.0657
     """
-    return _pipeline(_spec(model, config, None, 1))
+    return _pipeline(_make_spec(model, config, None, 1))
