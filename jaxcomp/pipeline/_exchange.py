@@ -20,6 +20,7 @@ import jax
 
 from jaxcomp.comm import _send_vjp
 from jaxcomp.pipeline import _config
+from jaxcomp.pipeline import _end_ref
 from jaxcomp.pipeline import _link_state
 
 
@@ -42,7 +43,7 @@ class Wire(NamedTuple):
 
 def _ends(layout, direction: str, boundary: int, stacked: bool):
     return tuple(
-        _link_state.end_ref(layout, f"{direction}_{end}", boundary, stacked)
+        _end_ref.end_ref(layout, f"{direction}_{end}", boundary, stacked)
         for end in ("send", "recv")
     )
 
