@@ -22,10 +22,12 @@ Every protocol returns ``(mean, echo, state)``, ``echo`` being this worker's dec
 (computed with :func:`~jaxcomp.compressors.compress_and_decode`, so error feedback gets it from
 the codec's fused round trip; on the ``all_gather`` path a codec with
 ``Codec.echo_from_wire`` decodes its payload as gathered, behind the collective); the
-``psum`` and ``all_gather`` paths also have ``all_reduce_into``, which adds the echo into the
-residual (or EF21's estimate) with :func:`~jaxcomp.compressors.compress_into` (exact TopK: a
-scatter in place). Receivers decode gathered payloads with the codec's fused
-:func:`~jaxcomp.compressors.decode_sum` in passes of up to eight payloads.
+``psum`` and ``all_gather`` paths of a codec with an in-place decode (``Codec.add_decoded``:
+TopK) also have ``all_reduce_into``, which adds the echo into the residual (or EF21's estimate)
+with :func:`~jaxcomp.compressors.compress_into`, a scatter in place; for other codecs the
+compensation forms ``base + sign * echo`` itself, fused with the echo's decode. Receivers
+decode gathered payloads with the codec's fused :func:`~jaxcomp.compressors.decode_sum` in
+passes of up to eight payloads.
 """
 
 from __future__ import annotations
@@ -157,6 +159,13 @@ def psum_operand_bytes(codec: compressors.Codec, payload: Any) -> int:
     return _protocol.array_bytes(operands)
 
 
+def in_place_only(codec: compressors.Codec, all_reduce_into):
+    """``all_reduce_into`` for a codec that adds its decode in place (``Codec.add_decoded``),
+    else ``None``: the protocol then offers no in-place sum, and error feedback forms
+    ``c - echo`` in its own layout (fused with the decode, written into the donated residual)."""
+    return all_reduce_into if codec.add_decoded is not None else None
+
+
 def psum_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
     """``codec.psum`` of the payloads, made with the *shared* key (e.g. RandK positions)."""
     if codec.reduction is not compressors.Reduction.SUM or codec.psum is None:
@@ -187,7 +196,7 @@ def psum_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
         all_reduce,
         wire_bytes,
         f"{codec.name}/psum",
-        all_reduce_into=all_reduce_into,
+        all_reduce_into=in_place_only(codec, all_reduce_into),
     )
 
 
@@ -227,7 +236,7 @@ def gather_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
         all_reduce,
         lambda like, num_workers: compressors.wire_bytes(compressors.payload_shape(codec, like)),
         f"{codec.name}/all_gather",
-        all_reduce_into=all_reduce_into,
+        all_reduce_into=in_place_only(codec, all_reduce_into),
     )
 
 

@@ -67,8 +67,10 @@ class ReduceProtocol(NamedTuple):
       all_reduce_into: optional ``all_reduce_into(x, state, key, axis_name, base, sign) ->
         (mean, echo, base + sign * echo, state)``: ``all_reduce`` that also adds its echo into
         ``base`` (what error feedback and EF21 keep) the fastest way it knows, e.g. a scatter of
-        TopK's values into ``base`` in place (``Codec.add_decoded``). ``None``: the sum is
-        formed from ``echo``. Call it through :func:`all_reduce_into`.
+        TopK's values into ``base`` in place (``Codec.add_decoded``). Give it only for such
+        an in-place sum: error feedback takes its presence to mean that no dense echo is
+        formed. ``None``: the sum is formed from ``echo``. Call it through
+        :func:`all_reduce_into`.
     """
 
     init: Callable[[Like, int | None], Any]

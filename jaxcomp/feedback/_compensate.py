@@ -28,13 +28,16 @@ class Feedback(NamedTuple):
     Attributes:
       init: ``init(like) -> memory``: the compensation's own state (per-worker parts wrapped
         in :class:`~jaxcomp.compressors.PerWorker`).
-      reduce: ``reduce(x, memory, run, axis_name) -> (mean, echo, memory, aux)``, where
-        ``run(c) -> (mean, echo, aux)`` averages ``c`` over the workers with the wrapped
-        protocol (``aux``: whatever ``run`` carries, e.g. the wrapped protocol's new state),
-        and ``run(c, into=(base, sign)) -> (mean, echo, base + sign * echo, aux)`` also adds
-        the echo into ``base`` in place where the codec allows (``sign``: 1 or -1; see
-        :func:`~jaxcomp.compressors.add_decoded`); ``run.in_place`` (if set) says whether the
-        wrapped protocol has such a path (``ReduceProtocol.all_reduce_into``).
+      reduce: ``reduce(x, memory, run, axis_name, in_place=False) -> (mean, echo, memory,
+        aux)``, where ``run(c) -> (mean, echo, aux)`` averages ``c`` over the workers with the
+        wrapped protocol (``aux``: whatever ``run`` carries, e.g. the wrapped protocol's new
+        state), and ``run(c, into=(base, sign)) -> (mean, echo, base + sign * echo, aux)``
+        also gives the echo added into ``base`` (``sign``: 1 or -1; see
+        :func:`~jaxcomp.compressors.add_decoded`). ``in_place`` says whether that sum is made
+        in place, without a dense echo (the wrapped protocol has
+        ``ReduceProtocol.all_reduce_into``: a codec with ``Codec.add_decoded``, e.g. TopK's
+        scatter); when it is ``False`` the sum is ``base + sign * echo`` and the compensation
+        may form it itself, in whatever layout lets XLA update its memory in place.
       dense: ``dense(x, mean, memory, axis_name) -> memory``: the memory after a round that
         averaged ``x`` uncompressed into ``mean`` (warm-up).
       name: the compensation and its parameters without the codec, e.g.
@@ -90,8 +93,9 @@ def compensate(
                 return inner.all_reduce(c, state.inner, key, axis_name)
             return _protocol.all_reduce_into(inner, c, state.inner, key, axis_name, *into)
 
-        run.in_place = inner.all_reduce_into is not None  # read by error feedback
-        mean, echo, memory, inner_state = feedback.reduce(x, state.memory, run, axis_name)
+        mean, echo, memory, inner_state = feedback.reduce(
+            x, state.memory, run, axis_name, in_place=inner.all_reduce_into is not None
+        )
         return mean, echo, Compensated(memory, inner_state)
 
     def dense(x, mean, state, axis_name):

@@ -71,7 +71,8 @@ def ef21_reduction(buffer_dtype=None) -> _compensate.Feedback:
         estimate = _protocol.per_worker_zeros(like, buffer_dtype)
         return EF21Memory(estimate, jnp.zeros(like.shape, estimate.value.dtype))
 
-    def reduce(x, memory, run, axis_name):
+    def reduce(x, memory, run, axis_name, in_place=False):
+        del in_place  # the protocol's sum either way: g + echo needs no layout of its own
         g = _protocol.this_worker(memory.estimate)
         _channel.check_buffer(g, x, False, buffer_dtype is None, name)
         old = memory.estimate.value.astype(x.dtype)  # [1, ...]: updated in place by XLA

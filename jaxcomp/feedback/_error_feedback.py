@@ -78,13 +78,13 @@ def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compen
     def init(like):
         return ErrorFeedbackMemory(_protocol.per_worker_zeros(like, residual_dtype))
 
-    def reduce(x, memory, run, axis_name):
+    def reduce(x, memory, run, axis_name, in_place=False):
         e = _protocol.this_worker(memory.residual)
         _channel.check_buffer(e, x, False, residual_dtype is None, name)
         # in the per-worker layout [1, ...]: XLA then updates the (donated) residual in place
         corrected = x[None] + memory.residual.value.astype(x.dtype)
         c = corrected[0]
-        if getattr(run, "in_place", False):
+        if in_place:
             # c - echo made by the protocol: TopK subtracts its kept values from c in place
             mean, echo, kept, aux = run(c, into=(c, -1))
             e_new = decayed(kept[None], decay).astype(e.dtype)
