@@ -32,6 +32,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.comm import local_value_and_grad
+from jaxcomp.comm import varying_axes
+from jaxcomp.compressors._base import after_payload
 from jaxcomp.parallel import _driver
 from jaxcomp.parallel._data_parallel import TrainState
 from jaxcomp.transforms import _ab_step
@@ -95,6 +97,8 @@ class Programs:
 
     def __post_init__(self):
         self._programs: dict[str, _driver.Program] = {}  # compile caches, not training state
+        # the programs' flags, placed once: a host-to-device copy per step held each step back
+        self._flags: dict[bool, jax.Array] = {}
         # which leaves each program passes through, per state structure (found when traced)
         self._kept: dict[tuple, tuple] = {}
         self.axes = self.config.axis_name
@@ -128,6 +132,8 @@ class Programs:
                            *((opt.dense_state,) if self.config.reset_opt else ()))  # fmt: skip
             opt = advance(self.config, opt, opt.count)
             changed = (changed, model_state)
+            if kind != "dense":
+                loss, aux = _after_update((loss, aux), params)
             loss = lax.pmean(loss, self.axes)  # non-finite if any worker's is
             workers = {"lr": lr, **_state_metrics(self.check_finite, changed, params, opt, loss)}
             metrics = {"loss": loss, "workers": _stack(workers)}
@@ -221,8 +227,10 @@ class Programs:
     def _args(self, name: str, state, batch=None):
         if name == "dense":
             return (state, batch)
-        flag = np.asarray(name in ("factorise", "ab_then_sync"))
-        flag = jax.device_put(flag, NamedSharding(self.mesh, P()))
+        value = name in ("factorise", "ab_then_sync")
+        if value not in self._flags:
+            self._flags[value] = jax.device_put(np.asarray(value), NamedSharding(self.mesh, P()))
+        flag = self._flags[value]
         return (state, batch, flag) if name in ("ab", "ab_then_sync") else (state, flag)
 
     def compiled(self, name: str, *args):
@@ -241,6 +249,30 @@ class Programs:
     def compile_all(self, state: TrainState, batch) -> dict[str, Any]:
         """Compiles every program for ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``s)."""
         return {name: self.compiled(name, *self._args(name, state, batch)) for name in PROGRAMS}
+
+
+def _after_update(metrics, params):
+    """``metrics``, computed after the step's new ``params`` (the same values).
+
+    XLA schedules an all-reduce as soon as its operand is ready: the loss's all-worker mean
+    ran right after the forward pass, the first of an AB step's three collective points, and
+    every device thread waited there for the last one launched (the group means of the
+    gradients and the sync come after the backward pass). A data dependency on the new
+    parameters moves it to the end of the step, beside the others: a select on a flag that
+    is always true, read from them (:func:`~jaxcomp.compressors._base.after_payload`), so
+    every value passes bit for bit (NaN, -0.0 too). A leaf that does not vary over every
+    axis the flag varies over (an aux metric that is a constant, or read from the
+    parameters only) is left where XLA puts it: the select would change its type. The
+    dense program needs none of this: XLA combines its loss mean with the gradients'
+    all-reduce.
+    """
+    true = after_payload(jnp.ones((), jnp.float32), jax.tree.leaves(params)) == 1
+    needs = varying_axes(true)
+
+    def late(x):
+        return jnp.where(true, x, jnp.zeros_like(x)) if needs <= varying_axes(x) else x
+
+    return jax.tree.map(late, metrics)
 
 
 def _state_metrics(check: bool, changed, params, opt, loss=None) -> dict[str, jax.Array]:
