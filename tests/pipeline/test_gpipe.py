@@ -59,7 +59,7 @@ def gpt():
         "gpt", vocab_size=32, seq_len=8, dim=16, num_blocks=4, num_heads=2,
         cuts=("block0", "block1", "block2"),
     )  # fmt: skip
-    params = [v["params"] for v in model.init(jax.random.key(0))]
+    params = [v["params"] for v in jax.jit(model.init)(jax.random.key(0))]  # one compile
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, size=(8, 8)), jnp.int32)
     return model, params, {"x": tokens, "label": jnp.roll(tokens, -1, axis=1)}
 

@@ -120,5 +120,8 @@ def test_bad_data_axes_are_named(setup, data_axis, match):
 def test_a_replica_mean_that_does_not_average_over_the_pair_is_named(setup):
     mlp, batch, mesh = setup
     pipe = _pipe(mlp, mesh, transforms.compressed_mean(C.identity(), SLOW), data_axis=PAIR)
+    states = pipe.init(mlp.params, batch)
     with pytest.raises(ValueError, match=r"differ per replica over \['fast'\]"):
-        pipe.step(mlp.params, batch, pipe.init(mlp.params, batch), jax.random.key(0))
+        # jitted: the check runs while tracing (called eagerly, the pipeline's forward and
+        # backward ran op by op before it: ~100 compiles)
+        jax.jit(pipe.step)(mlp.params, batch, states, jax.random.key(0))
