@@ -77,9 +77,18 @@ def _state_leaves(workdir):
     return step, [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
-def test_killed_run_resumes_bit_identical(tmp_path):
-    full, killed = tmp_path / "full", tmp_path / "killed"
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The workdir of one uninterrupted 24-step CLI run on 8 devices: the reference of the
+    killed-and-resumed run and of the two-process run (one CLI run fewer than a reference
+    each)."""
+    full = tmp_path_factory.mktemp("uninterrupted")
     subprocess.run(_cmd(full), check=True, env=_env(8), cwd=ROOT, capture_output=True, timeout=600)
+    return full
+
+
+def test_killed_run_resumes_bit_identical(uninterrupted, tmp_path):
+    full, killed = uninterrupted, tmp_path / "killed"
     proc = subprocess.Popen(_cmd(killed), env=_env(8), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     seen = []
@@ -113,17 +122,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one_process(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    extra = ["--set", "total_steps=6"]
-    subprocess.run(_cmd(one, *extra), check=True, env=_env(8), cwd=ROOT, capture_output=True,
-                   timeout=600)  # fmt: skip
+def test_two_processes_match_one_process(uninterrupted, tmp_path):
+    one, two = uninterrupted, tmp_path / "two"  # 24 steps, checkpoints every 4, as `one`
     port = _free_port()
     procs = [
         subprocess.Popen(
             _cmd(
                 two,
-                *extra,
                 "--cpu_devices",
                 "4",
                 "--num_processes",
