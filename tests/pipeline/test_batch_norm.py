@@ -99,7 +99,7 @@ def test_identity_links_equal_the_model_applied_microbatch_by_microbatch(
     assert _stats(new)[3] == {}  # the head keeps no statistics
     # evaluation normalises with the running statistics
     _, _, logits = jax.jit(pipe.evaluate, static_argnames="compress")(p, batch, states=new)
-    want, _ = model.apply(_mode.join_variables(params, _stats(new)), batch["x"])
+    want, _ = jax.jit(model.apply)(_mode.join_variables(params, _stats(new)), batch["x"])
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
@@ -184,7 +184,7 @@ def test_data_replicas_keep_their_own_statistics_equal_to_the_simulation(resnet)
         _, _, logits = jax.jit(pipe.evaluate, static_argnames=("compress", "stats"))(
             packed, batch, states=new, stats=how
         )
-        want, _ = model.apply(_mode.join_variables(params, stats), x)
+        want, _ = jax.jit(model.apply)(_mode.join_variables(params, stats), x)
         np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
