@@ -45,8 +45,10 @@ algorithm's own matrix work beside the model's (the factor gradient :math:`G B^\
 (2026-12-01, 16 rows per worker) show each product at ~0.1 ms per device and the AB program's
 own work per device *below* the dense step's (1.0-1.2 vs 1.4-1.5 ms). The rest of a step is
 the 8 device threads waiting for each other at the collectives on 2 cores, which grows with
-the work between two collectives (an AB step has the loss's all-worker mean after the forward
-pass, then the group's means; the dense step one all-reduce at the end). Packing a
+the work between two collectives (the dense step has one all-reduce, at the end; an AB step
+the factor's group mean inside the role ``cond``, the other gradients' group mean, the sync
+``cond`` and the loss's all-worker mean, which ran right after the forward pass until it was
+made to follow the update: 1.36 -> 1.26 at 16 rows, 2026-12-01). Packing a
 collective's operands into one vector (XLA:CPU makes one rendezvous per operand) is not
 bit-identical (XLA fuses what follows differently) and measured no clear gain.
 ``ab (lax.switch)`` also copies, in every branch, what that branch passes through (the dense
