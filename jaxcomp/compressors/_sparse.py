@@ -11,11 +11,11 @@ import jax.numpy as jnp
 
 from jaxcomp import _validate
 from jaxcomp.compressors import _base
+from jaxcomp.compressors import _block_max
 from jaxcomp.compressors import _checks
 from jaxcomp.compressors import _select
 
 TOPK_METHODS = ("exact", "blockwise", "approx")
-_UNROLLED_BLOCK = 256  # one-per-block selection as elementwise steps up to this block length
 
 
 class SparsePayload(NamedTuple):
@@ -69,32 +69,6 @@ def _check_k_args(fraction, count):
         _validate.check_int("count", count, 1)
 
 
-def _magnitude(x: jax.Array) -> jax.Array:
-    # NaN ranks above every finite magnitude, so non-finite entries are always sent
-    a = jnp.abs(x.astype(jnp.float32))
-    return jnp.where(jnp.isnan(a), jnp.inf, a)
-
-
-def _block_max(blocks: jax.Array) -> jax.Array:
-    """Index of the largest magnitude of each block ``[..., nb, blk]`` (lowest index on ties).
-
-    XLA:CPU runs ``argmax`` over a short minor axis ~4x slower than a copy of the input; for
-    blocks up to ``_UNROLLED_BLOCK`` long it is written as ``blk`` elementwise steps over the
-    block columns, which fuse into one vectorised pass.
-    """
-    blk = blocks.shape[-1]
-    if blk > _UNROLLED_BLOCK:
-        return jnp.argmax(_magnitude(blocks), axis=-1).astype(jnp.int32)
-    best = _magnitude(blocks[..., 0])
-    idx = jnp.zeros(best.shape, jnp.int32)
-    for j in range(1, blk):
-        a = _magnitude(blocks[..., j])
-        up = a > best  # strict: the lowest index wins a tie
-        best = jnp.where(up, a, best)
-        idx = jnp.where(up, j, idx)
-    return idx
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def _exact_indices(rows: jax.Array, k: int) -> jax.Array:
     """Exact top-K indices of each row (increasing): the sort-free select on the CPU.
@@ -113,7 +87,7 @@ def _approx_indices(rows: jax.Array, k: int, recall: float) -> jax.Array:
     """``lax.approx_max_k`` on TPU (its native fast path); the exact select elsewhere."""
 
     def tpu(r):
-        _, idx = jax.lax.approx_max_k(_magnitude(r), k, recall_target=recall)
+        _, idx = jax.lax.approx_max_k(_block_max.magnitude(r), k, recall_target=recall)
         return idx.astype(jnp.int32)
 
     return jax.lax.platform_dependent(rows, tpu=tpu, default=lambda r: _exact_indices(r, k))
@@ -247,18 +221,21 @@ def top_k(
             shape, idt = payload_shape(x)
             return SparsePayload(jnp.zeros(shape, x.dtype), jnp.zeros(shape, idt)), state
         flat = x.reshape(b, d)
-        if nb * blk != d:
-            flat = jnp.pad(flat, ((0, 0), (0, nb * blk - d)))
-        blocks = flat.reshape(b, nb, blk)
-        if nb == 1 and method == "approx":
-            idx = _approx_indices(flat, kb, recall_target)[:, None, :]
-        elif nb == 1:
-            idx = _exact_indices(flat, kb)[:, None, :]
-        elif kb == 1:
-            idx = _block_max(blocks)[..., None]
-        else:  # the exact select per block (lax.top_k of many long blocks is ~10x slower)
-            idx = _exact_indices(blocks.reshape(b * nb, blk), kb).reshape(b, nb, kb)
-        vals = jnp.take_along_axis(blocks, idx, axis=-1, mode="promise_in_bounds")  # idx < blk
+        if kb == 1 and nb > 1 and nb * blk != d and blk <= _block_max.UNROLLED_BLOCK:
+            idx, vals = _block_max.max_per_block_short_tail(flat, nb, blk)
+        else:
+            if nb * blk != d:
+                flat = jnp.pad(flat, ((0, 0), (0, nb * blk - d)))
+            blocks = flat.reshape(b, nb, blk)
+            if nb == 1 and method == "approx":
+                idx = _approx_indices(flat, kb, recall_target)[:, None, :]
+            elif nb == 1:
+                idx = _exact_indices(flat, kb)[:, None, :]
+            elif kb == 1:
+                idx = _block_max.block_max(blocks)[..., None]
+            else:  # the exact select per block (lax.top_k of many long blocks is ~10x slower)
+                idx = _exact_indices(blocks.reshape(b * nb, blk), kb).reshape(b, nb, kb)
+            vals = jnp.take_along_axis(blocks, idx, axis=-1, mode="promise_in_bounds")  # < blk
         shape = (b, nb * kb) if per_sample else (nb * kb,)
         idt = _base.index_dtype(blk)
         return SparsePayload(vals.reshape(shape), idx.astype(idt).reshape(shape)), state
