@@ -274,13 +274,17 @@ def top_k(
         num = stacked.values.shape[0]
         vals = stacked.values.reshape(num, b, nb, kb).astype(like.dtype).astype(acc)
         idx = stacked.indices.reshape(num, b, nb, kb).astype(jnp.int32)
-        block_start = jnp.arange(b * nb, dtype=jnp.int32).reshape(1, b, nb, 1) * blk
+        pos = jnp.arange(nb, dtype=jnp.int32).reshape(1, 1, nb, 1) * blk + idx  # in its row
+        flat = jnp.arange(b, dtype=jnp.int32).reshape(1, b, 1, 1) * d + pos
+        # as decompress: an index past its block or row (a damaged payload) is dropped, never
+        # added into the next block or sample
+        flat = jnp.where((idx < blk) & (pos < d), flat, b * d).reshape(-1)
         # zeros of its own, read from the payloads: XLA:CPU copies a broadcast that several
         # scatters share once per scatter (an 8 MiB pass and temporary each on the bench)
         zero = _base.after_payload(jnp.zeros((), acc), stacked)
-        dense = jnp.broadcast_to(zero, (b * nb * blk,)).at[(block_start + idx).reshape(-1)]
-        dense = dense.add(vals.reshape(-1))  # flat positions: ~2x faster than 3-D indices
-        return dense.reshape(b, nb * blk)[:, :d].reshape(like.shape)
+        dense = jnp.broadcast_to(zero, (b * d,)).at[flat]
+        dense = dense.add(vals.reshape(-1), mode="drop")  # flat positions: ~2x faster than 3-D
+        return dense.reshape(like.shape)
 
     def add_decoded(base, payload, sign):
         # base +- decompress(payload): the kept values scattered into base (in place), not a
