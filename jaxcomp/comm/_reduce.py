@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp import _order
 from jaxcomp import compressors
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _protocol
@@ -222,7 +223,7 @@ def gather_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
             me = lax.axis_index(axis_name)
             mine = jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, me, keepdims=False), gathered)
             echo = codec.decompress(mine, x)
-            base = _base.after_payload(base, mine)  # base may be x: a scatter after the reads
+            base = _order.after(base, mine)  # base may be x: a scatter after the reads
             into = compressors.add_decoded(codec, base, mine, direction)
         mean = decode_mean(codec, gathered, x)
         return mean, echo, into, GatherReduce(_protocol.per_worker(codec_state, axis_name))

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomp import _order
 from jaxcomp.compressors import _protocol
 
 Array = jax.Array
@@ -155,7 +156,7 @@ def compress_into(
 
     What error feedback (``base = x, sign = -1``: the new residual) and EF21 (``base = g,
     sign = 1``: the new estimate) keep. With ``Codec.add_decoded`` (TopK) the sum is a scatter
-    into ``base`` in place, ordered after the compression (:func:`after_payload`: ``base``
+    into ``base`` in place, ordered after the compression (:func:`jaxcomp._order.after`: ``base``
     may be ``x`` itself), and ``decoded`` is computed only if the caller uses it; otherwise
     the codec's fused round trip, and the dense sum (one fused pass where decoding is
     elementwise).
@@ -167,30 +168,8 @@ def compress_into(
         payload, state, decoded = compress_and_decode(codec, x, state, key)
         return payload, state, decoded, base + decoded if sign == 1 else base - decoded
     payload, state = codec.compress(x, state, key)
-    into = add_decoded(codec, after_payload(base, payload), payload, sign)
+    into = add_decoded(codec, _order.after(base, payload), payload, sign)
     return payload, state, codec.decompress(payload, x), into
-
-
-def after_payload(x: Array, payload: Payload) -> Array:
-    """``x`` itself, computed after ``payload`` (a select on a flag read from it, always true).
-
-    For a scatter into ``x`` in place once the payload is made, where ``x`` is also what was
-    compressed (error feedback: ``c - D(C(c))`` with the kept values subtracted from ``c``).
-    XLA:CPU proves the compression's reads of ``x`` come before such a write only through data
-    dependencies; without one it copies the donated buffer ``x`` lives in (and duplicates
-    ``x``'s producer), which made error feedback around TopK slower than the dense form. The
-    select is one elementwise pass, in place; the values (NaN, -0.0 too) are ``x``'s (were
-    the flag ever false, every value would be NaN). For a scalar ``x`` it also gives each
-    payload a value of its own: a zero broadcast that several scatters share is copied once
-    per scatter by XLA:CPU.
-    """
-    flag = None
-    for leaf in jax.tree.leaves(payload):
-        if leaf.size:
-            v = leaf.reshape(-1)[0].astype(jnp.float32)  # exact for every index dtype used
-            v = (v == v) | (v != v)  # true for every value, NaN included; XLA does not fold it
-            flag = v if flag is None else flag & v
-    return x if flag is None else jnp.where(flag, x, jnp.full((), jnp.nan, x.dtype))
 
 
 def decode_sum(codec: Codec, stacked: Payload, like: Like) -> Array:

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxcomp import _order
 from jaxcomp import _validate
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _block_max
@@ -281,7 +282,7 @@ def top_k(
         flat = jnp.where((idx < blk) & (pos < d), flat, b * d).reshape(-1)
         # zeros of its own, read from the payloads: XLA:CPU copies a broadcast that several
         # scatters share once per scatter (an 8 MiB pass and temporary each on the bench)
-        zero = _base.after_payload(jnp.zeros((), acc), stacked)
+        zero = _order.after(jnp.zeros((), acc), stacked)
         dense = jnp.broadcast_to(zero, (b * d,)).at[flat]
         dense = dense.add(vals.reshape(-1), mode="drop")  # flat positions: ~2x faster than 3-D
         return dense.reshape(like.shape)

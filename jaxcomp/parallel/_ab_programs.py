@@ -31,9 +31,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _order
 from jaxcomp.comm import local_value_and_grad
 from jaxcomp.comm import varying_axes
-from jaxcomp.compressors._base import after_payload
 from jaxcomp.parallel import _driver
 from jaxcomp.parallel._data_parallel import TrainState
 from jaxcomp.transforms import _ab_step
@@ -259,14 +259,14 @@ def _after_update(metrics, params):
     every device thread waited there for the last one launched (the group means of the
     gradients and the sync come after the backward pass). A data dependency on the new
     parameters moves it to the end of the step, beside the others: a select on a flag that
-    is always true, read from them (:func:`~jaxcomp.compressors._base.after_payload`), so
+    is always true, read from them (:func:`jaxcomp._order.after`), so
     every value passes bit for bit (NaN, -0.0 too). A leaf that does not vary over every
     axis the flag varies over (an aux metric that is a constant, or read from the
     parameters only) is left where XLA puts it: the select would change its type. The
     dense program needs none of this: XLA combines its loss mean with the gradients'
     all-reduce.
     """
-    true = after_payload(jnp.ones((), jnp.float32), jax.tree.leaves(params)) == 1
+    true = _order.after(jnp.ones((), jnp.float32), jax.tree.leaves(params)) == 1
     needs = varying_axes(true)
 
     def late(x):
