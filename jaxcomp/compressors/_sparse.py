@@ -70,6 +70,16 @@ def _check_k_args(fraction, count):
         _validate.check_int("count", count, 1)
 
 
+def _flat_positions(idx: jax.Array, b: int, d: int, nb: int, blk: int):
+    """``(flat, valid)`` for block indices ``idx`` ``[..., b, nb, kb]``: each index's position in
+    the unpadded ``[b * d]`` output, and whether it lies inside its block and its row (an index
+    of a damaged payload may not: callers drop it, never write it into the next block)."""
+    lead = (1,) * (idx.ndim - 3)
+    pos = jnp.arange(nb, dtype=jnp.int32).reshape(*lead, 1, nb, 1) * blk + idx  # in its row
+    flat = jnp.arange(b, dtype=jnp.int32).reshape(*lead, b, 1, 1) * d + pos
+    return flat, (idx < blk) & (pos < d)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _exact_indices(rows: jax.Array, k: int) -> jax.Array:
     """Exact top-K indices of each row (increasing): the sort-free select on the CPU.
@@ -258,9 +268,8 @@ def top_k(
         # for the scatter on the bench's 4M entries); an index past its block or past the end
         # (a damaged payload) is dropped, never written into the next block
         size = b * d
-        pos = jnp.arange(nb, dtype=jnp.int32).reshape(1, nb, 1) * blk + idx  # in its row
-        flat = jnp.arange(b, dtype=jnp.int32).reshape(b, 1, 1) * d + pos
-        flat = jnp.where((idx < blk) & (pos < d), flat, size).reshape(-1)
+        flat, valid = _flat_positions(idx, b, d, nb, blk)
+        flat = jnp.where(valid, flat, size).reshape(-1)
         dense = jnp.zeros((size,), like.dtype).at[flat]
         dense = dense.set(vals.reshape(-1), unique_indices=True, mode="drop")
         return dense.reshape(like.shape)
@@ -275,11 +284,8 @@ def top_k(
         num = stacked.values.shape[0]
         vals = stacked.values.reshape(num, b, nb, kb).astype(like.dtype).astype(acc)
         idx = stacked.indices.reshape(num, b, nb, kb).astype(jnp.int32)
-        pos = jnp.arange(nb, dtype=jnp.int32).reshape(1, 1, nb, 1) * blk + idx  # in its row
-        flat = jnp.arange(b, dtype=jnp.int32).reshape(1, b, 1, 1) * d + pos
-        # as decompress: an index past its block or row (a damaged payload) is dropped, never
-        # added into the next block or sample
-        flat = jnp.where((idx < blk) & (pos < d), flat, b * d).reshape(-1)
+        flat, valid = _flat_positions(idx, b, d, nb, blk)
+        flat = jnp.where(valid, flat, b * d).reshape(-1)  # as decompress: damaged ones dropped
         # zeros of its own, read from the payloads: XLA:CPU copies a broadcast that several
         # scatters share once per scatter (an 8 MiB pass and temporary each on the bench)
         zero = _order.after(jnp.zeros((), acc), stacked)
@@ -297,10 +303,9 @@ def top_k(
             return base + decoded if sign == 1 else base - decoded
         vals = payload.values.reshape(-1).astype(base.dtype)
         idx = payload.indices.reshape(b, nb, kb).astype(jnp.int32)
-        pos = jnp.arange(nb, dtype=jnp.int32).reshape(1, nb, 1) * blk + idx  # in its row
-        flat = jnp.arange(b, dtype=jnp.int32).reshape(b, 1, 1) * d + pos
+        flat, valid = _flat_positions(idx, b, d, nb, blk)
         # as decompress: padding and an index past its block (a damaged payload) are dropped
-        flat = jnp.where((idx < blk) & (pos < d), flat, b * d + flat).reshape(-1)
+        flat = jnp.where(valid, flat, b * d + flat).reshape(-1)
         flat_base = base.reshape(-1).at[flat]
         out = flat_base.add(vals if sign == 1 else -vals, mode="drop", unique_indices=True)
         return out.reshape(base.shape)
