@@ -46,7 +46,7 @@ CHANNEL_KEYS = ("name", "feedback", "per_sample_buffers")
 def _section_defaults(section: str) -> dict[str, Any] | None:
     """The allowed keys and defaults of a mode's sub-config, or ``None`` if free-form."""
     if section == "pipeline":
-        from jaxcomp.train._pipeline_mode import PIPELINE_DEFAULTS
+        from jaxcomp.train._pipeline_config import PIPELINE_DEFAULTS
 
         return PIPELINE_DEFAULTS
     if section == "data_parallel":

@@ -66,36 +66,14 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp import _validate
 from jaxcomp import comm
 from jaxcomp import pipeline
 from jaxcomp.models import _staged
 from jaxcomp.train import _batch_stats
 from jaxcomp.train import _config
 from jaxcomp.train import _dense
-from jaxcomp.train import _dp_mode
 from jaxcomp.train import _mode
-
-PIPELINE_DEFAULTS = {
-    "num_microbatches": 8,
-    "forward": "identity",
-    "backward": "identity",
-    "backward_mode": "independent",
-    "boundaries": None,
-    "warmup_epochs": 0,
-    "simulate": False,
-    "schedule": "gpipe",
-    "checkpoint": False,
-    "replica_mean": None,
-    "forward_high": None,
-    "backward_high": None,
-    "detector": None,
-    "sync_batch_stats": False,
-    "eval_batch_stats": "worker0",
-}
-DETECTOR_DEFAULTS = {"interval_epochs": None, "interval_steps": None, "check_every": 10, "eta": 0.5}
-
-REPLICA_TRANSFORMS = ("compressed_mean", "accordion")  #: averages for config.pipeline.replica_mean
+from jaxcomp.train import _pipeline_config
 
 
 class PipelineState(NamedTuple):
@@ -104,99 +82,6 @@ class PipelineState(NamedTuple):
     params: Any  # pipeline.PackedParams, sharded over ``stage``
     opt_state: Any
     link_states: Any  # one pipeline.LinkState per boundary
-
-
-def _links(cfg: dict, num_boundaries: int, num_samples: int) -> tuple[Any, ...]:
-    per = cfg["boundaries"]
-    if per is None:
-        per = [
-            {k: cfg[k] for k in ("forward", "backward", "forward_high", "backward_high")}
-        ] * num_boundaries
-    per = [dict(b) for b in per]
-    if len(per) != num_boundaries:
-        raise ValueError(
-            f"config.pipeline.boundaries has {len(per)} entries; the model has "
-            f"{num_boundaries} boundaries."
-        )
-    out = []
-    shared = cfg["backward_mode"] == "shared_mask"
-
-    def channel(spec):
-        return None if spec is None else _config.build_channel(spec, num_samples)
-
-    for b in per:
-        unknown = sorted(set(b) - {"forward", "backward", "forward_high", "backward_high"})
-        if unknown:
-            raise ValueError(f"unknown key(s) {unknown} in a config.pipeline.boundaries entry.")
-        fwd = channel(b.get("forward", "identity"))
-        bwd = None if shared else channel(b.get("backward", "identity"))
-        fwd_hi, bwd_hi = channel(b.get("forward_high")), channel(b.get("backward_high"))
-        if shared and bwd_hi is not None:
-            raise ValueError(
-                "config.pipeline.backward_high: in shared_mask mode the backward follows the "
-                "forward's mask; only forward_high can adapt."
-            )
-        low = pipeline.link(fwd, bwd, mode=cfg["backward_mode"])
-        if fwd_hi is None and bwd_hi is None:
-            out.append(low)
-            continue
-        high = pipeline.link(
-            low.forward if fwd_hi is None else fwd_hi,
-            low.backward if bwd_hi is None else bwd_hi,
-            mode=cfg["backward_mode"],
-        )
-        out.append(pipeline.adaptive_link(low, high))
-    return tuple(out)
-
-
-def _detector(cfg: dict, links, config, steps_per_epoch: int):
-    """``pipeline.Detector`` for ``config.pipeline.detector`` when a link is adaptive."""
-    adaptive = any(isinstance(lk, pipeline.AdaptiveLink) for lk in links)
-    if not adaptive:
-        if cfg["detector"] is not None:
-            raise ValueError(
-                "config.pipeline.detector is set but no link is adaptive: give "
-                "config.pipeline.forward_high and/or backward_high."
-            )
-        return None
-    sub = _config.check_sub_config("pipeline.detector", cfg["detector"], DETECTOR_DEFAULTS)
-    epochs, steps = sub["interval_epochs"], sub["interval_steps"]
-    if epochs is not None and steps is not None:
-        raise ValueError(
-            "config.pipeline.detector: give interval_epochs or interval_steps, not both; got "
-            f"interval_epochs={epochs!r}, interval_steps={steps!r}."
-        )
-    if steps is None:  # a whole number of epochs (1 by default), never rounded
-        epochs = 1 if epochs is None else epochs
-        _validate.check_int("config.pipeline.detector.interval_epochs", epochs, 1)
-        steps = epochs * steps_per_epoch
-    return pipeline.Detector(
-        steps, sub["check_every"], sub["eta"], learning_rate=_config.learning_rate(config)
-    )
-
-
-def _replica_mean(
-    cfg: dict, config, replicas: int, steps_per_epoch: int, num_samples: int, axis=comm.DATA
-):
-    """``(transform or None, description)`` for ``config.pipeline.replica_mean``: the same
-    keys and defaults as ``config.data_parallel``, averaging over ``axis`` (the data axis or a
-    ``(slow, fast)`` pair)."""
-    spec = cfg["replica_mean"]
-    if spec is None:
-        return None, "float32 pmean"
-    if cfg["simulate"] or replicas < 2:
-        raise ValueError(
-            "config.pipeline.replica_mean averages the gradients of data replicas: it needs "
-            f"the distributed pipeline on a mesh with a 'data' axis of >= 2 devices (simulate="
-            f"{cfg['simulate']}, {replicas} replica(s))."
-        )
-    sub = _config.check_sub_config("pipeline.replica_mean", spec, _dp_mode.DP_DEFAULTS)
-    # accordion_batch_size is not an average (it changes the batch per update)
-    _validate.check_choice(
-        "config.pipeline.replica_mean.transform", sub["transform"], REPLICA_TRANSFORMS
-    )
-    schedule = _config.learning_rate(config)
-    return _dp_mode._reducer(sub, schedule, steps_per_epoch, num_samples, axis)
 
 
 def _adaptive_metrics(metrics: dict, mask) -> dict:
@@ -214,11 +99,6 @@ def _adaptive_metrics(metrics: dict, mask) -> dict:
     return out
 
 
-def _high_names(links) -> str:
-    lk = next(lk for lk in links if isinstance(lk, pipeline.AdaptiveLink))
-    return f"{lk.high.forward.name} / {lk.high.backward.name if lk.high.backward else 'mask'}"
-
-
 def _loss_fn(model: _staged.StagedModel):
     def loss_fn(y, labels):
         return model.loss_fn(y, labels), {"accuracy": _staged.accuracy(y, labels)}
@@ -233,7 +113,7 @@ def build_pipeline(
     num_train_samples: int,
 ) -> _mode.Mode:
     """Builds the pipeline mode (``config.mode = "pipeline"``)."""
-    cfg = _config.check_sub_config("pipeline", config.pipeline, PIPELINE_DEFAULTS)
+    cfg = _config.check_sub_config("pipeline", config.pipeline, _pipeline_config.PIPELINE_DEFAULTS)
     if model.num_stages < 2:
         raise ValueError(
             f"pipeline mode needs a model cut into >= 2 stages; {model.name} has cuts "
@@ -275,16 +155,16 @@ def build_pipeline(
                 f"config.{name} ({bs}) must be divisible by num_microbatches x data replicas "
                 f"({m} x {replicas})."
             )
-    links = _links(cfg, model.num_stages - 1, num_train_samples)
+    links = _pipeline_config.links_of(cfg, model.num_stages - 1, num_train_samples)
     steps_per_epoch = max(1, num_train_samples // config.batch_size)
-    averaging, averaging_name = _replica_mean(
+    averaging, averaging_name = _pipeline_config.replica_mean_of(
         cfg, config, replicas, steps_per_epoch, num_train_samples, data
     )
     pmodel = pipeline.StagedModel(
         model.stages, _loss_fn(model), stateful=model.stateful, eval_stages=model.eval_stages
     )
     checkpoint = cfg["checkpoint"] if cfg["checkpoint"] not in (False, None) else None
-    detector = _detector(cfg, links, config, steps_per_epoch)
+    detector = _pipeline_config.detector_of(cfg, links, config, steps_per_epoch)
     mask = tuple(
         lk.directions if isinstance(lk, pipeline.AdaptiveLink) else (False, False) for lk in links
     )
@@ -433,7 +313,7 @@ def build_pipeline(
             f"eta={detector.eta}",
             boundary_bytes_per_step_high=float(hi_counts["wire_bytes"]),
         )
-        names += f"; adaptive, high: {_high_names(links)}"
+        names += f"; adaptive, high: {_pipeline_config.high_names(links)}"
         extra["links"] = names
     return _mode.Mode(
         name="pipeline",
