@@ -205,6 +205,85 @@ def test_arrays_that_read_back_with_other_values_fail_their_checksums(saved_run,
     _assert_same(state, states[4])
 
 
+def _mixed_state(x64: bool = False) -> dict:
+    """Leaves of every kind a state may hold: dtypes, shardings, scalars, empty, NaN/Inf."""
+    jnp = jax.numpy
+    mesh = jax.make_mesh((8,), ("x",))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    values = np.random.default_rng(0).normal(size=(16, 5)).astype(np.float32) * 1e3
+    state = {
+        "f32": jnp.asarray(values),
+        "sharded": jax.device_put(values, sharded),
+        "replicated": jax.device_put(values[:3], replicated),
+        "bf16": jnp.asarray(values, jnp.bfloat16),
+        "f16": jnp.asarray(values[:2], jnp.float16).at[0, 1].set(jnp.inf),
+        "f8": jnp.asarray(values[:2] / 1e3, jnp.float8_e4m3fn),
+        "i8": jnp.arange(-7, 9, dtype=jnp.int8),
+        "u8": jnp.arange(250, 256, dtype=jnp.uint8),
+        "i32": jnp.arange(-5, 100, 7, dtype=jnp.int32).reshape(3, 5),
+        "u32": jnp.array([0, 1, 2**32 - 1], jnp.uint32),
+        "bool": jnp.array([[True, False, True]]),
+        "c64": jnp.asarray(values[:4, :2] + 1j * values[4:8, :2], jnp.complex64),
+        "key": jax.random.key(7),
+        "keys": jax.device_put(jax.random.split(jax.random.key(1), 8), sharded),
+        "raw_key": jax.random.PRNGKey(3),
+        "scalar": jnp.float32(np.nan),
+        "empty": jnp.zeros((0, 3)),
+        "python": [3, 2.5, True],
+        "numpy": np.arange(6, dtype=np.int64),  # narrowed to int32 as jit takes it
+    }
+    if x64:
+        state.update(
+            f64=jnp.asarray(values, jnp.float64) / 7,
+            i64=jnp.arange(-(2**40), 2**40, 2**37, dtype=jnp.int64),
+            c128=jnp.asarray(values[:3, :2] - 1j * values[3:6, :2], jnp.complex128),
+        )
+    return state
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_host_checksums_are_the_numbers_of_the_device_pass(x64, monkeypatch):
+    """Leaves this process holds whole are summed with numpy, leaves sharded over processes
+    by the jitted pass: both give every leaf the same checksum and finiteness (a checkpoint
+    saved one way verifies the other way), also across the host pass's chunks."""
+    with jax.enable_x64(x64):
+        state = _mixed_state(x64)
+        leaves = jax.tree.leaves(state)
+        device_sums, device_finite = (np.asarray(a) for a in _integrity._digest(leaves))
+        paths = _integrity.leaf_paths(state)
+        want = ([int(s) for s in device_sums], [p for p, ok in zip(paths, device_finite) if not ok])
+        assert sorted(want[1]) == ["['f16']", "['scalar']"], want[1]
+        assert len(set(want[0])) > len(want[0]) - 4, want[0]  # distinct values, distinct sums
+        assert _integrity.inspect_state(state) == want
+        monkeypatch.setattr(_integrity, "_CHUNK", 7)  # several chunks, a partial last one
+        assert _integrity.inspect_state(state) == want
+        on_host = _integrity._on_host
+        names = iter(range(10**6))
+        monkeypatch.setattr(_integrity, "_on_host", lambda x: on_host(x) and next(names) % 2)
+        assert _integrity.inspect_state(state) == want  # half on devices, as across processes
+
+
+def test_a_leaf_under_8_bits_per_element_is_refused_by_both_passes():
+    x = jax.numpy.arange(-4, 4, dtype=jax.numpy.int4)
+    for summed in (_integrity.inspect_state, _integrity._digest):
+        with pytest.raises(TypeError, match="cannot checksum an array of dtype int4"):
+            summed([x])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "uint32", "complex64"])
+def test_every_flipped_bit_of_a_leaf_changes_its_host_checksum(dtype):
+    values = np.random.default_rng(1).normal(size=(3, 2)) * 100
+    x = np.asarray(jax.numpy.asarray(values, dtype))
+    (base,), _ = _integrity.inspect_state([x])
+    raw = x.view(np.uint8).reshape(-1)
+    for bit in range(raw.size * 8):
+        flipped = raw.copy()
+        flipped[bit // 8] ^= np.uint8(1 << (bit % 8))
+        (other,), _ = _integrity.inspect_state([flipped.view(x.dtype).reshape(x.shape)])
+        assert other != base, (dtype, bit)
+
+
 def test_a_non_finite_state_is_never_saved(tmp_path, capsys):
     ckpt = train.Checkpointer(str(tmp_path))
     good = {"w": jax.numpy.ones(4), "n": jax.numpy.zeros((), jax.numpy.int32)}

@@ -3,9 +3,9 @@
 A checkpoint holds two items: ``state`` (every array: parameters, optimizer state, link and
 transform states, the PRNG key) and ``meta`` (JSON: step, data position, counters, the
 experiment's fingerprint, the metric accumulators, and a ``checksum``: one 32-bit
-position-weighted sum per state leaf, a digest of the leaves' paths, shapes and dtypes, and a
-SHA-256 of the rest of ``meta``). Restoring with an abstract target gives back the exact pytree
-structure (NamedTuples included) and shardings.
+position-weighted sum per state leaf (of the arrays as handed to orbax), a digest of the
+leaves' paths, shapes and dtypes, and a SHA-256 of the rest of ``meta``). Restoring with an
+abstract target gives back the exact pytree structure (NamedTuples included) and shardings.
 
 What the :class:`Checkpointer` guarantees:
 
@@ -154,7 +154,8 @@ class Checkpointer:
         Returns:
           ``False`` (with a warning, nothing written) if ``state`` holds NaN or Inf.
         """
-        sums, bad = _integrity.inspect_state(state)
+        to_write = _for_saving(state)
+        sums, bad = _integrity.inspect_state(to_write)  # the arrays as written
         if bad:
             newest = self.all_steps()[-1:] or ["none"]
             _warn(
@@ -171,7 +172,7 @@ class Checkpointer:
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_for_saving(state)),
+                state=ocp.args.StandardSave(to_write),
                 meta=ocp.args.JsonSave({**rest, CHECKSUM: check}),
             ),
             force=True,
@@ -179,11 +180,13 @@ class Checkpointer:
         return True
 
     def prepare(self, state: Any) -> None:
-        """Compiles (and runs once) the checksum pass for ``state``'s shapes and shardings.
+        """Runs the checksum pass once on ``state``, compiling what it needs.
 
         Called before the first training step, so that the first save (or a read-back before
-        pruning) compiles nothing in the middle of the run; a state of other shapes or
-        shardings still works, compiling its own pass when first saved.
+        pruning) compiles nothing in the middle of the run: the jitted pass of the leaves
+        sharded across processes, and the PRNG keys' ``key_data`` (the other leaves are summed
+        on the host); a state of other shapes or shardings still works, compiling its own
+        programs when first saved.
         """
         if self._target is None:
             self._target = _abstract(state)

@@ -97,7 +97,7 @@ def build_dense(
         return eval_fn(state.params, state.model_state, batch)
 
     with jax.set_mesh(mesh):
-        init_jit = jax.jit(init, out_shardings=replicated)
+        init_jit = _mode.jit_init(init, out_shardings=replicated)
         # an abstract key: an eager key under the mesh would compile two programs that the
         # trainer's key (outside it) compiles again
         abstract = jax.eval_shape(init, jax.eval_shape(jax.random.key, 0))

@@ -254,7 +254,7 @@ def build_data_parallel(
     is_accordion = cfg["transform"] == "accordion"
 
     def init(key):
-        params, model_state = _mode.split_variables(jax.jit(model.init)(key))
+        params, model_state = _mode.split_variables(_mode.jit_init(model.init)(key))
         if not has_state:
             return dp.init(params)
         return dp.init(params, stats.wrap(model_state))

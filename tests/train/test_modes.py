@@ -119,3 +119,36 @@ def test_a_step_whose_optimizer_state_overflows_is_skipped(make_config, mode):
     assert int(metrics["finite"]) == 0
     for a, b in zip(before, _leaves(new), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_state_init_compiled_for_a_short_compile_has_the_default_compiles_bits():
+    """``_mode.jit_init`` compiles a state init at XLA's backend optimisation level 1 (at the
+    default level 2 the unrolled threefry loops of small parameters made an init compile as
+    long as the training step): it must give the default compile's bits, for the initializers
+    the models use (Dense/Conv: lecun_normal, GPT: normal(0.02); ones and zeros are exact),
+    on small shapes (loops unrolled at level 2) and large ones (vectorised)."""
+    from flax import linen as nn
+
+    from jaxcomp.train import _mode
+
+    inits = {
+        "lecun_normal": (nn.initializers.lecun_normal(), [(16, 10), (3, 3, 8, 8), (1024, 64)]),
+        "normal": (nn.initializers.normal(0.02), [(64, 16), (2048, 32)]),
+    }
+
+    def init(key):
+        out = {}
+        for i, (name, (fn, shapes)) in enumerate(inits.items()):
+            for j, shape in enumerate(shapes):
+                out[f"{name}{shape}"] = fn(jax.random.fold_in(key, 10 * i + j), shape)
+        return out
+
+    key = jax.random.key(3)
+    fast, default = _mode.jit_init(init)(key), jax.jit(init)(key)
+    assert _mode.INIT_COMPILER_OPTIONS == {"xla_backend_optimization_level": 1}
+    assert len(fast) == 5
+    for name in default:
+        assert np.std(np.asarray(fast[name])) > 0.005, name  # random, not a constant
+        np.testing.assert_array_equal(
+            np.asarray(fast[name]).view(np.uint32), np.asarray(default[name]).view(np.uint32)
+        )
