@@ -23,10 +23,11 @@ full-rank and ``S - D`` AB steps; the paper's ``S = 759, D = 60``; ``traffic_red
 ``1 - cycle / dp``) and ``run`` (the whole 15000-step run of that config). These records have
 ``step_time_s = None``: a 15M/134M-parameter step is not timed on CPU.
 
-**Time** (:mod:`jaxcomp.bench._ab_timing`): the model, mesh and options of ``configs/digits_ab.py`` (the MLP 64-256-256-256-10,
-8 workers in 2 groups, rank capacity 64 of 256, ``fc1`` and ``head`` full-rank), at
-``--rows-per-worker`` rows per worker (default 16 and 128: batch 128, the trainer's digits
-config, and 1024; each record has ``rows_per_worker``).
+**Time** (:mod:`jaxcomp.bench._ab_timing`): the model, mesh and options of
+``configs/digits_ab.py`` (the MLP 64-256-256-256-10, 8 workers in 2 groups, rank capacity 64
+of 256, ``fc1`` and ``head`` full-rank), at ``--rows-per-worker`` rows per worker (default 16
+and 128: batch 128, the trainer's digits config, and 1024; each record has
+``rows_per_worker``).
 Each step kind runs as :func:`~jaxcomp.parallel.ab_data_parallel` runs it (the dense
 program, then the re-factorisation's; the AB program, with its sync flag set at a cycle's
 last AB step), and ``ab (lax.switch)`` is the optax transform's single
