@@ -220,7 +220,14 @@ class _Step:
         out = (P(), specs)
         in_specs = (P(), specs, P(comm.DATA))
         sharded = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out)
-        self.fn = jax.jit(sharded, donate_argnums=(1,) if donate else ())
+        # out_shardings: JAX then pairs each donated state leaf with its own output (the same
+        # global shape); without them XLA pairs donors with outputs by byte size in output
+        # order, and the updates (first, 8 MiB each) took the state's buffers: EF21's four
+        # leaves were copied at entry, EF's residual written to a fresh buffer each call
+        shardings = jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec), out, is_leaf=lambda x: isinstance(x, P)
+        )
+        self.fn = jax.jit(sharded, donate_argnums=(1,) if donate else (), out_shardings=shardings)
 
     def args(self, grads):
         return self.params, self.state, grads

@@ -223,7 +223,8 @@ def gather_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
             me = lax.axis_index(axis_name)
             mine = jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, me, keepdims=False), gathered)
             echo = codec.decompress(mine, x)
-            base = _order.after(base, mine)  # base may be x: a scatter after the reads
+            if base is x:  # a scatter into x itself after its reads (see compress_into)
+                base = _order.after(base, mine)
             into = compressors.add_decoded(codec, base, mine, direction)
         mean = decode_mean(codec, gathered, x)
         return mean, echo, into, GatherReduce(_protocol.per_worker(codec_state, axis_name))

@@ -156,10 +156,13 @@ def compress_into(
 
     What error feedback (``base = x, sign = -1``: the new residual) and EF21 (``base = g,
     sign = 1``: the new estimate) keep. With ``Codec.add_decoded`` (TopK) the sum is a scatter
-    into ``base`` in place, ordered after the compression (:func:`jaxcomp._order.after`: ``base``
-    may be ``x`` itself), and ``decoded`` is computed only if the caller uses it; otherwise
-    the codec's fused round trip, and the dense sum (one fused pass where decoding is
-    elementwise).
+    into ``base`` in place, and ``decoded`` is computed only if the caller uses it. A ``base``
+    that is ``x`` itself is ordered after the compression (:func:`jaxcomp._order.after`); any
+    other ``base`` (EF21's ``g``, ``x = x_w - g``) is not: the payload already follows every
+    read of ``x``, and the select would keep XLA:CPU from writing the donated ``base``'s buffer
+    (the scatter went to a fresh buffer, copied back at the end of the step). Without
+    ``add_decoded``: the codec's fused round trip, and the dense sum (one fused pass where
+    decoding is elementwise).
 
     Returns:
       ``(payload, new_state, decompress(payload, x), base + sign * decompress(payload, x))``.
@@ -168,7 +171,7 @@ def compress_into(
         payload, state, decoded = compress_and_decode(codec, x, state, key)
         return payload, state, decoded, base + decoded if sign == 1 else base - decoded
     payload, state = codec.compress(x, state, key)
-    into = add_decoded(codec, _order.after(base, payload), payload, sign)
+    into = add_decoded(codec, _order.after(base, payload) if base is x else base, payload, sign)
     return payload, state, codec.decompress(payload, x), into
 
 

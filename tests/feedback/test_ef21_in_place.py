@@ -1,0 +1,121 @@
+"""EF21 around TopK updates its donated estimate in place: no copy of it in the compiled step.
+
+EF21's estimate ``g' = g + D(C(x - g))`` is TopK's scatter of the kept values into ``g``. The
+compressed array is ``x - g``, not ``g``: the scatter needs no ordering select after the
+compression (``jaxcomp._order.after``, which error feedback needs because it scatters into the
+array it compressed). With the select, whose output XLA:CPU cannot place in the donated
+buffer, the scatter wrote a fresh buffer copied into the state at the end of every step (the
+data-parallel bench: 8 MiB per leaf). The programs here are a training step's: the state in,
+the new state out, donated; the reduced mean is also returned (the updates), as optax does.
+"""
+
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp import comm
+from jaxcomp import compressors
+from jaxcomp import feedback
+from jaxcomp import transforms
+
+W = 2
+SHAPE = (128, 512)  # 65536 entries per leaf, two leaves of different shapes
+SHAPES = {"a": SHAPE, "b": SHAPE[::-1]}
+
+CODECS = {
+    "exact": compressors.top_k(0.01),
+    "blockwise": compressors.top_k(0.01, method="blockwise"),  # blocks of 100: a scatter
+    "per_sample": compressors.top_k(0.05, per_sample=True),
+}
+
+
+@functools.cache
+def _step(kind, name):
+    """``(compiled, state, grads)`` of a donated ``compressed_mean`` step on 2 workers, with
+    ``kind`` (``ef21`` or ``error_feedback``) around ``CODECS[name]``."""
+    channel = getattr(feedback, kind)(CODECS[name])
+    mesh = comm.make_mesh([(comm.DATA, W)], devices=jax.devices()[:W])
+    tx = transforms.compressed_mean(channel)
+    zeros = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    state = tx.init(zeros)
+    specs = comm.state_specs(state, comm.DATA)
+    state = comm.place_state(state, mesh, comm.DATA)
+    rng = np.random.default_rng(0)
+    grads = {
+        k: jax.device_put(
+            rng.standard_normal((W, *s)).astype(np.float32), NamedSharding(mesh, P(comm.DATA))
+        )
+        for k, s in SHAPES.items()
+    }
+
+    def body(state, grads):
+        updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
+        return state, updates
+
+    out = (specs, P())
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), out, is_leaf=lambda x: isinstance(x, P)
+    )
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(specs, P(comm.DATA)), out_specs=out),
+        donate_argnums=(0,),
+        out_shardings=shardings,
+    )
+    return fn.lower(state, grads).compile(), state, grads
+
+
+def _state_copies(compiled):
+    """The ``copy`` instructions of the entry computation that write a per-worker state leaf
+    (``f32[1, ...]`` of a leaf's shape): an estimate or a residual not updated in place."""
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY") :]
+    shapes = {f"f32[1,{a},{b}]" for a, b in SHAPES.values()}
+    return [
+        line.strip()[:120]
+        for line in entry.splitlines()
+        if re.search(r"= f32\[1,\d+,\d+\]\{[\d,]+\} copy\(", line)
+        and line.split("=")[1].split("{")[0].strip() in shapes
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_ef21_estimate_updated_in_place(name):
+    compiled, _, _ = _step("ef21", name)
+    assert _state_copies(compiled) == []
+
+
+@pytest.mark.parametrize("name", ["exact", "blockwise"])
+def test_error_feedback_residual_updated_in_place(name):
+    # EF scatters into the array it compressed (c = x + e): it keeps the ordering select.
+    # (Exact TopK per sample copies the first leaf's residual here, on main before too.)
+    compiled, _, _ = _step("error_feedback", name)
+    assert _state_copies(compiled) == []
+
+
+def test_ef21_step_in_place_keeps_the_formula():
+    # the donated step (no ordering select) against g' = g + D(C(x - g)) and G' = mean of g'
+    codec = CODECS["blockwise"]
+    compiled, state, grads = _step("ef21", "blockwise")
+    state = jax.tree.map(lambda a: a.copy(), state)  # the cached one is donated below
+    x = {k: np.asarray(v) for k, v in grads.items()}
+    roundtrip = jax.jit(lambda d: codec.decompress(codec.compress(d, codec.init(d))[0], d))
+    for _ in range(2):  # the second step starts from a non-zero estimate
+        g = {
+            k: np.asarray(state.leaves[k].memory.estimate.value).reshape(W, *s)
+            for k, s in SHAPES.items()
+        }
+        state, updates = compiled(state, grads)
+        for k in SHAPES:
+            want = []
+            for w in range(W):
+                want.append(g[k][w] + np.asarray(roundtrip(x[k][w] - g[k][w])))
+            got = np.asarray(state.leaves[k].memory.estimate.value).reshape(W, *SHAPES[k])
+            np.testing.assert_array_equal(got, np.stack(want))
+            np.testing.assert_allclose(
+                np.asarray(updates[k]), np.mean(want, axis=0), rtol=1e-6, atol=1e-6
+            )
