@@ -44,20 +44,16 @@ CASES = [
 ]
 
 
-def _inputs(shape):
-    """``x`` and a memory ``[W, *shape]`` with every edge value on both workers."""
-    rng = np.random.default_rng(11)
-    x = rng.standard_normal((W, *shape)).astype(np.float32)
-    mem = (0.5 * rng.standard_normal((W, *shape))).astype(np.float32)
+EDGES = np.array([np.nan, np.inf, -np.inf, 1e6, -1e6, 1e-10, -1e-10], np.float32)
+
+
+def _inputs(signals, shape):
+    """``x`` and a memory ``[W, *shape]`` with every edge value on both workers: the shared
+    edges and signed zeros (``signals.edge_inputs``), a tie, and NaN/inf in the memory."""
+    x, mem, positions = signals.edge_inputs(np.random.default_rng(11), shape, EDGES, W)
     flat_x, flat_m = x.reshape(W, -1), mem.reshape(W, -1)
     n = flat_x.shape[1]
-    for w in range(W):
-        pos = rng.permutation(n)
-        edges = np.array([np.nan, np.inf, -np.inf, 1e6, -1e6, 1e-10, -1e-10], np.float32)
-        flat_x[w, pos[: len(edges)]] = edges
-        zeros = pos[len(edges) : len(edges) + n // 8]  # x = -0.0 (half with memory -0.0)
-        flat_x[w, zeros] = -0.0
-        flat_m[w, zeros[: len(zeros) // 2]] = -0.0
+    for w, pos in enumerate(positions):
         flat_x[w, pos[n // 4 : n // 4 + n // 16]] = 2.5  # a tie larger than most entries
         flat_m[w, pos[n // 4 : n // 4 + n // 16]] = 0.0
         flat_m[w, pos[-3:]] = [np.nan, np.inf, -0.0]
@@ -122,8 +118,10 @@ def mesh():
 
 
 @pytest.mark.parametrize("codec,shape", CASES, ids=lambda v: getattr(v, "name", v))
-def test_error_feedback_and_ef21_reductions_keep_their_formulas_bit_for_bit(mesh, codec, shape):
-    x, e = _inputs(shape)
+def test_error_feedback_and_ef21_reductions_keep_their_formulas_bit_for_bit(
+    mesh, signals, codec, shape
+):
+    x, e = _inputs(signals, shape)
     g = e[::-1].copy()  # another memory for EF21
     key = jax.random.key(5)
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P(comm.DATA)))  # noqa: E731
