@@ -260,9 +260,17 @@ def align_moment(
     """Moves a moment's rank entries along ``axis`` to ``index`` and applies ``sign``.
 
     First moments take the sign; others (second moments) only ``|sign|`` (0 or 1).
+
+    The entries are gathered one by one (``take_along_axis``), not as whole slices along
+    ``axis`` (``take``): the same values, but XLA:CPU lays a gather of columns out
+    column-major, and in the optax transform's step-kind ``switch`` (where this runs in the
+    re-factorisation branch) every other branch then copied the A factors' moments it passes
+    through into that layout at every step (20 copies of ``f32[256,64]`` for the digits MLP).
     """
-    moved = jnp.take(x, index, axis=axis)
-    factor = sign if first_moment else jnp.abs(sign)
     shape = [1] * x.ndim
     shape[axis] = -1
+    size = list(x.shape)
+    size[axis] = index.shape[0]
+    moved = jnp.take_along_axis(x, jnp.broadcast_to(index.reshape(shape), size), axis=axis)
+    factor = sign if first_moment else jnp.abs(sign)
     return (moved * factor.reshape(shape)).astype(x.dtype)

@@ -109,3 +109,6 @@ def test_the_transform_switch_keeps_the_dense_moments_row_major():
     assert svds >= 2  # the re-factorisation and the first factorisation are in the program
     copies = _column_major_copies(text, "256,256")
     assert len(copies) <= svds, f"{len(copies)} column-major copies for {svds} SVDs: {copies}"
+    # the A factors' moments, aligned in the re-factorisation branch: a gather of columns
+    # made them column-major and every branch copied its pass-through ones (20 copies)
+    assert not _column_major_copies(text, "256,64")
