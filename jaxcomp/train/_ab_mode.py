@@ -266,8 +266,10 @@ def build_ab(
                                 batch["x"])  # fmt: skip
         return _mode.eval_sums(model, logits, batch)
 
+    model_init = _mode.jit_init(model.init)  # the init's threefry: a short compile
+
     def init(key):
-        return dp.init(*_mode.split_variables(jax.jit(model.init)(key)))
+        return dp.init(*_mode.split_variables(model_init(key)))
 
     dense = bytes_of("dense")
     extra: dict = {"sync_mode": cfg.sync_mode, "comm_setup": cfg.comm_setup,
