@@ -59,7 +59,7 @@ def resnet():
     model = models.resnet18(
         width=4, blocks=(1, 1, 1), input_shape=(8, 8, 1), cuts=("layer1", "layer2", "layer3")
     )
-    params, state = _mode.split_variables(jax.jit(model.init)(jax.random.key(0)))
+    params, state = _mode.split_variables(_mode.jit_init(model.init)(jax.random.key(0)))
     rng = np.random.default_rng(0)
     n = 2 * M * MB  # two replicas' worth
     x = jnp.asarray(3.0 * rng.normal(size=(n, 8, 8, 1)) + 1.0, jnp.float32)

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import models
 from jaxcomp import pipeline
+from jaxcomp.train import _mode
 
 
 @pytest.mark.parametrize("form", ["packed", "list"])
@@ -64,7 +65,7 @@ def gpt():
         "gpt", vocab_size=32, seq_len=8, dim=16, num_blocks=4, num_heads=2,
         cuts=("block0", "block1", "block2"),
     )  # fmt: skip
-    params = [v["params"] for v in jax.jit(model.init)(jax.random.key(0))]  # one compile
+    params = [v["params"] for v in _mode.jit_init(model.init)(jax.random.key(0))]
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, size=(8, 8)), jnp.int32)
     return model, params, {"x": tokens, "label": jnp.roll(tokens, -1, axis=1)}
 
