@@ -15,6 +15,7 @@ from jaxcomp import comm
 from jaxcomp import models
 from jaxcomp import parallel
 from jaxcomp import transforms
+from jaxcomp.train import _mode
 from jaxcomp.transforms import _ab_factor as F
 
 
@@ -86,7 +87,7 @@ def test_the_transform_switch_keeps_the_dense_moments_row_major():
                                  exclude=("fc1", "head"), max_rank_fraction=0.25)  # fmt: skip
     tx = transforms.ab_transform(config)
     model = models.get_model("mlp", hidden=(256, 256, 256))
-    params = tuple(v["params"] for v in model.init(jax.random.key(0)))
+    params = tuple(v["params"] for v in _mode.jit_init(model.init)(jax.random.key(0)))
 
     def loss_fn(p, batch):
         logits, _ = model.apply(tuple({"params": x} for x in p), batch["x"], train=True)
