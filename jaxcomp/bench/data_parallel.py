@@ -43,7 +43,6 @@ row on the ``psum`` path shows twice its payload; its ``two_phase`` row keeps ``
 from __future__ import annotations
 
 import math
-import resource
 
 from jaxcomp._host_malloc import HostMalloc
 from jaxcomp.bench import _common
@@ -52,14 +51,16 @@ _common.request_cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxcomp import comm  # noqa: E402
 from jaxcomp import compressors  # noqa: E402
 from jaxcomp import feedback  # noqa: E402
 from jaxcomp import transforms  # noqa: E402
+from jaxcomp.bench._dp_feedback import feedback_table  # noqa: E402, F401 (re-exported)
+from jaxcomp.bench._dp_feedback import mlp_shapes  # noqa: E402, F401
+from jaxcomp.bench._dp_feedback import run_feedback  # noqa: E402
+from jaxcomp.bench._dp_step import _Step  # noqa: E402
+from jaxcomp.bench._dp_step import worker_grads  # noqa: E402
 
 RESNET18_PARAMS = 11_173_962
 _RING = {  # bytes one worker receives, per operand byte, for group size w
@@ -161,102 +162,6 @@ def scaling_table() -> list[tuple[str, str, object]]:
     return rows
 
 
-def feedback_table() -> list[tuple[str, str, object]]:
-    """(label, label of the same codec without feedback, reducer factory) of the EF table."""
-    ef, ef21 = feedback.error_feedback, feedback.ef21
-    c = compressors
-    rows = [("dense_pmean", "", lambda: transforms.compressed_mean(c.identity(), path="dense"))]
-    for label, make in (
-        ("power_sgd_r2", lambda: c.power_sgd(2)),
-        ("top_k_1%", lambda: c.top_k(0.01)),
-        ("top_k_1%_blockwise", lambda: c.top_k(0.01, method="blockwise")),
-        ("quantize_8", lambda: c.quantize(8)),
-    ):
-        wraps = [("", lambda codec: codec), ("+ef", ef)]
-        if label.startswith("top_k_1%"):
-            wraps.append(("+ef21", ef21))
-        for suffix, wrap in wraps:
-            rows.append(
-                (
-                    label + suffix,
-                    label if suffix else "",
-                    lambda make=make, wrap=wrap: transforms.compressed_mean(wrap(make())),
-                )
-            )
-    return rows
-
-
-def mlp_shapes() -> dict:
-    """An MLP 1024-2048-1024 (4,197,376 float32 parameters) as ``ShapeDtypeStruct``s."""
-    f32 = jnp.float32
-    return {
-        "w1": jax.ShapeDtypeStruct((1024, 2048), f32),
-        "b1": jax.ShapeDtypeStruct((2048,), f32),
-        "w2": jax.ShapeDtypeStruct((2048, 1024), f32),
-        "b2": jax.ShapeDtypeStruct((1024,), f32),
-    }
-
-
-class _Step:
-    """A jitted data-parallel ``tx.update`` with its initial state and per-worker gradients.
-
-    ``optimizer=False`` times the reducer alone; ``donate=True`` threads the state through
-    calls with its buffers donated, as a training step does (then call it with no arguments).
-    """
-
-    def __init__(self, reducer, params, mesh, *, optimizer=True, donate=False):
-        self.tx = optax.chain(reducer, optax.sgd(0.1, momentum=0.9)) if optimizer else reducer
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
-        with jax.set_mesh(mesh):  # the two-phase path sizes its state by the workers
-            state = jax.jit(self.tx.init)(zeros)
-        specs = comm.state_specs(state, comm.DATA)
-        self.state = comm.place_state(state, mesh, comm.DATA)
-        self.params = jax.device_put(zeros, NamedSharding(mesh, P()))
-
-        def body(params, state, grads):
-            local = jax.tree.map(lambda g: g[0], grads)
-            return self.tx.update(local, state, params)
-
-        out = (P(), specs)
-        in_specs = (P(), specs, P(comm.DATA))
-        sharded = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out)
-        # out_shardings: JAX then pairs each donated state leaf with its own output (the same
-        # global shape); without them XLA pairs donors with outputs by byte size in output
-        # order, and the updates (first, 8 MiB each) took the state's buffers: EF21's four
-        # leaves were copied at entry, EF's residual written to a fresh buffer each call
-        shardings = jax.tree.map(
-            lambda spec: NamedSharding(mesh, spec), out, is_leaf=lambda x: isinstance(x, P)
-        )
-        self.fn = jax.jit(sharded, donate_argnums=(1,) if donate else (), out_shardings=shardings)
-
-    def args(self, grads):
-        return self.params, self.state, grads
-
-    def threaded(self, grads):
-        """A no-argument call that runs one step and keeps the new (donated) state."""
-
-        def call():
-            updates, self.state = self.fn(self.params, self.state, grads)
-            return updates
-
-        return call
-
-
-def worker_grads(params, mesh, seed=0):
-    """Per-worker Gaussian gradients ``[W, *shape]``, sharded over the data axis."""
-    w = mesh.shape[comm.DATA]
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    sharding = NamedSharding(mesh, P(comm.DATA))
-    out = [
-        jax.jit(
-            lambda k, s=s: jax.random.normal(k, (w, *s.shape), s.dtype), out_shardings=sharding
-        )(k)
-        for k, s in zip(keys, leaves)
-    ]
-    return jax.tree.unflatten(treedef, out)
-
-
 def traffic(report: comm.CollectiveReport) -> float:
     """Bytes one worker receives under ring/pairwise algorithms (see the module docstring)."""
     return float(
@@ -277,61 +182,6 @@ def _bytes_sent(opt_state) -> float:
         if isinstance(s, (transforms.CompressedMeanState, transforms.AccordionState))
     ]
     return float(state.bytes_sent)
-
-
-def run_feedback(repeats: int, workers: int = 2) -> list[dict]:
-    """The ``feedback`` table (see the module docstring)."""
-    params = mlp_shapes()
-    mesh = comm.make_mesh([(comm.DATA, workers)], devices=jax.devices()[:workers])
-    grads = worker_grads(params, mesh, seed=2)
-    rows = feedback_table()
-    steps = [_Step(make(), params, mesh, optimizer=False, donate=True) for _, _, make in rows]
-    calls = [s.threaded(grads) for s in steps]
-    for call in calls:  # compile-time and first-call allocations are not counted below
-        jax.block_until_ready(call())
-    faults = [[0, 0] for _ in calls]  # minor page faults, calls
-
-    def counted(i):
-        def call():
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            out = jax.block_until_ready(calls[i]())
-            faults[i][0] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-            faults[i][1] += 1
-            return out
-
-        return call
-
-    load_before = _common.load_average()
-    samples = _common.time_samples([(counted(i), ()) for i in range(len(calls))], repeats)
-    load_after = _common.load_average()
-    results, medians = [], {}
-    for (label, plain, _), times, (num_faults, num_calls) in zip(rows, samples, faults):
-        stats = _common.spread(times)
-        medians[label] = stats["median"]
-        results.append(
-            {
-                "table": "feedback",
-                "codec": label,
-                "workers": workers,
-                "params": sum(math.prod(s.shape) for s in jax.tree.leaves(params)),
-                "step_time_s": stats["median"],
-                "step_time_q1_s": stats["q1"],
-                "step_time_q3_s": stats["q3"],
-                "ratio_to_plain": stats["median"] / medians[plain] if plain else None,
-                "minor_faults_per_step": num_faults / num_calls,
-                "repeats": repeats,
-                "load_before": load_before,
-                "load_after": load_after,
-            }
-        )
-        ratio = f"  x{results[-1]['ratio_to_plain']:.2f}" if plain else ""
-        print(
-            f"  {label:24s} {stats['median'] * 1e3:8.2f} ms  "
-            f"[{stats['q1'] * 1e3:.2f}, {stats['q3'] * 1e3:.2f}]  "
-            f"faults/step {num_faults / num_calls:7.0f}{ratio}",
-            flush=True,
-        )
-    return results
 
 
 def run(

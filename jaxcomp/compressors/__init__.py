@@ -46,11 +46,11 @@ from jaxcomp.compressors._protocol import this_worker
 from jaxcomp.compressors._protocol import worker_key
 from jaxcomp.compressors._quantize import QuantizedPayload
 from jaxcomp.compressors._quantize import quantize
-from jaxcomp.compressors._quantize import sign
-from jaxcomp.compressors._sparse import RandKPayload
+from jaxcomp.compressors._rand_k import RandKPayload
+from jaxcomp.compressors._rand_k import rand_k
+from jaxcomp.compressors._sign import sign
 from jaxcomp.compressors._sparse import SparsePayload
 from jaxcomp.compressors._sparse import kept_count
-from jaxcomp.compressors._sparse import rand_k
 from jaxcomp.compressors._sparse import top_k
 
 __all__ = (

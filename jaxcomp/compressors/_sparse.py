@@ -1,4 +1,4 @@
-"""Sparsifying codecs: TopK (exact or blockwise) and shared-seed RandK."""
+"""Sparsifying codecs: TopK (exact, blockwise or approximate); RandK is in ``_rand_k``."""
 
 from __future__ import annotations
 
@@ -32,19 +32,6 @@ class SparsePayload(NamedTuple):
     indices: jax.Array
 
 
-class RandKPayload(NamedTuple):
-    """RandK values and the 32-bit seed that regenerates their positions.
-
-    Attributes:
-      values: ``[k]`` kept values.
-      seed: ``uint32[2]`` raw key data; every worker that used the same key holds the same seed,
-        so payloads can be summed value-wise.
-    """
-
-    values: jax.Array
-    seed: jax.Array
-
-
 def kept_count(n: int, fraction: float | None, count: int | None) -> int:
     """Number of entries kept out of ``n``: ``count``, or ``n - int(n * (1 - fraction))``.
 
@@ -61,7 +48,7 @@ def kept_count(n: int, fraction: float | None, count: int | None) -> int:
     return max(1, n - int(n * (1.0 - fraction)))
 
 
-def _check_k_args(fraction, count):
+def check_k_args(fraction, count):
     if (fraction is None) == (count is None):
         raise ValueError("give exactly one of fraction or count.")
     if fraction is not None:
@@ -172,7 +159,7 @@ def top_k(
       Alistarh et al., `The Convergence of Sparsified Gradient Methods
       <https://arxiv.org/abs/1809.10505>`_, 2018.
     """
-    _check_k_args(fraction, count)
+    check_k_args(fraction, count)
     _validate.check_choice("method", method, TOPK_METHODS)
     if block_size is not None:
         _validate.check_int("block_size", block_size, 2)
@@ -314,103 +301,3 @@ def top_k(
         init, compress, decompress, name, _base.Reduction.GATHER, False, None, None, decode_sum,
         add_decoded=add_decoded, echo_from_wire=method == "blockwise",
     )  # fmt: skip
-
-
-def rand_k(
-    fraction: float | None = None, *, count: int | None = None, unbiased: bool = False
-) -> _base.Codec:
-    r"""Keeps K entries at random positions drawn from a shared key; sends values + a seed.
-
-    Positions are stratified: the flat range is cut into K nearly equal strata and one position
-    is drawn uniformly in each, so every entry is kept with probability ``1/|stratum|`` (about
-    K/n) and no position repeats. Workers that pass the **same key** choose the same positions,
-    so their payloads can be summed value-wise with ``psum`` (``Reduction.SUM``).
-
-    .. math::
-      C(x)_i = w_i x_i \ \text{for the K drawn}\ i, \quad w_i = |\mathrm{stratum}(i)|\
-      \text{if unbiased else}\ 1
-
-    A NaN or Inf anywhere in ``x`` makes every kept value NaN, so a non-finite input is never
-    silently turned into a finite one by not being drawn. Kept values are sent exactly (the
-    result does not depend on the input's magnitude). A zero-size input (with ``fraction``)
-    gives an empty payload and an empty result.
-
-    Args:
-      fraction: fraction of entries kept, in (0, 1].
-      count: number kept (instead of ``fraction``).
-      unbiased: scale kept values by their stratum size so that ``E[C(x)] = x``. Leave off
-        with error feedback.
-
-    Returns:
-      A :class:`~jaxcomp.compressors.Codec` with :class:`RandKPayload` payloads (K values and
-      8 bytes of seed).
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from jaxcomp import compressors
-      >>> codec = compressors.rand_k(count=2)
-      >>> x = jnp.arange(8.0)
-      >>> payload, _ = codec.compress(x, codec.init(x), jax.random.key(0))
-      >>> payload.values.shape
-      (2,)
-
-    References:
-      Stich et al., `Sparsified SGD with Memory <https://arxiv.org/abs/1809.07599>`_, 2018.
-    """
-    _check_k_args(fraction, count)
-    what = f"{fraction:g}" if fraction is not None else f"count={count}"
-    name = f"rand_k({what}{', unbiased' if unbiased else ''})"
-
-    def positions(seed, n, k):
-        # K strata covering [0, n): the first n % k hold q + 1 entries, the rest q = n // k
-        q, r = divmod(n, k)
-        i = jnp.arange(k, dtype=jnp.int32)
-        starts = i * q + jnp.minimum(i, r)
-        sizes = q + (i < r).astype(jnp.int32)
-        u = jax.random.uniform(jax.random.wrap_key_data(seed, impl="threefry2x32"), (k,))
-        offs = jnp.minimum((u * sizes).astype(jnp.int32), sizes - 1)
-        return starts + offs, sizes
-
-    def init(x):
-        _base.check_float(x, name)
-        _checks.kept_or_raise(name, x, kept_count, math.prod(x.shape), fraction, count)
-        return _base.EmptyState()
-
-    def compress(x, state, key=None):
-        _base.check_float(x, name)
-        _base.check_key(key, name)
-        n = math.prod(x.shape)
-        k = _checks.kept_or_raise(name, x, kept_count, n, fraction, count)
-        seed = jax.random.bits(key, (2,), jnp.uint32)
-        if k == 0:  # zero-size input: nothing to keep
-            return RandKPayload(jnp.zeros((0,), x.dtype), seed), state
-        pos, sizes = positions(seed, n, k)
-        vals = x.reshape(-1)[pos]
-        # a non-finite entry anywhere poisons every kept value: never silently finite
-        vals = vals + jnp.where(jnp.all(jnp.isfinite(x)), 0.0, jnp.nan).astype(vals.dtype)
-        if unbiased:
-            vals = vals * sizes.astype(vals.dtype)
-        return RandKPayload(vals, seed), state
-
-    def decompress(payload, like):
-        n = math.prod(like.shape)
-        k = _checks.kept_or_raise(name, like, kept_count, n, fraction, count)
-        _checks.check_fits(
-            name,
-            like,
-            [("values", payload.values, (k,), None), ("seed", payload.seed, (2,), jnp.uint32)],
-        )
-        if k == 0:
-            return jnp.zeros(like.shape, like.dtype)
-        pos, _ = positions(payload.seed, n, k)
-        dense = (
-            jnp.zeros((n,), like.dtype)
-            .at[pos]
-            .set(payload.values.astype(like.dtype), unique_indices=True)
-        )
-        return dense.reshape(like.shape)
-
-    def psum(payload, axis_name):
-        return RandKPayload(jax.lax.psum(payload.values, axis_name), payload.seed)
-
-    return _base.Codec(init, compress, decompress, name, _base.Reduction.SUM, True, psum)
