@@ -60,9 +60,10 @@ class Mode(NamedTuple):
 
 
 #: XLA options a mode's state init is compiled with: backend optimisation level 1, not 2. At
-#: level 2 LLVM fully unrolls the loop of each small parameter's threefry random bits (a
-#: ``(16, 10)`` kernel's bits: 1.2 s of compile at level 2, 0.26 s at level 1; a ``(1000,
-#: 100)`` one: 0.42 vs 0.28 s), so a model's init compiled as long as its training step (the
+#: level 2 each small parameter's threefry random bits take long to compile (likely LLVM
+#: unrolling the small loops; inferred from the timings, not read in the IR: a ``(16, 10)``
+#: kernel's bits 1.2 s of compile at level 2, 0.26 s at level 1; a ``(1000, 100)`` one: 0.42
+#: vs 0.28 s), so a model's init compiled as long as its training step (the
 #: smoke ResNet-18: 7.9 -> 1.2 s, VGG-16 11.0 -> 2.1 s, the digits MLP 3.4 -> 0.7 s). The init
 #: runs once; its values are bit-identical (every shipped config's model, 2026-12-01; pinned
 #: by tests/train/test_modes.py for the initializers the models use).

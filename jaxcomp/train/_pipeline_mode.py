@@ -242,7 +242,7 @@ def build_pipeline(
         return _mode.eval_sums(model, logits, batch)
 
     with jax.set_mesh(mesh):
-        init_jit = jax.jit(full_init, out_shardings=shardings)
+        init_jit = _mode.jit_init(full_init, out_shardings=shardings)
         state_abs = jax.eval_shape(full_init, jax.random.key(0))
         state_abs = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state_abs, shardings
