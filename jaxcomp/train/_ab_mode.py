@@ -266,7 +266,7 @@ def build_ab(
                                 batch["x"])  # fmt: skip
         return _mode.eval_sums(model, logits, batch)
 
-    model_init = _mode.jit_init(model.init)  # the init's threefry: a short compile
+    model_init = _mode.jit_init(model.init)
 
     def init(key):
         return dp.init(*_mode.split_variables(model_init(key)))

@@ -59,15 +59,15 @@ class Mode(NamedTuple):
     extra: dict | None = None
 
 
-#: XLA options a mode's state init is compiled with: backend optimisation level 1, not 2. At
-#: level 2 each small parameter's threefry random bits take long to compile (likely LLVM
-#: unrolling the small loops; inferred from the timings, not read in the IR: a ``(16, 10)``
-#: kernel's bits 1.2 s of compile at level 2, 0.26 s at level 1; a ``(1000, 100)`` one: 0.42
-#: vs 0.28 s), so a model's init compiled as long as its training step (the
-#: smoke ResNet-18: 7.9 -> 1.2 s, VGG-16 11.0 -> 2.1 s, the digits MLP 3.4 -> 0.7 s). The init
-#: runs once; its values are bit-identical (every shipped config's model, 2026-12-01; pinned
-#: by tests/train/test_modes.py for the initializers the models use).
-INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
+#: XLA options a mode's state init is compiled with: XLA's defaults. Backend optimisation
+#: level 1 compiles an init 3-7x faster on XLA:CPU (small parameters' threefry bits: a
+#: ``(16, 10)`` kernel 1.2 s at level 2, 0.26 s at level 1; the digits MLP's init 3.4 -> 0.7 s,
+#: ResNet-18 smoke 7.9 -> 1.2 s) and gave the default compile's bits in every check run alone,
+#: but in one full-suite run (``pytest -n 2``, 2026-12-01) its normal draws of a 65,536-element
+#: parameter differed from the default compile's in 2,516 elements (up to 4 ulp, the count
+#: level 0 gives): a context that changes the bits was not found, so level 1 is withdrawn
+#: until it is. ``tests/train/test_modes.py`` pins ``jit_init`` to the default compile's bits.
+INIT_COMPILER_OPTIONS: dict[str, Any] = {}
 
 
 def jit_init(fn: Callable, **jit_kwargs: Any) -> Callable:

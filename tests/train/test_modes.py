@@ -123,9 +123,9 @@ def test_a_step_whose_optimizer_state_overflows_is_skipped(make_config, mode):
 
 
 def test_a_state_init_compiled_for_a_short_compile_has_the_default_compiles_bits():
-    """``_mode.jit_init`` compiles a state init at XLA's backend optimisation level 1 (at the
-    default level 2 the unrolled threefry loops of small parameters made an init compile as
-    long as the training step): it must give the default compile's bits, for the initializers
+    """``_mode.jit_init`` compiles a state init with ``INIT_COMPILER_OPTIONS`` (any faster
+    setting tried there, e.g. XLA's backend level 1, must keep this passing in the full
+    suite): it must give the default compile's bits, for the initializers
     the models use (Dense/Conv: lecun_normal, GPT: normal(0.02); ones and zeros are exact),
     on small shapes (loops unrolled at level 2) and large ones (vectorised)."""
     from flax import linen as nn
@@ -146,7 +146,6 @@ def test_a_state_init_compiled_for_a_short_compile_has_the_default_compiles_bits
 
     key = jax.random.key(3)
     fast, default = _mode.jit_init(init)(key), jax.jit(init)(key)
-    assert _mode.INIT_COMPILER_OPTIONS == {"xla_backend_optimization_level": 1}
     assert len(fast) == 5
     for name in default:
         assert np.std(np.asarray(fast[name])) > 0.005, name  # random, not a constant
