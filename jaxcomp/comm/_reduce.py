@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp import _order
 from jaxcomp import compressors
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _protocol
@@ -223,9 +222,7 @@ def gather_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
             me = lax.axis_index(axis_name)
             mine = jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, me, keepdims=False), gathered)
             echo = codec.decompress(mine, x)
-            if base is x:  # a scatter into x itself after its reads (see compress_into)
-                base = _order.after(base, mine)
-            into = compressors.add_decoded(codec, base, mine, direction)
+            into = _base.add_decoded_after_reads(codec, base, mine, direction, x)
         mean = decode_mean(codec, gathered, x)
         return mean, echo, into, GatherReduce(_protocol.per_worker(codec_state, axis_name))
 
