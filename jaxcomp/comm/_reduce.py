@@ -216,13 +216,16 @@ def gather_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
             # the echo decoded from this worker's payload as gathered: the collective stops
             # XLA:CPU from fusing the selection into the decode (an optimization barrier
             # does not), where it would be redone per decoded entry (blockwise TopK: a block's
-            # arg-max per entry, 8x the step)
+            # arg-max per entry, 8x the step). The in-place sum takes the local payload (a
+            # scatter, not fused with the selection): taken from the gathered one, it held the
+            # compressed array live across the collective in a buffer of its own (blockwise
+            # TopK + EF: 8 MiB more temporaries per leaf, one-process A/B in the commit)
             payload, codec_state = codec.compress(x, codec_state, key)
+            into = _base.add_decoded_after_reads(codec, base, payload, direction, x)
             gathered = _protocol.all_gather(payload, axis_name)
             me = lax.axis_index(axis_name)
             mine = jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, me, keepdims=False), gathered)
             echo = codec.decompress(mine, x)
-            into = _base.add_decoded_after_reads(codec, base, mine, direction, x)
         mean = decode_mean(codec, gathered, x)
         return mean, echo, into, GatherReduce(_protocol.per_worker(codec_state, axis_name))
 

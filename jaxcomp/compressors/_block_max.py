@@ -51,18 +51,22 @@ def max_per_block_short_tail(flat: jax.Array, nb: int, blk: int):
     ``blk`` entries of the rows ``flat`` (``[b, d]``, ``(nb - 1) * blk < d < nb * blk``).
 
     The full blocks are read where they lie (column j is a strided slice of ``flat``) and
-    their values picked up in the same pass; only the last block is padded (with zeros, which
-    never win: the strict comparison keeps its first real entry). Padding the whole input was
-    a full copy (an 8 MiB pass and temporary per leaf of the bench), and so was a reshaped
-    slice of it or a second reader of one.
+    their values gathered at the found positions afterwards: XLA:CPU made the value a second
+    fusion that redid the whole selection pass (no multi-output fusion there). Only the last
+    block is padded (with zeros, which never win: the strict comparison keeps its first real
+    entry). Padding the whole input was a full copy (an 8 MiB pass and temporary per leaf of
+    the bench), and so was a reshaped slice of it or a second reader of one.
     """
     b, d = flat.shape
     full = nb - 1
     tail = jnp.pad(flat[:, full * blk :], ((0, 0), (0, nb * blk - d)))
-    found = [
-        column_max(
-            lambda j: lax.slice(flat, (0, j), (b, j + (full - 1) * blk + 1), (1, blk)), blk, True
-        ),
-        column_max(lambda j: tail[:, j : j + 1], blk, True),
-    ]
-    return tuple(jnp.concatenate(part, axis=1)[..., None] for part in zip(*found))
+    idx, _ = column_max(
+        lambda j: lax.slice(flat, (0, j), (b, j + (full - 1) * blk + 1), (1, blk)), blk
+    )
+    pos = jnp.arange(full, dtype=jnp.int32) * blk + idx  # < full * blk <= d
+    vals = jnp.take_along_axis(flat, pos, axis=1, mode="promise_in_bounds")
+    tail_idx, tail_vals = column_max(lambda j: tail[:, j : j + 1], blk, True)
+    return (
+        jnp.concatenate([idx, tail_idx], axis=1)[..., None],
+        jnp.concatenate([vals, tail_vals], axis=1)[..., None],
+    )
