@@ -124,8 +124,9 @@ class ABDataParallel(NamedTuple):
       mesh: the mesh.
       axis_name: the workers' axes.
       config: the :class:`~jaxcomp.transforms.ABConfig`.
-      compile: ``compile(state, batch)``: compiles every program ahead of time (arrays or
-        ``ShapeDtypeStruct``s) and returns them by name.
+      compile: ``compile(state, batch, also=None)``: compiles every program ahead of time
+        (arrays or ``ShapeDtypeStruct``s), side by side in threads with ``also`` (other
+        lowered programs by name, e.g. the model's init), and returns them all by name.
       step_bytes: ``step_bytes(state, batch) -> {kind: {role: bytes}}``: collective bytes per
         worker of each step kind, read from the compiled programs' HLO; roles ``"a"``/``"b"``
         (and their worker-weighted ``"mean"``) for AB kinds, ``"all"`` for dense ones.
@@ -254,8 +255,8 @@ def ab_data_parallel(
     def state_sharding(params, model_state=()):
         return jax.tree.map(lambda x: x.sharding, abstract_state(params, model_state))
 
-    def compile_all(state, batch):
-        return programs.compile_all(state, shard_abstract(batch))
+    def compile_all(state, batch, also=None):
+        return programs.compile_all(state, shard_abstract(batch), also)
 
     def shard_abstract(batch):
         return jax.tree.map(

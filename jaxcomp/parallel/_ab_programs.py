@@ -31,6 +31,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _compile
 from jaxcomp import _order
 from jaxcomp.comm import local_value_and_grad
 from jaxcomp.comm import varying_axes
@@ -246,9 +247,32 @@ class Programs:
         new, out = self.compiled(name, *args)(*args)
         return self._merged(_PROGRAM_OF.get(name, name), state, new), out
 
-    def compile_all(self, state: TrainState, batch) -> dict[str, Any]:
-        """Compiles every program for ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``s)."""
-        return {name: self.compiled(name, *self._args(name, state, batch)) for name in PROGRAMS}
+    def compile_all(
+        self, state: TrainState, batch, also: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Compiles every program for ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``s)
+        and returns them by name (:data:`PROGRAMS`).
+
+        The programs are lowered one by one, then compiled side by side in threads
+        (:func:`jaxcomp._compile.compile_all`), with ``also``: other lowered programs (a
+        mode's state init and evaluation), returned by their names too.
+        """
+        # arrays: compiled once they are ready, never beside a running step
+        ready = [x for x in jax.tree.leaves((state, batch)) if isinstance(x, jax.Array)]
+        jax.block_until_ready(ready)
+        args = {name: self._args(name, state, batch) for name in PROGRAMS}
+        lowered = {
+            name: self._program(name).lower(*a)
+            for name, a in args.items()
+            if not self._program(name).has_compiled(*a)
+        }
+        clash = sorted(set(also or ()) & set(PROGRAMS))
+        if clash:
+            raise ValueError(f"compile_all: also names {clash} clash with the programs' names.")
+        compiled = _compile.compile_all({**lowered, **(also or {})})
+        for name in lowered:
+            self._program(name).adopt(compiled[name], *args[name])
+        return {**{name: self.compiled(name, *a) for name, a in args.items()}, **compiled}
 
 
 def _after_update(metrics, params):

@@ -146,19 +146,37 @@ class Program:
             self._jitted[key] = jax.jit(fn, donate_argnums=(0,) if self.donate else ())
         return self._jitted[key]
 
-    def compiled(self, *args: Any) -> Any:
-        """The executable for arguments like ``args``; compiled here on first use, after
-        waiting for ``args`` (so that no compilation runs beside a multi-device step)."""
+    @staticmethod
+    def _signature(args: tuple) -> tuple:
         leaves, treedef = jax.tree.flatten(args)
         # dtype objects, not their names: str(dtype) was 90% of this key's 160 us per call
-        key = (treedef, tuple(
+        return (treedef, tuple(
             (x.shape, x.dtype, bool(getattr(x, "weak_type", False)),
              getattr(x, "sharding", None)) for x in leaves
         ))  # fmt: skip
+
+    def has_compiled(self, *args: Any) -> bool:
+        """Whether the executable for arguments like ``args`` is compiled already."""
+        return self._signature(args) in self._compiled
+
+    def lower(self, *args: Any) -> Any:
+        """The ``jax.stages.Lowered`` program for arguments like ``args`` (arrays or
+        abstract), to compile elsewhere (:func:`jaxcomp._compile.compile_all`) and hand back
+        with :meth:`adopt`."""
+        return self.jitted(*args).lower(*jax.tree.map(_abstract, args))
+
+    def adopt(self, compiled: Any, *args: Any) -> None:
+        """Keeps ``compiled`` (this program's :meth:`lower` for ``args``, compiled) as the
+        executable for arguments like ``args``."""
+        self._compiled.setdefault(self._signature(args), compiled)
+
+    def compiled(self, *args: Any) -> Any:
+        """The executable for arguments like ``args``; compiled here on first use, after
+        waiting for ``args`` (so that no compilation runs beside a multi-device step)."""
+        key = self._signature(args)
         if key not in self._compiled:
-            jax.block_until_ready([x for x in leaves if isinstance(x, jax.Array)])
-            abstract = jax.tree.map(_abstract, args)
-            self._compiled[key] = self.jitted(*args).lower(*abstract).compile()
+            jax.block_until_ready([x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)])
+            self._compiled[key] = self.lower(*args).compile()
         return self._compiled[key]
 
     def __call__(self, *args: Any) -> Any:

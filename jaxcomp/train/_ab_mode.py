@@ -68,6 +68,7 @@ from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp.models import _staged
 from jaxcomp.parallel._ab_parallel import kind_bytes as parallel_kind_bytes
+from jaxcomp.parallel._ab_programs import PROGRAMS
 from jaxcomp.train import _batch_stats
 from jaxcomp.train import _collectives
 from jaxcomp.train import _config
@@ -215,13 +216,35 @@ def build_ab(
 
     dp = parallel.ab_data_parallel(loss_fn, cfg, mesh, has_aux=True, has_state=True, donate=False)
     batch_sharding = NamedSharding(mesh, P(cfg.axis_name))
-    params_abs, model_state_abs = _mode.split_variables(
-        jax.eval_shape(model.init, jax.random.key(0))
-    )
+    key_abs = jax.eval_shape(jax.random.key, 0)  # as the trainer's key, never placed
+    params_abs, model_state_abs = _mode.split_variables(jax.eval_shape(model.init, key_abs))
     state_abs = dp.abstract_state(params_abs, model_state_abs)
     batch_abs = _dense.abstract_batch(model, config.batch_size, batch_sharding)
-    # compiles every step program; their HLO is parsed once, for the bytes and the collectives
-    texts = {k: c.as_text() for k, c in dp.compile(state_abs, batch_abs).items()}
+    eval_abs = _dense.abstract_batch(model, config.eval_batch_size, batch_sharding, True)
+
+    @jax.jit
+    def eval_step(state, batch):
+        params = jax.tree.map(lambda x: x[0], state.params)  # worker 0 (all agree after a sync)
+        # worker 0's running statistics, or their mean (every leaf is [workers, ...])
+        per_worker = tuple(compressors.PerWorker(s) if s else s for s in state.model_state)
+        logits, _ = model.apply(_mode.join_variables(params, stats.for_eval(per_worker)),
+                                batch["x"])  # fmt: skip
+        return _mode.eval_sums(model, logits, batch)
+
+    model_init = _mode.jit_init(model.init)
+
+    def init(key):
+        return dp.init(*_mode.split_variables(model_init(key)))
+
+    # every step program, the model's init and the evaluation step, compiled side by side
+    # (the latter two as their calls below compile them: JAX's caches serve those calls);
+    # the step programs' HLO is parsed once, for the bytes and the collectives
+    also = {
+        "init": model_init.lower(key_abs),
+        "eval": eval_step.lower(state_abs, eval_abs),
+    }
+    compiled = dp.compile(state_abs, batch_abs, also)
+    texts = {k: compiled[k].as_text() for k in PROGRAMS}
     by_role = {k: collectives_by_role(text) for k, text in texts.items()}
     kind_bytes = parallel_kind_bytes(cfg, sizes, by_role)
 
@@ -256,20 +279,6 @@ def build_ab(
         }
         # a non-finite loss or new state keeps the previous one (not donated)
         return (new if finite else state), out
-
-    @jax.jit
-    def eval_step(state, batch):
-        params = jax.tree.map(lambda x: x[0], state.params)  # worker 0 (all agree after a sync)
-        # worker 0's running statistics, or their mean (every leaf is [workers, ...])
-        per_worker = tuple(compressors.PerWorker(s) if s else s for s in state.model_state)
-        logits, _ = model.apply(_mode.join_variables(params, stats.for_eval(per_worker)),
-                                batch["x"])  # fmt: skip
-        return _mode.eval_sums(model, logits, batch)
-
-    model_init = _mode.jit_init(model.init)
-
-    def init(key):
-        return dp.init(*_mode.split_variables(model_init(key)))
 
     dense = bytes_of("dense")
     extra: dict = {"sync_mode": cfg.sync_mode, "comm_setup": cfg.comm_setup,

@@ -17,6 +17,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp._compile import compile_all
 from jaxcomp.models import _staged
 from jaxcomp.train import _collectives
 from jaxcomp.train import _config
@@ -96,20 +97,30 @@ def build_dense(
     def eval_step(state, batch):
         return eval_fn(state.params, state.model_state, batch)
 
+    init_jit = _mode.jit_init(init, out_shardings=replicated)
+    eval_jit = jax.jit(eval_step)
+    # an abstract key: an eager key under the mesh would compile two programs that the
+    # trainer's key (outside it) compiles again
+    key_abs = jax.eval_shape(jax.random.key, 0)
+    abstract = jax.eval_shape(init, key_abs)
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract
+    )
+    batch_abs = abstract_batch(model, config.batch_size, batch_sharding)
+    eval_abs = abstract_batch(model, config.eval_batch_size, batch_sharding, with_mask=True)
     with jax.set_mesh(mesh):
-        init_jit = _mode.jit_init(init, out_shardings=replicated)
-        # an abstract key: an eager key under the mesh would compile two programs that the
-        # trainer's key (outside it) compiles again
-        abstract = jax.eval_shape(init, jax.eval_shape(jax.random.key, 0))
-        abstract = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract
+        key_data_abs = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+        train_lowered = jax.jit(train_step, donate_argnums=0).lower(
+            abstract, batch_abs, key_data_abs
         )
-        batch_abs = abstract_batch(model, config.batch_size, batch_sharding)
-        key_abs = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
-        train_c = (
-            jax.jit(train_step, donate_argnums=0).lower(abstract, batch_abs, key_abs).compile()
-        )
-        eval_jit = jax.jit(eval_step)
+    # the step, the init and the evaluation compiled side by side; the latter two lowered
+    # outside the mesh, as the trainer calls them, so that JAX's caches serve those calls
+    compiled = compile_all({
+        "train_step": train_lowered,
+        "init": init_jit.lower(key_abs),
+        "eval_step": eval_jit.lower(abstract, eval_abs),
+    })  # fmt: skip
+    train_c = compiled["train_step"]
     wire = _mode.compiled_text_bytes(train_c)
     params_abs = abstract.params
     dense = 4.0 * _mode.param_count(params_abs)

@@ -25,12 +25,14 @@ EVENTS = ("jaxpr_trace_duration", "jaxpr_to_mlir_module_duration", "backend_comp
 
 
 def _run_counting_compiles(config, workdir, monkeypatch, **kwargs):
-    """Runs ``config``; returns ``(summary, [(event, function, train steps done) ...])``."""
-    steps, events = [0], []
+    """Runs ``config``; returns ``(summary, [(event, function, train steps done) ...])``, with
+    -1 steps for the events of the setup (the mode's build)."""
+    steps, events = [-1], []
     real = _trainer.setup
 
     def counting_setup(config, devices=None):
         s = real(config, devices=devices)
+        steps[0] = 0
         step_fn = s.mode.train_step
 
         def train_step(*args):
@@ -84,9 +86,24 @@ def test_evaluation_and_checkpoints_compile_nothing_after_the_first_step(
     config = _tiny(make_config, mode)
     summary, events = _run_counting_compiles(config, tmp_path, monkeypatch)
     assert summary["steps"] == 8
-    assert any(n == 0 for *_, n in events)  # the listener saw setup's compiles
+    assert any(n == -1 for *_, n in events)  # the listener saw setup's compiles
     late = [e for e in events if e[2] >= 1]
     assert not late, late
+    if mode == "dense":
+        _assert_init_and_evaluation_compiled_at_setup(events)
+
+
+def _assert_init_and_evaluation_compiled_at_setup(events):
+    """The mode's state init and evaluation step compile beside its step programs, in its
+    build (side by side: jaxcomp._compile); their calls later are served by JAX's caches.
+    What compiles after the build is the trainer's own key handling (and AB's tiny factor
+    init)."""
+    compiled = [(f, n) for e, f, n in events if e == "backend_compile_duration"]
+    for name in ("jit(init)", "jit(eval_step)"):
+        assert (name, -1) in compiled and (name, 0) not in compiled, compiled
+    keys = {"jit(stage)", "jit(_threefry_seed)", "jit(_threefry_fold_in)",
+            "jit(convert_element_type)", "jit(<lambda>)"}  # fmt: skip
+    assert {f for f, n in compiled if n == 0} <= keys, compiled
 
 
 def test_a_resumed_run_compiles_nothing_after_its_first_step(make_config, tmp_path, monkeypatch):
@@ -110,12 +127,14 @@ def test_ab_mode_compiles_nothing_after_the_first_step(tmp_path, monkeypatch):
     assert summary["steps"] == 6
     late = [e for e in events if e[2] >= 1]
     assert not late, late
+    _assert_init_and_evaluation_compiled_at_setup(events)
 
 
-def test_dense_setup_compiles_only_the_training_step(make_config):
-    """Building the dense mode lowers the training step and nothing else: the abstract state
-    comes from an abstract key (an eager ``jax.random.key(0)`` under the mesh compiled two
-    programs that the run compiled again outside it)."""
+def test_dense_setup_compiles_only_the_training_step_init_and_evaluation(make_config):
+    """Building the dense mode lowers the training step, the state init and the evaluation
+    step (compiled side by side) and nothing else: the abstract state comes from an abstract
+    key (an eager ``jax.random.key(0)`` under the mesh compiled two programs that the run
+    compiled again outside it)."""
     lowered = []
 
     def listener(event, duration, fun_name=None, **_):
@@ -129,7 +148,7 @@ def test_dense_setup_compiles_only_the_training_step(make_config):
         _trainer.setup(make_config())
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    assert lowered == ["jit(train_step)"], lowered
+    assert lowered == ["jit(train_step)", "jit(init)", "jit(eval_step)"], lowered
 
 
 def test_a_state_saved_from_host_copies_restores_every_dtype_and_sharding(tmp_path):
