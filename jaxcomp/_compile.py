@@ -9,30 +9,58 @@ instead of 4.72 s (medians of 6 alternated rounds in one process, 2026-12-02). M
 should gain more (not measured here).
 
 The executables are the ones ``lowered.compile()`` returns one by one (the same module and
-options: a thread changes nothing in what XLA builds). Call it only while no multi-device
-program runs: on CPU, the device threads of a running step starve beside a compile.
+options): JAX reads some compile options from its configuration at compile time, and a value
+the caller set in a ``with`` block (``jax.log_compiles(True)``, an optimisation-effort state)
+is local to the caller's thread, so each worker thread enters the caller's thread-local values
+before it compiles. Call it only while no multi-device program runs: on CPU, the device
+threads of a running step starve beside a compile.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Callable
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+
+def _callers_config() -> Callable[[], contextlib.AbstractContextManager] | None:
+    """A context that re-enters, in another thread, the JAX configuration values the calling
+    thread holds in ``with`` blocks; ``None`` when JAX's configuration cannot be read so
+    (its ``config_states`` registry is private: the caller then compiles in its own thread)."""
+    try:
+        from jax._src import config as jax_config
+
+        unset = jax_config.config_ext.unset
+        local = [(s, s.get_local()) for s in jax_config.config_states.values()]
+    except (ImportError, AttributeError):
+        return None
+    local = [(state, value) for state, value in local if value is not unset]
+
+    def enter() -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for state, value in local:
+            stack.enter_context(state(value))
+        return stack
+
+    return enter
 
 
 def compile_all(lowered: Mapping[str, Any]) -> dict[str, Any]:
     """Compiles lowered programs concurrently: ``{name: lowered[name].compile()}``.
 
     Args:
-      lowered: ``jax.stages.Lowered`` programs (``jax.jit(f).lower(...)``) by name, each
-        compiled in its own thread (all at once: the longest need not wait for a free one).
+      lowered: ``jax.stages.Lowered`` programs (``jax.jit(f).lower(...)``) by name, compiled
+        side by side in up to one thread per core (at least two).
 
     Returns:
       The ``jax.stages.Compiled`` programs, by name, in ``lowered``'s order.
 
     Raises:
       The error of the first program (in ``lowered``'s order) whose compilation failed, once
-      every compilation has ended, with a note naming the program.
+      every compilation has ended, with a note naming the program and any other that failed.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -42,20 +70,26 @@ def compile_all(lowered: Mapping[str, Any]) -> dict[str, Any]:
       [1.0, 1.0, 1.0]
     """
     names = list(lowered)
+    config = _callers_config()
 
-    def compile_one(name: str) -> tuple[Any, BaseException | None]:
+    def compile_one(name: str, in_thread: bool = True) -> tuple[Any, BaseException | None]:
         try:
-            return lowered[name].compile(), None
+            with config() if in_thread else contextlib.nullcontext():
+                return lowered[name].compile(), None
         except Exception as e:  # noqa: BLE001 - re-raised below, named
             return None, e
 
-    if len(names) <= 1:
-        results = [compile_one(n) for n in names]
+    if len(names) <= 1 or config is None:
+        results = [compile_one(n, in_thread=False) for n in names]
     else:
-        with ThreadPoolExecutor(len(names), thread_name_prefix="jaxcomp-compile") as pool:
+        threads = min(len(names), max(os.cpu_count() or 1, 2))
+        with ThreadPoolExecutor(threads, thread_name_prefix="jaxcomp-compile") as pool:
             results = list(pool.map(compile_one, names))
-    for name, (_, error) in zip(names, results):
-        if error is not None:
-            error.add_note(f"(while compiling the program {name!r})")
-            raise error
+    failed = [(name, error) for name, (_, error) in zip(names, results) if error is not None]
+    if failed:
+        (name, error), others = failed[0], [n for n, _ in failed[1:]]
+        error.add_note(f"(while compiling the program {name!r})")
+        if others:
+            error.add_note(f"(the compilation of {others} failed too)")
+        raise error
     return {name: compiled for name, (compiled, _) in zip(names, results)}

@@ -97,3 +97,19 @@ def kept_or_raise(name: str, like: Any, kept: Any, *args: Any) -> int:
         return kept(*args)
     except ValueError as e:
         raise ValueError(f"{name}: {e} (input {describe(like)})") from None
+
+
+#: positions a sparse codec computes in ``int32`` (JAX's default index dtype) stay below this
+INT32_POSITIONS = 2**31
+
+
+def check_int32_positions(name: str, like: Any, positions: int) -> None:
+    """Raises ``ValueError`` when a sparse codec would address ``positions`` entries (padding
+    included) of ``like`` with ``int32`` arithmetic: a position of 2**31 or more wraps around
+    and would scatter a kept value to a wrong entry."""
+    if positions >= INT32_POSITIONS:
+        raise ValueError(
+            f"{name}: an input of {positions:,} positions (input {describe(like)}) is beyond "
+            f"int32 indexing (< 2**31 = {INT32_POSITIONS:,}); split the tensor into smaller "
+            "leaves, or compress it per sample (rows of fewer than 2**31 entries)."
+        )

@@ -83,6 +83,7 @@ def rand_k(
 
     def init(x):
         _base.check_float(x, name)
+        _checks.check_int32_positions(name, x, math.prod(x.shape))
         _checks.kept_or_raise(name, x, _sparse.kept_count, math.prod(x.shape), fraction, count)
         return _base.EmptyState()
 
@@ -90,6 +91,7 @@ def rand_k(
         _base.check_float(x, name)
         _base.check_key(key, name)
         n = math.prod(x.shape)
+        _checks.check_int32_positions(name, x, n)
         k = _checks.kept_or_raise(name, x, _sparse.kept_count, n, fraction, count)
         seed = jax.random.bits(key, (2,), jnp.uint32)
         if k == 0:  # zero-size input: nothing to keep

@@ -178,6 +178,7 @@ def top_k(
     def layout(like):
         """(rows, row length, kept per row, blocks per row, block len, kept per block)."""
         b, d = rows(like)
+        _checks.check_int32_positions(name, like, b * d)
         k = _checks.kept_or_raise(name, like, kept_count, d, fraction, count)
         if k == 0:
             return b, d, 0, 0, 0, 0
@@ -185,11 +186,14 @@ def top_k(
             return b, d, k, 1, d, k
         if block_size is None:
             blk = -(-d // k)
-            return b, d, k, -(-d // blk), blk, 1
-        if block_size >= d:
+            nb, kb = -(-d // blk), 1
+        elif block_size >= d:
             return b, d, k, 1, d, k
-        nb = -(-d // block_size)
-        return b, d, k, nb, block_size, min(block_size, -(-k // nb))
+        else:
+            blk, nb = block_size, -(-d // block_size)
+            kb = min(block_size, -(-k // nb))
+        _checks.check_int32_positions(name, like, b * nb * blk)  # the padded rows
+        return b, d, k, nb, blk, kb
 
     def init(x):
         _base.check_float(x, name)

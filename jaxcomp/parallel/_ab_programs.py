@@ -272,7 +272,8 @@ class Programs:
         compiled = _compile.compile_all({**lowered, **(also or {})})
         for name in lowered:
             self._program(name).adopt(compiled[name], *args[name])
-        return {**{name: self.compiled(name, *a) for name, a in args.items()}, **compiled}
+        # the executables the programs keep (and run), not those just compiled beside them
+        return {**compiled, **{name: self.compiled(name, *a) for name, a in args.items()}}
 
 
 def _after_update(metrics, params):

@@ -245,3 +245,33 @@ def test_bad_input(name):
             case.run()
     else:
         assert case.expect(case.run())
+
+
+BEYOND_INT32 = [  # (codec, input shape): positions at or past 2**31, padding included
+    (C.top_k(0.01), (2**31,)),
+    (C.top_k(0.01, method="blockwise"), (2**16, 2**15)),
+    (C.top_k(0.1, per_sample=True), (4, 2**29)),
+    (C.top_k(0.01, method="blockwise", block_size=4096), (2**31 - 10,)),  # padded past it
+    (C.rand_k(0.01), (2**31,)),
+]
+
+
+@pytest.mark.parametrize("codec,shape", BEYOND_INT32, ids=lambda v: getattr(v, "name", str(v)))
+def test_sparse_positions_beyond_int32_are_refused_not_wrapped(codec, shape):
+    """Sparse codecs compute positions in int32: an input of 2**31 entries or more (an 8 GiB
+    float32 leaf, an embedding table on a large accelerator) would wrap a position around and
+    scatter a kept value to a wrong entry. Refused at trace time, on abstract inputs (no
+    memory), in init and in compress."""
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    with pytest.raises(ValueError, match=r"int32 indexing"):
+        codec.init(x)
+    with pytest.raises(ValueError, match=r"int32 indexing"):
+        jax.eval_shape(lambda v: codec.compress(v, None, jax.random.key(0)), x)
+
+
+def test_sparse_positions_just_below_int32_are_accepted():
+    x = jax.ShapeDtypeStruct((2**31 - 1,), jnp.float32)
+    for codec in (C.top_k(count=3), C.rand_k(count=3)):
+        codec.init(x)
+        out = jax.eval_shape(lambda v, c=codec: c.compress(v, c.init(v), jax.random.key(0)), x)
+        assert jax.tree.leaves(out[0])[0].shape == (3,)

@@ -36,3 +36,46 @@ def test_a_failing_compile_raises_its_own_error_naming_the_program():
     with pytest.raises(RuntimeError, match="XLA says no") as info:
         _compile.compile_all({"f": lowered["f"], "refactor": Broken(), "g": lowered["g"]})
     assert any("'refactor'" in note for note in info.value.__notes__)
+
+
+def test_every_failure_is_named():
+    class Broken:
+        def __init__(self, why):
+            self.why = why
+
+        def compile(self):
+            raise RuntimeError(self.why)
+
+    lowered, _ = _lowered()
+    with pytest.raises(RuntimeError, match="first") as info:
+        _compile.compile_all({"a": Broken("first"), "f": lowered["f"], "b": Broken("second")})
+    assert info.value.__notes__ == [
+        "(while compiling the program 'a')",
+        "(the compilation of ['b'] failed too)",
+    ]
+
+
+def test_the_callers_with_block_config_reaches_the_compiling_threads(monkeypatch):
+    """JAX reads compile options from its configuration when a program compiles, and a value
+    set in a ``with`` block is local to the caller's thread: without re-entering it there, a
+    worker thread compiled with the global value (exec_time_optimization_effort 0.0, not -0.5:
+    a different executable than the caller's own ``lowered.compile()``)."""
+    from jax._src import compiler
+    from jax._src import config as jax_config  # private: compile_all reads its config_states
+
+    seen = []
+    real = compiler.get_compile_options
+
+    def spy(*args, **kwargs):
+        options = real(*args, **kwargs)
+        seen.append(options.executable_build_options.exec_time_optimization_effort)
+        return options
+
+    monkeypatch.setattr(compiler, "get_compile_options", spy)
+    f = jax.jit(lambda x: jnp.sin(x) * 2.5)
+    g = jax.jit(lambda x: jnp.cos(x) - 1.5)
+    x = np.arange(5, dtype=np.float32)
+    with jax_config.exec_time_optimization_effort(-0.5):
+        _compile.compile_all({"f": f.lower(x), "g": g.lower(x)})
+    assert seen == [-0.5, -0.5]
+    assert jax_config.exec_time_optimization_effort.get_local() is jax_config.config_ext.unset
