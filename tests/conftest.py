@@ -102,6 +102,24 @@ def _last_checkpoint(workdir: str):
     return step, out["state"]
 
 
+@pytest.fixture(scope="module")
+def fast_compiles():
+    """XLA's optimisation passes off (``jax_disable_most_optimizations``: backend level 0, no
+    expensive LLVM passes) for a module whose tests check what a program computes to a
+    tolerance or its wiring (a smoke run's steps, finite loss, bytes), not the bits of the
+    optimised program: a test module asks for it with
+    ``pytestmark = pytest.mark.usefixtures("fast_compiles")``. Compiling a ResNet-18 or VGG-16
+    trainer step and state init is most of such a test's time (tests/pipeline runs so too,
+    its conftest's ``_fast_compiles``). In the persistent cache the programs keep keys of their
+    own (the options are part of the key); JAX's in-memory caches are cleared at the end, so
+    that no later module's eager op or jitted function runs an executable compiled here."""
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")  # conftest functions are not importable in importlib mode
 def last_checkpoint():
     """:func:`_last_checkpoint`: ``last_checkpoint(workdir) -> (step, state)``."""

@@ -13,6 +13,11 @@ import pytest
 from jaxcomp import main
 from jaxcomp import train
 
+#: the smoke runs check a config's wiring (2 steps, bytes sent, a finite loss), not the bits of
+#: XLA's optimised program: compiling the ResNet-18 / VGG-16 / GPT steps and inits unoptimised
+#: halves the compile time of the file's heaviest tests
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 CONFIGS = sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.py"))
 
 

@@ -22,6 +22,9 @@ def test_notebook_is_paired_and_runs(path, tmp_path):
     from_nb = [c.source for c in jupytext.read(ipynb).cells]
     assert from_py == from_nb, f"{ipynb.name} is out of sync with {path.name} (jupytext --sync)"
     env = {**os.environ, "JAXCOMP_NOTEBOOK_SMOKE": "1", "MPLBACKEND": "Agg"}
+    # the notebook's checks are tolerances and shapes (its committed outputs come from a
+    # default-compiled run): its kernel compiles unoptimised, as tests/conftest.fast_compiles
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     env.pop("XLA_FLAGS", None)  # the notebook sets its own devices, in a fresh kernel
     cmd = [sys.executable, "-m", "pytest", "--nbmake", "--nbmake-timeout=600", "-q",
            "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(ipynb)]  # fmt: skip

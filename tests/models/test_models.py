@@ -8,6 +8,11 @@ import pytest
 from jaxcomp import models
 from jaxcomp.train import _mode
 
+#: each test compares two programs compiled alike (stages == the whole model, to a tolerance) or
+#: checks shapes and counts, not the bits of XLA's optimised program: compiled unoptimised, the
+#: ResNet-18 / VGG-16 programs take ~1/5 of the compile time
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 TINY = {
     "mlp": lambda: models.mlp(hidden=(16, 16, 16)),
     "small_cnn": lambda: models.small_cnn(channels=(4, 8), hidden=16),
