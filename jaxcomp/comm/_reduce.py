@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp import compressors
+from jaxcomp._bits import move_as_bits
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _protocol
 
@@ -292,7 +293,10 @@ def two_phase_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
         # phase 1: worker j receives chunk j from everyone, decodes and averages it
         moved = payloads
         if axis_name is not None:
-            moved = jax.tree.map(lambda p: lax.all_to_all(p, axis_name, 0, 0, tiled=True), moved)
+            moved = move_as_bits(
+                lambda t: jax.tree.map(lambda p: lax.all_to_all(p, axis_name, 0, 0, tiled=True), t),
+                moved,
+            )
         mine = decode_mean(codec, moved, chunk)
         _protocol.this_worker(state.server_residual)  # checks the layout
         corrected = mine[None] + state.server_residual.value  # [1, chunk]: updated in place

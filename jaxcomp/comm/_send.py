@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp import _validate
+from jaxcomp._bits import move_as_bits
 from jaxcomp.comm import _send_vjp
 from jaxcomp.comm._send_vjp import ChannelStates
 from jaxcomp.compressors import _base
@@ -206,7 +207,8 @@ def compressed_ppermute(
     perm, inverse = [(source, target)], [(target, source)]
 
     def transport(tree, reverse):
-        return lax.ppermute(tree, axis_name, inverse if reverse else perm)
+        pairs = inverse if reverse else perm
+        return move_as_bits(lambda t: lax.ppermute(t, axis_name, pairs), tree)
 
     def roles():  # traced after the link's own checks
         _check_indices(axis_name, source, target)

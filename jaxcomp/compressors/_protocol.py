@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp._bits import move_as_bits
+
 Array = jax.Array
 Like = Any  # an array or a jax.ShapeDtypeStruct
 
@@ -225,7 +227,11 @@ def all_gather(tree: Any, axis_name: str | None) -> Any:
     axis)."""
     if axis_name is None:
         return jax.tree.map(lambda x: x[None], tree)
-    return jax.tree.map(lambda x: lax.all_gather(x, axis_name, to="invarying"), tree)
+
+    def gather(t):
+        return jax.tree.map(lambda x: lax.all_gather(x, axis_name, to="invarying"), t)
+
+    return move_as_bits(gather, tree)  # a bf16 payload crosses as u16, not widened
 
 
 def pmean(x: Array, axis_name: str | None) -> Array:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp._bits import move_as_bits
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
 from jaxcomp.pipeline import _exchange
@@ -285,7 +286,7 @@ def _tick(prog, plan, carry, t, kinds, local, x, labels, ids, key, tables):
 def _move(b: int):
     def move(tree, reverse):
         pairs = [(b + 1, b)] if reverse else [(b, b + 1)]
-        return lax.ppermute(tree, _mesh.STAGE, pairs)
+        return move_as_bits(lambda t: lax.ppermute(t, _mesh.STAGE, pairs), tree)
 
     return move
 

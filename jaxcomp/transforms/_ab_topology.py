@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp._bits import move_as_bits
 from jaxcomp.transforms._ab_config import ABConfig
 from jaxcomp.transforms._ab_config import num_a_groups
 
@@ -137,7 +138,7 @@ class Topology:
         for k in range(1, longest):
             perm = [(w, r.start + (w - r.start + k) % len(r)) for r in chosen if len(r) > k
                     for w in r]  # fmt: skip
-            got = lax.ppermute(tree, self.axes, perm)
+            got = move_as_bits(lambda t, perm=perm: lax.ppermute(t, self.axes, perm), tree)
             acc = jax.tree.map(jnp.add, acc, got)  # zeros where nothing was received
         used = [len(r) if groups is None or g in groups else 1 for g, r in enumerate(self.groups())]
         size = self._lookup(np.repeat(np.asarray(used, np.float32), self.sizes))
