@@ -14,6 +14,12 @@ from jaxcomp.main import load_config
 from jaxcomp.train import _mode
 from jaxcomp.train import _trainer
 
+#: AB == data parallelism and evaluation == the model applied by hand to tolerances, a resume
+#: bit-identical to a run of the same process and compile setting, a loss/accuracy threshold:
+#: no bit of XLA's optimised programs is pinned; compiled unoptimised, the ResNet setups compile
+#: faster
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKERS, BATCH = 4, 16
 MODEL = dict(width=8, blocks=(1, 1), cuts=(), input_shape=(8, 8, 1), norm="batch")

@@ -9,6 +9,10 @@ import pytest
 from jaxcomp import train
 from jaxcomp.train import _trainer
 
+#: the (slow, fast) pair == the flat axis to tolerances, bytes and collective group sizes: no bit of
+#: XLA's optimised programs is pinned; compiled unoptimised, the steps compile faster
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 IDENTITY = {"transform": "compressed_mean", "codec": {"name": "identity"}}
 POWER_SGD = {"transform": "compressed_mean", "codec": {"name": "power_sgd", "rank": 1}}
 ACCORDION = {"transform": "accordion", "low": {"name": "power_sgd", "rank": 2},

@@ -8,6 +8,11 @@ import pytest
 from jaxcomp import train
 from jaxcomp.train import _trainer
 
+#: a resume bit-identical to a run of the same process and compile setting, statistics to
+#: tolerances, a loss/accuracy threshold: no bit of XLA's optimised programs is pinned; compiled
+#: unoptimised (as tests/pipeline), the pipelined ResNet steps compile faster
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def _trainer_config(make_config, **pipe):
     return make_config(

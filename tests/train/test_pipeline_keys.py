@@ -10,6 +10,10 @@ from jaxcomp import pipeline
 from jaxcomp import train
 from jaxcomp.train import _trainer
 
+#: 1F1B / checkpointing == GPipe to tolerances, bytes and keys: no bit of XLA's optimised programs
+#: is pinned; compiled unoptimised (as tests/pipeline), the pipelined steps compile faster
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 POWER_SGD = {"transform": "compressed_mean", "codec": {"name": "power_sgd", "rank": 1}}
 
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import comm
@@ -19,6 +20,11 @@ from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp.transforms import ABPhase
 from jaxcomp.transforms import ABSchedule
+
+#: the harness == an independent reference (and the optax transform) to tolerances, both compiled
+#: alike in this module: no bit of XLA's optimised programs is pinned; compiled unoptimised, the
+#: many small step programs compile faster
+pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 WARMUP, EVERY, FULL, REBOUND = 3, 4, 1, 2
 BASE_LR = optax.cosine_decay_schedule(0.05, 20, alpha=0.2)
