@@ -67,6 +67,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import parallel
 from jaxcomp import transforms
+from jaxcomp._compile import compile_all
 from jaxcomp.models import _staged
 from jaxcomp.train import _batch_stats
 from jaxcomp.train import _collectives
@@ -159,23 +160,20 @@ def _reducer_state(opt_state):
     return opt_state[0]  # chain(reducer, optimizer)
 
 
-def _compile_step(dp, tx, mesh, stats, model, batch_size, variables_abs, axes, has_state):
-    """``dp.step`` compiled ahead of time for the state ``dp.init`` places and a training batch
-    (``axes``: the data axis or the ``(slow, fast)`` pair; per-worker state over the first)."""
+def _abstract_state(tx, mesh, stats, variables_abs, axes, has_state):
+    """The abstract (shapes and shardings) state ``dp.init`` places (``axes``: the data axis
+    or the ``(slow, fast)`` pair; per-worker state over the first)."""
     params, model_state = _mode.split_variables(variables_abs)
     replicated = NamedSharding(mesh, P())
     with jax.set_mesh(mesh):
         opt_state = jax.eval_shape(tx.init, params)
     model_state = jax.eval_shape(stats.wrap, model_state) if has_state else ()
-    state = parallel.TrainState(
+    return parallel.TrainState(
         jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), params),
         comm.place_state(opt_state, mesh, axes[0]),
         comm.place_state(model_state, mesh, axes[0]),
     )
-    batch = _dense.abstract_batch(model, batch_size, NamedSharding(mesh, P(axes)))
-    batch = {k: np.zeros(v.shape, v.dtype) for k, v in batch.items()}
-    return dp.step.lower(state, batch).compile()
 
 
 def _over(axes, mesh) -> str:
@@ -253,8 +251,10 @@ def build_data_parallel(
     batch_sharding = NamedSharding(mesh, P(axis))
     is_accordion = cfg["transform"] == "accordion"
 
+    model_init = _mode.jit_init(model.init)
+
     def init(key):
-        params, model_state = _mode.split_variables(_mode.jit_init(model.init)(key))
+        params, model_state = _mode.split_variables(model_init(key))
         if not has_state:
             return dp.init(params)
         return dp.init(params, stats.wrap(model_state))
@@ -290,14 +290,11 @@ def build_data_parallel(
         logits, _ = model.apply(variables, batch["x"])
         return _mode.eval_sums(model, logits, batch)
 
-    params_abs = jax.eval_shape(model.init, jax.random.key(0))
+    key_abs = jax.eval_shape(jax.random.key, 0)  # as the trainer's key, never placed
+    params_abs = jax.eval_shape(model.init, key_abs)
     if not has_state:  # a pair (no BatchNorm): the per-stage collections are empty dicts
         no_state = stats.wrap(_mode.split_variables(params_abs)[1])
     dense = 4.0 * _mode.param_count([v["params"] for v in params_abs])
-    # compiled here (the trainer runs this executable): its HLO gives the step's collectives
-    step_c = _compile_step(
-        dp, tx, mesh, stats, model, config.batch_size, params_abs, axes, has_state
-    )
     sync_bytes = 0.0
     if sync and model.has_batch_stats:
         # synchronised statistics are replicated, like the parameters
@@ -306,6 +303,28 @@ def build_data_parallel(
         sync_bytes = _batch_stats.gradient_collective_bytes(
             loss_fn, mesh, comm.DATA, params_a, state_a, batch_abs
         )
+    state_abs = _abstract_state(tx, mesh, stats, params_abs, axes, has_state)
+    train_batch = _dense.abstract_batch(model, config.batch_size, batch_sharding)
+    train_batch = {k: np.zeros(v.shape, v.dtype) for k, v in train_batch.items()}
+    eval_abs = _dense.abstract_batch(model, config.eval_batch_size, batch_sharding, True)
+    replicated = NamedSharding(mesh, P())
+    workers_sharding = NamedSharding(mesh, P(axes if len(axes) == 2 else axes[0]))
+    with jax.set_mesh(mesh):  # as dp.init runs the transform's init
+        opt_init = jax.jit(tx.init).lower(state_abs.params)
+    # the step (its HLO gives the step's collectives), the model's and the transform's inits,
+    # the finite check and the evaluation, compiled side by side; the trainer's calls of the
+    # latter four are served by JAX's caches (lowered as they are called)
+    compiled = compile_all({
+        "train_step": dp.step.lower(state_abs, train_batch),
+        "init": model_init.lower(key_abs),
+        "opt_init": opt_init,
+        "check": check.lower(
+            state_abs, state_abs, jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
+            jax.ShapeDtypeStruct((workers,), jnp.int32, sharding=workers_sharding),
+        ),
+        "eval_step": eval_step.lower(state_abs, eval_abs),
+    })  # fmt: skip
+    step_c = compiled["train_step"]
     return _mode.Mode(
         name="data_parallel",
         mesh=mesh,

@@ -68,6 +68,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import comm
 from jaxcomp import pipeline
+from jaxcomp._compile import compile_all
 from jaxcomp.models import _staged
 from jaxcomp.train import _batch_stats
 from jaxcomp.train import _config
@@ -264,8 +265,21 @@ def build_pipeline(
     if detector is not None:
         low = tuple((0, 0) for _ in mask)
         high = tuple((int(f), int(b)) for f, b in mask)
-    for compress in (True, False) if warmup_steps else (True,):
-        program(compress, low)
+    # the step programs the run starts with (the all-low modes), the state init and the
+    # evaluation (compression on and off) compiled side by side; the latter two lowered outside
+    # the mesh, as the trainer calls them, so that JAX's caches serve those calls
+    starts = (True, False) if warmup_steps else (True,)
+    with jax.set_mesh(mesh):
+        lowered = {
+            f"train_step(compress={c})": train_jit.lower(state_abs, batch_abs, key_abs, c, low)
+            for c in starts
+        }
+    lowered["init"] = init_jit.lower(jax.eval_shape(jax.random.key, 0))
+    eval_abs = _dense.abstract_batch(model, config.eval_batch_size, batch_sharding, True)
+    for c in (False, True):
+        lowered[f"eval_step(compress={c})"] = eval_jit.lower(state_abs, eval_abs, c, low)
+    done = compile_all(lowered)
+    compiled.update({(c, low): done[f"train_step(compress={c})"] for c in starts})
     hlo = _mode.compiled_text_bytes(program(True, low))
     counts = pipe.bytes_per_step(
         params_abs, batch_abs, compress=True, train=True, modes=low, states=link_abs

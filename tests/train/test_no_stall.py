@@ -89,20 +89,34 @@ def test_evaluation_and_checkpoints_compile_nothing_after_the_first_step(
     assert any(n == -1 for *_, n in events)  # the listener saw setup's compiles
     late = [e for e in events if e[2] >= 1]
     assert not late, late
-    if mode == "dense":
-        _assert_init_and_evaluation_compiled_at_setup(events)
+    _assert_init_and_evaluation_compiled_at_setup(events, **SETUP_PROGRAMS[mode])
 
 
-def _assert_init_and_evaluation_compiled_at_setup(events):
+#: What each mode compiles in its build besides its step programs (``init``: the state's or the
+#: model's init; ``also``: further programs), and the small programs its state init may still
+#: compile when the trainer calls it (data parallel: its per-leaf copies and placements).
+SETUP_PROGRAMS = {
+    "dense": {},
+    "data_parallel": {
+        "also": ("jit(init_fn)", "jit(check)"),
+        "at_init": {"jit(copy)", "jit(place)"},
+    },
+    "pipeline": {"init": "jit(full_init)"},
+}
+
+
+def _assert_init_and_evaluation_compiled_at_setup(
+    events, init="jit(init)", also=(), at_init=frozenset()
+):
     """The mode's state init and evaluation step compile beside its step programs, in its
     build (side by side: jaxcomp._compile); their calls later are served by JAX's caches.
     What compiles after the build is the trainer's own key handling (and AB's tiny factor
-    init)."""
+    init, data parallel's placement copies)."""
     compiled = [(f, n) for e, f, n in events if e == "backend_compile_duration"]
-    for name in ("jit(init)", "jit(eval_step)"):
+    for name in (init, "jit(eval_step)", *also):
         assert (name, -1) in compiled and (name, 0) not in compiled, compiled
     keys = {"jit(stage)", "jit(_threefry_seed)", "jit(_threefry_fold_in)",
-            "jit(convert_element_type)", "jit(<lambda>)"}  # fmt: skip
+            "jit(convert_element_type)", "jit(<lambda>)", *at_init}  # fmt: skip
     assert {f for f, n in compiled if n == 0} <= keys, compiled
 
 
