@@ -222,7 +222,7 @@ def gather_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
             # compressed array live across the collective in a buffer of its own (blockwise
             # TopK + EF: 8 MiB more temporaries per leaf, one-process A/B in the commit)
             payload, codec_state = codec.compress(x, codec_state, key)
-            into = _base.add_decoded_after_reads(codec, base, payload, direction, x)
+            into = compressors.add_decoded(codec, base, payload, direction)
             gathered = _protocol.all_gather(payload, axis_name)
             me = lax.axis_index(axis_name)
             mine = jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, me, keepdims=False), gathered)

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp import _order
 from jaxcomp.compressors import _protocol
 
 Array = jax.Array
@@ -149,22 +148,6 @@ def add_decoded(codec: Codec, base: Array, payload: Payload, sign: int) -> Array
     return base + decoded if sign == 1 else base - decoded
 
 
-def add_decoded_after_reads(
-    codec: Codec, base: Array, payload: Payload, sign: int, x: Array
-) -> Array:
-    """:func:`add_decoded` into ``base`` for a payload compressed from ``x``.
-
-    A ``base`` that is ``x`` itself (error feedback's residual) is ordered after the payload
-    (:func:`jaxcomp._order.after`), so the in-place scatter follows every read of ``x``; any
-    other ``base`` (EF21's estimate) is not: the select would keep XLA:CPU from writing the
-    donated ``base``'s buffer (the scatter went to a fresh buffer, copied back at the end of
-    the step).
-    """
-    if base is x:
-        base = _order.after(base, payload)
-    return add_decoded(codec, base, payload, sign)
-
-
 def compress_into(
     codec: Codec, x: Array, state: CodecState, key: Array | None, base: Array, sign: int
 ) -> tuple[Payload, CodecState, Array, Array]:
@@ -172,11 +155,11 @@ def compress_into(
 
     What error feedback (``base = x, sign = -1``: the new residual) and EF21 (``base = g,
     sign = 1``: the new estimate) keep. With ``Codec.add_decoded`` (TopK) the sum is a scatter
-    into ``base`` in place (ordered after the reads of ``x``:
-    :func:`add_decoded_after_reads`), and ``decoded`` is computed only if the caller uses it.
-    Without
-    ``add_decoded``: the codec's fused round trip, and the dense sum (one fused pass where
-    decoding is elementwise).
+    into ``base`` in place, and ``decoded`` is computed only if the caller uses it: a ``base``
+    that is ``x`` itself should be made by :func:`jaxcomp._order.computed_once` (error
+    feedback's ``c = x + e``), so that XLA writes it once and scatters into it after the
+    compression's reads instead of copying it. Without ``add_decoded``: the codec's fused
+    round trip, and the dense sum (one fused pass where decoding is elementwise).
 
     Returns:
       ``(payload, new_state, decompress(payload, x), base + sign * decompress(payload, x))``.
@@ -185,7 +168,7 @@ def compress_into(
         payload, state, decoded = compress_and_decode(codec, x, state, key)
         return payload, state, decoded, base + decoded if sign == 1 else base - decoded
     payload, state = codec.compress(x, state, key)
-    into = add_decoded_after_reads(codec, base, payload, sign, x)
+    into = add_decoded(codec, base, payload, sign)
     return payload, state, codec.decompress(payload, x), into
 
 

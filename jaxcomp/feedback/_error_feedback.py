@@ -7,6 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxcomp import _order
 from jaxcomp import _validate
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _protocol
@@ -82,16 +83,21 @@ def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compen
         e = _protocol.this_worker(memory.residual)
         _channel.check_buffer(e, x, False, residual_dtype is None, name)
         # in the per-worker layout [1, ...]: XLA then updates the (donated) residual in place
-        corrected = x[None] + memory.residual.value.astype(x.dtype)
-        c = corrected[0]
+        residual = memory.residual.value.astype(x.dtype)
         if in_place:
-            # c - echo made by the protocol: TopK subtracts its kept values from c in place
+            # c - echo made by the protocol: TopK subtracts its kept values from c in place.
+            # c is written once, into the residual's buffer, and read there by the compression
+            # (computed_once): fused into the compression's passes instead, XLA:CPU kept c in a
+            # buffer of its own and copied the result into the residual (or, ordered with
+            # _order.after, spent a select over every entry; one-process A/B in the commit)
+            c = _order.computed_once(lambda e, x: x[None] + e, residual, x)[0]
             mean, echo, kept, aux = run(c, into=(c, -1))
             e_new = decayed(kept[None], decay).astype(e.dtype)
         else:
             # c - echo in one pass fused with the echo's decoding, in the [1, ...] layout (PowerSGD:
             # c - echo formed on c's [...] view made XLA:CPU copy the residual and redo x + e)
-            mean, echo, aux = run(c)
+            corrected = x[None] + residual
+            mean, echo, aux = run(corrected[0])
             e_new = new_residual(corrected, echo[None], decay).astype(e.dtype)
         memory = ErrorFeedbackMemory(_protocol.per_worker(e_new, axis_name, stacked=True))
         return mean, echo, memory, aux

@@ -1,12 +1,14 @@
 """EF21 around TopK updates its donated estimate in place: no copy of it in the compiled step.
 
 EF21's estimate ``g' = g + D(C(x - g))`` is TopK's scatter of the kept values into ``g``. The
-compressed array is ``x - g``, not ``g``: the scatter needs no ordering select after the
-compression (``jaxcomp._order.after``, which error feedback needs because it scatters into the
-array it compressed). With the select, whose output XLA:CPU cannot place in the donated
-buffer, the scatter wrote a fresh buffer copied into the state at the end of every step (the
-data-parallel bench: 8 MiB per leaf). The programs here are a training step's: the state in,
-the new state out, donated; the reduced mean is also returned (the updates), as optax does.
+compressed array is ``x - g``, not ``g``: the scatter needs nothing to order it after the
+compression. Error feedback scatters into the array it compressed, ``c = x + e``, which it makes
+with ``jaxcomp._order.computed_once`` (written once, into the donated residual). An ordering
+select (``jaxcomp._order.after``) on EF21's estimate, whose output XLA:CPU could not place in
+the donated buffer, made the scatter write a fresh buffer copied into the state at the end of
+every step (the data-parallel bench: 8 MiB per leaf). The programs here are a training step's:
+the state in, the new state out, donated; the reduced mean is also returned (the updates), as
+optax does.
 """
 
 import functools
@@ -89,10 +91,11 @@ def test_ef21_estimate_updated_in_place(name):
     assert _state_copies(compiled) == []
 
 
-@pytest.mark.parametrize("name", ["exact", "blockwise"])
+@pytest.mark.parametrize("name", sorted(CODECS))
 def test_error_feedback_residual_updated_in_place(name):
-    # EF scatters into the array it compressed (c = x + e): it keeps the ordering select.
-    # (Exact TopK per sample copies the first leaf's residual here, on main before too.)
+    # EF scatters into the array it compressed (c = x + e), made by _order.computed_once:
+    # ordered with _order.after instead, exact TopK per sample copied the first leaf's
+    # residual here (8bcdf7e)
     compiled, _, _ = _step("error_feedback", name)
     assert _state_copies(compiled) == []
 

@@ -118,6 +118,21 @@ def test_error_feedback_reduction_is_the_reference_formula(mesh, codec, nonfinit
     _assert_formula(codec, mean, (d[0] + d[1]) / W, d[0] / W, d[1] / W)
 
 
+def test_error_feedback_with_a_bfloat16_residual_is_the_reference_formula(mesh):
+    # the in-place path (c made by _order.computed_once) on a residual of another dtype:
+    # c = x + f32(e), e' = bf16(c - D(C(c)))
+    codec = compressors.top_k(0.01)
+    x, e = _inputs(True)
+    e = e.astype(jnp.bfloat16)
+    channel = feedback.error_feedback(codec, residual_dtype=jnp.bfloat16)
+    mean, e_new = _step(channel, mesh)(_put(mesh, x), _put(mesh, e))
+    c = x + e.astype(np.float32)
+    d = np.stack([_round_trip(codec, jnp.asarray(c[w])) for w in range(W)])
+    assert e_new.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(e_new), (c - d).astype(jnp.bfloat16))
+    np.testing.assert_array_equal(mean, (d[0] + d[1]) / W)
+
+
 @pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nan_inf"])
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
 def test_ef21_reduction_is_the_reference_formula(mesh, codec, nonfinite):
