@@ -11,6 +11,10 @@ import re
 
 import pytest
 
+#: the blocks must run as written (their own checks: payload dtypes); nothing compares the
+#  bits of an optimised program, so they compile unoptimised
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 README = pathlib.Path(__file__).parents[1] / "README.md"
 FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 

@@ -14,6 +14,10 @@ from jaxcomp import feedback
 from jaxcomp import parallel
 from jaxcomp import transforms
 
+#: identity == full-batch training to rtol 1e-5, the collectives' shapes and dtypes, sharding
+#  specs, finite flags: no bit of an optimised formula, so the programs compile unoptimised
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 W = 4
 PARAMS = {
     "w1": jnp.asarray(np.random.default_rng(0).standard_normal((16, 32)) * 0.1, jnp.float32),

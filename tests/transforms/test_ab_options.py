@@ -17,6 +17,11 @@ from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp.transforms import _ab_factor as F
 
+#: group sizes, byte counts and branch counts of the compiled programs (XLA's HLO passes are
+#  the same with optimisations off: the compiled HLO text is identical), moments and learning
+#  rates to a tolerance, exact zeros and signs by construction: the programs compile unoptimised
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def reference_groups(world, group_size):
     """``ABLowRankTrainer.__init__``'s grouping, transcribed (``-1``: two halves)."""

@@ -12,6 +12,10 @@ from jaxcomp import comm
 from jaxcomp import compressors as C
 from jaxcomp import transforms as T
 
+#: pair == the reference and == a flat axis to rtol 2e-5, the collectives' groups and bytes
+#  (the compiled HLO is the same with optimisations off): the programs compile unoptimised
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 SLOW, FAST = "slow", "fast"
 SHAPE = (16, 8)
 SCALES = (1.0, 1.0, 3.0, 3.0)  # interval norms: first, same (high), x3 (low), same (high)

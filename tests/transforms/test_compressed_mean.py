@@ -17,6 +17,11 @@ from jaxcomp import feedback
 from jaxcomp import parallel
 from jaxcomp import transforms
 
+#: identity == pmean and the two inject_hyperparams forms compare programs of this process;
+#  PowerSGD == numpy to a tolerance; the HLO byte counts are the compiled program's collectives:
+#  no bit of an optimised formula, so the programs compile unoptimised
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 W = 4
 PARAMS = {
     "conv": jnp.zeros((3, 3, 4, 6)),

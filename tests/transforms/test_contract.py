@@ -40,6 +40,11 @@ from jaxcomp import feedback
 from jaxcomp import parallel
 from jaxcomp import transforms
 
+#: each check compares two programs of this process (transform == its plain updates in a
+#  chain, under inject_hyperparams, MultiSteps, cond) to a tolerance, or a passthrough exactly:
+#  no bit of an optimised formula, so the programs compile unoptimised
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 W = 4
 AXIS = comm.DATA
 PARAMS = {"w": jnp.zeros((8, 6)), "b": jnp.zeros((6,))}
