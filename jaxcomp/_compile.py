@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 
-def _callers_config() -> Callable[[], contextlib.AbstractContextManager] | None:
+def callers_config() -> Callable[[], contextlib.AbstractContextManager] | None:
     """A context that re-enters, in another thread, the JAX configuration values the calling
     thread holds in ``with`` blocks; ``None`` when JAX's configuration cannot be read so
     (its ``config_states`` registry is private: the caller then compiles in its own thread)."""
@@ -70,7 +70,7 @@ def compile_all(lowered: Mapping[str, Any]) -> dict[str, Any]:
       [1.0, 1.0, 1.0]
     """
     names = list(lowered)
-    config = _callers_config()
+    config = callers_config()
 
     def compile_one(name: str, in_thread: bool = True) -> tuple[Any, BaseException | None]:
         try:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxcomp import _init_program
 from jaxcomp.models import _staged
 
 
@@ -59,26 +60,23 @@ class Mode(NamedTuple):
     extra: dict | None = None
 
 
-#: XLA options a mode's state init is compiled with: XLA's defaults. Backend optimisation
-#: level 1 compiles an init 3-7x faster on XLA:CPU (small parameters' threefry bits: a
-#: ``(16, 10)`` kernel 1.2 s at level 2, 0.26 s at level 1; the digits MLP's init 3.4 -> 0.7 s,
-#: ResNet-18 smoke 7.9 -> 1.2 s) and gave the default compile's bits in every check run alone,
-#: but in one full-suite run (``pytest -n 2``, 2026-12-01) its normal draws of a 65,536-element
-#: parameter differed from the default compile's in 2,516 elements (up to 4 ulp, the count
-#: level 0 gives): a context that changes the bits was not found, so level 1 is withdrawn
-#: until it is. ``tests/train/test_modes.py`` pins ``jit_init`` to the default compile's bits.
-INIT_COMPILER_OPTIONS: dict[str, Any] = {}
-
-
 def jit_init(fn: Callable, **jit_kwargs: Any) -> Callable:
-    """``jax.jit(fn, **jit_kwargs)`` compiled with :data:`INIT_COMPILER_OPTIONS`: for a state
-    init (run once, random initializers), not for a step.
+    """``jax.jit(fn, **jit_kwargs)`` for a state init (run once, random initializers): the same
+    bits, compiled several times faster (:func:`jaxcomp._init_program.jit_split_init`: the
+    threefry key part at a low backend level, where integers are exact, the float math as XLA's
+    default compiles it).
+
+    Compiling the whole init at backend level 1 (3-7x faster too) was tried and withdrawn: it
+    gave the default compile's bits in every check run alone, but in one full-suite run
+    (``pytest -n 2``, 2026-12-01) its normal draws of a 65,536-element parameter differed from
+    the default compile's in 2,516 elements (up to 4 ulp): float math is never compiled at
+    another level here. ``tests/test_init_program.py`` pins the bits for every model.
 
     Example:
       >>> init = jit_init(model.init)  # doctest: +SKIP
       >>> variables = init(jax.random.key(0))  # doctest: +SKIP
     """
-    return jax.jit(fn, compiler_options=INIT_COMPILER_OPTIONS, **jit_kwargs)
+    return _init_program.jit_split_init(fn, **jit_kwargs)
 
 
 def all_finite(*trees: Any) -> jax.Array:
