@@ -255,9 +255,13 @@ def _leaf_signature(x: Any) -> tuple:
 
 def _signature(args: tuple) -> tuple:
     """What a compiled init is kept under: the arguments' tree, shapes, dtypes and committed
-    shardings, and the mesh context (as ``jax.jit``'s own cache)."""
+    shardings, the mesh context and whether XLA's optimisations are off (as ``jax.jit``'s own
+    cache: a program compiled under ``jax_disable_most_optimizations`` never serves a call
+    outside it)."""
     leaves, tree = jax.tree.flatten(args)
-    return tree, tuple(_leaf_signature(x) for x in leaves), jax.sharding.get_abstract_mesh()
+    unoptimised = bool(jax.config.read("jax_disable_most_optimizations"))
+    return (tree, tuple(_leaf_signature(x) for x in leaves), jax.sharding.get_abstract_mesh(),
+            unoptimised)  # fmt: skip
 
 
 class _SplitCompiled:
@@ -325,6 +329,8 @@ class SplitInit:
         if self._plain_only():
             return _Lowered(self, None, plain=self._jit.lower(*args))
         key = _signature(args)
+        if key[-1]:  # everything compiled at level 0 anyway: one program compiles faster
+            return _Lowered(self, key, plain=self._jit.lower(*args))
         closed, out_tree = _flat_jaxpr(self._fn, args)
         plan = _plan(closed)
         if not plan.exports or not plan.b_eqns:
