@@ -129,3 +129,25 @@ def test_non_finite_large_input_decodes_non_finite_eagerly_through_the_select(la
     for name in EAGER_SELECT[layout]:
         for bad in sorted(BAD):
             _check(name, "large", "eager", bad, jitted)
+
+
+# PowerSGD's own non-finite cases (moved from test_low_rank.py, which runs unoptimised)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_orthogonalize_keeps_non_finite_columns_non_finite(bad):
+    p = np.random.default_rng(3).standard_normal((10, 3)).astype(np.float32)
+    p[4, 1] = bad
+    out = np.asarray(C.orthogonalize(jnp.asarray(p)))
+    assert np.all(np.isfinite(out[:, 0]))
+    assert np.all(np.isnan(out[:, 1:]))
+
+
+def test_power_sgd_non_finite_input_gives_nan_and_keeps_the_state(load_test_module):
+    rank4 = load_test_module("compressors/test_low_rank.py").CASES["rank4_exact"]
+    codec = C.power_sgd(2)
+    x = jnp.asarray(rank4, jnp.float32).at[3, 4].set(jnp.inf)
+    state = codec.init(x)
+    payload, new_state = jax.jit(lambda x, s: codec.compress(x, s, None))(x, state)
+    assert np.all(np.isnan(np.asarray(codec.decompress(payload, x))))
+    np.testing.assert_array_equal(new_state.q, state.q)

@@ -12,6 +12,10 @@ import pytest
 
 from jaxcomp import compressors
 
+# where a damaged index lands, two programs of this module's compile setting compared: XLA
+# optimisations off (suite speed)
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 CASES = [
     # (codec, shape, (payload row, payload entry, the bad index))
     (compressors.top_k(count=10, method="blockwise"), (99,), (0, 0, 15)),  # block 0 -> 1
