@@ -120,6 +120,20 @@ def fast_compiles():
     jax.clear_caches()
 
 
+@pytest.fixture(autouse=True)
+def _optimisations_as_declared(request):
+    """A test that does not ask for ``fast_compiles`` runs with XLA's optimisations on: a flag
+    left on by another module would make its bit pins check the unoptimised program
+    (tests/pipeline's package-scoped fixture stayed on for the rest of each worker's session
+    until 2026-12-02, and a bit pin of the optimised init then failed in the full suite)."""
+    if not {"fast_compiles", "_fast_compiles"} & set(request.fixturenames):
+        assert not jax.config.read("jax_disable_most_optimizations"), (
+            "jax_disable_most_optimizations is on in a test that did not ask for it: a fixture "
+            "or test before it left it on."
+        )
+    yield
+
+
 @pytest.fixture(scope="session")  # conftest functions are not importable in importlib mode
 def last_checkpoint():
     """:func:`_last_checkpoint`: ``last_checkpoint(workdir) -> (step, state)``."""

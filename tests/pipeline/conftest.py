@@ -127,13 +127,14 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
-@pytest.fixture(autouse=True, scope="package")
-def _fast_compiles():
-    """These tests compile many small programs; XLA's optimisation passes would dominate."""
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compiles(fast_compiles):
+    """These tests compile many small programs; XLA's optimisation passes would dominate: the
+    root conftest's ``fast_compiles`` for every module here. Module-scoped: this directory has
+    no ``__init__.py``, and a ``scope="package"`` fixture here was torn down only at the end of
+    the session, so every later test of the same worker ran unoptimised (until 2026-12-02)."""
+    del fast_compiles
     yield
-    jax.config.update("jax_disable_most_optimizations", previous)
 
 
 @pytest.fixture(scope="session")
