@@ -295,17 +295,16 @@ def build_data_parallel(
     if not has_state:  # a pair (no BatchNorm): the per-stage collections are empty dicts
         no_state = stats.wrap(_mode.split_variables(params_abs)[1])
     dense = 4.0 * _mode.param_count([v["params"] for v in params_abs])
+    batch_abs = _dense.abstract_batch(model, config.batch_size, batch_sharding)
     sync_bytes = 0.0
     if sync and model.has_batch_stats:
         # synchronised statistics are replicated, like the parameters
         params_a, state_a = comm.place_state(_mode.split_variables(params_abs), mesh, comm.DATA)
-        batch_abs = _dense.abstract_batch(model, config.batch_size, batch_sharding)
         sync_bytes = _batch_stats.gradient_collective_bytes(
             loss_fn, mesh, comm.DATA, params_a, state_a, batch_abs
         )
     state_abs = _abstract_state(tx, mesh, stats, params_abs, axes, has_state)
-    train_batch = _dense.abstract_batch(model, config.batch_size, batch_sharding)
-    train_batch = {k: np.zeros(v.shape, v.dtype) for k, v in train_batch.items()}
+    train_batch = {k: np.zeros(v.shape, v.dtype) for k, v in batch_abs.items()}
     eval_abs = _dense.abstract_batch(model, config.eval_batch_size, batch_sharding, True)
     replicated = NamedSharding(mesh, P())
     workers_sharding = NamedSharding(mesh, P(axes if len(axes) == 2 else axes[0]))
