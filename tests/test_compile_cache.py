@@ -1,0 +1,80 @@
+"""``--compile_cache``: a warm run loads every program and computes the same bits as a cold
+one; a damaged cache entry is compiled again, never loaded."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+from jaxcomp import main
+
+ROOT = pathlib.Path(__file__).parents[1]
+CONFIG = str(ROOT / "configs" / "digits_ab.py")  # the mode with the most programs
+MISS = "PERSISTENT COMPILATION CACHE MISS"
+
+
+def _run(workdir, cache):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_EXPLAIN_CACHE_MISSES="1")
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAXCOMP_COMPILE_CACHE", None)
+    cmd = [sys.executable, "-m", "jaxcomp.main", "--config", f"{CONFIG}:smoke", "--workdir",
+           str(workdir), "--compile_cache", str(cache), "--set", "checkpoint_every=2"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stderr
+
+
+def _result(workdir):
+    import orbax.checkpoint as ocp
+
+    path = pathlib.Path(workdir) / "checkpoints"
+    step = max(int(p.name) for p in path.iterdir() if p.name.isdigit())
+    with ocp.StandardCheckpointer() as ckpt:
+        state = ckpt.restore(path / str(step) / "state")
+    summary = json.loads((pathlib.Path(workdir) / "summary.json").read_text())
+    return step, summary["final_loss"], [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def _same(a, b):
+    assert a[:2] == b[:2] and len(a[2]) == len(b[2])
+    for x, y in zip(a[2], b[2]):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_warm_run_compiles_nothing_and_a_damaged_entry_is_compiled_again(tmp_path):
+    # one cache path throughout: JAX's cache key holds the directory's path (its GPU
+    # autotuning cache lives inside it), so a copied cache would miss everything
+    cache = tmp_path / "cache"
+    cold = _run(tmp_path / "cold", cache)
+    reference = _result(tmp_path / "cold")
+    entries = [p for p in cache.iterdir() if p.name.endswith("-cache")]
+    # the three AB step programs, the split init, the evaluation, at least
+    assert len(entries) >= 6 and cold.count(MISS) >= len(entries), (entries, cold[-2000:])
+    warm = _run(tmp_path / "warm", cache)
+    assert MISS not in warm, warm[-3000:]
+    _same(_result(tmp_path / "warm"), reference)
+    for p in entries:
+        data = bytearray(p.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # one flipped byte in the compressed executable
+        p.write_bytes(bytes(data))
+    damaged = _run(tmp_path / "damaged", cache)
+    # each damaged entry failed to load (Python shows a repeated warning text once: several
+    # programs share a module name) and was compiled again
+    for name in {p.name.rsplit("-", 2)[0] for p in entries}:
+        assert f"Error reading persistent compilation cache entry for '{name}'" in damaged, name
+    assert damaged.count(MISS) == len(entries), damaged[-3000:]
+    _same(_result(tmp_path / "damaged"), reference)
+
+
+def test_a_cache_path_that_cannot_be_a_directory_is_a_one_line_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code = main.main(["--config", f"{CONFIG}:smoke", "--workdir", str(tmp_path / "w"),
+                      "--compile_cache", str(blocker / "cache")])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: --compile_cache") and "cannot be created" in err[0], err
