@@ -7,7 +7,9 @@ accumulating the parameter gradient), or nothing. Then every boundary whose send
 tick sends, one ``ppermute`` with the single pair per boundary and direction
 (:mod:`jaxcomp.pipeline._exchange`); the receiver consumes it in the next tick. Only the stages
 active in a tick are compiled into its switch, and only the boundaries active in it send, so
-bubble ticks send nothing and touch no state.
+bubble ticks send nothing and touch no state. Each stage's ops and each boundary's sends are
+traced once per program and inlined into every tick that runs them
+(:mod:`jaxcomp.pipeline._tick_ops`).
 """
 
 from __future__ import annotations
@@ -23,11 +25,10 @@ from jax import lax
 from jaxcomp._bits import move_as_bits
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
-from jaxcomp.pipeline import _exchange
 from jaxcomp.pipeline import _links
-from jaxcomp.pipeline import _prepare
 from jaxcomp.pipeline import _residuals
 from jaxcomp.pipeline import _schedule
+from jaxcomp.pipeline import _tick_ops
 
 F, B = _schedule.FORWARD, _schedule.BACKWARD
 
@@ -82,11 +83,11 @@ def _row(table: np.ndarray, t: Any) -> Any:
     return [int(v) for v in table[t]] if isinstance(t, int) else jnp.asarray(table)[t]
 
 
-def _branch(prog, plan, s: int | None, kinds: tuple, has_f: bool, has_b: bool):
-    """Stage ``s``'s op of one tick as a switch branch, with the tick's uniform output type."""
+def _branch(prog, plan, ops, s: int | None, kinds: tuple, has_f: bool, has_b: bool):
+    """Stage ``s``'s op of one tick as a switch branch, with the tick's uniform output type
+    (``ops``: the program's :class:`~jaxcomp.pipeline._tick_ops.StageOps`)."""
     st, num, axes = prog.static, prog.num_stages, prog.axes
     res_struct = {} if plan is None else _res_struct(plan)
-    fns = prog.fns[s] if s is not None else None
     kind = kinds[s] if s is not None else None
 
     def outputs(
@@ -117,19 +118,14 @@ def _branch(prog, plan, s: int | None, kinds: tuple, has_f: bool, has_b: bool):
     def branch(local, x_in, acts, cotangents, ring, slot_b, lab_f, lab_b, model):
         if kind is None:
             return outputs(model=model)
-        params = st.layout.unpack_stage(s, local)
-        state = st.model_layout.unpack_stage(s, model)
         h = x_in if s == 0 else acts[s - 1]
         if kind == F and not prog.train:
-            y = fns.stage(params, state, h)
             if s < num - 1:
-                return outputs(ys=y)
-            loss, metrics = _prepare.split_loss(prog.loss_fn(y, lab_f))
-            metrics = jax.tree.map(lambda v: v.astype(jnp.float32), metrics)
-            return outputs(loss=loss.astype(jnp.float32), metrics=metrics, final=y)
+                return outputs(ys=ops.evaluate[s](local, model, h, lab_f))
+            loss, metrics, y = ops.evaluate[s](local, model, h, lab_f)
+            return outputs(loss=loss, metrics=metrics, final=y)
         if kind == F:
-            out, aux, res, new_state = _residuals.forward(plan, fns, s, params, h, lab_f, state)
-            new_model = st.model_layout.pack_stage(s, new_state)
+            out, aux, res, new_model = ops.forward[s](local, model, h, lab_f)
             if s < num - 1:
                 return outputs(ys=out, res=res, model=new_model)
             return outputs(res=res, loss=out, metrics=aux, model=new_model)
@@ -137,12 +133,11 @@ def _branch(prog, plan, s: int | None, kinds: tuple, has_f: bool, has_b: bool):
             ct = _local.to_varying(jnp.asarray(1.0 / prog.num_microbatches, jnp.float32), axes)
         else:
             ct = cotangents[s]
-        like = _zeros(st.inputs[s], axes)
         # the ring is only read in here: a row sliced out inside the branch costs no copy
         res_row = {g: lax.dynamic_index_in_dim(r, slot_b, 0, keepdims=False)
                    for g, r in ring.items()}  # fmt: skip
-        dp, dx = _residuals.backward(plan, fns, s, params, res_row, ct, like, lab_b, state)
-        return outputs(dxs=dx, dparams=st.layout.pack_stage(s, dp), model=model)
+        dparams, dx = ops.backward[s](local, model, res_row, ct, lab_b)
+        return outputs(dxs=dx, dparams=dparams, model=model)
 
     return branch
 
@@ -206,7 +201,7 @@ def _read_payload(masks, slots, struct, slot):
     return jax.tree.unflatten(jax.tree.structure(struct), leaves)
 
 
-def _tick(prog, plan, carry, t, kinds, local, x, labels, ids, key, tables):
+def _tick(prog, plan, ops, sends, carry, t, kinds, local, x, labels, ids, key, tables):
     st, num = prog.static, prog.num_stages
     stage = lax.axis_index(_mesh.STAGE)
     row_f, row_b = _row(tables[0], t), _row(tables[1], t)
@@ -215,8 +210,8 @@ def _tick(prog, plan, carry, t, kinds, local, x, labels, ids, key, tables):
 
     order = [s for s in range(num) if kinds[s] is not None]
     index = jnp.asarray([order.index(s) if s in order else len(order) for s in range(num)])
-    branches = [_branch(prog, plan, s, kinds, has_f, has_b) for s in order]
-    branches.append(_branch(prog, plan, None, kinds, has_f, has_b))
+    branches = [_branch(prog, plan, ops, s, kinds, has_f, has_b) for s in order]
+    branches.append(_branch(prog, plan, ops, None, kinds, has_f, has_b))
 
     static = isinstance(t, int)
     x_in = _take(x, (max(row_f[0], 0) if static else jnp.maximum(row_f[0], 0)))
@@ -251,12 +246,12 @@ def _tick(prog, plan, carry, t, kinds, local, x, labels, ids, key, tables):
     acts, cotangents = list(carry.acts), list(carry.cotangents)
     states, masks = carry.states, carry.masks
     for b, lk in enumerate(prog.links):
-        wire = _exchange.Wire(stage == b, stage == b + 1, _move(b), False)
+        ends = (stage == b, stage == b + 1)
         if kinds[b] == F:
             m = row_f[b]
-            acts[b], states, payloads = _exchange.send_forward(
-                lk, b, out["ys"][b], states, st.state_layout, _links.link_key(key, b, m),
-                None if ids is None else _take(ids, m), wire, prog.compress,
+            acts[b], states, payloads = sends.forward[b](
+                out["ys"][b], states, _links.link_key(key, b, m),
+                None if ids is None else _take(ids, m), *ends,
             )  # fmt: skip
             if payloads[0] is not None and prog.train:
                 sender, receiver = _mask_refs(prog, b)
@@ -272,10 +267,9 @@ def _tick(prog, plan, carry, t, kinds, local, x, labels, ids, key, tables):
                     _read_payload(masks, sender, struct, m % slots),
                     _read_payload(masks, receiver, struct, m % slots),
                 )
-            cotangents[b], states = _exchange.send_backward(
-                lk, b, out["dxs"][b], states, st.state_layout, payloads,
-                _links.link_key(key, b, m), None if ids is None else _take(ids, m), wire,
-                prog.compress,
+            cotangents[b], states = sends.backward[b](
+                out["dxs"][b], states, payloads, _links.link_key(key, b, m),
+                None if ids is None else _take(ids, m), *ends,
             )  # fmt: skip
     return Carry(
         tuple(acts), tuple(cotangents), residuals, masks, grads, states, loss, metrics, outputs,
@@ -347,8 +341,11 @@ def run(prog: Program, local, x, labels, ids, key, states, model=None) -> Carry:
     )
     carry = _local.to_varying(carry, axes)
 
+    # each stage's ops and each boundary's sends traced once, for every tick
+    ops, sends = _tick_ops.stage_ops(prog, plan), _tick_ops.link_ops(prog, _move)
+
     def tick(c, t, kinds):
-        return _tick(prog, plan, c, t, kinds, local, x, labels, ids, key, tables)
+        return _tick(prog, plan, ops, sends, c, t, kinds, local, x, labels, ids, key, tables)
 
     for seg in _schedule.segments(prog.schedule, num, m_, prog.train):
         if seg.length == seg.period:
