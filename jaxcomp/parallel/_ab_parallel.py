@@ -8,6 +8,7 @@ the compiled programs of :mod:`._ab_programs` in the order the step index asks f
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -216,12 +217,14 @@ def ab_data_parallel(
     )
     split = NamedSharding(mesh, P(axes))
     state_axes = config.state_axes(mesh)
+    # one jit for every call: compile_all compiles it beside the step programs
+    init_opt = jax.jit(functools.partial(init_state, config))
 
     def init(params, model_state=()):
         if jax.tree.leaves(model_state) and not has_state:
             raise ValueError("a model_state was given to an ab_data_parallel built without "
                              "has_state.")  # fmt: skip
-        opt = jax.jit(lambda p: init_state(config, p))(params)
+        opt = init_opt(params)
         # from the host: a fresh buffer, and no eager op to compile (jnp.zeros and the copy
         # in _driver.replicate compiled three tiny programs)
         step0 = jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, P()))
@@ -256,6 +259,9 @@ def ab_data_parallel(
         return jax.tree.map(lambda x: x.sharding, abstract_state(params, model_state))
 
     def compile_all(state, batch, also=None):
+        # the factors' init too, for the unstacked parameters init() is given
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
+        also = {"init_opt": init_opt.lower(params), **(also or {})}
         return programs.compile_all(state, shard_abstract(batch), also)
 
     def shard_abstract(batch):
