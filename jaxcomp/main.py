@@ -21,8 +21,9 @@ talk over gloo.
 ``DIR`` (JAX's persistent compilation cache, :func:`enable_compile_cache`), so a later run of
 the same programs loads them instead of compiling: setup before step 1 is mostly compilation
 (``configs/digits_ab.py`` on 2 cores: step 1 at 5.5-8.0 s cold, 2.6-3.4 s warm), and a rerun,
-a resumed run or a sweep over seeds skips it. A damaged entry is compiled again (JAX warns), never loaded. The
-cache's keys include its directory's path, so a moved or copied cache compiles afresh.
+a resumed run or a sweep over seeds skips it. A damaged entry is compiled again (JAX warns),
+never loaded. The cache's keys include its directory's path, so a moved or copied cache
+compiles afresh.
 
 The config file is loaded as ml_collections' ``config_flags`` does (``path.py:arg`` calls
 ``get_config(arg)``); ``arg`` must be one the file accepts: its ``ARGS`` tuple, by default
