@@ -72,6 +72,8 @@ def _atomic_cache_writes():
     lru_cache.LRUCache.put = atomic_put
 
 
+# a developer's own `--compile_cache` default must not leak into the CLI calls of the tests
+os.environ.pop("JAXCOMP_COMPILE_CACHE", None)
 _CACHE_DIR, _OWNS_CACHE = _compilation_cache_dir()
 if _CACHE_DIR and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
