@@ -24,6 +24,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp._finite import all_finite as all_finite
+
 
 def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     """Copies of ``tree``'s leaves, replicated on ``mesh``.
@@ -89,57 +91,6 @@ def stateful_loss(loss_fn: Callable[..., Any], has_aux: bool, has_state: bool) -
         return (out[0], (out[1], model_state)) if has_aux else (out, (None, model_state))
 
     return fn
-
-
-#: The most elements :func:`all_finite` concatenates into one vector (4 MiB of ``float32``).
-FINITE_GROUP_SIZE = 1 << 20
-
-
-def _groups(leaves: list[jax.Array]) -> list[list[jax.Array]]:
-    """``leaves`` in groups of one dtype and at most :data:`FINITE_GROUP_SIZE` elements (a
-    larger leaf alone), in order."""
-    groups: list[list[jax.Array]] = []
-    open_: dict[Any, tuple[list[jax.Array], int]] = {}
-    for x in leaves:
-        if x.size >= FINITE_GROUP_SIZE:
-            groups.append([x])
-            continue
-        group, size = open_.get(x.dtype, (None, 0))
-        if group is None or size + x.size > FINITE_GROUP_SIZE:
-            group, size = [], 0
-            groups.append(group)
-        group.append(x)
-        open_[x.dtype] = (group, size + x.size)
-    return groups
-
-
-def all_finite(tree: Any, *scalars: jax.Array) -> jax.Array:
-    r"""``int32[]`` 1 if every inexact leaf of ``tree`` (one worker's view) and every scalar is
-    finite, else 0. Inside ``shard_map`` it is this worker's flag: no collective is added.
-
-    The leaves are tested in groups of one dtype, each as one vector ``v`` (their
-    concatenation), by :math:`\sum_i 0 \cdot v_i`: each term is a zero for a finite element
-    and NaN for an infinite or NaN one, so the sum is exactly zero (no rounding, no overflow)
-    unless some element is not finite. A test per leaf compiled to about three kernels per
-    leaf on XLA:CPU (the elementwise test, the reduction split in two by its tree-reduction
-    rewrite), half the AB programs' fusions; a group costs a few (the digits AB programs, one
-    group each, compiled 24% faster, 2026-12-02). The values are concatenated, not per-leaf
-    flags: XLA splits the reduction of a concatenation back into one per operand. A group
-    holds at most :data:`FINITE_GROUP_SIZE` elements (a larger leaf is tested alone), so the
-    concatenation, a temporary, stays far below the 32 MiB past which glibc hands XLA fresh
-    pages on every call.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> int(all_finite({"w": jnp.ones(3), "n": jnp.arange(2)}, jnp.float32(jnp.inf)))
-      0
-    """
-    leaves = [x for x in jax.tree.leaves((tree, scalars)) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    if not leaves:
-        return jnp.ones((), jnp.int32)
-    groups = [[jnp.ravel(x) for x in group] for group in _groups(leaves)]
-    zeros = [jnp.sum(jnp.concatenate(g) * 0) for g in groups]  # 0, or NaN
-    return jnp.stack([jnp.isfinite(z) for z in zeros]).all().astype(jnp.int32)
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:

@@ -84,7 +84,7 @@ def build_dense(
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new, finite = _mode.commit_if_finite(
-            DenseState(params, model_state, opt_state), state, loss, grads
+            DenseState(params, model_state, opt_state), state, loss, grads, replicated=True
         )
         metrics = {
             "loss": loss,

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxcomp import _finite
 from jaxcomp import _init_program
 from jaxcomp.models import _staged
 
@@ -81,12 +82,13 @@ def jit_init(fn: Callable, **jit_kwargs: Any) -> Callable:
     return _init_program.jit_split_init(fn, **jit_kwargs)
 
 
-def all_finite(*trees: Any) -> jax.Array:
-    """True iff every leaf of every tree is finite (a scalar bool)."""
-    leaves = [x for t in trees for x in jax.tree.leaves(t) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    if not leaves:
-        return jnp.array(True)
-    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+def all_finite(*trees: Any, replicated: bool = False) -> jax.Array:
+    """True iff every leaf of every tree is finite (a scalar bool).
+
+    ``replicated``: every leaf is replicated, so the leaves are tested in a few concatenated
+    groups instead of one by one (:func:`jaxcomp._finite.all_finite_global`).
+    """
+    return _finite.all_finite_global(*trees, replicated=replicated)
 
 
 def keep_if_finite(finite: jax.Array, new: Any, old: Any) -> Any:
@@ -94,7 +96,9 @@ def keep_if_finite(finite: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
-def commit_if_finite(new: Any, old: Any, *computed: Any) -> tuple[Any, jax.Array]:
+def commit_if_finite(
+    new: Any, old: Any, *computed: Any, replicated: bool = False
+) -> tuple[Any, jax.Array]:
     """The state a step commits: ``new`` if it and ``computed`` are finite, else ``old``.
 
     Every mode's step ends with it, so a step whose loss or gradients (``computed``) or whose
@@ -105,6 +109,8 @@ def commit_if_finite(new: Any, old: Any, *computed: Any) -> tuple[Any, jax.Array
       new: the state after the step.
       old: the state before it (same structure).
       *computed: values the step computed on the way (loss, gradients).
+      replicated: every leaf of ``new`` and ``computed`` is replicated over the mesh (the
+        dense mode): the test compiles to a few kernels instead of about three per leaf.
 
     Returns:
       ``(state, finite)``: the committed state and the scalar bool.
@@ -115,7 +121,7 @@ def commit_if_finite(new: Any, old: Any, *computed: Any) -> tuple[Any, jax.Array
       >>> bool(finite), state["w"].tolist()
       (False, [1.0, 1.0])
     """
-    finite = all_finite(new, *computed)
+    finite = all_finite(new, *computed, replicated=replicated)
     return keep_if_finite(finite, new, old), finite
 
 

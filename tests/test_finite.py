@@ -1,11 +1,15 @@
-"""The per-worker finiteness flag of the parallel driver (``_driver.all_finite``).
+"""The finiteness flags of :mod:`jaxcomp._finite`: per worker (``all_finite``, the parallel
+drivers') and over a global-view state (``all_finite_global``, the trainer's modes).
 
-It sums ``0 * x`` over the leaves of each dtype, concatenated; these tests hold it to the
-per-leaf reference (``np.isfinite(leaf).all()`` for every inexact leaf) at the edges (NaN,
-infinities, the largest finite values, subnormals, signed zeros, bf16/f16, empty leaves,
-scalars, int leaves ignored), in every context it runs in (eager, jit, shard_map with a flag
-per worker), and pin the compiled form: a few reductions, whatever the number of leaves.
+``all_finite`` sums ``0 * x`` over the leaves of each dtype, concatenated; these tests hold it
+(and ``all_finite_global``) to the per-leaf reference (``np.isfinite(leaf).all()`` for every
+inexact leaf) at the edges (NaN, infinities, the largest finite values, subnormals, signed
+zeros, bf16/f16, empty leaves, scalars, int leaves ignored), in every context it runs in
+(eager, jit, shard_map with a flag per worker, a state placed on a mesh), and pin the compiled
+form: a few reductions, whatever the number of leaves.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp.parallel import _driver
+from jaxcomp import _finite
 
 EDGES = [np.nan, np.inf, -np.inf]
 FINITE_EDGES = [0.0, -0.0, 1e-10, -1e-10, 1e6, -1e6, 3.0e38, -3.0e38, 1e-45]
@@ -58,22 +62,26 @@ def test_matches_the_per_leaf_reference_eager_and_jit(leaf, value, pos):
     tree = _tree(np.random.default_rng(0), leaf, value, pos)
     want = _reference(tree)
     assert want == (1 if leaf is None else 0)  # the case is real
-    assert int(_driver.all_finite(tree)) == want
-    assert int(jax.jit(_driver.all_finite)(tree)) == want
+    assert int(_finite.all_finite(tree)) == want
+    assert int(jax.jit(_finite.all_finite)(tree)) == want
+    for replicated in (True, False):
+        check = functools.partial(_finite.all_finite_global, replicated=replicated)
+        assert bool(check(tree)) == bool(want)
+        assert bool(jax.jit(check)(tree["f"], tree)) == bool(want)
 
 
 @pytest.mark.parametrize("value", EDGES)
 def test_a_scalar_alone_decides(value):
     tree = _tree(np.random.default_rng(1))
-    assert int(jax.jit(_driver.all_finite)(tree, jnp.float32(1e6))) == 1
-    assert int(jax.jit(_driver.all_finite)(tree, jnp.float32(1e6), jnp.float32(value))) == 0
+    assert int(jax.jit(_finite.all_finite)(tree, jnp.float32(1e6))) == 1
+    assert int(jax.jit(_finite.all_finite)(tree, jnp.float32(1e6), jnp.float32(value))) == 0
 
 
 def test_no_inexact_leaf_is_finite():
-    assert int(_driver.all_finite(())) == 1
-    assert int(_driver.all_finite({"n": jnp.arange(3)})) == 1
-    assert int(jax.jit(_driver.all_finite)({"e": jnp.zeros((0,))})) == 1
-    assert _driver.all_finite(()).dtype == jnp.int32
+    assert int(_finite.all_finite(())) == 1
+    assert int(_finite.all_finite({"n": jnp.arange(3)})) == 1
+    assert int(jax.jit(_finite.all_finite)({"e": jnp.zeros((0,))})) == 1
+    assert _finite.all_finite(()).dtype == jnp.int32
 
 
 def test_one_flag_per_worker_in_shard_map_without_a_collective():
@@ -86,7 +94,7 @@ def test_one_flag_per_worker_in_shard_map_without_a_collective():
     a[3] = 3.0e38
 
     def body(a, b, s):
-        return _driver.all_finite({"a": a, "b": (b,)}, s)[None]
+        return _finite.all_finite({"a": a, "b": (b,)}, s)[None]
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("w"), P("w"), P()), out_specs=P("w")))
     shard = NamedSharding(mesh, P("w"))
@@ -100,12 +108,12 @@ def test_one_flag_per_worker_in_shard_map_without_a_collective():
 @pytest.mark.parametrize("leaf", [0, 1, 2, 3, 4])
 def test_groups_past_the_size_limit(leaf):
     # one leaf larger than a group (tested alone), several that fill more than one group
-    n = _driver.FINITE_GROUP_SIZE
+    n = _finite.FINITE_GROUP_SIZE
     sizes = [n + 5, n // 2, n // 2 + 1, n // 2, 11]  # groups: [0], [1], [2], [3, 4]
     rng = np.random.default_rng(3)
     tree = [rng.standard_normal(k).astype(np.float32) for k in sizes]
-    assert len(_driver._groups([jnp.asarray(x) for x in tree])) == 4
-    f = jax.jit(_driver.all_finite)
+    assert len(_finite._groups([jnp.asarray(x) for x in tree])) == 4
+    f = jax.jit(_finite.all_finite)
     assert int(f(tree)) == 1
     tree[leaf][-1] = np.nan
     assert int(f(tree)) == 0
@@ -119,7 +127,7 @@ def test_the_temporary_stays_small_for_a_large_state():
 
     def step(p):
         new = jax.tree.map(lambda x: x * 2.0 - 1.0, p)
-        return new, _driver.all_finite(new)
+        return new, _finite.all_finite(new)
 
     temp = jax.jit(step).lower(ps).compile().memory_analysis().temp_size_in_bytes
     assert temp <= 16 * 2**20
@@ -128,7 +136,7 @@ def test_the_temporary_stays_small_for_a_large_state():
 def _reductions(n_leaves: int) -> int:
     shapes = [(64 * (i + 1), 256) for i in range(n_leaves)]
     tree = [jnp.ones(s, jnp.float32) for s in shapes] + [jnp.ones((4,), jnp.bfloat16)]
-    text = jax.jit(_driver.all_finite).lower(tree).compile().as_text()
+    text = jax.jit(_finite.all_finite).lower(tree).compile().as_text()
     return sum(" reduce(" in line or "reduce-window(" in line for line in text.splitlines())
 
 
@@ -143,5 +151,26 @@ def test_complex_leaves_either_part(value):
     ok = np.asarray([1 + 2j, 3e38 - 3e38j, 0j], np.complex64)
     bad = ok.copy()
     bad[1] = value
-    assert int(jax.jit(_driver.all_finite)({"c": ok, "r": jnp.ones(3)})) == 1
-    assert int(jax.jit(_driver.all_finite)({"c": bad, "r": jnp.ones(3)})) == 0
+    assert int(jax.jit(_finite.all_finite)({"c": ok, "r": jnp.ones(3)})) == 1
+    assert int(jax.jit(_finite.all_finite)({"c": bad, "r": jnp.ones(3)})) == 0
+
+
+def test_global_flag_over_a_placed_state_without_resharding():
+    # replicated leaves (the dense mode's state): tested in groups, no collective at all;
+    # sharded leaves: one test each, a bad element in any shard found
+    mesh = jax.make_mesh((8,), ("w",), devices=jax.devices()[:8])
+    rng = np.random.default_rng(4)
+    tree = {"a": rng.standard_normal((16, 8)).astype(np.float32), "b": np.ones(5, np.float32)}
+    rep = jax.device_put(tree, NamedSharding(mesh, P()))
+    grouped = jax.jit(functools.partial(_finite.all_finite_global, replicated=True))
+    text = grouped.lower(rep).compile().as_text()
+    assert not any(op in text for op in ("all-reduce", "all-gather", "all-to-all"))
+    assert bool(grouped(rep))
+    bad = dict(tree, a=tree["a"].copy())
+    bad["a"][13, 2] = np.inf  # in the 7th of 8 shards
+    assert not bool(grouped(jax.device_put(bad, NamedSharding(mesh, P()))))
+    shard = {"a": NamedSharding(mesh, P("w")), "b": NamedSharding(mesh, P())}
+    per_leaf = jax.jit(_finite.all_finite_global)
+    assert bool(per_leaf(jax.device_put(tree, shard)))
+    assert not bool(per_leaf(jax.device_put(bad, shard)))
+    assert "all-gather" not in per_leaf.lower(jax.device_put(tree, shard)).compile().as_text()
