@@ -40,7 +40,8 @@ def after(x: jax.Array, deps: Any) -> jax.Array:
 
     Uses: for a scalar ``x``, a value of its own for each payload (a zero broadcast that
     several scatters share is copied once per scatter by XLA:CPU); a collective moved to the
-    end of a step (AB-Training's loss mean, after the new parameters). The select is one
+    end of a step (AB-Training's loss mean, after the new parameters); error feedback's
+    ``c - echo`` written over ``c``, after the mean (fused into that pass). The select is one
     elementwise pass over ``x``, in place: to order a scatter into a large array after the
     reads of it, make the array with :func:`computed_once` instead (no pass). The values (NaN,
     -0.0 too) are ``x``'s (were the flag ever false, every value would be NaN; 0 for

@@ -95,10 +95,16 @@ def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compen
             e_new = decayed(kept[None], decay).astype(e.dtype)
         else:
             # c - echo in one pass fused with the echo's decoding, in the [1, ...] layout (PowerSGD:
-            # c - echo formed on c's [...] view made XLA:CPU copy the residual and redo x + e)
-            corrected = x[None] + residual
-            mean, echo, aux = run(corrected[0])
-            e_new = new_residual(corrected, echo[None], decay).astype(e.dtype)
+            # c - echo formed on c's [...] view made XLA:CPU copy the residual and redo x + e).
+            # c is written once, into the residual's buffer (computed_once), and c - echo over it
+            # in place: fused into its readers, c took a buffer of its own (PowerSGD + EF: an 8
+            # MiB temporary per leaf of the bench, freshly faulted each call). The pass is ordered
+            # after the mean (a select on a flag read from it, fused into the pass), which follows
+            # every reader of c (the payload crossed the reduction): unordered, XLA:CPU copied the
+            # residual at entry rather than overwrite c under a reader (quantize's encode)
+            c = _order.computed_once(lambda e, x: x[None] + e, residual, x)
+            mean, echo, aux = run(c[0])
+            e_new = _order.after(new_residual(c, echo[None], decay), mean).astype(e.dtype)
         memory = ErrorFeedbackMemory(_protocol.per_worker(e_new, axis_name, stacked=True))
         return mean, echo, memory, aux
 
