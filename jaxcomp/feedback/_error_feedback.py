@@ -84,6 +84,9 @@ def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compen
         _channel.check_buffer(e, x, False, residual_dtype is None, name)
         # in the per-worker layout [1, ...]: XLA then updates the (donated) residual in place
         residual = memory.residual.value.astype(x.dtype)
+        # varying as x under shard_map (a state made inside the body is not): the loop carry
+        # of computed_once takes x + e's type
+        residual = _protocol.to_varying(residual, _protocol.varying_axes(x))
         if in_place:
             # c - echo made by the protocol: TopK subtracts its kept values from c in place.
             # c is written once, into the residual's buffer, and read there by the compression
