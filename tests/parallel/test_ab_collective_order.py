@@ -60,7 +60,11 @@ def _loss_positions(order: list[str]) -> tuple[list[int], list[int]]:
     means = [i for i, op in enumerate(order)
              if " all-reduce(" in op and "replica_groups={{0,1,2,3}}" in op and scalar.match(op)
              and "f32[]" in op.split(" all-reduce(")[0]]  # fmt: skip
-    others = [i for i, op in enumerate(order) if " conditional(" in op or not scalar.match(op)]
+    # the finiteness check's cond (an int32 flag, no collective) reads the loss: it comes last
+    check = [i for i, op in enumerate(order) if re.search(r"= \(s32\[\]\S*\) conditional\(", op)]
+    assert len(check) <= 1 and all(i == len(order) - 1 for i in check), order
+    others = [i for i, op in enumerate(order)
+              if i not in check and (" conditional(" in op or not scalar.match(op))]  # fmt: skip
     return means, others
 
 

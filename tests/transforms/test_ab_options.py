@@ -84,9 +84,11 @@ def test_flat_groups_reduce_in_rings_within_each_role_with_no_branch():
     assert reports["b"].total_bytes == compressors.wire_bytes(state.b) + other
     assert {r.kind for r in reports["a"].records} == {"collective-permute"}
     # the harness's AB program: the role is never a branch on the flat layout; its one
-    # conditional is the sync at a cycle's last AB step (``reconstruct_or_sync``)
+    # conditional is the sync at a cycle's last AB step (``reconstruct_or_sync``), beside the
+    # finiteness check's (an int32 flag, no collective)
     text = _ab_program_text(config, mesh)
-    assert text.count(" conditional(") == 1
+    assert text.count(" conditional(") == 2
+    assert text.count(" = (s32[]) conditional(") == 1
     assert "ab_role_a" in text and "ab_role_b" in text and "ab_sync" in text
 
 
