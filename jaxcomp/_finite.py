@@ -43,7 +43,8 @@ def _groups(leaves: list[jax.Array]) -> list[list[jax.Array]]:
     return groups
 
 
-def _inexact(trees: Any) -> list[jax.Array]:
+def inexact_leaves(trees: Any) -> list[jax.Array]:
+    """The floating and complex leaves of ``trees``, the ones a finiteness flag tests."""
     return [x for x in jax.tree.leaves(trees) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
@@ -77,7 +78,7 @@ def all_finite(tree: Any, *scalars: jax.Array) -> jax.Array:
       >>> int(all_finite({"w": jnp.ones(3), "n": jnp.arange(2)}, jnp.float32(jnp.inf)))
       0
     """
-    leaves = _inexact((tree, scalars))
+    leaves = inexact_leaves((tree, scalars))
     if not leaves:
         return jnp.ones((), jnp.int32)
     return _grouped(leaves).astype(jnp.int32)
@@ -100,7 +101,7 @@ def all_finite_global(*trees: Any, replicated: bool = False) -> jax.Array:
       >>> bool(all_finite_global({"w": jnp.ones(3)}, jnp.float32(jnp.nan), replicated=True))
       False
     """
-    leaves = _inexact(trees)
+    leaves = inexact_leaves(trees)
     if not leaves:
         return jnp.array(True)
     if replicated:

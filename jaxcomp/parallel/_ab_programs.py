@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _compile
+from jaxcomp import _finite
 from jaxcomp import _order
 from jaxcomp.comm import local_value_and_grad
 from jaxcomp.comm import to_varying
@@ -330,17 +331,14 @@ def _finite_as_written(tree, scalars: tuple) -> jax.Array:
     (always true, so not folded; no collective inside, so the flag may vary over the
     workers), the check reads the leaves as operands, computed once: what the state holds.
     """
-    inexact = [x for x in jax.tree.leaves((tree, scalars)) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    inexact = _finite.inexact_leaves((tree, scalars))
     first = [x for x in inexact if x.size][:1]
     if not first or not jax.tree.leaves(tree):  # nothing written to read twice
         return _driver.all_finite(tree, *scalars)
     take = _order.after(jnp.ones((), jnp.int32), first) == 1
     # the flag varies where the leaves it reads do
     never = to_varying(jnp.zeros((), jnp.int32), sorted(set().union(*map(varying_axes, inexact))))
-
-    def check(tree, scalars):
-        return _driver.all_finite(tree, *scalars)
-
+    check = lambda tree, scalars: _driver.all_finite(tree, *scalars)  # noqa: E731
     return lax.cond(take, check, lambda *_: never, tree, scalars)  # never takes the second
 
 
