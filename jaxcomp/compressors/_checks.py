@@ -79,6 +79,30 @@ def leading_absmax(a: jax.Array) -> jax.Array:
     return a[0]
 
 
+TENSOR_FOLD_ROWS = 8  # tensor_absmax's rows: XLA:CPU fuses 3 folds into one pass, 4 do not
+
+
+def tensor_absmax(x: jax.Array) -> jax.Array:
+    """``max(|x|)`` over every entry, ``+inf`` if ``x`` holds a NaN; one read of a large ``x``.
+
+    The entries are folded as ``TENSOR_FOLD_ROWS`` rows (:func:`leading_absmax`: one fused,
+    vectorised pass that keeps NaN in its column; the few entries past the last full row are
+    reduced apart), and the max and the NaN test read the folded row only. A max reduction and
+    :func:`has_nan`'s sum read ``x`` twice (2.2 ms for 4M floats vs 1.1 ms folded, 2026-12-02;
+    a variadic max-and-sum reduce is not vectorised: 3.0 ms). Exact: a sum of magnitudes
+    overflows to ``+inf`` at worst, never to NaN, so a finite ``x`` gets its absmax however
+    large (``has_nan(x)`` is true for a finite ``x`` whose sum overflows both ways).
+    """
+    a = jnp.abs(x).reshape(-1)
+    m = a.size // TENSOR_FOLD_ROWS
+    if m < FOLD_MIN_FEATURES:
+        return jnp.where(has_nan(a), jnp.inf, jnp.max(a, initial=0.0))
+    folded = leading_absmax(a[: TENSOR_FOLD_ROWS * m].reshape(TENSOR_FOLD_ROWS, m))
+    tail = a[TENSOR_FOLD_ROWS * m :]
+    top = jnp.maximum(jnp.max(folded), jnp.max(tail, initial=0.0))
+    return jnp.where(has_nan(folded) | has_nan(tail), jnp.inf, top)
+
+
 def pow2_inverse(amax: jax.Array) -> jax.Array:
     """``2**-e`` for ``amax = m * 2**e``, ``m`` in ``[0.5, 1)``: multiplying by it is exact.
 

@@ -226,11 +226,12 @@ def quantize(
             absmax = _checks.leading_absmax(jnp.abs(xf).reshape(rows, -1))
             absmax = absmax.reshape(xf.shape[len(red) :])
             absmax = jnp.where(jnp.any(jnp.isnan(absmax)), jnp.inf, absmax)
+        elif not red:  # per tensor: NaN makes the scale inf, in one read of a large xf
+            absmax = _checks.tensor_absmax(xf)
         else:
-            absmax = jnp.max(jnp.abs(xf), axis=red or None, initial=0.0)  # Inf: its group's
-            # NaN: every scale inf (feature: exactly NaN, as the folds, whatever the shape)
-            nan = _checks.has_nan(jnp.abs(xf) if scale == "feature" else xf)
-            absmax = jnp.where(nan, jnp.inf, absmax)
+            absmax = jnp.max(jnp.abs(xf), axis=red, initial=0.0)  # Inf: its group's
+            # NaN: every scale inf (exactly NaN, as the folds, whatever the shape)
+            absmax = jnp.where(_checks.has_nan(jnp.abs(xf)), jnp.inf, absmax)
         s = _outwards(absmax, scale_dtype, True)
         s32 = jnp.expand_dims(s.astype(jnp.float32), red)
         v = xf / jnp.where(s32 > 0, s32, 1.0) * half

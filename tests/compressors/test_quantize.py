@@ -107,6 +107,43 @@ def test_feature_scale_is_the_exact_absmax_on_every_path(shape, axes, bad):
     assert not np.isfinite(y[~ok]).any()
 
 
+# the per-tensor scale's paths: below the fold threshold, sizes that 8 rows do not divide (one
+# max reduction and a NaN test), and leaves folded as 8 rows (the absmax and NaN in one pass)
+TENSOR_PATHS = [(7,), (2047,), (3, 1001), (2048,), (24, 1024)]
+
+
+@pytest.mark.parametrize(
+    "bad", ["none", "zeros", "nan_first", "nan_last", "inf_both_signs", "huge_both_signs"]
+)
+@pytest.mark.parametrize("shape", TENSOR_PATHS, ids=str)
+def test_tensor_scale_is_the_exact_absmax_on_every_path(shape, bad):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-30, 30, shape)
+    flat = x.reshape(-1)
+    flat[flat.size // 3] = 7e35  # the max neither first nor last
+    if bad == "zeros":
+        x[...] = 0.0
+    elif bad == "nan_first":
+        flat[0] = np.nan
+    elif bad == "nan_last":
+        flat[-1] = np.nan
+    elif bad == "inf_both_signs":
+        flat[0], flat[-1] = np.inf, -np.inf
+    elif bad == "huge_both_signs":  # finite, but a float32 sum overflows to +inf and to -inf
+        flat[: flat.size // 2] = 5e37  # (below 2**126: 1 / scale must stay a normal float)
+        flat[flat.size // 2 :] = -5e37
+    x = x.astype(np.float32)
+    codec = compressors.quantize(8, scale_dtype=jnp.float32)
+    payload, y = jax.jit(lambda x: roundtrip(codec, x))(jnp.asarray(x))
+    expect = np.inf if np.isnan(x).any() else np.abs(x).max()
+    np.testing.assert_array_equal(scales(payload), expect)
+    y = np.asarray(y, np.float64)
+    if np.isfinite(expect):
+        assert np.all(np.abs(y - x) <= expect / 128 * (1 + 1e-6))
+    else:  # a NaN or an Inf: every entry decodes non-finite
+        assert not np.isfinite(y).any()
+
+
 def test_feature_scale_over_batch_and_sequence():
     x = jax.random.normal(KEY, (2, 3, 5))
     payload, y = roundtrip(compressors.quantize(8, scale="feature", axes=(0, 1)), x)
