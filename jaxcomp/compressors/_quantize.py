@@ -97,6 +97,20 @@ def _outwards(s: jax.Array, dtype: np.dtype, up: bool) -> jax.Array:
     return jnp.where(short, jnp.nextafter(w, jnp.asarray(np.inf if up else -np.inf, dtype)), w)
 
 
+_SHRINK_ABOVE = 2.0**64
+
+
+def _shrink(s: jax.Array) -> jax.Array:
+    """``2**-64`` where a scale ``s`` exceeds ``2**64``, else 1: ``x * k / (s * k)`` is ``x / s``.
+
+    XLA:CPU computes ``x / s`` as ``x * (1 / s)`` and flushes subnormals to zero, so for a scale
+    above ``2**126`` (inputs near ``1e38``) the reciprocal is 0 and every code the midpoint.
+    Scaling both by a power of two is exact (an ``x`` that underflows is below the code's
+    resolution by ``2**60`` and more); at ``s <= 2**64`` it multiplies by 1, bit-identically.
+    """
+    return jnp.where(s > _SHRINK_ABOVE, 1.0 / _SHRINK_ABOVE, 1.0).astype(jnp.float32)
+
+
 def _wire_dtype(scale_dtype: np.dtype) -> np.dtype:
     return np.dtype(jnp.uint16) if scale_dtype == np.dtype(jnp.bfloat16) else scale_dtype
 
@@ -212,11 +226,13 @@ def quantize(
                 return xf, jnp.zeros((2,), wire_dtype)
             # a NaN makes hi = inf, so every entry decodes non-finite
             lo = _outwards(jnp.min(xf), scale_dtype, False)
-            hi = jnp.where(_checks.has_nan(xf), jnp.inf, jnp.max(xf))
+            # |x|: a finite x whose sum overflows both ways is not taken for a NaN
+            hi = jnp.where(_checks.has_nan(jnp.abs(xf)), jnp.inf, jnp.max(xf))
             hi = _outwards(hi, scale_dtype, True)
             lo32, hi32 = lo.astype(jnp.float32), hi.astype(jnp.float32)
-            span = hi32 - lo32
-            v = (xf - lo32) / jnp.where(span > 0, span, 1.0) * levels
+            k = _shrink(jnp.maximum(jnp.abs(lo32), jnp.abs(hi32)))
+            span = hi32 * k - lo32 * k  # finite for every finite lo, hi
+            v = (xf * k - lo32 * k) / jnp.where(span > 0, span, 1.0) * levels
             codes = jnp.clip(_rounded(v, key, stochastic), 0.0, levels)
             return codes, _to_wire(jnp.stack([lo, hi]))
         red = () if scale == "tensor" else feature_axes(x.ndim)
@@ -234,14 +250,20 @@ def quantize(
             absmax = jnp.where(_checks.has_nan(jnp.abs(xf)), jnp.inf, absmax)
         s = _outwards(absmax, scale_dtype, True)
         s32 = jnp.expand_dims(s.astype(jnp.float32), red)
-        v = xf / jnp.where(s32 > 0, s32, 1.0) * half
+        k = _shrink(s32)
+        v = xf * k / jnp.where(s32 > 0, s32 * k, 1.0) * half
         codes = jnp.clip(_rounded(v, key, stochastic), -half, half - 1.0) + half
         return codes, _to_wire(s)
 
     def decode(q, s, shape, dtype):
         s = _from_wire(s)
         if scale == "minmax":
-            x_hat = q / levels * (s[1] - s[0]) + s[0]
+            span = s[1] - s[0]
+            t = q / levels
+            # lo and hi of opposite signs beyond 1.7e38: their span overflows, the
+            # interpolation between them does not
+            x_hat = jnp.where(jnp.isinf(span) & jnp.isfinite(s).all(),
+                              t * s[1] + (1.0 - t) * s[0], t * span + s[0])  # fmt: skip
         else:
             if scale == "feature":
                 s = jnp.expand_dims(s, feature_axes(len(shape)))
