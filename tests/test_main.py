@@ -58,6 +58,11 @@ def _env(devices):
     env.pop("XLA_FLAGS", None)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
+    # the runs compare bits with each other (same setting), two processes with one to a
+    # tolerance: compiled unoptimised (as the module-scoped ``fast_compiles`` does in-process),
+    # each CLI process compiles faster; the optimised CLI resume: tests/test_faults.py's
+    # test_sigterm_saves_and_exits_sigint_then_sigterm_aborts_and_the_resume_is_bit_identical
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     return env
 
 

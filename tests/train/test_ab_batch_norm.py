@@ -39,6 +39,19 @@ def _config(make_config, mode="ab", **options):
     return c
 
 
+def _two_groups(config):
+    """2 groups of 2: warm-up (step 0), exact factorisation, AB steps, a sync every 2 steps.
+    The per-worker setups of :func:`runs`, the evaluation and the resume share these options,
+    so they share their compiled programs (one compile of the AB step kinds for the three)."""
+    options = {k: v for k, v in config.ab.items() if k not in DEFAULT_AB}
+    config.ab = dict(warmup_steps=1, sync_every=2, full_rank_steps=1, group_size=2, inner="sgd",
+                     **options)  # fmt: skip
+    return config
+
+
+DEFAULT_AB = ("warmup_steps", "sync_every", "full_rank_steps", "group_size", "inner")
+
+
 def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
@@ -56,7 +69,7 @@ def runs(make_config):
     same) on the same batch."""
     setups = {
         "ab_sync": _trainer.setup(_config(make_config, sync_batch_stats=True)),
-        "ab_own": _trainer.setup(_config(make_config)),
+        "ab_own": _trainer.setup(_two_groups(_config(make_config))),  # step 0: warm-up
         "dp_sync": _trainer.setup(_config(make_config, "data_parallel", sync_batch_stats=True)),
         "dp_own": _trainer.setup(_config(make_config, "data_parallel")),
     }
@@ -99,7 +112,7 @@ def test_evaluation_uses_the_running_statistics(runs, make_config, eval_with):
     batch, r = runs
     s, _, new, _ = r["ab_own"]
     if eval_with == "mean":
-        s = _trainer.setup(_config(make_config, eval_batch_stats="mean"))
+        s = _trainer.setup(_two_groups(_config(make_config, eval_batch_stats="mean")))
 
     def pick(x):
         return np.asarray(x)[0] if eval_with == "worker0" else np.asarray(x).mean(0)
@@ -116,8 +129,7 @@ def test_evaluation_uses_the_running_statistics(runs, make_config, eval_with):
 
 def test_resume_across_a_sync_with_batchnorm_is_bit_identical(make_config, check_resume, tmp_path):
     # 2 groups of 2: warm-up, exact factorisation, AB steps, a sync (statistics averaged)
-    config = _config(make_config)
-    config.ab = dict(warmup_steps=1, sync_every=2, full_rank_steps=1, group_size=2, inner="sgd")
+    config = _two_groups(_config(make_config))
     config.total_steps, config.checkpoint_every, config.log_every, config.eval_every = 4, 2, 2, 2
     _, state = check_resume(config, tmp_path)
     paths = jax.tree_util.tree_flatten_with_path(state)[0]

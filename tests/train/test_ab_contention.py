@@ -28,11 +28,10 @@ REPO = pathlib.Path(__file__).parents[2]
 
 
 def test_ab_mode_trains_beside_a_cpu_busy_process_without_a_stall(tmp_path):
-    spin = "while True: pass"
-    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 2)]
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
         + " --xla_cpu_collective_call_warn_stuck_timeout_seconds=1",
     }
@@ -40,12 +39,30 @@ def test_ab_mode_trains_beside_a_cpu_busy_process_without_a_stall(tmp_path):
     # re-factorisation in turn: every program, three SVD transitions
     cmd = [sys.executable, "-m", "jaxcomp.main", "--config", "configs/digits_ab.py:smoke",
            "--workdir", str(tmp_path), "--set", "total_steps=6"]  # fmt: skip
-    try:
-        run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    finally:
-        for p in busy:
-            p.kill()
-            p.wait()
+    spin = "while True: pass"
+    busy, seen = [], []
+    # the stalls were at the steps' collectives: the busy processes start once the setup has
+    # compiled the steps (the description's last line, before the evaluation's compile and
+    # step 0), so that the compile does not share the cores with them (57 -> ~30 s here)
+    with open(tmp_path / "stderr.txt", "w+") as err:
+        run = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err,
+                               text=True)  # fmt: skip
+        try:
+            for line in run.stdout:
+                seen.append(line)
+                if not busy and line.startswith("  wire bytes/step"):
+                    busy = [subprocess.Popen([sys.executable, "-c", spin])
+                            for _ in range(os.cpu_count() or 2)]  # fmt: skip
+            run.wait(timeout=900)
+        finally:
+            run.kill()
+            for p in busy:
+                p.kill()
+                p.wait()
+        err.seek(0)
+        run.stderr = err.read()
+    assert busy, "".join(seen)[-2000:] + run.stderr[-2000:]  # they ran beside every step
+    assert "step 6/6" in "".join(seen), "".join(seen)[-2000:]
     assert run.returncode == 0, run.stderr[-4000:]
     stalls = [line for line in run.stderr.splitlines() if "may be stuck" in line]
     assert not stalls, stalls[:3]

@@ -19,6 +19,12 @@ from jaxcomp.models import _staged
 from jaxcomp.train import _mode
 from jaxcomp.train import _trainer
 
+#: tolerances against the single-device model, bytes from the lowered step, a resume
+#: bit-identical to a run of the same process and compile setting: no bit of XLA's optimised
+#: programs is pinned; compiled unoptimised, the ResNet setups compile faster (and the
+#: data-parallel ones are those of tests/train/test_ab_batch_norm.py: one cache entry each)
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 WORKERS, BATCH = 4, 16
 MODEL = dict(width=8, blocks=(1, 1), cuts=(), input_shape=(8, 8, 1), norm="batch")
 
