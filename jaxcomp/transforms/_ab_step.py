@@ -123,20 +123,11 @@ def dense_update(ctx: Ctx, grads, state: ABTrainingState, params, lr):
     return to_varying((ctx.layout.merge(pf, po), state), ctx.topo.state_axes)
 
 
-def _factor_step(ctx: Ctx, role: str, gm, other, lr, state: ABTrainingState, reduce, joint):
-    """One inner step on the factor ``role`` trains, its gradient reduced by ``reduce``.
-
-    ``other``: the squared norm of the non-factorised parameters' (reduced) gradients, or
-    with ``joint`` those gradients themselves, unreduced: ``reduce`` then averages them with
-    the factor's in one collective, and the step returns them reduced as well.
-    """
+def _factor_step(ctx: Ctx, role: str, gm, go_sq, lr, state: ABTrainingState, reduce):
+    """One inner step on the factor ``role`` trains, its gradient reduced by ``reduce``."""
     with jax.named_scope(f"ab_role_{role}"):
         grads = tuple(F.factor_grad(role, g, x, y) for g, x, y in zip(gm, state.a, state.b))
-        if joint:
-            grads, other = reduce((grads, other))  # one all-reduce for both
-            go_sq = sq_norm(other)
-        else:
-            grads, go_sq = reduce(grads), other
+        grads = reduce(grads)
         scale = clip_scale(ctx.cfg, sq_norm(grads) + go_sq)
         masks = [F.rank_mask(state.rank[i], x.shape[-1]) for i, x in enumerate(state.a)]
         if role == "a":
@@ -147,50 +138,32 @@ def _factor_step(ctx: Ctx, role: str, gm, other, lr, state: ABTrainingState, red
             b, b_state = inner_step(ctx.cfg, grads, state.b_state, state.b, lr, scale)
             b = tuple(y * m[:, None].astype(y.dtype) for y, m in zip(b, masks))
             state = state._replace(b=b, b_state=b_state)
-    reduced = (other,) if joint else ()
-    return to_varying((state, scale, *reduced), ctx.topo.state_axes)
+    return to_varying((state, scale), ctx.topo.state_axes)
 
 
-def _joint_reduction(ctx: Ctx) -> bool:
-    """Whether the non-factorised gradients' group mean runs in the role ``cond`` beside the
-    factor's (one all-reduce over the member axis instead of two collective points: every
-    device thread waits for the others at each one, and on CPU that wait is most of what an
-    AB step costs beyond a dense step's work)."""
-    cfg, topo = ctx.cfg, ctx.topo
-    return (topo.rectangular and topo.num_a > 0 and cfg.comm_setup == "groups"
-            and not cfg.reduce_dense_globally)  # fmt: skip
-
-
-def _train_factors(ctx: Ctx, gm, go, lr, state: ABTrainingState):
-    """Each worker trains its group's factor; returns the state, the clipping factor and the
-    non-factorised parameters' gradients, averaged as the config asks.
+def _train_factors(ctx: Ctx, gm, go_sq, lr, state: ABTrainingState):
+    """Each worker trains its group's factor; returns the state and the clipping factor.
 
     * ``only-b``: every group trains ``B`` (no branch);
     * ``individual``: no factor collective, the role is a ``cond``;
     * ``groups`` on a rectangular mesh: a ``cond`` on the role whose branches reduce over the
-      member axis (the predicate varies only over the group axis: see :mod:`._ab_topology`),
-      the factor's gradients and the non-factorised ones in one all-reduce
-      (:func:`_joint_reduction`);
+      member axis (the predicate varies only over the group axis: see :mod:`._ab_topology`);
     * ``groups`` on a flat axis: no branch; both factors' gradients are reduced, each by
       rings among its own role's workers only, and each worker keeps its role's result.
     """
     topo = ctx.topo
-    joint = _joint_reduction(ctx)
-    if not joint:
-        go = topo.all_mean(go) if ctx.cfg.reduce_dense_globally else topo.group_mean(go)
 
     def step(role, reduce):
         # only the factors and their moments go through a branch (and come out of it): the
         # rest of the state (the dense moments above all) is neither copied into a ``cond``
         # nor rewritten, so a program that does not donate its state need not return it
-        def run(gm, other, lr, factors):
-            new, *rest = _factor_step(ctx, role, gm, other, lr, _with(state, factors), reduce,
-                                      joint)  # fmt: skip
-            return _factors(new), *rest
+        def run(gm, go_sq, lr, factors):
+            new, scale = _factor_step(ctx, role, gm, go_sq, lr, _with(state, factors), reduce)
+            return _factors(new), scale
 
         return run
 
-    args = (gm, go if joint else sq_norm(go), lr, _factors(state))
+    args = (gm, go_sq, lr, _factors(state))
     if topo.num_a == 0:
         reduce = (lambda g: g) if ctx.cfg.comm_setup == "individual" else topo.group_mean
         factors, scale = step("b", reduce)(*args)
@@ -198,15 +171,14 @@ def _train_factors(ctx: Ctx, gm, go, lr, state: ABTrainingState):
         factors, scale = lax.cond(topo.is_a(), step("a", lambda g: g), step("b", lambda g: g),
                                   *args)  # fmt: skip
     elif topo.rectangular:
-        factors, scale, *reduced = lax.cond(topo.is_a(), step("a", topo.group_mean),
-                                            step("b", topo.group_mean), *args)  # fmt: skip
-        go = reduced[0] if joint else go
+        factors, scale = lax.cond(topo.is_a(), step("a", topo.group_mean),
+                                  step("b", topo.group_mean), *args)  # fmt: skip
     else:
         a_groups, b_groups = range(topo.num_a), range(topo.num_a, topo.num_groups)
         sa = step("a", lambda g: topo.group_mean(g, a_groups))(*args)
         sb = step("b", lambda g: topo.group_mean(g, b_groups))(*args)
         factors, scale = jax.tree.map(lambda x, y: jnp.where(topo.is_a(), x, y), sa, sb)
-    return _with(state, factors), scale, go
+    return _with(state, factors), scale
 
 
 def _factors(state: ABTrainingState) -> tuple:
@@ -228,8 +200,9 @@ def ab_update(ctx: Ctx, grads, state: ABTrainingState, params, lr, *, reconstruc
     cfg, topo, specs = ctx.cfg, ctx.topo, ctx.layout.specs
     pf, po = ctx.layout.split(params)
     gf, go = ctx.layout.split(grads)
+    go = topo.all_mean(go) if cfg.reduce_dense_globally else topo.group_mean(go)
     gm = tuple(F.to_matrix(g, s) for g, s in zip(gf, specs))
-    state, scale, go = _train_factors(ctx, gm, go, lr, state)
+    state, scale = _train_factors(ctx, gm, sq_norm(go), lr, state)
     po, other_state = inner_step(cfg, go, state.other_state, po, lr, scale)
     state = state._replace(other_state=other_state)
     if reconstruct:
