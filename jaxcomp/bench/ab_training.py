@@ -39,19 +39,23 @@ medians, with their quartiles (``*_q25_s``, ``*_q75_s``); ``time_ratio_to_dense`
 median of the per-round ratios, with its quartiles. The machine's load average is recorded
 before and after.
 
-**Why the AB kinds cost more than a dense step**: not their arithmetic. An AB step does the
-algorithm's own matrix work beside the model's (the factor gradient :math:`G B^\top` or
-:math:`A^\top G`, and :math:`W = A B`, ``m n c`` multiply-adds each per factorised layer,
-256 x 256 x 64 here), but trains fewer parameters with Adam; XLA:CPU's per-thunk traces
-(2026-12-01, 16 rows per worker) show each product at ~0.1 ms per device and the AB program's
-own work per device *below* the dense step's (1.0-1.2 vs 1.4-1.5 ms). The rest of a step is
-the 8 device threads waiting for each other at the collectives on 2 cores, which grows with
-the work between two collectives (the dense step has one all-reduce, at the end; an AB step
-the factor's group mean inside the role ``cond``, the other gradients' group mean, the sync
-``cond`` and the loss's all-worker mean, which ran right after the forward pass until it was
-made to follow the update: 1.36 -> 1.26 at 16 rows, 2026-12-01). Packing a
-collective's operands into one vector (XLA:CPU makes one rendezvous per operand) is not
-bit-identical (XLA fuses what follows differently) and measured no clear gain.
+**Why the AB kinds cost more than a dense step**: the algorithm's own two products per
+factorised layer, not the collectives (2026-12-02, 16 rows per worker). An AB step computes
+the factor gradient :math:`G B^\top` or :math:`A^\top G` and :math:`W = A B`, ``m n c``
+multiply-adds each (256 x 256 x 64 here: 4.2M each, where the model's forward and backward
+through the same layer at 16 rows are 3 x 1.0M). The step uses about one core's CPU time per
+wall second (CPU per call ~ wall), and a ``perf`` profile puts the matrix kernels at 28% of
+an AB step's samples against 14% of the dense DP step's (~6 vs ~3 ms of CPU per step over
+the 8 devices). In one process, round-robin: the ``ab`` kind 24.5 ms (1.20x), without the
+factor gradient 20.6 ms (1.00x), without ``W = A B`` 21.5 ms (1.06x), without both 18.7 ms
+(0.89x, the harness's dense kind: 0.92x). Fewer collective points did not measure: the
+factor's and the other gradients' group means in one all-reduce (1.19 vs 1.20x) and no
+all-worker loss mean (1.18-1.20x) are within the noise. The products cannot be
+reassociated here (:math:`X^\top (\delta B^\top)` costs an eighth of
+:math:`(X^\top \delta) B^\top` at 16 rows) without the layer's inputs :math:`X` and output
+gradients :math:`\delta`, which a model-agnostic loss does not expose; at 128 rows the
+model's own work dominates and the kinds are ~1.18x. XLA:CPU runs :math:`A^\top G` on Eigen
+unless :math:`A^\top` is written out first (:func:`~jaxcomp.transforms._ab_factor.factor_grad`).
 ``ab (lax.switch)`` also copies, in every branch, what that branch passes through (the dense
 moments at an AB step). ``refactor`` is an SVD per factorised layer, once per cycle.
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 from jax.sharding import get_abstract_mesh
 
@@ -145,8 +146,19 @@ def factors_from_svd(
 
 
 def factor_grad(role: str, g: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-    """``dL/dA = G Bᵀ`` (``role="a"``) or ``dL/dB = Aᵀ G`` (``"b"``), ``G`` the tall gradient."""
-    return g @ b.T if role == "a" else a.T @ g
+    """``dL/dA = G Bᵀ`` (``role="a"``) or ``dL/dB = Aᵀ G`` (``"b"``), ``G`` the tall gradient.
+
+    ``Aᵀ`` is written out first (a copy of the small factor, behind an
+    ``optimization_barrier`` so that XLA does not fold the transpose back into the
+    product): XLA:CPU hands a product that contracts its left operand's first axis to Eigen
+    instead of its faster YNNPACK kernels (a 256 x 256 gradient times a 256 x 64 factor: ~280
+    -> ~185 us on one device; the digits AB step at 16 rows per worker, 8 workers on 2 cores,
+    in one process alternated: 24.3 -> 23.3 and 21.9 -> 19.8 ms, 2026-12-02). The sums run
+    in another order: equal up to rounding.
+    """
+    if role == "a":
+        return g @ b.T
+    return lax.optimization_barrier(a.T) @ g
 
 
 def reconstruct(a: jax.Array, b: jax.Array, spec: FactorSpec) -> jax.Array:
