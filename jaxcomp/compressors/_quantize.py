@@ -39,11 +39,14 @@ Non-finite inputs are never made finite, for every size, jitted or not: an Inf m
 group's scale ``+inf`` (min-max: ``hi = +inf`` or ``lo = -inf``) and a NaN *anywhere* makes
 every scale ``+inf`` (min-max: ``hi``), so every entry of those groups decodes to NaN or +-Inf.
 XLA:CPU's vectorised ``max`` drops NaN on large arrays, so NaN is detected from the tensor's
-sum, which keeps it (tensor and min-max scales: +inf with -inf, or a finite tensor whose float32
-sum overflows both ways, magnitudes near ``3e38 / size``, is taken for a NaN too), for feature
-scales exactly, from the sum of magnitudes or the elementwise folds that take the maxima over
-leading axes. A zero-size input gives an empty payload (all-zero scales) and decodes to an
-empty array.
+sum, which keeps it; every scale mode tests the sum of magnitudes (or of the elementwise folds
+that take the maxima over leading axes), which overflows to ``+inf`` at worst, so a finite
+tensor is never taken for a NaN, however large (a signed sum overflowing both ways was, for
+tensor and min-max scales, until 2026-12-02). Up to float32's largest (3.4e38) the error stays
+within its bound: a scale above ``2**64`` divides ``x * 2**-64`` by ``s * 2**-64`` (XLA:CPU's
+``x / s`` is ``x * (1 / s)``, whose subnormal reciprocal it flushes to 0), and a min-max span past
+the float32 range decodes as the interpolation ``t hi + (1 - t) lo``. A zero-size input gives
+an empty payload (all-zero scales) and decodes to an empty array.
 """
 
 from __future__ import annotations
@@ -142,7 +145,7 @@ def quantize(
       \quad h = 2^{b-1}
 
     The relative error :math:`|\hat x - x| / s` is bounded (by :math:`1/h`) independently of
-    the input's magnitude, from 1e-30 to 1e30 with the default scale dtypes (see the module
+    the input's magnitude, from 1e-30 to 3e38 with the default scale dtypes (see the module
     docstring for the rounding of scales, ``float16`` scales and non-finite inputs).
 
     Args:
