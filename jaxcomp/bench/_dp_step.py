@@ -50,7 +50,6 @@ class _Step:
             lambda spec: NamedSharding(mesh, spec), out, is_leaf=lambda x: isinstance(x, P)
         )
         jitted = jax.jit(sharded, donate_argnums=(1,) if donate else (), out_shardings=shardings)
-        self.jitted = jitted
 
         def fn(params, state, grads):
             state, updates = jitted(params, state, grads)
