@@ -17,6 +17,12 @@ import pytest
 
 from jaxcomp import main
 
+#: the in-process runs check exit codes, one-line errors and tracebacks, no bit of XLA's
+#: optimised programs; unoptimised, the smoke run's programs are those tests/test_configs.py
+#: compiles for the same config (a hit in the test run's shared compilation cache). The CLI
+#: processes below choose their own setting (``_env``).
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 ROOT = pathlib.Path(__file__).parents[1]
 CONFIG = str(ROOT / "configs" / "digits_pipeline.py")
 
