@@ -29,7 +29,8 @@ class LowRankPayload(NamedTuple):
     """The two factors of the rank-r approximation ``x ~= p @ q.T``.
 
     Attributes:
-      p: ``float32[rows, r]`` with orthonormal columns.
+      p: ``float32[rows, r]`` with orthonormal columns (each times a power of two where the
+        column of ``q`` would overflow float32, inputs near ``3e38``: :func:`unscaled`).
       q: ``float32[cols, r]``.
     """
 
@@ -87,6 +88,25 @@ def _pow2_normalized(q: jax.Array) -> jax.Array:
     tensors of magnitude below ~1e-19 or above ~1e19.
     """
     return q * _checks.pow2_inverse(jnp.max(_checks.nan_as_inf(jnp.abs(q)), axis=0))
+
+
+def unscaled(p: jax.Array, q: jax.Array, f: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The factors ``(p, q / f)`` of ``M`` from those of ``M f`` (``f`` a power of two).
+
+    A column of ``q / f`` beyond float32's range (``|M|`` near ``3e38``: a column of ``M^T P``
+    can exceed ``max|M|`` by ``sqrt(rows)``) is sent as ``(p c, q / (f c))`` instead, ``c`` the
+    power of two that brings that column of ``q`` to a max-abs in ``[0.5, 1)``: the product
+    ``p q^T`` is the same, and every later use of a Q rescales its columns anyway
+    (:func:`_pow2_normalized`). Columns that fit are returned bit-identically.
+    """
+    amax = jnp.max(_checks.nan_as_inf(jnp.abs(q)), axis=0)
+    c = jnp.where(jnp.isfinite(amax / f), 1.0, 1.0 / _checks.pow2_inverse(amax))
+    return p * c, q / c / f
+
+
+def max_scale(m: jax.Array) -> jax.Array:
+    """The power of two that brings ``m``'s max-abs into ``[0.5, 1)``; NaN or Inf give 1."""
+    return _checks.pow2_inverse(jnp.max(_checks.nan_as_inf(jnp.abs(m))))
 
 
 DEFAULT_EPSILON = 1e-4
@@ -168,7 +188,10 @@ def power_sgd(
     :math:`\hat x = P P^\top M` is the projection of :math:`M` onto the span of :math:`MQ`: a
     matrix of rank at most r (rank-deficient, zero blocks, all zero) is recovered exactly, at
     any magnitude (the warm-start Q is rescaled by powers of two before it multiplies
-    :math:`M`, so nothing scales with :math:`|M|^2`; 1e-30 to 1e30 are tested).
+    :math:`M`, so nothing scales with :math:`|M|^2`; where :math:`MQ` or :math:`M^\top P`
+    overflows, :math:`M` is rescaled by a power of two too, see :func:`unscaled`; 1e-30 to
+    3.1e38 are tested, with and without error feedback; entries below ``2**-126`` are read
+    as zero on XLA:CPU).
 
     ``Q'`` is kept as the next step's Q (warm start), which makes repeated compression of
     slowly changing tensors a power iteration. A column of :math:`P` that is zero (its column
@@ -249,8 +272,18 @@ def power_sgd(
         if not warm_start:
             _base.check_key(key, name)
             q_old = initial_q(cols, r, key)
-        p = orthogonalize(m @ _pow2_normalized(q_old), epsilon)
-        q = transposed_matmul(m, p)
+        q_scaled = _pow2_normalized(q_old)
+
+        def factors(m):
+            p = orthogonalize(m @ q_scaled, epsilon)
+            return p, transposed_matmul(m, p)
+
+        def rescaled(m):  # |M| near 3e38: M Q or M^T P overflowed; exact, one more pass
+            f = max_scale(m)
+            return unscaled(*factors(m * f), f)
+
+        p, q = factors(m)
+        p, q = lax.cond(jnp.all(jnp.isfinite(q)), lambda m: (p, q), rescaled, m)
         # a zero column of P (dependent column of MQ) gives a zero column of Q: keep the old
         # one; a non-finite input leaves the whole state as it was
         alive = jnp.any(p != 0, axis=0, keepdims=True) & jnp.all(jnp.isfinite(q))

@@ -31,6 +31,23 @@ def _rms(xf: jax.Array) -> jax.Array:
     return jax.lax.cond((ms < 1e-30) | (ms > 1e30), rescaled, lambda xf: jnp.sqrt(ms), xf)
 
 
+def _mean_abs(xf: jax.Array) -> jax.Array:
+    """``mean(|x|)`` without overflow of the sum.
+
+    The float32 sum of ``|x|`` overflows for entries near ``3e38 / size`` while the mean is
+    finite; only then (an infinite or NaN sum) is it recomputed from ``|x| * 2**-e``, ``e`` the
+    exponent of max|x| (exact: a second pass over ``x``). NaN and Inf give a non-finite result
+    either way. A mean below ``2**-126`` (inputs near ``1e-38``) is flushed to zero by XLA:CPU.
+    """
+    s = jnp.mean(jnp.abs(xf))
+
+    def rescaled(xf):
+        f = _checks.pow2_inverse(jnp.max(_checks.nan_as_inf(jnp.abs(xf))))
+        return jnp.mean(jnp.abs(xf) * f) / f
+
+    return jax.lax.cond(jnp.isfinite(s), lambda xf: s, rescaled, xf)
+
+
 def sign(*, scale: str = "mean_abs") -> _base.Codec:
     r"""1-bit sign compression with one scale, signs packed 8 per byte.
 
@@ -40,11 +57,12 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
 
     A 1-bit code cannot encode zero: zero entries decode to ``+s`` (an all-zero tensor has
     ``s = 0`` and decodes to exact zeros). Use with error feedback (EF-SignSGD). The error
-    relative to :math:`\|x\|` does not depend on the input's magnitude (1e-30 to 1e30 are
-    tested; where ``"rms"``'s squares would under/overflow, a second pass squares ``x``
-    rescaled by a power of two). A NaN entry makes
-    every entry decode to NaN, an Inf entry every entry to +-Inf (or NaN); a zero-size input
-    decodes to an empty array.
+    relative to :math:`\|x\|` does not depend on the input's magnitude (1e-30 to 3.1e38 are
+    tested, with and without error feedback; where ``"rms"``'s squares would under/overflow or
+    ``"mean_abs"``'s sum overflow, a second pass reads ``x`` rescaled by a power of two). A
+    scale below ``2**-126`` (inputs near 1e-38 and below; XLA:CPU reads and writes subnormals
+    as zero) decodes to zeros. A NaN entry makes every entry decode to NaN, an Inf entry every
+    entry to +-Inf (or NaN); a zero-size input decodes to an empty array.
 
     Args:
       scale: ``"mean_abs"`` (EF-SignSGD's :math:`\|x\|_1/n`, the MSE-optimal scale) or ``"rms"``.
@@ -80,7 +98,7 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
         if xf.size == 0:
             return xf.astype(jnp.uint8), jnp.zeros((), jnp.float32)
         if scale == "mean_abs":
-            s = jnp.mean(jnp.abs(xf))
+            s = _mean_abs(xf)
         else:
             s = _rms(xf)
         # a sum keeps NaN and Inf (unlike XLA:CPU's vectorised max), so a non-finite entry

@@ -17,8 +17,12 @@ MAGNITUDES = (1e-30, 1e-10, 1e-8, 1e-6, 1e-3, 1.0, 1e3, 1e6, 1e30)
 # 3.1e38, scales above 2**126 (their float32 reciprocal is subnormal, flushed to 0 on XLA:CPU:
 # every code was the midpoint) and a min-max span past the float32 range (+-3.1e38); 1e37: a
 # sum that overflows both ways (was taken for a NaN: min-max decoded every entry as NaN).
-# sign's mean_abs and PowerSGD's norms overflow there (a documented limit, not tested here)
+# sign's mean_abs sum and PowerSGD's M Q and M^T P overflowed there until session 16 (now
+# recomputed from M scaled by a power of two).
 HUGE = (1e37, 5e37, 8e37)
+# XLA:CPU reads and writes subnormals (below 2**-126 ~ 1.2e-38) as zero: at 1e-38 about half
+# the entries of X * 1e-38 are subnormal, at 1e-40 all of them
+TINY = (1e-38, 1e-40)
 SHAPE = (16, 64)
 
 
@@ -108,13 +112,18 @@ def test_sign_relative_error_does_not_depend_on_magnitude(scale):
     codec = C.sign(scale=scale)
     f = _jit_roundtrip(codec)
     rel = []
-    for magnitude in MAGNITUDES:
+    for magnitude in MAGNITUDES + HUGE:
         x, x64 = _scaled(magnitude)
         y = np.asarray(f(x, None), np.float64)
         s = np.abs(x64).mean() if scale == "mean_abs" else np.sqrt(np.mean(x64**2))
         np.testing.assert_allclose(y, s * np.where(x64 >= 0, 1.0, -1.0), rtol=1e-5)
         rel.append(np.linalg.norm(y - x64) / np.linalg.norm(x64))
     np.testing.assert_allclose(rel, rel[MAGNITUDES.index(1.0)], rtol=1e-5)
+    for magnitude in TINY:  # a scale below 2**-126 is flushed: zeros, never garbage
+        x, x64 = _scaled(magnitude)
+        y = np.asarray(f(x, None), np.float64)
+        s = np.abs(x64).mean() if scale == "mean_abs" else np.sqrt(np.mean(x64**2))
+        assert s < 2.0**-126 and np.all(y == 0.0), (magnitude, s, np.abs(y).max())
 
 
 def test_top_k_sends_kept_values_exactly_at_every_magnitude():
@@ -130,23 +139,67 @@ def test_top_k_sends_kept_values_exactly_at_every_magnitude():
         np.testing.assert_array_equal(kept, kept_at_one)
 
 
-def test_power_sgd_relative_error_does_not_depend_on_magnitude():
-    codec = C.power_sgd(2)
+@pytest.mark.parametrize("rank", [1, 2])
+def test_power_sgd_relative_error_does_not_depend_on_magnitude(rank):
+    codec = C.power_sgd(rank)
     step = jax.jit(lambda x, s: codec.compress(x, s, None))
     rel = {}
-    for magnitude in MAGNITUDES:
+    for magnitude in MAGNITUDES + HUGE + TINY:
         x, x64 = _scaled(magnitude)
         state = codec.init(x)
         for _ in range(3):  # the warm start must not square the magnitude
             payload, state = step(x, state)
             y = np.asarray(codec.decompress(payload, x), np.float64)
             rel.setdefault(magnitude, []).append(np.linalg.norm(y - x64) / np.linalg.norm(x64))
+        assert np.isfinite(np.asarray(state.q)).all()
     want = rel[1.0]
     u, s, vt = np.linalg.svd(X)
-    best = np.sqrt(np.sum(s[2:] ** 2)) / np.linalg.norm(X)
+    best = np.sqrt(np.sum(s[rank:] ** 2)) / np.linalg.norm(X)
     assert best <= min(want) and max(want) < 1.0
-    for magnitude, got in rel.items():
-        np.testing.assert_allclose(got, want, rtol=1e-4, err_msg=f"magnitude {magnitude:g}")
+    for magnitude in MAGNITUDES + HUGE:
+        np.testing.assert_allclose(rel[magnitude], want, rtol=1e-4, err_msg=f"{magnitude:g}")
+    for magnitude in TINY:  # entries below 2**-126 read as zero: a projection of what is left
+        assert max(rel[magnitude]) <= 1.0 + 1e-6, (magnitude, rel[magnitude])
+
+
+# error feedback around sign and PowerSGD: c = x + e and c - x_hat at every magnitude where c
+# fits float32 (x repeated: |c| grows to a few |x|; at 5e37 and above c overflows, an inf that
+# the step's finiteness checks see)
+FEEDBACK_MAGNITUDES = MAGNITUDES + (1e37,)
+FEEDBACK_CODECS = {
+    "sign_mean_abs": C.sign(),
+    "sign_rms": C.sign(scale="rms"),
+    "power_sgd1": C.power_sgd(1),
+    "power_sgd2": C.power_sgd(2),
+}
+
+
+def _feedback_run(channel, magnitude, steps=3):
+    """Decoded outputs and the final sender state over ``steps`` sends of ``X * magnitude``."""
+    x, _ = _scaled(magnitude)
+    send_state, recv_state = channel.init(x)
+    send = jax.jit(lambda x, s: channel.send(x, s, None))
+    out = []
+    for _ in range(steps):
+        payload, send_state = send(x, send_state)
+        y, recv_state = channel.receive(payload, recv_state, x)
+        out.append(np.asarray(y, np.float64) / magnitude)
+    return out, send_state
+
+
+@pytest.mark.parametrize("kind", ["error_feedback", "ef21"])
+@pytest.mark.parametrize("name", sorted(FEEDBACK_CODECS))
+def test_feedback_around_sign_and_power_sgd_does_not_depend_on_magnitude(name, kind):
+    from jaxcomp import feedback
+
+    channel = getattr(feedback, kind)(FEEDBACK_CODECS[name])
+    want, _ = _feedback_run(channel, 1.0)
+    for magnitude in FEEDBACK_MAGNITUDES:
+        got, state = _feedback_run(channel, magnitude)
+        assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state))
+        for step, (g, w) in enumerate(zip(got, want)):
+            err = np.linalg.norm(g - w) / np.linalg.norm(w)
+            assert err < 1e-4, (magnitude, step, err)
 
 
 # ----------------------------------------------------------------------------------------------
