@@ -98,7 +98,9 @@ def decode_mean(codec: compressors.Codec, stacked: Any, like: Any) -> jax.Array:
     Payloads are decoded and summed :data:`DECODE_CHUNK` at a time with the codec's fused
     :func:`~jaxcomp.compressors.decode_sum` (e.g. one scatter-add of all TopK values), in a
     loop over chunks for many workers, so memory stays one array whatever W. Sums in
-    ``float32`` (or wider); returns ``like``'s dtype.
+    ``float32`` (or wider); returns ``like``'s dtype. Where that sum is not finite (decoded
+    arrays near ``3e38 / W``, or a non-finite payload) it is summed again from each payload
+    scaled by a power of two: the mean is exact up to float32's largest (tested to 3.1e38).
     """
     like = _base.as_like(like)
     num = jax.tree.leaves(stacked)[0].shape[0]
@@ -121,7 +123,20 @@ def decode_mean(codec: compressors.Codec, stacked: Any, like: Any) -> jax.Array:
         total = lax.fori_loop(
             0, full, lambda c, acc: acc + chunk(c * DECODE_CHUNK, DECODE_CHUNK), total
         )
-    return (total / num).astype(like.dtype)
+    k = _protocol.prescale_exponent(num, total.dtype)
+    if not k:
+        return (total / num).astype(like.dtype)
+
+    def rescaled(total):
+        # the sum overflowed (or a payload is non-finite): each decoded payload scaled by
+        # 2**-k, 2**k >= num, so that the sum of num of them cannot overflow (exact)
+        def add(i, acc):
+            return acc + chunk(i, 1).astype(acc.dtype) * (2.0**-k)
+
+        return _protocol.mean_of_sum(lax.fori_loop(0, num, add, jnp.zeros_like(total)), num, k)
+
+    mean = lax.cond(jnp.all(jnp.isfinite(total)), lambda t: t / num, rescaled, total)
+    return mean.astype(like.dtype)
 
 
 def dense_protocol() -> _protocol.ReduceProtocol:

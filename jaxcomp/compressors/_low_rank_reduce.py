@@ -83,9 +83,14 @@ def power_sgd_protocol(
         if not warm_start:  # a fresh Q ~ N(0, 1) from the shared key
             _base.check_key(key, name)
             q_old = jax.random.normal(key, q_old.shape, jnp.float32)
+        # each worker's products scaled by 2**-k, 2**k >= num, before the psums: a sum of num
+        # of them cannot overflow (P does not depend on it; Q's mean is unscaled after)
+        k = _protocol.prescale_exponent(num, jnp.float32)
         q_scaled = _low_rank._pow2_normalized(q_old)  # as the codec: exact, overflow-safe
-        p = _low_rank.orthogonalize(_protocol.psum(mat @ q_scaled, axis_name), epsilon)
-        q = _protocol.psum(_low_rank.transposed_matmul(mat, p), axis_name) / num
+        mq = _protocol.psum((mat @ q_scaled) * (2.0**-k), axis_name)
+        p = _low_rank.orthogonalize(mq, epsilon)
+        q_sum = _protocol.psum(_low_rank.transposed_matmul(mat, p) * (2.0**-k), axis_name)
+        q = _protocol.mean_of_sum(q_sum, num, k)
         mean = outer_sum(p, q).reshape(shape).astype(x.dtype)
         # the echo is the same reconstruction, recomputed (bit-identical) behind a barrier so
         # that XLA fuses it into its consumer: error feedback's ``c - echo`` then reads c and

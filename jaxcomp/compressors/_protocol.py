@@ -234,9 +234,39 @@ def all_gather(tree: Any, axis_name: str | None) -> Any:
     return move_as_bits(gather, tree)  # a bf16 payload crosses as u16, not widened
 
 
+def prescale_exponent(num: int, dtype: Any) -> int:
+    """``k`` with ``2**k >= num`` for a float ``dtype`` whose range reaches ``2**-126`` (float32,
+    bfloat16, float64), else 0 (float16 and narrower keep their bottom binades).
+
+    A sum of ``num`` terms each scaled by ``2**-k`` cannot overflow, and the scaling is exact
+    for terms above ``2**(k - 126)``.
+    """
+    if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).minexp > -126:
+        return 0
+    return max(num - 1, 0).bit_length()
+
+
+def mean_of_sum(total: Array, num: int, k: int) -> Array:
+    """``total * 2**k / num`` for ``total`` a sum of terms scaled by ``2**-k``: ``(total / num)
+    * 2**k``, bit-identical to the unscaled ``sum / num`` for every ``num`` away from the edges."""
+    return total / num * (2.0**k) if k else total / num
+
+
 def pmean(x: Array, axis_name: str | None) -> Array:
-    """``lax.pmean`` (identity without an axis)."""
-    return x if axis_name is None else lax.pmean(x, axis_name)
+    """``lax.pmean`` (identity without an axis), exact for means near float32's largest.
+
+    The terms are scaled by ``2**-k``, ``2**k >= W`` (:func:`prescale_exponent`), before the
+    ``psum`` and the mean by ``2**k`` after: the sum of ``W`` arrays near ``3e38`` no longer
+    overflows, and the result is bit-identical to ``lax.pmean`` elsewhere, except that a term
+    below ``2**(k - 126)`` (~1e-37 for 8 workers) is read as zero (absolute error at most
+    ``2**(k - 126)``; XLA:CPU flushes subnormals). Float16 is averaged by ``lax.pmean``.
+    """
+    if axis_name is None:
+        return x
+    k = prescale_exponent(axis_size(axis_name), x.dtype)
+    if not k:
+        return lax.pmean(x, axis_name)
+    return mean_of_sum(lax.psum(x * (2.0**-k), axis_name), axis_size(axis_name), k).astype(x.dtype)
 
 
 def array_bytes(tree: Any) -> int:

@@ -1,0 +1,117 @@
+"""Means near float32's limits on every reduction path, against a float64 mean.
+
+With W workers holding arrays near ``3e38 / W`` and above, ``sum / W`` overflowed to inf where
+the mean is finite (dense ``pmean``, the ``all_gather`` and ``two_phase`` decode sums,
+PowerSGD's ``psum``s of ``M Q`` and ``M^T P``) until session 16. The ``psum`` path sums
+the codec's payloads in its own way (a 16-bit ``cast`` sums in 16 bits): there the overflow
+stays an inf, never a finite wrong mean."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp import comm
+from jaxcomp import compressors
+
+SHAPE = (16, 32)
+# max |x| over the workers: 6.1 * magnitude (3.1e38 at 5e37); the sum of 8 overflows from 1e37
+MAGNITUDES = (1e-30, 1.0, 1e30, 1e37, 5e37)
+TINY = 1e-37  # pmean: terms below 2**(k - 126) (~1e-37 for 8 workers) read as zero
+
+
+def _workers(num):
+    """``[num, *SHAPE]``: one pattern times 1 + 0.1 w, so that the terms do not cancel."""
+    x = np.random.default_rng(0).standard_normal(SHAPE)
+    return np.stack([x * (1 + 0.1 * w) for w in range(num)])
+
+
+def _top_half_workers(num):
+    """:func:`_workers` with all but the largest half of each worker's entries zeroed: what
+    ``top_k(0.5)`` keeps, so its decoded mean is the mean of these."""
+    x = _workers(num).reshape(num, -1)
+    drop = np.argsort(np.abs(x), axis=1)[:, : x.shape[1] // 2]
+    np.put_along_axis(x, drop, 0.0, axis=1)
+    return x.reshape(num, *SHAPE)
+
+
+def _low_rank_workers(num):
+    """``M_w = u v_w^T``: one left factor, so PowerSGD's rank-1 mean is the exact mean."""
+    rng = np.random.default_rng(1)
+    u, v = rng.standard_normal(SHAPE[0]), rng.standard_normal(SHAPE[1])
+    v = np.stack([v * (1 + 0.1 * w) + 0.1 * rng.standard_normal(SHAPE[1]) for w in range(num)])
+    return np.einsum("i,wj->wij", u, v) / 3
+
+
+def _reducer(codec, path, num):
+    mesh = comm.make_mesh([(comm.DATA, num)], devices=jax.devices()[:num])
+
+    def body(x):
+        x = x[0]
+        protocol = comm.plan_reduce(codec, x, path=path, min_compression_rate=0)
+        state = protocol.init(x, num)
+        mean, _, state = comm.compressed_pmean(x, protocol, state, jax.random.key(1), comm.DATA)
+        bad = sum(jnp.sum(~jnp.isfinite(leaf)) for leaf in jax.tree.leaves(state))
+        return mean, jax.lax.psum(bad, comm.DATA)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(comm.DATA), out_specs=P()))
+    return lambda g: fn(jax.device_put(g, NamedSharding(mesh, P(comm.DATA))))
+
+
+CASES = {
+    "dense": (compressors.identity(), "dense", _workers),
+    "all_gather": (compressors.identity(), "all_gather", _workers),
+    "all_gather_top_k": (compressors.top_k(0.5), "all_gather", _top_half_workers),
+    "two_phase": (compressors.identity(), "two_phase", _workers),
+    "power_sgd1": (compressors.power_sgd(1), "codec", _low_rank_workers),
+    "power_sgd2": (compressors.power_sgd(2), "codec", _low_rank_workers),
+}
+
+
+@pytest.mark.parametrize("num", [8, 3])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_mean_is_exact_up_to_float32s_largest(name, num):
+    codec, path, data = CASES[name]
+    fn = _reducer(codec, path, num)
+    base = data(num)
+    for magnitude in MAGNITUDES:
+        g = np.asarray(base * magnitude, np.float32)
+        want = g.astype(np.float64).mean(0)
+        assert np.isfinite(want).all() and np.abs(g).max() > magnitude
+        mean, bad = fn(g)
+        mean = np.asarray(mean, np.float64)
+        rtol = 1e-5 if path == "codec" else 1e-6
+        np.testing.assert_allclose(mean, want, rtol=rtol, atol=0, err_msg=f"{magnitude:g}")
+        assert int(bad) == 0  # every state finite (PowerSGD's warm start, residuals)
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_power_sgd_beyond_its_range_is_loud(rank):
+    """Documented limit: a worker whose own ``M Q`` or ``M^T P`` overflows (max|M| near
+    ``3e38 / cols``) gives a non-finite mean and keeps its warm start, never a finite one."""
+    fn = _reducer(compressors.power_sgd(rank), "codec", 8)
+    g = np.asarray(_low_rank_workers(8) * 1.5e38, np.float32)
+    mean, bad = fn(g)
+    assert not np.isfinite(np.asarray(mean)).all() and int(bad) == 0
+
+
+def test_pmean_of_tiny_terms_is_within_its_documented_absolute_error():
+    g = np.asarray(_workers(8) * TINY, np.float32)
+    mean = np.asarray(_reducer(compressors.identity(), "dense", 8)(g)[0], np.float64)
+    want = g.astype(np.float64).mean(0)
+    err = np.abs(mean - want)
+    assert np.all(err <= 1e-6 * np.abs(want) + 2.0 ** (3 - 126))
+    assert np.any(err > 2.0**-126)  # the documented loss: the bound is not loose
+
+
+def test_psum_path_overflow_is_an_inf_not_a_finite_mean():
+    """Documented limit: ``codec.psum`` of payloads whose sum overflows gives inf."""
+    fn = _reducer(compressors.identity(), "psum", 8)
+    g = np.asarray(_workers(8) * 5e37, np.float32)
+    mean = np.asarray(fn(g)[0])
+    want = g.astype(np.float64).mean(0)
+    overflowed = np.abs(g.astype(np.float64).sum(0)) > np.finfo(np.float32).max
+    assert overflowed.any() and np.isinf(mean[overflowed]).all()
+    np.testing.assert_allclose(mean[~overflowed], want[~overflowed], rtol=1e-6)
