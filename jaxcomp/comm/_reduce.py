@@ -98,9 +98,9 @@ def decode_mean(codec: compressors.Codec, stacked: Any, like: Any) -> jax.Array:
     Payloads are decoded and summed :data:`DECODE_CHUNK` at a time with the codec's fused
     :func:`~jaxcomp.compressors.decode_sum` (e.g. one scatter-add of all TopK values), in a
     loop over chunks for many workers, so memory stays one array whatever W. Sums in
-    ``float32`` (or wider); returns ``like``'s dtype. Where that sum is not finite (decoded
-    arrays near ``3e38 / W``, or a non-finite payload) it is summed again from each payload
-    scaled by a power of two: the mean is exact up to float32's largest (tested to 3.1e38).
+    ``float32`` (or wider); returns ``like``'s dtype. Where that sum overflows (decoded arrays
+    near ``3e38 / W``) the mean is infinite, never finite and wrong: a rescue pass behind a
+    ``lax.cond`` cost EF + quantize a leaf-sized temporary (session 16, not landed).
     """
     like = _base.as_like(like)
     num = jax.tree.leaves(stacked)[0].shape[0]
@@ -123,20 +123,7 @@ def decode_mean(codec: compressors.Codec, stacked: Any, like: Any) -> jax.Array:
         total = lax.fori_loop(
             0, full, lambda c, acc: acc + chunk(c * DECODE_CHUNK, DECODE_CHUNK), total
         )
-    k = _protocol.prescale_exponent(num, total.dtype)
-    if not k:
-        return (total / num).astype(like.dtype)
-
-    def rescaled(total):
-        # the sum overflowed (or a payload is non-finite): each decoded payload scaled by
-        # 2**-k, 2**k >= num, so that the sum of num of them cannot overflow (exact)
-        def add(i, acc):
-            return acc + chunk(i, 1).astype(acc.dtype) * (2.0**-k)
-
-        return _protocol.mean_of_sum(lax.fori_loop(0, num, add, jnp.zeros_like(total)), num, k)
-
-    mean = lax.cond(jnp.all(jnp.isfinite(total)), lambda t: t / num, rescaled, total)
-    return mean.astype(like.dtype)
+    return (total / num).astype(like.dtype)
 
 
 def dense_protocol() -> _protocol.ReduceProtocol:
@@ -183,7 +170,13 @@ def in_place_only(codec: compressors.Codec, all_reduce_into):
 
 
 def psum_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
-    """``codec.psum`` of the payloads, made with the *shared* key (e.g. RandK positions)."""
+    """``codec.psum`` of the payloads, made with the *shared* key (e.g. RandK positions).
+
+    The codec sums its payloads in its own way (a 16-bit ``cast`` in 16 bits): where that sum
+    overflows (W arrays near ``3e38 / W``) the mean is infinite, never finite and wrong
+    (``tests/comm/test_reduce_magnitudes.py``), as on the ``all_gather`` and ``two_phase``
+    paths (:func:`decode_mean`); ``dense`` and PowerSGD are exact there.
+    """
     if codec.reduction is not compressors.Reduction.SUM or codec.psum is None:
         raise ValueError(
             f"path='psum' needs a summable codec (Reduction.SUM: identity, cast, rand_k); "
