@@ -35,15 +35,19 @@ def _mean_abs(xf: jax.Array) -> jax.Array:
     """``mean(|x|)`` without overflow of the sum.
 
     The float32 sum of ``|x|`` overflows for entries near ``3e38 / size`` while the mean is
-    finite; the same pass also sums ``|x| * 2**-64`` (cannot overflow below ``2**64``
-    entries), whose mean is taken where the plain sum is not finite. Exact in both: the
-    terms that ``2**-64`` flushes (below ``2**-62``) are far below the rounding of a sum that
-    overflowed. NaN and Inf give a non-finite result either way. A mean below ``2**-126``
-    (inputs near ``1e-38``) is flushed to zero by XLA:CPU.
+    finite; only then (an infinite or NaN sum) is it recomputed from ``|x| * 2**-e``, ``e`` the
+    exponent of max|x| (exact: a second pass over ``x``). NaN and Inf give a non-finite result
+    either way. A mean below ``2**-126`` (inputs near ``1e-38``) is flushed to zero by XLA:CPU.
+    The ``lax.cond`` is free (encode of 4M floats 1.61 -> 1.58 ms, one-process A/B); one pass
+    with a second, scaled sum instead doubled it (3.21 ms: not fused into one reduction).
     """
-    a = jnp.abs(xf)
-    total, shrunk = jnp.sum(a), jnp.sum(a * 2.0**-64)
-    return jnp.where(jnp.isfinite(total), total / xf.size, shrunk / xf.size * 2.0**64)
+    s = jnp.mean(jnp.abs(xf))
+
+    def rescaled(xf):
+        f = _checks.pow2_inverse(jnp.max(_checks.nan_as_inf(jnp.abs(xf))))
+        return jnp.mean(jnp.abs(xf) * f) / f
+
+    return jax.lax.cond(jnp.isfinite(s), lambda xf: s, rescaled, xf)
 
 
 def sign(*, scale: str = "mean_abs") -> _base.Codec:
