@@ -8,6 +8,7 @@ stage boundary). Neither may import the other, so the math lives here, below bot
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -28,7 +29,8 @@ def critical_regime(prev_norm: jax.Array, norm: jax.Array, eta: Any, first: Any)
       e = 0 \ \lor\ \lnot (r < \eta)
 
     ``not (r < eta)`` rather than ``r >= eta`` so that a non-finite statistic counts as
-    critical (low compression), as in the reference.
+    critical (low compression), as in the reference; a non-finite ``prev_norm`` too (the check
+    after a non-finite statistic has no baseline).
     """
     safe = jnp.where(prev_norm != 0, prev_norm, 1.0)
     ratio = jnp.where(prev_norm != 0, jnp.abs(prev_norm - norm) / safe, 9.0)
@@ -39,11 +41,16 @@ def replicated_norms(norms: jax.Array, axis_name: str | None, statistic: str) ->
     """Makes per-worker norms identical on every worker with one tiny all-reduce.
 
     ``"worker0"``: worker 0's values (the reference broadcasts rank 0's decision);
-    ``"mean"``: the mean over workers of their local norms.
+    ``"mean"``: the mean over workers of their local norms (finite for finite norms, even
+    near the largest float32; norms below ``2**(j - 126)``, ``2**j >= n`` workers, flush to 0).
     """
     if axis_name is None:
         return norms
     if statistic == "worker0":
         mine = jnp.where(lax.axis_index(axis_name) == 0, norms, jnp.zeros_like(norms))
         return lax.psum(mine, axis_name)
-    return lax.pmean(norms, axis_name)
+    # the mean of finite values is finite: sum them scaled by 2**-j >= 1 / n (exact), so the
+    # sum of n values up to 3e38 does not overflow; bit-identical to pmean below that
+    n = lax.axis_size(axis_name)
+    down = 2.0 ** -math.ceil(math.log2(n))
+    return lax.psum(norms * down, axis_name) / n / down

@@ -37,9 +37,11 @@ class AccordionLeaf(NamedTuple):
 
     Attributes:
       mode: ``int32[]``, :data:`LOW_COMPRESSION` or :data:`HIGH_COMPRESSION` (replicated).
-      prev_norm: ``float32[]``, the regime statistic at the last check (replicated).
+      prev_norm: ``float32[]``, the regime statistic at the last check (replicated): the
+        root-mean-square of ``accum`` (:func:`jaxcomp.transforms._regime.rms`).
       accum: :class:`~jaxcomp.compressors.PerWorker` of ``[1, *shape]``: this worker's sum of
-        its local gradients over the current interval (before compression and feedback).
+        its local gradients over the current interval (before compression and feedback),
+        times ``2**-j``, ``2**j >= interval_steps`` (exact; it cannot overflow).
       memory: the channels' error-compensation memory, shared by both modes (e.g.
         :class:`~jaxcomp.feedback.ErrorFeedbackMemory`);
         :class:`~jaxcomp.compressors.EmptyState` without feedback.
@@ -284,7 +286,8 @@ def update_accordion(
             # the reference's decay switch keeps the memory even with --zero-memory
             low_now = jnp.where(lr_drop, LOW_COMPRESSION, leaf.mode)
             leaf = switch(config, protocols, leaf, low_now, g, num, False)
-        accum = leaf.accum.value + g[None].astype(leaf.accum.value.dtype)
+        down = _regime.interval_scale(config.interval_steps)
+        accum = leaf.accum.value + g[None].astype(leaf.accum.value.dtype) * down
         leaf = leaf._replace(accum=_protocol.PerWorker(accum))
         mean, leaf = reduce_leaf(config, protocols, g, leaf, jax.random.fold_in(key, i))
         if axis_name is not None:

@@ -29,13 +29,16 @@ class AccordionBatchState(NamedTuple):
       every_k: ``int32[]``, micro-batches per optimizer update for the current accumulation.
       next_k: ``int32[]``, the detector's latest choice; it becomes ``every_k`` when a new
         accumulation starts.
-      prev_norm: ``float32[]``, the regime statistic at the last check.
+      prev_norm: ``float32[]``, the regime statistic at the last check: the root-mean-square
+        of ``accum`` over all its entries (:func:`jaxcomp.transforms._regime.rms`).
       last_lr: ``float32[]``, the learning rate seen at the last micro-step (NaN before any).
       accum: :class:`~jaxcomp.compressors.PerWorker` of the parameter tree (leaves
         ``[1, *shape]``): this worker's sum of the micro-batch gradients over the current
-        interval, the detector's input.
+        interval times ``2**-j``, ``2**j >= interval_steps``, the detector's input.
       grads: :class:`~jaxcomp.compressors.PerWorker`: this worker's sum of the micro-batch
-        gradients of the pending update.
+        gradients of the pending update times ``2**-j``, ``2**j >= large_steps``. The
+        factors are exact and keep the sums of finite gradients finite (the mean of eight
+        gradients near ``3e38`` was Inf).
       inner: the inner transformation's state.
     """
 
@@ -132,6 +135,8 @@ def accordion_batch_size(
     _regime.check_detector_args(interval_steps, check_every, eta, statistic, learning_rate)
     _validate.check_axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
+    interval_down = _regime.interval_scale(interval_steps)
+    grads_down = _regime.interval_scale(large_steps)
 
     def zeros(params, wide=False):
         def one(p):
@@ -176,16 +181,16 @@ def accordion_batch_size(
             next_k = jnp.where(lr < state.last_lr, small_steps, next_k).astype(jnp.int32)
         every_k = jnp.where(state.mini_step == 0, next_k, state.every_k)
 
-        def add(acc, g):
-            return acc + g[None].astype(acc.dtype)
+        def add(down):
+            return lambda acc, g: acc + g[None].astype(acc.dtype) * down
 
-        accum = jax.tree.map(add, state.accum.value, updates)
-        grads = jax.tree.map(add, state.grads.value, updates)
+        accum = jax.tree.map(add(interval_down), state.accum.value, updates)
+        grads = jax.tree.map(add(grads_down), state.grads.value, updates)
         mini_step = state.mini_step + 1
         emit = mini_step >= every_k
 
         def apply_inner(grads, inner_state):
-            mean = jax.tree.map(lambda g: (g[0] / every_k).astype(g.dtype), grads)
+            mean = jax.tree.map(lambda g: (g[0] / every_k / grads_down).astype(g.dtype), grads)
             new, inner_state = inner.update(mean, inner_state, params, **extra_args)
             scale = scale_of(every_k)
             new = jax.tree.map(lambda u: (u * scale).astype(u.dtype), new)
@@ -202,7 +207,7 @@ def accordion_batch_size(
         end = (count + 1) % interval_steps == 0
 
         def decide(accum, prev_norm, next_k):
-            local = jnp.sqrt(sum(jnp.square(_regime.local_norm(a)) for a in jax.tree.leaves(accum)))
+            local = _regime.rms(jax.tree.leaves(accum))
             stat = _regime.replicated_norms(local[None], axis_name, statistic)[0]
             check = interval % check_every == 0
             critical = _regime.critical_regime(prev_norm, stat, eta, interval == 0)

@@ -10,6 +10,8 @@ critical.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -19,14 +21,43 @@ from jaxcomp import _critical
 from jaxcomp import _validate
 from jaxcomp._critical import critical_regime  # noqa: F401 (re-exported)
 from jaxcomp._critical import replicated_norms  # noqa: F401 (re-exported)
+from jaxcomp.compressors import _checks
 
 STATISTICS = _critical.STATISTICS
 
 
+def interval_scale(steps: int) -> float:
+    """``2**-j``, ``2**j >= steps``: an accumulator of ``steps`` finite gradients each times
+    this factor cannot overflow (an interval's plain sum of gradients near ``3e38`` did), and
+    the factor is exact, so the statistic's relative changes are the plain sum's."""
+    return 2.0 ** -math.ceil(math.log2(steps))
+
+
+def rms(arrays: Sequence[jax.Array]) -> jax.Array:
+    r"""``float32`` root-mean-square of all the entries of ``arrays``, at any magnitude.
+
+    .. math::
+      \operatorname{rms}(a) = \frac1k \sqrt{\frac1N \sum_i (k a_i)^2}, \qquad
+      k = 2^{-e},\ \max_i |a_i| = m\,2^e,\ m \in [0.5, 1)
+
+    Scaling by the power of two ``k`` is exact and keeps the squares from overflowing (entries
+    above ``~1e19``) or flushing to zero (below ``~1e-19``); the root-mean-square of finite
+    values is at most their max-abs, so it is finite, unlike the 2-norm of more than one entry
+    near ``3e38``. NaN or Inf anywhere gives a non-finite result.
+    """
+    flat = [a.astype(jnp.float32) for a in arrays]
+    amax = jnp.max(jnp.stack([jnp.max(jnp.abs(a), initial=0.0) for a in flat]))
+    k = _checks.pow2_inverse(amax)
+    total = sum(jnp.sum(jnp.square(a * k)) for a in flat)
+    size = sum(a.size for a in flat)
+    return jnp.sqrt(total / max(size, 1)) / k
+
+
 def local_norm(accum: jax.Array) -> jax.Array:
-    """``float32`` 2-norm of a worker's accumulator (leading worker axis of size 1)."""
-    a = accum.astype(jnp.float32)
-    return jnp.sqrt(jnp.sum(a * a))
+    """The regime statistic of a worker's accumulator (leading worker axis of size 1): its
+    root-mean-square (:func:`rms`), the 2-norm over a constant, so the same relative changes
+    at every magnitude."""
+    return rms([accum])
 
 
 def current_lr(learning_rate: Any, extra_args: dict, count: jax.Array) -> jax.Array | None:
