@@ -111,6 +111,28 @@ def svd(w: jax.Array, *, in_branch: bool = False) -> tuple[jax.Array, jax.Array,
     return to_varying(local(w), axes)
 
 
+#: Weights whose max-abs exceeds this are factorised from ``W * 2**-64`` (:func:`scaled_svd`).
+SHRINK_ABOVE = 2.0**64
+
+
+def scaled_svd(
+    w: jax.Array, *, in_branch: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    r""":func:`svd` of :math:`kW`: ``(u, s, vh, k)``, the singular values of ``W`` being ``s / k``.
+
+    :math:`k = 2^{-64}` when :math:`\max|W| > 2^{64}`, else 1 (bit-identical to :func:`svd`).
+    A power of two is exact, and it keeps the singular values finite: those of a float32
+    ``W`` near ``3e38`` exceed the largest float32 (a 8 x 4 matrix of ``3e38``: :math:`\sigma_0
+    \approx 1.7\cdot10^{39}`), which made them Inf, the kept rank 1 whatever the cutoff, and
+    the factors Inf/NaN. Pass ``k`` to :func:`factors_from_svd`. (Small weights need nothing:
+    LAPACK scales them itself; ``1e-30`` factorises like ``1``.)
+    """
+    w = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), initial=0.0)
+    k = jnp.where(amax > SHRINK_ABOVE, 1.0 / SHRINK_ABOVE, 1.0).astype(jnp.float32)
+    return (*svd(w * k, in_branch=in_branch), k)
+
+
 def factors_from_svd(
     u: jax.Array,
     s: jax.Array,
@@ -121,25 +143,32 @@ def factors_from_svd(
     split_sigma: bool,
     sigma_on_a: jax.Array | bool,
     dtype: Any,
+    scale: jax.Array | float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
     """``(A [m, capacity], B [capacity, n])`` of rank ``rank`` from an SVD.
 
     Args:
-      u, s, vh: the thin SVD of the tall view.
+      u, s, vh: the thin SVD of the tall view times ``scale`` (:func:`scaled_svd`).
       rank: kept rank (``<= capacity``), may be traced.
       capacity: static number of stored columns of ``A`` / rows of ``B``.
       split_sigma: put :math:`\\sqrt{\\Sigma}` on both factors.
       sigma_on_a: if not ``split_sigma``: whether :math:`\\Sigma` goes to ``A`` (A-trainers)
         or ``B`` (B-trainers); may be traced.
       dtype: dtype of the returned factors.
+      scale: the ``k`` of :func:`scaled_svd` (a power of two; 1: ``s`` are the singular
+        values). With ``split_sigma`` the factors hold :math:`\\sqrt{\\sigma_i}`, finite for any
+        float32 ``W``; without, a factor holds :math:`\\sigma_i` itself, which for ``W`` near
+        ``3e38`` may exceed the largest float32: that factor is then Inf (not representable;
+        ``parallel.ab_data_parallel``'s ``finite`` metric reports it, the trainer skips it).
     """
     keep = rank_mask(rank, capacity)
     s = s[:capacity] * keep
     u, vh = u[:, :capacity] * keep, vh[:capacity] * keep[:, None]
     if split_sigma:
-        root = jnp.sqrt(s)
+        root = jnp.sqrt(s) / jnp.sqrt(scale)  # sqrt(2**-64) = 2**-32: exact
         a, b = u * root, root[:, None] * vh
     else:
+        s = s / scale
         a = jnp.where(sigma_on_a, u * s, u)
         b = jnp.where(sigma_on_a, vh, s[:, None] * vh)
     return a.astype(dtype), b.astype(dtype)

@@ -41,16 +41,17 @@ from jaxcomp.transforms._ab_step import Ctx
 
 def _svds(ctx: Ctx, weights, in_branch: bool = False):
     specs = ctx.layout.specs
-    return [F.svd(F.to_matrix(w, s), in_branch=in_branch) for w, s in zip(weights, specs)]
+    return [F.scaled_svd(F.to_matrix(w, s), in_branch=in_branch) for w, s in zip(weights, specs)]
 
 
 def _factorise(ctx: Ctx, usv, state: ABTrainingState, rank: jax.Array) -> ABTrainingState:
-    """Factors of rank ``rank`` (``int32[L]``) from the SVDs ``usv``, at current capacity."""
+    """Factors of rank ``rank`` (``int32[L]``) from the SVDs ``usv`` (of :func:`._ab_factor.
+    scaled_svd`), at current capacity."""
     a, b = [], []
-    for i, ((u, s, vh), x) in enumerate(zip(usv, state.a)):
+    for i, ((u, s, vh, k), x) in enumerate(zip(usv, state.a)):
         y, z = F.factors_from_svd(
             u, s, vh, rank[i], x.shape[-1], split_sigma=ctx.cfg.effective_split_sigma,
-            sigma_on_a=ctx.topo.is_a(), dtype=x.dtype,
+            sigma_on_a=ctx.topo.is_a(), dtype=x.dtype, scale=k,
         )  # fmt: skip
         a.append(y)
         b.append(z)
@@ -105,14 +106,14 @@ def refactor(
     if exact is True:
         rank = caps
     else:
-        rank = jnp.stack([F.cutoff_rank(s, ctx.cfg.low_rank_cutoff) for _, s, _ in usv])
+        rank = jnp.stack([F.cutoff_rank(s, ctx.cfg.low_rank_cutoff) for _, s, _, _ in usv])
         rank = jnp.minimum(ctx.topo.agree_max(rank), caps)  # the same on every worker
         rank = jnp.where(exact, caps, rank)
     old_a = state.a
     state = _factorise(ctx, usv, state, rank)
     masks = [F.rank_mask(state.rank[i], x.shape[-1]) for i, x in enumerate(state.a)]
     if ctx.cfg.align_moments:
-        match = [F.match_columns(x, u) for x, (u, _, _) in zip(old_a, usv)]
+        match = [F.match_columns(x, u) for x, (u, *_) in zip(old_a, usv)]
         fix_a = lambda i, m, first: F.align_moment(m, *match[i], -1, first)  # noqa: E731
         fix_b = lambda i, m, first: F.align_moment(m, *match[i], -2, first)  # noqa: E731
         state = state._replace(
