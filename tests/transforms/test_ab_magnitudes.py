@@ -5,6 +5,7 @@ magnitude), against float64 numpy references; a NaN factor at a sync."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -119,12 +120,10 @@ def make_step(**options):
     workers = NamedSharding(mesh, P((GROUP, MEMBER)))
     spec = P((GROUP, MEMBER))
 
-    def body(state, params):
+    def body(state, params):  # one worker's: zero gradients
         state, params = jax.tree.map(lambda x: x[0], (state, params))
-        grads = jax.tree.map(jnp.zeros_like, params)
-        updates, state = tx.update(grads, state, params)
-        new = jax.tree.map(lambda p, u: p + u, params, updates)
-        return jax.tree.map(lambda x: x[None], (new, state))
+        updates, state = tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
+        return jax.tree.map(lambda x: x[None], (optax.apply_updates(params, updates), state))
 
     run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, spec)))
 
