@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp import _critical
+from jaxcomp import _finite
 from jaxcomp import _validate
 from jaxcomp._critical import critical_regime  # noqa: F401 (re-exported)
 from jaxcomp._critical import replicated_norms  # noqa: F401 (re-exported)
@@ -43,9 +44,15 @@ def rms(arrays: Sequence[jax.Array]) -> jax.Array:
     Scaling by the power of two ``k`` is exact and keeps the squares from overflowing (entries
     above ``~1e19``) or flushing to zero (below ``~1e-19``); the root-mean-square of finite
     values is at most their max-abs, so it is finite, unlike the 2-norm of more than one entry
-    near ``3e38``. NaN or Inf anywhere gives a non-finite result.
+    near ``3e38``. NaN or Inf anywhere gives a non-finite result. The arrays are reduced as
+    concatenations of at most :data:`jaxcomp._finite.FINITE_GROUP_SIZE` entries, as
+    :func:`jaxcomp._finite.all_finite` (few kernels: ``accordion_batch_size`` of 12 leaves
+    compiled 57 fusions, 72 with a 2-norm per leaf before this function).
     """
-    flat = [a.astype(jnp.float32) for a in arrays]
+    groups = _finite._groups([a.astype(jnp.float32) for a in arrays])
+    flat = [jnp.concatenate([jnp.ravel(a) for a in g]) for g in groups]
+    if not flat:
+        return jnp.zeros((), jnp.float32)
     amax = jnp.max(jnp.stack([jnp.max(jnp.abs(a), initial=0.0) for a in flat]))
     k = _checks.pow2_inverse(amax)
     total = sum(jnp.sum(jnp.square(a * k)) for a in flat)
