@@ -89,6 +89,13 @@ def accordion(
     learning-rate decrease switches every parameter to low compression at once (until the
     next check re-evaluates it), as in the reference (``main.py`` + ``auto_scale.py``).
 
+    The statistic is the root-mean-square of :math:`\Delta_l(e)` (the norm over a constant),
+    computed with power-of-two scalings, so a gradient sequence scaled by any magnitude from
+    ``1e-30`` to ``3e38`` gets the same decisions. A NaN or Inf gradient makes its interval's
+    statistic non-finite: that check and the next (which has no finite baseline) choose low
+    compression, and later checks are unaffected. (The error-feedback memory keeps the NaN:
+    run steps through a finiteness guard such as :func:`jaxcomp.train.commit_if_finite`.)
+
     Decisions are identical on every worker: the statistic is made replicated with one
     all-reduce of one float per parameter at interval ends: worker 0's local norms
     (``statistic="worker0"``, the reference's rank-0 broadcast) or the mean of the workers'

@@ -82,7 +82,9 @@ def accordion_batch_size(
     (``statistic``), compared every ``check_every`` intervals with the value ``check_every``
     intervals earlier (critical iff the relative change is at least ``eta``); the first interval
     is critical and a learning-rate decrease returns to the small batch. A new size takes
-    effect when the pending accumulation completes.
+    effect when the pending accumulation completes. As in :func:`accordion`, the statistic (a
+    root-mean-square) decides alike at magnitudes ``1e-30`` to ``3e38``, and a non-finite
+    gradient makes its check and the next one choose the small batch.
 
     Learning-rate rule: with ``lr_scaling="linear"`` (default) the updates of a large batch
     are multiplied by ``every_k / small_steps``, which for SGD, momentum and Adam equals
