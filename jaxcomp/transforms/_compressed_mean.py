@@ -161,6 +161,12 @@ def compressed_mean(
     (and :func:`jaxcomp.comm.state_specs` gives the ``shard_map`` specs). With
     ``path="two_phase"`` the state is sized by W: call ``init`` under ``jax.set_mesh(mesh)``.
 
+    **Non-finite gradients.** A NaN or Inf in one worker's gradient makes that parameter's mean
+    non-finite on every worker (never a finite mean made from it; the other parameters are
+    unaffected). Error-feedback memory keeps it, so every later mean of that parameter is
+    non-finite too: step through a finiteness guard (:func:`jaxcomp.train.commit_if_finite`)
+    that keeps the old state.
+
     Args:
       compressor: a codec (``compressors.top_k(0.01)``) or a channel
         (``feedback.error_feedback(...)``, ``feedback.ef21(...)``).
