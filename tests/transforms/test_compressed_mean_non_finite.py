@@ -35,14 +35,9 @@ def test_a_nan_gradient_is_never_averaged_into_a_finite_mean(name):
     mesh = comm.make_mesh([(comm.DATA, W)], devices=jax.devices()[:W])
     tx = transforms.compressed_mean(codec, min_compression_rate=0)
     state = tx.init(PARAMS)
-    specs = comm.state_specs(state, comm.DATA)
-
-    def body(state, grads):
-        return tx.update(jax.tree.map(lambda g: g[0], grads), state)
-
-    update = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(specs, P(comm.DATA)), out_specs=(P(), specs))
-    )
+    specs = (comm.state_specs(state, comm.DATA), P(comm.DATA))  # (state, per-worker grads)
+    local = lambda s, g: tx.update(jax.tree.map(lambda x: x[0], g), s)  # noqa: E731
+    update = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P(), specs[0])))
     rng = np.random.default_rng(0)
     clean = {k: rng.standard_normal((W, *v.shape)).astype(np.float32) for k, v in PARAMS.items()}
     bad = {k: v.copy() for k, v in clean.items()}
