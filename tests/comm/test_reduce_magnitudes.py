@@ -1,10 +1,11 @@
 """Means near float32's limits on every reduction path, against a float64 mean.
 
 With W workers holding arrays near ``3e38 / W`` and above, ``sum / W`` overflowed to inf where
-the mean is finite. Dense ``pmean`` and PowerSGD's ``psum``s are exact there since session
-16; the paths that sum decoded payloads (``psum``, ``all_gather``, ``two_phase``) give inf
-where the float32 sum overflows, never a finite wrong mean (a rescue pass cost EF + quantize
-a leaf-sized temporary)."""
+the mean is finite. PowerSGD's ``psum``s are exact there since session 16 (small factors,
+scaled by a power of two); the paths that sum whole arrays (``dense``'s ``pmean``, ``psum``,
+``all_gather``, ``two_phase``) give inf where the float32 sum overflows, never a finite wrong
+mean (a prescale cost the dense mean 8-11% and flushed terms near 1e-38; a rescue pass cost EF
++ quantize a leaf-sized temporary)."""
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,6 @@ from jaxcomp import compressors
 SHAPE = (16, 32)
 # max |x| over the workers: 6.1 * magnitude (3.1e38 at 5e37); the sum of 8 overflows from 1e37
 MAGNITUDES = (1e-30, 1.0, 1e30, 1e37, 5e37)
-TINY = 1e-37  # pmean: terms below 2**(k - 126) (~1e-37 for 8 workers) read as zero
 
 
 def _workers(num):
@@ -61,7 +61,6 @@ def _reducer(codec, path, num):
 
 
 CASES = {
-    "dense": (compressors.identity(), "dense", _workers),
     "power_sgd1": (compressors.power_sgd(1), "codec", _low_rank_workers),
     "power_sgd2": (compressors.power_sgd(2), "codec", _low_rank_workers),
 }
@@ -94,16 +93,8 @@ def test_power_sgd_beyond_its_range_is_loud(rank):
     assert not np.isfinite(np.asarray(mean)).all() and int(bad) == 0
 
 
-def test_pmean_of_tiny_terms_is_within_its_documented_absolute_error():
-    g = np.asarray(_workers(8) * TINY, np.float32)
-    mean = np.asarray(_reducer(compressors.identity(), "dense", 8)(g)[0], np.float64)
-    want = g.astype(np.float64).mean(0)
-    err = np.abs(mean - want)
-    assert np.all(err <= 1e-6 * np.abs(want) + 2.0 ** (3 - 126))
-    assert np.any(err > 2.0**-126)  # the documented loss: the bound is not loose
-
-
 LOUD = {
+    "dense": (compressors.identity(), "dense", _workers),
     "psum": (compressors.identity(), "psum", _workers),
     "all_gather": (compressors.identity(), "all_gather", _workers),
     "all_gather_top_k": (compressors.top_k(0.5), "all_gather", _top_half_workers),
