@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp.compressors._protocol import to_varying
+from jaxcomp.compressors._protocol import varying_axes
 from jaxcomp.compressors._topk_words import _NO_KEY
 from jaxcomp.compressors._topk_words import _WORD
 from jaxcomp.compressors._topk_words import _compact
@@ -288,8 +290,9 @@ def top_k_indices(x: jax.Array, k: int) -> jax.Array:
       Array([[1, 3]], dtype=int32)
     """
     b, d = x.shape
-    if k == d:
-        return jnp.broadcast_to(jnp.arange(d, dtype=jnp.int32), (b, d))
+    if k == d:  # every entry, typed as varying as x is (a constant broke shard_map's switch)
+        every = jnp.broadcast_to(jnp.arange(d, dtype=jnp.int32), (b, d))
+        return to_varying(every, varying_axes(x))
     if b * d <= _SMALL or d < 256:
         return reference_indices(magnitude_keys(x), k)
     pad = -(-d // _WORD) * _WORD - d

@@ -282,8 +282,13 @@ def test_exact_top_k_called_eagerly_traces_the_select_once(caplog):
         (compressors.top_k(0.1, per_sample=True), (8, 4096)),
         (compressors.top_k(0.01), (70016,)),
         (compressors.top_k(0.05, method="blockwise", block_size=512), (32768,)),
+        # K == every entry (a small leaf, e.g. a bias): the select's constant answer was not
+        # typed as varying and shard_map's platform switch refused it (until session 16)
+        (compressors.top_k(1.0), (64,)),
+        (compressors.top_k(1.0, per_sample=True), (4, 16)),
+        (compressors.top_k(1.0, method="blockwise", block_size=16), (64,)),
     ],
-    ids=["per_sample", "tensor", "blockwise_512"],
+    ids=["per_sample", "tensor", "blockwise_512", "k_all", "k_all_per_sample", "k_all_blocks"],
 )
 def test_sort_free_select_runs_under_shard_map(codec, shape):
     # shapes past the lax.top_k shortcut: the select's loops carry per-device (varying)
