@@ -1,9 +1,10 @@
 #!/bin/bash
-# issue-13 benchmarks on an idle machine: OUT dir, REPO (default /work/main)
+# issue-13 benchmarks on an idle machine: OUT dir, REPO (default /work/main);
+# ONLY="compressors ab_training ..." runs only the named ones
 OUT=$1; REPO=${2:-/work/main}; mkdir -p $OUT; cd $REPO
 PY=/work/main/.venv/bin/python
 log() { echo "== $1 $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >> $OUT/run.log; }
-run() { name=$1; shift; log $name; s=$(date +%s.%N); "$@" > $OUT/$name.txt 2>&1; rc=$?; echo "rc=$rc $(echo "$(date +%s.%N) - $s" | bc) s" >> $OUT/run.log; }
+run() { name=$1; shift; [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]] && return; log $name; s=$(date +%s.%N); "$@" > $OUT/$name.txt 2>&1; rc=$?; echo "rc=$rc $(echo "$(date +%s.%N) - $s" | bc) s" >> $OUT/run.log; }
 export PYTHONPATH=$REPO
 run compressors $PY -m jaxcomp.bench compressors --json $OUT/compressors.json
 run dp_feedback_keep env JAXCOMP_HOST_MALLOC=keep $PY -m jaxcomp.bench data_parallel --tables feedback --json $OUT/data_parallel_feedback_keep.json
