@@ -25,7 +25,7 @@ import jax.numpy as jnp
 FINITE_GROUP_SIZE = 1 << 20
 
 
-def _groups(leaves: list[jax.Array]) -> list[list[jax.Array]]:
+def capped_groups(leaves: list[jax.Array]) -> list[list[jax.Array]]:
     """``leaves`` in groups of one dtype and at most :data:`FINITE_GROUP_SIZE` elements (a
     larger leaf alone), in order."""
     groups: list[list[jax.Array]] = []
@@ -50,7 +50,7 @@ def inexact_leaves(trees: Any) -> list[jax.Array]:
 
 def _grouped(leaves: list[jax.Array]) -> jax.Array:
     """``bool[]``: every element of ``leaves`` (non-empty) finite, tested in groups."""
-    groups = [[jnp.ravel(x) for x in group] for group in _groups(leaves)]
+    groups = [[jnp.ravel(x) for x in group] for group in capped_groups(leaves)]
     zeros = [jnp.sum(jnp.concatenate(g) * 0) for g in groups]  # 0, or NaN
     return jnp.stack([jnp.isfinite(z) for z in zeros]).all()
 

@@ -112,7 +112,7 @@ def test_groups_past_the_size_limit(leaf):
     sizes = [n + 5, n // 2, n // 2 + 1, n // 2, 11]  # groups: [0], [1], [2], [3, 4]
     rng = np.random.default_rng(3)
     tree = [rng.standard_normal(k).astype(np.float32) for k in sizes]
-    assert len(_finite._groups([jnp.asarray(x) for x in tree])) == 4
+    assert len(_finite.capped_groups([jnp.asarray(x) for x in tree])) == 4
     f = jax.jit(_finite.all_finite)
     assert int(f(tree)) == 1
     tree[leaf][-1] = np.nan

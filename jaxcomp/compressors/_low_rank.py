@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp import _scaling
 from jaxcomp import _validate
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _checks
@@ -87,7 +88,7 @@ def _pow2_normalized(q: jax.Array) -> jax.Array:
     the previous M: unscaled, ``M @ Q`` grows as ``|M|**2`` and under/overflows float32 for
     tensors of magnitude below ~1e-19 or above ~1e19.
     """
-    return q * _checks.pow2_inverse(jnp.max(_checks.nan_as_inf(jnp.abs(q)), axis=0))
+    return q * _scaling.pow2_inverse(jnp.max(_checks.nan_as_inf(jnp.abs(q)), axis=0))
 
 
 def unscaled(p: jax.Array, q: jax.Array, f: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -100,13 +101,13 @@ def unscaled(p: jax.Array, q: jax.Array, f: jax.Array) -> tuple[jax.Array, jax.A
     (:func:`_pow2_normalized`). Columns that fit are returned bit-identically.
     """
     amax = jnp.max(_checks.nan_as_inf(jnp.abs(q)), axis=0)
-    c = jnp.where(jnp.isfinite(amax / f), 1.0, 1.0 / _checks.pow2_inverse(amax))
+    c = jnp.where(jnp.isfinite(amax / f), 1.0, 1.0 / _scaling.pow2_inverse(amax))
     return p * c, q / c / f
 
 
 def max_scale(m: jax.Array) -> jax.Array:
     """The power of two that brings ``m``'s max-abs into ``[0.5, 1)``; NaN or Inf give 1."""
-    return _checks.pow2_inverse(jnp.max(_checks.nan_as_inf(jnp.abs(m))))
+    return _scaling.pow2_inverse(jnp.max(_checks.nan_as_inf(jnp.abs(m))))
 
 
 DEFAULT_EPSILON = 1e-4

@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxcomp import _scaling
 from jaxcomp import _validate
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _bitpack
@@ -25,7 +26,7 @@ def _rms(xf: jax.Array) -> jax.Array:
     ms = jnp.mean(jnp.square(xf))
 
     def rescaled(xf):
-        f = _checks.pow2_inverse(jnp.max(_checks.nan_as_inf(jnp.abs(xf))))
+        f = _scaling.pow2_inverse(jnp.max(_checks.nan_as_inf(jnp.abs(xf))))
         return jnp.sqrt(jnp.mean(jnp.square(xf * f))) / f
 
     return jax.lax.cond((ms < 1e-30) | (ms > 1e30), rescaled, lambda xf: jnp.sqrt(ms), xf)
@@ -44,7 +45,7 @@ def _mean_abs(xf: jax.Array) -> jax.Array:
     s = jnp.mean(jnp.abs(xf))
 
     def rescaled(xf):
-        f = _checks.pow2_inverse(jnp.max(_checks.nan_as_inf(jnp.abs(xf))))
+        f = _scaling.pow2_inverse(jnp.max(_checks.nan_as_inf(jnp.abs(xf))))
         return jnp.mean(jnp.abs(xf) * f) / f
 
     return jax.lax.cond(jnp.isfinite(s), lambda xf: s, rescaled, xf)

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 
 from jaxcomp import _critical
 from jaxcomp import _finite
+from jaxcomp import _scaling
 from jaxcomp import _validate
 from jaxcomp._critical import critical_regime  # noqa: F401 (re-exported)
 from jaxcomp._critical import replicated_norms  # noqa: F401 (re-exported)
-from jaxcomp.compressors import _checks
 
 STATISTICS = _critical.STATISTICS
 
@@ -49,12 +49,12 @@ def rms(arrays: Sequence[jax.Array]) -> jax.Array:
     :func:`jaxcomp._finite.all_finite` (few kernels: ``accordion_batch_size`` of 12 leaves
     compiled 57 fusions, 72 with a 2-norm per leaf before this function).
     """
-    groups = _finite._groups([a.astype(jnp.float32) for a in arrays])
+    groups = _finite.capped_groups([a.astype(jnp.float32) for a in arrays])
     flat = [jnp.concatenate([jnp.ravel(a) for a in g]) for g in groups]
     if not flat:
         return jnp.zeros((), jnp.float32)
     amax = jnp.max(jnp.stack([jnp.max(jnp.abs(a), initial=0.0) for a in flat]))
-    k = _checks.pow2_inverse(amax)
+    k = _scaling.pow2_inverse(amax)
     total = sum(jnp.sum(jnp.square(a * k)) for a in flat)
     size = sum(a.size for a in flat)
     return jnp.sqrt(total / max(size, 1)) / k
