@@ -8,12 +8,13 @@ stage boundary). Neither may import the other, so the math lives here, below bot
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxcomp import _scaling
 
 LOW_COMPRESSION = 0  #: mode in a critical regime: the low-compression codec or link
 HIGH_COMPRESSION = 1  #: mode otherwise: the high-compression codec or link
@@ -52,5 +53,5 @@ def replicated_norms(norms: jax.Array, axis_name: str | None, statistic: str) ->
     # the mean of finite values is finite: sum them scaled by 2**-j >= 1 / n (exact), so the
     # sum of n values up to 3e38 does not overflow; bit-identical to pmean below that
     n = lax.axis_size(axis_name)
-    down = 2.0 ** -math.ceil(math.log2(n))
-    return lax.psum(norms * down, axis_name) / n / down
+    k = _scaling.sum_exponent(n)
+    return _scaling.mean_of_sum(lax.psum(norms * 2.0**-k, axis_name), n, k)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp import _scaling
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _low_rank
 from jaxcomp.compressors import _protocol
@@ -97,7 +98,7 @@ def power_sgd_protocol(
         mq = _protocol.psum((mat @ q_scaled) * (2.0**-k), axis_name)
         p = _low_rank.orthogonalize(mq, epsilon)
         q_sum = _protocol.psum(_low_rank.transposed_matmul(mat, p) * (2.0**-k), axis_name)
-        q = _protocol.mean_of_sum(q_sum, num, k)
+        q = _scaling.mean_of_sum(q_sum, num, k)
         mean = outer_sum(p, q).reshape(shape).astype(x.dtype)
         # the echo is the same reconstruction, recomputed (bit-identical) behind a barrier so
         # that XLA fuses it into its consumer: error feedback's ``c - echo`` then reads c and

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp import _scaling
 from jaxcomp._bits import move_as_bits
 
 Array = jax.Array
@@ -243,13 +244,7 @@ def prescale_exponent(num: int, dtype: Any) -> int:
     """
     if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).minexp > -126:
         return 0
-    return max(num - 1, 0).bit_length()
-
-
-def mean_of_sum(total: Array, num: int, k: int) -> Array:
-    """``total * 2**k / num`` for ``total`` a sum of terms scaled by ``2**-k``: ``(total / num)
-    * 2**k``, bit-identical to the unscaled ``sum / num`` for every ``num`` away from the edges."""
-    return total / num * (2.0**k) if k else total / num
+    return _scaling.sum_exponent(num)
 
 
 def pmean(x: Array, axis_name: str | None) -> Array:

@@ -10,7 +10,6 @@ critical.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +30,7 @@ def interval_scale(steps: int) -> float:
     """``2**-j``, ``2**j >= steps``: an accumulator of ``steps`` finite gradients each times
     this factor cannot overflow (an interval's plain sum of gradients near ``3e38`` did), and
     the factor is exact, so the statistic's relative changes are the plain sum's."""
-    return 2.0 ** -math.ceil(math.log2(steps))
+    return 2.0 ** -_scaling.sum_exponent(steps)
 
 
 def rms(arrays: Sequence[jax.Array]) -> jax.Array:
