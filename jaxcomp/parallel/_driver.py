@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _compile
 from jaxcomp._finite import all_finite as all_finite
 
 
@@ -113,6 +114,9 @@ class Program:
       specs: ``specs(*args) -> (in_specs, out_specs)`` for arguments (arrays or abstract),
         e.g. read from their shardings with :func:`layout_of`, or fixed.
       donate: donate the first argument's buffers to the result.
+      compiler_options: XLA options every compile of this program passes (e.g.
+        :data:`jaxcomp._compile.RARELY_RUN_OPTIONS`), so that each executable of it is the
+        same wherever it is compiled; ``None``: JAX's defaults.
 
     The compile cache is a cache, not training state: it maps an argument layout (tree
     structure, shapes, dtypes, weak types, shardings) to its executable.
@@ -125,8 +129,10 @@ class Program:
         specs: Callable[..., tuple[Any, Any]],
         *,
         donate: bool = True,
+        compiler_options: dict[str, Any] | None = None,
     ):
         self.body, self.mesh, self.specs, self.donate = body, mesh, specs, donate
+        self.compiler_options = dict(compiler_options) if compiler_options else None
         self._jitted: dict[tuple, Any] = {}
         self._compiled: dict[tuple, Any] = {}
 
@@ -157,7 +163,10 @@ class Program:
         """The ``jax.stages.Lowered`` program for arguments like ``args`` (arrays or
         abstract), to compile elsewhere (:func:`jaxcomp._compile.compile_all`) and hand back
         with :meth:`adopt`."""
-        return self.jitted(*args).lower(*jax.tree.map(_abstract, args))
+        lowered = self.jitted(*args).lower(*jax.tree.map(_abstract, args))
+        if self.compiler_options:
+            return _compile.WithOptions(lowered, self.compiler_options)
+        return lowered
 
     def adopt(self, compiled: Any, *args: Any) -> None:
         """Keeps ``compiled`` (this program's :meth:`lower` for ``args``, compiled) as the

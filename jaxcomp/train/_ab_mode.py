@@ -55,6 +55,7 @@ each step kind's programs weighted by how many steps the schedule gives it
 from __future__ import annotations
 
 import collections
+import functools
 
 import jax
 import ml_collections
@@ -240,8 +241,8 @@ def build_ab(
     # (the latter two as their calls below compile them: JAX's caches serve those calls);
     # the step programs' HLO is parsed once, for the bytes and the collectives
     also = {
-        "init": model_init.lower(key_abs),
-        "eval": eval_step.lower(state_abs, eval_abs),
+        "init": functools.partial(model_init.lower, key_abs),
+        "eval": functools.partial(eval_step.lower, state_abs, eval_abs),
     }
     compiled = dp.compile(state_abs, batch_abs, also)
     texts = {k: compiled[k].as_text() for k in PROGRAMS}

@@ -357,6 +357,30 @@ def test_a_program_compiles_again_for_another_dtype_or_weak_type():
     assert program(f16).dtype == np.float16 and program(weak).weak_type
 
 
+def test_the_refactorisation_compiles_fast_wherever_it_compiles_with_the_default_bits(grouped):
+    """The re-factorisation (a few calls a run) compiles at XLA:CPU's backend level 0, the
+    steps at the default: the options travel with the program (``compile_all`` and a compile
+    on first use alike), and the refactored state is the default level's bit for bit."""
+    from jaxcomp import _compile
+    from jaxcomp.parallel import _ab_programs
+
+    config, dp = grouped
+    state = dp.init(init_params())
+    batch = dp.shard_batch(batches(1)[0])
+    programs = _ab_programs.Programs(config, loss_fn, dp.mesh, donate=False)
+    state = programs.run("dense", state, batch)[0]
+    args = programs._args("refactor", state)
+    assert programs._program("dense").compiler_options is None
+    assert programs._program("ab").compiler_options is None
+    lowered = programs._program("refactor").lower(*args)
+    assert lowered.options == _compile.RARELY_RUN_OPTIONS
+    fast = programs.compiled("refactor", *args)  # compiled on first use
+    default = lowered.lowered.compile()
+    got, want = fast(*args), default(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
 @pytest.mark.parametrize(
     "layout,options",
     [("rectangular", {}), ("flat", dict(axis_name="data", group_size=2, sync_mode="only-learned"))],

@@ -79,3 +79,55 @@ def test_the_callers_with_block_config_reaches_the_compiling_threads(monkeypatch
         _compile.compile_all({"f": f.lower(x), "g": g.lower(x)})
     assert seen == [-0.5, -0.5]
     assert jax_config.exec_time_optimization_effort.get_local() is jax_config.config_ext.unset
+
+
+def test_programs_given_as_functions_are_lowered_in_order_and_compiled_the_same():
+    lowered, x = _lowered()
+    order = []
+
+    def lazily(name):
+        def lower():
+            order.append(name)
+            return lowered[name]
+
+        return lower
+
+    together = _compile.compile_all({"f": lazily("f"), "g": lazily("g"), "f2": lowered["f"]})
+    assert order == ["f", "g"] and list(together) == ["f", "g", "f2"]
+    for name in ("f", "g"):
+        assert together[name].as_text() == lowered[name].compile().as_text(), name
+    assert list(_compile.compile_all({"g": lazily("g")})) == ["g"]  # one: no thread
+
+
+def test_a_program_that_fails_to_lower_is_named_and_the_later_ones_are_not_lowered():
+    lowered, _ = _lowered()
+    reached = []
+
+    def broken():
+        raise TypeError("cannot trace this")
+
+    def later():
+        reached.append("h")
+        return lowered["g"]
+
+    with pytest.raises(TypeError, match="cannot trace this") as info:
+        _compile.compile_all({"f": lowered["f"], "refactor": broken, "h": later})
+    assert info.value.__notes__ == ["(while lowering the program 'refactor')"]
+    assert reached == []
+
+
+def test_with_options_compiles_with_them_every_time(monkeypatch):
+    seen = []
+    real = jax.stages.Lowered.compile
+
+    def spy(self, compiler_options=None):
+        seen.append(compiler_options)
+        return real(self, compiler_options)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+    x = np.arange(4, dtype=np.float32)
+    low = _compile.WithOptions(jax.jit(lambda v: v * 2.0).lower(x), _compile.RARELY_RUN_OPTIONS)
+    assert "func.func" in low.as_text()  # the lowered program's own attributes
+    out = _compile.compile_all({"a": low, "b": lambda: low})
+    assert seen == [_compile.RARELY_RUN_OPTIONS] * 2
+    np.testing.assert_array_equal(out["a"](x), x * 2.0)
