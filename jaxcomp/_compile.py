@@ -48,6 +48,26 @@ def callers_config() -> Callable[[], contextlib.AbstractContextManager] | None:
     return enter
 
 
+def lower_later(jitted: Any, *args: Any, mesh: Any = None) -> Callable[[], Any]:
+    """A function lowering ``jitted`` for ``args`` (inside ``jax.set_mesh(mesh)`` when a mesh
+    is given): a program for :func:`compile_all` to lower when it reaches it.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> out = compile_all({"sin": lower_later(jax.jit(jnp.sin), jnp.zeros(2))})
+      >>> out["sin"](jnp.zeros(2)).tolist()
+      [0.0, 0.0]
+    """
+
+    def lower() -> Any:
+        import jax
+
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            return jitted.lower(*args)
+
+    return lower
+
+
 def compile_all(lowered: Mapping[str, Any]) -> dict[str, Any]:
     """Compiles programs concurrently: ``{name: lowered[name].compile()}``.
 

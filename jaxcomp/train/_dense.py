@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp._compile import compile_all
+from jaxcomp._compile import lower_later
 from jaxcomp.models import _staged
 from jaxcomp.train import _collectives
 from jaxcomp.train import _config
@@ -108,17 +109,15 @@ def build_dense(
     )
     batch_abs = abstract_batch(model, config.batch_size, batch_sharding)
     eval_abs = abstract_batch(model, config.eval_batch_size, batch_sharding, with_mask=True)
-    with jax.set_mesh(mesh):
-        key_data_abs = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
-        train_lowered = jax.jit(train_step, donate_argnums=0).lower(
-            abstract, batch_abs, key_data_abs
-        )
-    # the step, the init and the evaluation compiled side by side; the latter two lowered
-    # outside the mesh, as the trainer calls them, so that JAX's caches serve those calls
+    key_data_abs = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+    train_jit = jax.jit(train_step, donate_argnums=0)
+    # the step, the init and the evaluation compiled side by side, each as soon as it is
+    # lowered; the latter two lowered outside the mesh, as the trainer calls them, so that
+    # JAX's caches serve those calls
     compiled = compile_all({
-        "train_step": train_lowered,
-        "init": init_jit.lower(key_abs),
-        "eval_step": eval_jit.lower(abstract, eval_abs),
+        "train_step": lower_later(train_jit, abstract, batch_abs, key_data_abs, mesh=mesh),
+        "init": lower_later(init_jit, key_abs),
+        "eval_step": lower_later(eval_jit, abstract, eval_abs),
     })  # fmt: skip
     train_c = compiled["train_step"]
     wire = _mode.compiled_text_bytes(train_c)

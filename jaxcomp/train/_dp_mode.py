@@ -68,6 +68,7 @@ from jaxcomp import comm
 from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp._compile import compile_all
+from jaxcomp._compile import lower_later
 from jaxcomp.models import _staged
 from jaxcomp.train import _batch_stats
 from jaxcomp.train import _collectives
@@ -308,20 +309,20 @@ def build_data_parallel(
     eval_abs = _dense.abstract_batch(model, config.eval_batch_size, batch_sharding, True)
     replicated = NamedSharding(mesh, P())
     workers_sharding = NamedSharding(mesh, P(axes if len(axes) == 2 else axes[0]))
-    with jax.set_mesh(mesh):  # as dp.init runs the transform's init
-        opt_init = jax.jit(tx.init).lower(state_abs.params)
-    # the step (its HLO gives the step's collectives), the model's and the transform's inits,
-    # the finite check and the evaluation, compiled side by side; the trainer's calls of the
-    # latter four are served by JAX's caches (lowered as they are called)
+    # the step (its HLO gives the step's collectives), the model's and the transform's inits
+    # (the latter in the mesh, as dp.init runs it), the finite check and the evaluation,
+    # compiled side by side, each as soon as it is lowered; the trainer's calls of the latter
+    # four are served by JAX's caches (lowered as they are called)
     compiled = compile_all({
-        "train_step": dp.step.lower(state_abs, train_batch),
-        "init": model_init.lower(key_abs),
-        "opt_init": opt_init,
-        "check": check.lower(
-            state_abs, state_abs, jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
+        "train_step": lower_later(dp.step, state_abs, train_batch),
+        "init": lower_later(model_init, key_abs),
+        "opt_init": lower_later(jax.jit(tx.init), state_abs.params, mesh=mesh),
+        "check": lower_later(
+            check, state_abs, state_abs,
+            jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
             jax.ShapeDtypeStruct((workers,), jnp.int32, sharding=workers_sharding),
         ),
-        "eval_step": eval_step.lower(state_abs, eval_abs),
+        "eval_step": lower_later(eval_step, state_abs, eval_abs),
     })  # fmt: skip
     step_c = compiled["train_step"]
     return _mode.Mode(

@@ -69,6 +69,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import pipeline
 from jaxcomp._compile import compile_all
+from jaxcomp._compile import lower_later
 from jaxcomp.models import _staged
 from jaxcomp.train import _batch_stats
 from jaxcomp.train import _config
@@ -268,16 +269,18 @@ def build_pipeline(
     # the step programs the run starts with (the all-low modes), the state init and the
     # evaluation (compression on and off) compiled side by side; the latter two lowered outside
     # the mesh, as the trainer calls them, so that JAX's caches serve those calls
+    # (each compiled as soon as it is lowered)
     starts = (True, False) if warmup_steps else (True,)
-    with jax.set_mesh(mesh):
-        lowered = {
-            f"train_step(compress={c})": train_jit.lower(state_abs, batch_abs, key_abs, c, low)
-            for c in starts
-        }
-    lowered["init"] = init_jit.lower(jax.eval_shape(jax.random.key, 0))
+    lowered = {
+        f"train_step(compress={c})": lower_later(
+            train_jit, state_abs, batch_abs, key_abs, c, low, mesh=mesh
+        )
+        for c in starts
+    }
+    lowered["init"] = lower_later(init_jit, jax.eval_shape(jax.random.key, 0))
     eval_abs = _dense.abstract_batch(model, config.eval_batch_size, batch_sharding, True)
     for c in (False, True):
-        lowered[f"eval_step(compress={c})"] = eval_jit.lower(state_abs, eval_abs, c, low)
+        lowered[f"eval_step(compress={c})"] = lower_later(eval_jit, state_abs, eval_abs, c, low)
     done = compile_all(lowered)
     compiled.update({(c, low): done[f"train_step(compress={c})"] for c in starts})
     hlo = _mode.compiled_text_bytes(program(True, low))

@@ -131,3 +131,17 @@ def test_with_options_compiles_with_them_every_time(monkeypatch):
     out = _compile.compile_all({"a": low, "b": lambda: low})
     assert seen == [_compile.RARELY_RUN_OPTIONS] * 2
     np.testing.assert_array_equal(out["a"](x), x * 2.0)
+
+
+def test_lower_later_lowers_in_the_given_mesh_only_when_reached():
+    from jax.sharding import PartitionSpec as P
+
+    auto = (jax.sharding.AxisType.Auto,)
+    mesh = jax.make_mesh((2,), ("x",), axis_types=auto, devices=jax.devices()[:2])
+    f = jax.jit(lambda v: jax.lax.with_sharding_constraint(v * 2.0, P("x")))
+    x = np.arange(4, dtype=np.float32)
+    out = _compile.compile_all({"f": _compile.lower_later(f, x, mesh=mesh)})
+    np.testing.assert_array_equal(out["f"](x), x * 2.0)
+    with pytest.raises(Exception) as info:  # a bare PartitionSpec needs the mesh
+        _compile.compile_all({"f": _compile.lower_later(f, x)})
+    assert "(while lowering the program 'f')" in info.value.__notes__
