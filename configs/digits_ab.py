@@ -5,8 +5,9 @@ are stored (and sent) at a rank capacity of 64 of 256.
 
   python -m jaxcomp.main --config configs/digits_ab.py --workdir runs/digits_ab
 
-Expected: ~20 s on 2 CPU cores (19.3 s measured at load average 6, where digits_dense with
-the same 300 steps took 13.7 s), test accuracy 97.2%; HLO bytes per step: 589 KiB full-rank,
+Expected: ~8 s of training on 2 idle CPU cores (8.1-8.4 s, where digits_dense with the same
+300 steps took 6.1-6.4 s; 11.3 s beside a CPU-busy process, dense 8.5 s; medians of 2-5 runs,
+docs/results/benchmarks_idle/after12), test accuracy 97.2%; HLO bytes per step: 589 KiB full-rank,
 205 KiB in AB phases, 538 KiB at a sync; 56% less traffic than data parallelism over a full
 cycle (the paper: 50-70%).
 """
