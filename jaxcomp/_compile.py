@@ -167,4 +167,6 @@ class WithOptions:
         return self.lowered.compile(dict(self.options))
 
     def __getattr__(self, name: str) -> Any:
+        if name == "lowered":  # not set yet (a copy in the making): no recursion
+            raise AttributeError(name)
         return getattr(self.lowered, name)
