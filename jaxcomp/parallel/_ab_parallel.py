@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _compile
 from jaxcomp.comm import GROUP
 from jaxcomp.comm import MEMBER
 from jaxcomp.comm import make_mesh
@@ -261,7 +262,7 @@ def ab_data_parallel(
     def compile_all(state, batch, also=None):
         # the factors' init too, for the unstacked parameters init() is given
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
-        also = {"init_opt": functools.partial(init_opt.lower, params), **(also or {})}
+        also = {"init_opt": _compile.lower_later(init_opt, params), **(also or {})}
         return programs.compile_all(state, shard_abstract(batch), also)
 
     def shard_abstract(batch):

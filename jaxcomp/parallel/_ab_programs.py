@@ -21,7 +21,6 @@ compilation competes with a running multi-device step for the CPU.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +52,7 @@ from jaxcomp.transforms._ab_training import check_shapes
 #: The compiled programs; in a schedule, ``"factorise"`` is ``"refactor"`` with ``exact`` and
 #: ``"ab_then_sync"`` is ``"ab"`` with ``sync``.
 PROGRAMS = ("dense", "ab", "refactor")
+_STEPS = ("dense", "ab")  # run every step: compiled with XLA's default options
 _PROGRAM_OF = {"factorise": "refactor", "ab_then_sync": "ab"}
 
 
@@ -218,7 +218,7 @@ class Programs:
                 in_out = ((specs, P()), (specs, workers))
                 body = self._transition_body(name)
             # the re-factorisation runs a few times a run: compiled fast, not optimised
-            options = None if name in ("dense", "ab") else _compile.RARELY_RUN_OPTIONS
+            options = None if name in _STEPS else _compile.RARELY_RUN_OPTIONS
             self._programs[name] = _driver.Program(
                 body, self.mesh, lambda *_: in_out, donate=self.donate, compiler_options=options
             )
@@ -269,7 +269,7 @@ class Programs:
         args = {name: self._args(name, state, batch) for name in PROGRAMS}
         # lowered as compile_all reaches them: each beside the compiles of those before it
         lowered = {
-            name: functools.partial(self._program(name).lower, *a)
+            name: _compile.lower_later(self._program(name), *a)
             for name, a in args.items()
             if not self._program(name).has_compiled(*a)
         }
@@ -278,7 +278,7 @@ class Programs:
             raise ValueError(f"compile_all: also names {clash} clash with the programs' names.")
         # the steps first, the re-factorisation (the quickest compile) last: the compiles
         # that start last end together
-        steps = {n: low for n, low in lowered.items() if n in ("dense", "ab")}
+        steps = {n: low for n, low in lowered.items() if n in _STEPS}
         rest = {n: low for n, low in lowered.items() if n not in steps}
         compiled = _compile.compile_all({**steps, **(also or {}), **rest})
         for name in lowered:

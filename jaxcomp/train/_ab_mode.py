@@ -55,7 +55,6 @@ each step kind's programs weighted by how many steps the schedule gives it
 from __future__ import annotations
 
 import collections
-import functools
 
 import jax
 import ml_collections
@@ -67,6 +66,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import compressors
 from jaxcomp import parallel
 from jaxcomp import transforms
+from jaxcomp._compile import lower_later
 from jaxcomp.models import _staged
 from jaxcomp.parallel._ab_parallel import kind_bytes as parallel_kind_bytes
 from jaxcomp.parallel._ab_programs import PROGRAMS
@@ -241,8 +241,8 @@ def build_ab(
     # (the latter two as their calls below compile them: JAX's caches serve those calls);
     # the step programs' HLO is parsed once, for the bytes and the collectives
     also = {
-        "init": functools.partial(model_init.lower, key_abs),
-        "eval": functools.partial(eval_step.lower, state_abs, eval_abs),
+        "init": lower_later(model_init, key_abs),
+        "eval": lower_later(eval_step, state_abs, eval_abs),
     }
     compiled = dp.compile(state_abs, batch_abs, also)
     texts = {k: compiled[k].as_text() for k in PROGRAMS}
