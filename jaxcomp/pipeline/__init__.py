@@ -54,8 +54,8 @@ from jaxcomp.pipeline._detector import HIGH_COMPRESSION
 from jaxcomp.pipeline._detector import LOW_COMPRESSION
 from jaxcomp.pipeline._detector import Detector
 from jaxcomp.pipeline._detector import DetectorState
-from jaxcomp.pipeline._gpipe import gpipe
-from jaxcomp.pipeline._gpipe import simulate
+from jaxcomp.pipeline._build import gpipe
+from jaxcomp.pipeline._build import simulate
 from jaxcomp.pipeline._link_state import LinkState
 from jaxcomp.pipeline._link_state import LinkStates
 from jaxcomp.pipeline._links import link_key
