@@ -42,20 +42,21 @@ Contracts:
   ``data_wire_bytes`` is the slow axis's and ``data_fast_wire_bytes`` the fast one's).
 """
 
+from jaxcomp.pipeline._adaptive import HIGH_COMPRESSION
+from jaxcomp.pipeline._adaptive import LOW_COMPRESSION
 from jaxcomp.pipeline._adaptive import AdaptiveLink
+from jaxcomp.pipeline._adaptive import Detector
+from jaxcomp.pipeline._adaptive import DetectorState
 from jaxcomp.pipeline._adaptive import adaptive_link
 from jaxcomp.pipeline._adaptive import link_modes
+from jaxcomp.pipeline._build import Pipeline
+from jaxcomp.pipeline._build import gpipe
+from jaxcomp.pipeline._build import simulate
 from jaxcomp.pipeline._config import Link
 from jaxcomp.pipeline._config import PipelineConfig
 from jaxcomp.pipeline._config import StagedModel
 from jaxcomp.pipeline._config import link
 from jaxcomp.pipeline._config import pipeline_mesh
-from jaxcomp.pipeline._detector import HIGH_COMPRESSION
-from jaxcomp.pipeline._detector import LOW_COMPRESSION
-from jaxcomp.pipeline._detector import Detector
-from jaxcomp.pipeline._detector import DetectorState
-from jaxcomp.pipeline._build import gpipe
-from jaxcomp.pipeline._build import simulate
 from jaxcomp.pipeline._link_state import LinkState
 from jaxcomp.pipeline._link_state import LinkStates
 from jaxcomp.pipeline._links import link_key
@@ -63,7 +64,6 @@ from jaxcomp.pipeline._params import PackedParams
 from jaxcomp.pipeline._params import ParamLayout
 from jaxcomp.pipeline._params import pack_params
 from jaxcomp.pipeline._params import param_layout
-from jaxcomp.pipeline._prepare import Pipeline
 from jaxcomp.pipeline._schedule import SCHEDULES
 from jaxcomp.pipeline._schedule import bubble_fraction
 from jaxcomp.pipeline._schedule import gpipe_segments

@@ -1,29 +1,93 @@
-"""The public constructors: a pipeline over a ``stage`` mesh, or its single-device simulation."""
+"""The public constructors: a pipeline over a ``stage`` mesh, or its single-device simulation,
+and the :class:`Pipeline` of pure functions both return (with its memory plan)."""
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
 from jaxcomp.pipeline import _adaptive
 from jaxcomp.pipeline import _config
 from jaxcomp.pipeline import _driver
-from jaxcomp.pipeline import _memory
+from jaxcomp.pipeline import _params
 from jaxcomp.pipeline import _prepare
 from jaxcomp.pipeline import _residuals
-from jaxcomp.pipeline._spec import Spec
+from jaxcomp.pipeline import _schedule
+from jaxcomp.pipeline import _ticks
+from jaxcomp.pipeline._config import Spec
 
 
-def _pipeline(spec: Spec) -> _prepare.Pipeline:
-    return _prepare.Pipeline(
+class Pipeline(NamedTuple):
+    """A pipeline's pure functions (from :func:`~jaxcomp.pipeline.gpipe` or
+    :func:`~jaxcomp.pipeline.simulate`; both have the same signatures and numbers).
+
+    ``step`` and ``evaluate`` validate their inputs and build the program in Python: wrap them
+    in ``jax.jit`` once and reuse the jitted function (called bare, each call re-checks its
+    inputs; the compiled program is reused).
+
+    Attributes:
+      init: ``init(params, batch, model_state=None) -> link_states``: every link end's
+        initial state, as :class:`LinkStates` (each stage device holds the ends it owns); a
+        stateful model (BatchNorm) passes its per-stage running state ``model_state`` (one
+        pytree per stage, ``{}`` for a stage without), which the link states then carry.
+      step: ``step(params, batch, link_states, key=None, compress=True, modes=None) ->
+        (loss, grads, link_states, metrics)``: one training step's loss, gradients (in the form
+        of ``params``: a per-stage sequence or :class:`PackedParams`) and new link states.
+        ``key`` is required when a link's codec is stochastic. ``compress=False`` sends dense
+        (AQ-SGD warm-up); mark it static under ``jax.jit``. With adaptive links
+        (:func:`~jaxcomp.pipeline.adaptive_link`) the step runs the program of the modes in
+        ``link_states``; under ``jax.jit`` pass them as the static
+        ``modes=pipeline.link_modes(link_states)``.
+      evaluate: ``evaluate(params, batch, key=None, compress=False, modes=None, states=None,
+        stats="replica0") -> (loss, metrics, outputs)``: forward only, link states untouched;
+        ``compress=True`` applies each forward codec without feedback (the paper's "compressed
+        inference"; stochastic codecs use ``key``, by default ``jax.random.key(0)``);
+        ``outputs`` is the last stage's output for the whole batch (e.g. logits, for
+        accuracy). A stateful model needs ``states`` (the link states of its last step) and
+        normalises with their running statistics, with data replicas replica 0's
+        (``stats="replica0"``) or their mean (``"mean"``).
+      bytes_per_step: ``bytes_per_step(params, batch, compress=True, train=True, modes=None,
+        states=None) -> dict`` (``states``: a stateful model's link states) with the
+        theoretical ``wire_bytes`` (payload bytes per step and pipeline replica, forward and
+        backward) and ``dense_bytes`` (the same sends uncompressed). With adaptive links,
+        ``evaluate`` and ``bytes_per_step`` use the links of ``modes`` (every boundary's low
+        link by default).
+      memory: ``memory(params, batch, states=None) -> dict``: the planned per-device memory
+        of a training step (see :func:`jaxcomp.pipeline.gpipe`).
+      num_stages: ``S``.
+      num_microbatches: ``M``.
+      links: one :class:`Link` per boundary.
+      schedule: ``"gpipe"`` or ``"1f1b"``.
+    """
+
+    init: Callable[..., Any]
+    step: Callable[..., Any]
+    evaluate: Callable[..., Any]
+    bytes_per_step: Callable[..., dict[str, int]]
+    memory: Callable[..., dict[str, int]]
+    num_stages: int
+    num_microbatches: int
+    links: tuple[_config.Link, ...]
+    schedule: str
+
+
+def _pipeline(spec: Spec) -> Pipeline:
+    return Pipeline(
         init=functools.partial(_driver.init, spec),
         step=functools.partial(_driver.step, spec),
         evaluate=functools.partial(_driver.evaluate, spec),
         bytes_per_step=functools.partial(_driver.bytes_per_step, spec),
-        memory=functools.partial(_memory.memory, spec),
+        memory=functools.partial(memory, spec),
         num_stages=spec.model.num_stages,
         num_microbatches=spec.num_microbatches,
         links=spec.links,
@@ -48,7 +112,7 @@ def gpipe(
     mesh: jax.sharding.Mesh,
     *,
     data_axis: str | tuple[str, str] = _mesh.DATA,
-) -> _prepare.Pipeline:
+) -> Pipeline:
     r"""A pipeline of ``model``'s stages over ``mesh``'s ``stage`` axis, with compressed links.
 
     Stage ``s`` runs on the devices at index ``s`` of the ``stage`` axis. An optional ``data``
@@ -192,7 +256,7 @@ def _data_axes(data_axis) -> tuple[str, ...]:
     return pair
 
 
-def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> _prepare.Pipeline:
+def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> Pipeline:
     """The single-device counterpart of :func:`~jaxcomp.pipeline.gpipe`: same numbers, one device.
 
     Each microbatch runs through the stages and back, and every cut point applies its link with
@@ -229,3 +293,83 @@ def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> _pre
       0.0657
     """
     return _pipeline(_make_spec(model, config, None, 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# A pipeline's planned per-device memory (``Pipeline.memory``): residuals and link states.
+
+
+def _residual_plan(spec: Spec, static: _prepare.Static, labels: Any) -> _residuals.ResidualPlan:
+    """The residual plan the program makes (traced in a ``shard_map`` body on a mesh)."""
+    m_ = spec.num_microbatches
+    if spec.mesh is None:
+        lab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                           _prepare.microbatches(labels, m_))  # fmt: skip
+        return _residuals.plan(
+            spec.fns, static.layout.structs(), static.inputs, lab, static.model_layout.structs()
+        )
+    prog = _ticks.Program(
+        spec.model.loss_fn, spec.links, spec.fns, static, spec.schedule, m_, spec.axes, True, True,
+        False,
+    )  # fmt: skip
+    found = []
+
+    def probe(buffers, labels):
+        local = _local.to_varying({g: b[0] for g, b in buffers.items()}, spec.axes)
+        lab = _local.to_varying(_prepare.microbatches(labels, m_), spec.axes)
+        found.append(_ticks.plan_here(prog, local, lab))
+        return jnp.zeros((), jnp.float32)
+
+    def struct(shape, dtype, pspec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(spec.mesh, pspec))
+
+    buffers = {
+        g: struct((spec.model.num_stages, n), g, P(_mesh.STAGE)) for g, n in static.layout.lengths
+    }
+    labels = jax.tree.map(lambda a: struct(a.shape, a.dtype, spec.batch_spec), labels)
+    fn = jax.shard_map(
+        probe, mesh=spec.mesh, in_specs=(P(_mesh.STAGE), spec.batch_spec), out_specs=P()
+    )
+    jax.eval_shape(fn, buffers, labels)
+    return found[0]
+
+
+def memory(spec: Spec, params, batch, states=None) -> dict[str, Any]:
+    """The planned per-device memory of a training step, in bytes.
+
+    Returns:
+      ``residual_bytes_per_stage`` (each stage's saved residuals per microbatch),
+      ``residual_row_bytes`` (one ring-buffer row: the largest stage's, per dtype),
+      ``in_flight`` (per stage, microbatches alive at once), ``residual_slots``,
+      ``ideal_activation_bytes`` (over the stages, the largest of a stage's residuals times its
+      in-flight microbatches), ``residual_buffer_bytes`` (what every device allocates for them),
+      ``link_state_bytes`` (one device's packed row of link states) and
+      ``live_link_state_bytes`` (per device, the bytes of its own ends). A stateful model
+      needs its ``states`` (from ``init``).
+    """
+    prep = _driver.prepare_for(
+        spec, params, batch, need_ids=False, model_layout=_params.model_layout_of(states)
+    )
+    static = prep.static
+    num, m_ = spec.model.num_stages, spec.num_microbatches
+    per_stage = _residual_plan(spec, static, prep.batch.labels).stage_bytes()
+    if spec.mesh is None:  # one microbatch at a time, no ring buffer
+        flight, slots = (1,) * num, 1
+    else:
+        flight = _schedule.in_flight(spec.schedule, num, m_)
+        slots = _schedule.residual_slots(spec.schedule, num, m_)
+    row = (
+        max(per_stage)
+        if spec.mesh is None
+        else _residual_plan(spec, static, prep.batch.labels).layout.row_bytes()
+    )
+    return {
+        "residual_bytes_per_stage": per_stage,
+        "residual_row_bytes": row,
+        "in_flight": flight,
+        "residual_slots": slots,
+        "ideal_activation_bytes": max(b * f for b, f in zip(per_stage, flight)),
+        "residual_buffer_bytes": slots * row,
+        "link_state_bytes": static.state_layout.row_bytes(),
+        "live_link_state_bytes": tuple(static.state_layout.device_bytes(d) for d in range(num)),
+    }

@@ -27,6 +27,7 @@ from typing import Any
 from typing import NamedTuple
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _validate
 from jaxcomp.comm import _mesh
@@ -34,8 +35,14 @@ from jaxcomp.comm import _send
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _cast
 from jaxcomp.feedback import _channel
-from jaxcomp.pipeline import _residuals
 from jaxcomp.pipeline import _schedule
+
+CHECKPOINT_POLICIES = (
+    "nothing_saveable",
+    "everything_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+)
 
 
 class StagedModel:
@@ -232,7 +239,7 @@ def resolve_links(config: PipelineConfig, num_stages: int) -> tuple[Link, ...]:
             f"num_microbatches={m} with {num_stages} stages."
         )
     _validate.check_choice("schedule", config.schedule, _schedule.SCHEDULES)
-    _residuals.check_checkpoint(config.checkpoint)
+    check_checkpoint(config.checkpoint)
     tx = config.replica_mean
     if tx is not None and not (
         callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
@@ -254,6 +261,18 @@ def resolve_links(config: PipelineConfig, num_stages: int) -> tuple[Link, ...]:
         if not isinstance(lk, Link):
             raise TypeError(f"links[{b}] must be a pipeline.Link; got {type(lk).__name__}.")
     return links
+
+
+def check_checkpoint(checkpoint: Any) -> None:
+    """Raises ``ValueError`` unless ``checkpoint`` is a valid :func:`checkpointed` argument."""
+    if checkpoint is None or isinstance(checkpoint, bool) or callable(checkpoint):
+        return
+    if isinstance(checkpoint, str) and checkpoint in CHECKPOINT_POLICIES:
+        return
+    raise ValueError(
+        f"checkpoint must be None, True, a policy callable or one of {CHECKPOINT_POLICIES}; "
+        f"got {checkpoint!r}."
+    )
 
 
 def check_model(model: StagedModel) -> None:
@@ -301,3 +320,77 @@ def pipeline_mesh(
             f"divisor of {len(devices)} or pass devices=jax.devices()[:k * {num_stages}]."
         )
     return _mesh.make_mesh([(_mesh.DATA, -1), (_mesh.STAGE, num_stages)], devices)
+
+
+# ----------------------------------------------------------------------------------------------
+# A pipeline, statically: what the driver's programs are built from (:class:`Spec`).
+
+
+class Spec(NamedTuple):
+    """A pipeline, statically (hashable).
+
+    Attributes:
+      model: the :class:`StagedModel`.
+      links: one :class:`Link` per boundary.
+      num_microbatches: ``M``.
+      schedule: ``"gpipe"`` or ``"1f1b"``.
+      fns: the stages' objectives (:func:`jaxcomp.pipeline._residuals.stage_fns`).
+      mesh: the ``(data,) stage`` mesh, or ``None`` for the single-device simulation.
+      replicas: data replicas (``1`` without a ``data`` axis of size > 1; with an axis pair, the
+        product of the two sizes).
+      replica_mean: the optax transform averaging the replicas' gradients over ``data``, or
+        ``None`` (``pmean``; also with one replica, where there is nothing to average).
+      adaptive: the adaptive boundaries (:class:`jaxcomp.pipeline._adaptive.Adaptive`) or
+        ``None``; ``links`` are then those of the mode combination the program runs.
+      data_axes: the replicas' mesh axes: ``("data",)``, or a ``(slow, fast)`` pair of a
+        hierarchical mesh (the replicas are the devices of both; ``replica_mean`` averages
+        over the pair, e.g. dense over ``fast`` and compressed over ``slow``).
+    """
+
+    model: StagedModel
+    links: tuple[Link, ...]
+    num_microbatches: int
+    schedule: str
+    fns: tuple[Any, ...]  # _residuals.StageFns
+    mesh: jax.sharding.Mesh | None
+    replicas: int
+    replica_mean: Any = None
+    adaptive: Any = None
+    data_axes: tuple[str, ...] = (_mesh.DATA,)
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        num = self.model.num_stages
+        return (num, self.replicas) if self.replicas > 1 else (num,)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return (_mesh.STAGE, *self.data_axes) if self.replicas > 1 else (_mesh.STAGE,)
+
+    @property
+    def data(self) -> str | tuple[str, ...]:
+        """The replicas' axis name for collectives (a tuple for a pair)."""
+        return self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
+
+    @property
+    def replica_lead(self) -> tuple[int, ...]:
+        """Leading dims of the averaging transform's state: ``(S, D)``; with a pair
+        ``(S, slow size)``: it belongs to a slow worker (the fast axis is averaged first)."""
+        if len(self.data_axes) == 2 and self.replicas > 1:
+            return (self.model.num_stages, self.mesh.shape[self.data_axes[0]])
+        return self.lead
+
+    @property
+    def replica_spec(self) -> P:
+        """The transform state's spec: as the link states', or ``(stage, slow)`` with a pair."""
+        if len(self.data_axes) == 2 and self.replicas > 1:
+            return P(_mesh.STAGE, self.data_axes[0])
+        return self.state_spec
+
+    @property
+    def state_spec(self) -> P:
+        return P(_mesh.STAGE, self.data) if self.replicas > 1 else P(_mesh.STAGE)
+
+    @property
+    def batch_spec(self) -> P:
+        return P(self.data) if self.replicas > 1 else P()

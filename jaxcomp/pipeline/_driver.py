@@ -1,16 +1,41 @@
-"""The step driver shared by :func:`~jaxcomp.pipeline.gpipe` and :func:`~jaxcomp.pipeline.simulate`.
+"""The step driver of both pipelines, and the programs it runs.
 
-A pipeline is a static :class:`Spec`; ``init``, ``step``, ``evaluate`` and ``bytes_per_step``
-are the module-level functions below with the spec bound (``memory``:
-:mod:`jaxcomp.pipeline._memory`). Each validates its inputs
-(:func:`jaxcomp.pipeline._prepare.prepare`), then runs the spec's program: the tick program on
-the ``stage`` mesh (:mod:`jaxcomp.pipeline._ticks`, its ``shard_map`` built once per shape
-signature and cached) or the single-device one (:mod:`jaxcomp.pipeline._simulate`).
+A pipeline is a static :class:`~jaxcomp.pipeline._config.Spec`; ``init``, ``step``,
+``evaluate`` and ``bytes_per_step`` are the module-level functions below with the spec bound
+(``memory``: :mod:`jaxcomp.pipeline._build`). Each validates its inputs
+(:func:`jaxcomp.pipeline._prepare.prepare`), then runs the spec's program:
+
+* on the ``stage`` mesh, :func:`_program`: a ``shard_map`` (built once per shape signature and
+  cached) whose body runs the tick engine (:func:`jaxcomp.pipeline._ticks.run`) and, with data
+  replicas, averages each stage's gradient over them (below);
+* on one device (:func:`~jaxcomp.pipeline.simulate`), :func:`_simulated_step` (below).
+
+A step's link states go in as ``LinkStates.buffers``, come out of the program as the new
+buffers (the ticks' ``Carry.states``, or the simulation's scan carry), pass the adaptive links'
+statistic collection (:func:`jaxcomp.pipeline._adaptive.program_statistic`, a no-op without
+them) and are packed back into :class:`~jaxcomp.pipeline.LinkStates` at the end of
+:func:`step`.
+
+**Replica averaging.** Every stage device holds its own stage's packed gradient row;
+:func:`_average_replicas` runs the spec's ``replica_mean`` transform on it (a ``lax.switch`` on
+the stage index, so the transform's collectives over ``data`` run in lockstep),
+:func:`_plain_replica_mean` the float ``pmean``.
+
+**The single-device program.** Microbatch ``m`` runs forward through stages ``0 .. S - 1`` (each
+boundary's forward link applied with :func:`jaxcomp.pipeline._links.send_forward`), then
+backward through ``S - 1 .. 0`` (each backward link applied with ``send_backward``), before
+microbatch ``m + 1``. Every boundary therefore sees its forward sends in microbatch order and its
+backward sends in microbatch order, with the same keys and ids, as in both distributed
+schedules: the channel states go through the same sequence of updates, so the numbers are the
+same. Likewise each stage's running state (BatchNorm statistics) is updated by microbatches
+``0 .. M - 1`` in order. Only one microbatch's activations are alive at a time. Link states
+keep the distributed layout (row ``d`` is device ``d``'s ends).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -23,17 +48,13 @@ from jaxcomp import _validate
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
 from jaxcomp.pipeline import _adaptive
-from jaxcomp.pipeline import _batch
-from jaxcomp.pipeline import _detector
 from jaxcomp.pipeline import _link_state
 from jaxcomp.pipeline import _links
-from jaxcomp.pipeline import _model_state
 from jaxcomp.pipeline import _params
 from jaxcomp.pipeline import _prepare
-from jaxcomp.pipeline import _replica_mean
-from jaxcomp.pipeline import _simulate
+from jaxcomp.pipeline import _residuals
 from jaxcomp.pipeline import _ticks
-from jaxcomp.pipeline._spec import Spec
+from jaxcomp.pipeline._config import Spec
 
 
 def prepare_for(spec: Spec, params, batch, *, links=None, need_ids=None, model_layout=None):
@@ -47,14 +68,14 @@ def init(spec: Spec, params: Any, batch: Any, model_state: Any = None) -> _link_
     """Every link end's initial state, and a stateful model's running state (see
     :class:`jaxcomp.pipeline.Pipeline`)."""
     sharding = None if spec.mesh is None else NamedSharding(spec.mesh, spec.state_spec)
-    model, model_layout = _model_state.init(spec.model, model_state, spec.lead, sharding)
+    model, model_layout = _params.init_model_state(spec.model, model_state, spec.lead, sharding)
     prep = prepare_for(spec, params, batch, need_ids=False, model_layout=model_layout)
     layout = prep.static.state_layout
     detector = _adaptive.init_detector(spec.adaptive, prep.static.shapes, spec.mesh)
     shapes, lead = prep.static.shapes, spec.lead
 
     def make():
-        return _model_state.per_replica(_link_state.init_buffers(spec.links, shapes, layout), lead)
+        return _params.per_replica(_link_state.init_buffers(spec.links, shapes, layout), lead)
 
     if spec.mesh is None:
         return _link_state.LinkStates(
@@ -86,7 +107,7 @@ def _replica_init(spec: Spec, layout: _params.ParamLayout):
         ]
         states = [jax.tree.map(jnp.asarray, spec.replica_mean.init(p)) for p in stages]
         found["layout"] = replica_layout = _params.param_layout(states)
-        return _model_state.per_replica(replica_layout.pack(states), spec.replica_lead)
+        return _params.per_replica(replica_layout.pack(states), spec.replica_lead)
 
     out = jax.jit(make, out_shardings=NamedSharding(spec.mesh, spec.replica_spec))()
     return out, found["layout"]
@@ -136,10 +157,10 @@ def _program(
         else:  # evaluation: every replica applies replica 0's or the mean running state
             states, replica, detector, model = None, None, None, states
             if has_data and model:
-                model = _model_state.for_eval(model, eval_stats, spec.data)
+                model = _params.model_state_for_eval(model, eval_stats, spec.data)
         local = _local.to_varying({g: b[0] for g, b in buffers.items()}, spec.axes)
-        x, lab = _batch.microbatches(inputs, m_), _batch.microbatches(labels, m_)
-        ids = None if ids is None else _batch.microbatches(ids, m_)
+        x, lab = _prepare.microbatches(inputs, m_), _prepare.microbatches(labels, m_)
+        ids = None if ids is None else _prepare.microbatches(ids, m_)
         key = _replica_key(spec, key)
         if train:
             mine = {g: b.reshape(b.shape[len(spec.lead) :]) for g, b in states.items()}
@@ -157,16 +178,16 @@ def _program(
             loss, metrics, outputs = lax.psum((loss, metrics, carry.outputs), _mesh.STAGE)
             if has_data:
                 loss, metrics = lax.pmean((loss, metrics), spec.data)
-            return loss, metrics, _batch.unmicrobatch(outputs)
+            return loss, metrics, _prepare.unmicrobatch(outputs)
         loss, metrics = lax.psum((loss, metrics), _mesh.STAGE)
         grads, new_replica = carry.grads, replica
         if has_data:
             loss, metrics = lax.pmean((loss, metrics), spec.data)
             if spec.replica_mean is None:
-                grads, sent = _replica_mean.plain_mean(spec, static.layout, grads)
+                grads, sent = _plain_replica_mean(spec, static.layout, grads)
             else:
                 mine = {g: b.reshape(b.shape[2:]) for g, b in replica.items()}
-                grads, mine, sent = _replica_mean.average(
+                grads, mine, sent = _average_replicas(
                     spec, static.layout, replica_layout, local, grads, mine
                 )
                 new_replica = {g: v.reshape(replica[g].shape) for g, v in mine.items()}
@@ -174,7 +195,7 @@ def _program(
             metrics = {**metrics, "data_wire_bytes": sent[0]}
             if len(spec.data_axes) == 2:  # a pair: the slow axis's above, the fast one's here
                 metrics["data_fast_wire_bytes"] = sent[1]
-        stats, own = _detector.program_statistic(  # adaptive links: the interval's norms
+        stats, own = _adaptive.program_statistic(  # adaptive links: the interval's norms
             spec.adaptive, static.state_layout, carry.states, detector, spec.replicas, spec.data
         )
         new_states = {g: v.reshape(states[g].shape) for g, v in own.items()}
@@ -211,22 +232,22 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True, modes=
     compress = _prepare.check_compress(compress)
     modes = _adaptive.step_modes(spec.adaptive, link_states, modes)
     spec = _adaptive.combo(spec, modes)
-    prep = prepare_for(spec, params, batch, model_layout=_model_state.layout_of(link_states))
+    prep = prepare_for(spec, params, batch, model_layout=_params.model_layout_of(link_states))
     static, parsed = prep.static, prep.batch
     _links.check_key(spec.links, key, compress)
     _link_state.check_link_states(link_states, static.state_layout, spec.lead)
-    _model_state.check(link_states, static.model_layout, spec.lead)
+    _params.check_model_state(link_states, static.model_layout, spec.lead)
     layout, m_ = static.layout, spec.num_microbatches
     if spec.mesh is None:
-        x = _batch.microbatches(parsed.inputs, m_)
-        labels = _batch.microbatches(parsed.labels, m_)
-        ids = None if parsed.ids is None else _batch.microbatches(parsed.ids, m_)
+        x = _prepare.microbatches(parsed.inputs, m_)
+        labels = _prepare.microbatches(parsed.labels, m_)
+        ids = None if parsed.ids is None else _prepare.microbatches(parsed.ids, m_)
         replica = {}
-        loss, metrics, grads, states, model = _simulate.train(
+        loss, metrics, grads, states, model = _simulated_step(
             spec, static, _stage_params(params), x, labels, ids, key, link_states.buffers,
             compress, static.model_layout.unpack(link_states.model),
         )  # fmt: skip
-        stats, states = _detector.stacked_statistic(
+        stats, states = _adaptive.stacked_statistic(
             spec.adaptive, static.state_layout, states, link_states.adaptive
         )
         model = static.model_layout.pack(model)
@@ -265,7 +286,7 @@ def evaluate(
 ):
     """Forward only (see :class:`jaxcomp.pipeline.Pipeline`)."""
     compress = _prepare.check_compress(compress)
-    _validate.check_choice("stats", stats, _model_state.EVAL_STATS)
+    _validate.check_choice("stats", stats, _params.EVAL_STATS)
     spec = _adaptive.combo_or_low(spec, modes)
     elinks = _links.eval_links(spec.links)
     prep = prepare_for(
@@ -274,23 +295,23 @@ def evaluate(
         batch,
         links=elinks,
         need_ids=False,
-        model_layout=_model_state.layout_of(states),
+        model_layout=_params.model_layout_of(states),
     )
     static, parsed, m_ = prep.static, prep.batch, spec.num_microbatches
     model = {}
     if spec.model.stateful:
-        _model_state.check(states, static.model_layout, spec.lead)
+        _params.check_model_state(states, static.model_layout, spec.lead)
         model = states.model
     key = _prepare.eval_key(spec.links, key, compress)
     if spec.mesh is None:
-        x = _batch.microbatches(parsed.inputs, m_)
-        labels = _batch.microbatches(parsed.labels, m_)
+        x = _prepare.microbatches(parsed.inputs, m_)
+        labels = _prepare.microbatches(parsed.labels, m_)
         fresh = _link_state.init_buffers(elinks, static.shapes, static.state_layout)
-        loss, metrics, ys = _simulate.evaluate(
+        loss, metrics, ys = _simulated_evaluate(
             spec, static, elinks, _stage_params(params), x, labels, key, fresh, compress,
             static.model_layout.unpack(model),
         )  # fmt: skip
-        outputs = _batch.unmicrobatch(ys)
+        outputs = _prepare.unmicrobatch(ys)
     else:
         fn = _eval_program(spec, static, compress, stats)
         loss, metrics, outputs = fn(
@@ -307,7 +328,7 @@ def bytes_per_step(
     """Theoretical bytes per step and pipeline replica (see :func:`jaxcomp.pipeline.gpipe`)."""
     spec = _adaptive.combo_or_low(spec, modes)
     prep = prepare_for(
-        spec, params, batch, need_ids=False, model_layout=_model_state.layout_of(states)
+        spec, params, batch, need_ids=False, model_layout=_params.model_layout_of(states)
     )
     use = spec.links if train else _links.eval_links(spec.links)
     return _links.step_bytes(use, prep.static.shapes, spec.num_microbatches, compress, train)
@@ -318,3 +339,191 @@ def _eval_program(spec: Spec, static: _prepare.Static, compress: bool, eval_stat
     """:func:`_program`'s evaluation, jitted: called eagerly, an un-jitted ``shard_map`` runs
     (and compiles) op by op, ~400 programs for a small GPT (15.6 s of the README example)."""
     return jax.jit(_program(spec, static, compress, False, None, eval_stats))
+
+
+# ----------------------------------------------------------------------------------------------
+# Averaging each stage's gradient over the data replicas (inside the program).
+
+
+def _bytes_sent(state: Any, field: str = "bytes_sent") -> jax.Array:
+    """The data-axis bytes a transform's state reports for its last step (``bytes_sent`` of
+    :func:`~jaxcomp.transforms.compressed_mean` / ``accordion`` states; ``fast_bytes_sent``:
+    over the fast axis of a pair), NaN if none does."""
+    found = []
+
+    def has(x):
+        return hasattr(x, "_fields") and field in x._fields
+
+    def visit(x):
+        if has(x):
+            found.append(jnp.asarray(getattr(x, field), jnp.float32))
+        return x
+
+    jax.tree.map(visit, state, is_leaf=has)
+    return sum(found[1:], found[0]) if found else jnp.asarray(jnp.nan, jnp.float32)
+
+
+def _average_replicas(spec: Spec, layout, replica_layout, local, grads, replica):
+    """Each stage device averages its stage's gradient over ``data`` with the transform: a
+    ``lax.switch`` on the stage index (uniform over ``data``, so the transform's collectives
+    over ``data`` run in lockstep) unpacks the stage's gradient, parameters and transform
+    state, runs ``update`` and packs the results back."""
+
+    def make(s):
+        def branch(grads, replica, local):
+            g = layout.unpack_stage(s, grads)
+            state = replica_layout.unpack_stage(s, replica)
+            updates, state = spec.replica_mean.update(g, state, layout.unpack_stage(s, local))
+            varying = set().union(*map(_local.varying_axes, jax.tree.leaves(updates)))
+            differ = set(spec.data_axes) & varying
+            if differ:
+                raise ValueError(
+                    f"replica_mean returned updates that differ per replica over {sorted(differ)}"
+                    f": it must average over {spec.data!r} (e.g. transforms.compressed_mean("
+                    f"codec, {spec.data!r}))."
+                )
+            # the averaged updates are replicated over data (as out_specs say); the state
+            # (per-worker parts) is per replica (per slow worker with a pair), its byte
+            # count per device
+            updates = _local.to_varying(layout.pack_stage(s, updates), (_mesh.STAGE,))
+            packed = replica_layout.pack_stage(s, state)
+            packed = _local.to_varying(packed, (_mesh.STAGE, *spec.data_axes[:1]))
+            sent = (_bytes_sent(state),)
+            if len(spec.data_axes) == 2:
+                sent += (_bytes_sent(state, "fast_bytes_sent"),)
+            return updates, packed, _local.to_varying(sent, spec.axes)
+
+        return branch
+
+    branches = [make(s) for s in range(spec.model.num_stages)]
+    return lax.switch(lax.axis_index(_mesh.STAGE), branches, grads, replica, local)
+
+
+def _plain_replica_mean(spec: Spec, layout: _params.ParamLayout, grads: dict[str, jax.Array]):
+    """The float ``pmean`` over ``data`` of each device's own stage gradient, without the
+    padding of its packed row (a ``lax.switch`` on the stage index, one branch per stage):
+    every replica sends its stages' parameter bytes, ``data_dense_bytes`` in all (with an axis
+    pair, over each axis: the fast one first)."""
+
+    def make(s):
+        def branch(grads):
+            out = {}
+            for g, row in grads.items():
+                used = sum(math.prod(sl.shape) for sl in layout.slots[s] if sl.group == g)
+                mean = row[:used]
+                for axis in spec.data_axes[::-1]:  # a pair: the fast axis first, then the slow
+                    mean = lax.pmean(mean, axis)
+                pad = jnp.zeros((row.shape[0] - used,), row.dtype)
+                out[g] = _local.to_varying(jnp.concatenate([mean, pad]), (_mesh.STAGE,))
+            sent = (jnp.asarray(layout.stage_bytes(s), jnp.float32),) * len(spec.data_axes)
+            return out, _local.to_varying(sent, spec.axes)
+
+        return branch
+
+    branches = [make(s) for s in range(spec.model.num_stages)]
+    return lax.switch(lax.axis_index(_mesh.STAGE), branches, grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# The single-device program (the simulation).
+
+
+_SIMULATED = _links.Wire(True, True, lambda tree, reverse: tree, True)
+
+
+def _simulated_step(
+    spec: Any,
+    static: _prepare.Static,
+    params: tuple[Any, ...],
+    x: Any,
+    labels: Any,
+    ids: jax.Array | None,
+    key: jax.Array | None,
+    states: dict[str, jax.Array],
+    compress: bool,
+    model_state: tuple[Any, ...],
+):
+    """One training step on one device.
+
+    Returns:
+      ``(loss, metrics, grads, states, model_state)``: microbatch means, per-stage gradient
+      pytrees, the new link-state buffers ``{dtype: [S, L]}`` and the stages' new running
+      states (per-stage pytrees).
+    """
+    model, links, m_ = spec.model, spec.links, spec.num_microbatches
+    num = model.num_stages
+
+    def body(carry, m):
+        states, grads, loss_sum, metrics_sum, mstate = carry
+        labels_m = jax.tree.map(lambda a: a[m], labels)
+        ids_m = None if ids is None else ids[m]
+        h, pulls, payloads, mstate = x[m], [], [], list(mstate)
+        for s in range(num):
+            out, pull, (aux, mstate[s]) = _residuals.vjp(
+                spec.fns[s], params[s], h, labels_m, mstate[s]
+            )
+            pulls.append(pull)
+            if s < num - 1:
+                h, states, kept = _links.send_forward(
+                    links[s], s, out, states, static.state_layout, _links.link_key(key, s, m),
+                    ids_m, _SIMULATED, compress,
+                )  # fmt: skip
+                payloads.append(kept)
+        loss_sum = loss_sum + out
+        metrics_sum = jax.tree.map(jnp.add, metrics_sum, aux)
+        g = jnp.asarray(1.0 / m_, jnp.float32)
+        new_grads = list(grads)
+        for s in reversed(range(num)):
+            got = pulls[s](g)
+            new_grads[s] = jax.tree.map(jnp.add, grads[s], got[0])
+            if s > 0:
+                g, states = _links.send_backward(
+                    links[s - 1], s - 1, got[1], states, static.state_layout, payloads[s - 1],
+                    _links.link_key(key, s - 1, m), ids_m, _SIMULATED, compress,
+                )  # fmt: skip
+        return (states, tuple(new_grads), loss_sum, metrics_sum, tuple(mstate)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    grads0 = tuple(jax.tree.map(jnp.zeros_like, p) for p in params)
+    metrics0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), static.metrics)
+    carry = (states, grads0, zero, metrics0, tuple(model_state))
+    (states, grads, loss, metrics, model_state), _ = lax.scan(body, carry, jnp.arange(m_))
+    return loss / m_, jax.tree.map(lambda v: v / m_, metrics), grads, states, model_state
+
+
+def _simulated_evaluate(
+    spec: Any,
+    static: _prepare.Static,
+    links: tuple,
+    params: tuple[Any, ...],
+    x: Any,
+    labels: Any,
+    key: jax.Array | None,
+    states: dict[str, jax.Array],
+    compress: bool,
+    model_state: tuple[Any, ...],
+):
+    """The forward pass of every microbatch with the stages' running states ``model_state``;
+    returns ``(loss, metrics, outputs [M, mb, ...])``."""
+    model, m_ = spec.model, spec.num_microbatches
+    num = model.num_stages
+
+    def body(carry, m):
+        states, loss_sum, metrics_sum = carry
+        h = x[m]
+        for s in range(num - 1):
+            y = spec.fns[s].stage(params[s], model_state[s], h)
+            h, states, _ = _links.send_forward(
+                links[s], s, y, states, static.state_layout, _links.link_key(key, s, m), None,
+                _SIMULATED, compress,
+            )  # fmt: skip
+        y = spec.fns[num - 1].stage(params[num - 1], model_state[num - 1], h)
+        loss, metrics = _prepare.split_loss(model.loss_fn(y, jax.tree.map(lambda a: a[m], labels)))
+        loss_sum = loss_sum + loss.astype(jnp.float32)
+        metrics_sum = jax.tree.map(lambda a, v: a + v.astype(jnp.float32), metrics_sum, metrics)
+        return (states, loss_sum, metrics_sum), y
+
+    zero = jnp.zeros((), jnp.float32)
+    metrics0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), static.metrics)
+    (_, loss, metrics), ys = lax.scan(body, (states, zero, metrics0), jnp.arange(m_))
+    return loss / m_, jax.tree.map(lambda v: v / m_, metrics), ys

@@ -1,9 +1,8 @@
-"""What the distributed and the simulated pipeline share: the :class:`Pipeline` interface and
-the trace-time preparation (checks and static shapes) that runs before anything is compiled."""
+"""What a pipeline call checks and derives before anything is compiled: the batch, cut into
+microbatches, and the static shapes of one step (:class:`Static`), with every check on them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
@@ -11,65 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp.compressors import _base
-from jaxcomp.pipeline import _batch
 from jaxcomp.pipeline import _config
 from jaxcomp.pipeline import _link_state
 from jaxcomp.pipeline import _links
 from jaxcomp.pipeline import _params
-
-
-class Pipeline(NamedTuple):
-    """A pipeline's pure functions (from :func:`~jaxcomp.pipeline.gpipe` or
-    :func:`~jaxcomp.pipeline.simulate`; both have the same signatures and numbers).
-
-    ``step`` and ``evaluate`` validate their inputs and build the program in Python: wrap them
-    in ``jax.jit`` once and reuse the jitted function (called bare, each call re-checks its
-    inputs; the compiled program is reused).
-
-    Attributes:
-      init: ``init(params, batch, model_state=None) -> link_states``: every link end's
-        initial state, as :class:`LinkStates` (each stage device holds the ends it owns); a
-        stateful model (BatchNorm) passes its per-stage running state ``model_state`` (one
-        pytree per stage, ``{}`` for a stage without), which the link states then carry.
-      step: ``step(params, batch, link_states, key=None, compress=True, modes=None) ->
-        (loss, grads, link_states, metrics)``: one training step's loss, gradients (in the form
-        of ``params``: a per-stage sequence or :class:`PackedParams`) and new link states.
-        ``key`` is required when a link's codec is stochastic. ``compress=False`` sends dense
-        (AQ-SGD warm-up); mark it static under ``jax.jit``. With adaptive links
-        (:func:`~jaxcomp.pipeline.adaptive_link`) the step runs the program of the modes in
-        ``link_states``; under ``jax.jit`` pass them as the static
-        ``modes=pipeline.link_modes(link_states)``.
-      evaluate: ``evaluate(params, batch, key=None, compress=False, modes=None, states=None,
-        stats="replica0") -> (loss, metrics, outputs)``: forward only, link states untouched;
-        ``compress=True`` applies each forward codec without feedback (the paper's "compressed
-        inference"; stochastic codecs use ``key``, by default ``jax.random.key(0)``);
-        ``outputs`` is the last stage's output for the whole batch (e.g. logits, for
-        accuracy). A stateful model needs ``states`` (the link states of its last step) and
-        normalises with their running statistics, with data replicas replica 0's
-        (``stats="replica0"``) or their mean (``"mean"``).
-      bytes_per_step: ``bytes_per_step(params, batch, compress=True, train=True, modes=None,
-        states=None) -> dict`` (``states``: a stateful model's link states) with the
-        theoretical ``wire_bytes`` (payload bytes per step and pipeline replica, forward and
-        backward) and ``dense_bytes`` (the same sends uncompressed). With adaptive links,
-        ``evaluate`` and ``bytes_per_step`` use the links of ``modes`` (every boundary's low
-        link by default).
-      memory: ``memory(params, batch, states=None) -> dict``: the planned per-device memory
-        of a training step (see :func:`jaxcomp.pipeline.gpipe`).
-      num_stages: ``S``.
-      num_microbatches: ``M``.
-      links: one :class:`Link` per boundary.
-      schedule: ``"gpipe"`` or ``"1f1b"``.
-    """
-
-    init: Callable[..., Any]
-    step: Callable[..., Any]
-    evaluate: Callable[..., Any]
-    bytes_per_step: Callable[..., dict[str, int]]
-    memory: Callable[..., dict[str, int]]
-    num_stages: int
-    num_microbatches: int
-    links: tuple[_config.Link, ...]
-    schedule: str
 
 
 class Static(NamedTuple):
@@ -94,7 +38,7 @@ class Static(NamedTuple):
 
 class Prepared(NamedTuple):
     static: Static
-    batch: _batch.Batch
+    batch: Batch
 
 
 def split_loss(out: Any) -> tuple[jax.Array, dict]:
@@ -139,8 +83,8 @@ def prepare(
         raise ValueError(f"params hold {layout.num_stages} stages; the model has {num}.")
     model_layout = check_model_layout(model, model_layout)
     need = _links.needs_ids(links) if need_ids is None else need_ids
-    parsed = _batch.parse_batch(batch, need)
-    mb = _batch.check_batch(parsed, num_microbatches, replicas)
+    parsed = parse_batch(batch, need)
+    mb = check_batch(parsed, num_microbatches, replicas)
     x_mb = jax.ShapeDtypeStruct((mb, *parsed.inputs.shape[1:]), parsed.inputs.dtype)
     labels_mb = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct((mb, *a.shape[1:]), a.dtype), parsed.labels
@@ -210,3 +154,96 @@ def eval_key(links: tuple[_config.Link, ...], key: Any, compress: bool) -> Any:
     if key is None and compress and any(lk.forward.codec.stochastic for lk in links):
         return jax.random.key(0)
     return key
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches: dicts with inputs, labels and sample ids, cut into microbatches.
+
+
+INPUT_KEYS = ("x", "inputs")
+LABEL_KEYS = ("label", "labels", "targets", "y")
+ID_KEY = "ids"
+
+
+class Batch(NamedTuple):
+    """The three parts of a batch the pipeline reads.
+
+    Attributes:
+      inputs: ``[B, ...]`` array fed to stage 0.
+      labels: pytree of ``[B, ...]`` arrays passed to ``loss_fn``.
+      ids: ``int[B]`` sample ids (for per-sample channels) or ``None``.
+    """
+
+    inputs: jax.Array
+    labels: Any
+    ids: jax.Array | None
+
+
+def _pick(batch: dict, keys: tuple[str, ...], what: str) -> Any:
+    found = [k for k in keys if k in batch]
+    if not found:
+        raise ValueError(
+            f"batch must hold the {what} under one of {keys}; got keys {sorted(batch)}."
+        )
+    if len(found) > 1:
+        raise ValueError(f"batch holds the {what} under several keys {found}; keep one.")
+    return batch[found[0]]
+
+
+def parse_batch(batch: Any, need_ids: bool) -> Batch:
+    """Reads ``x``/``inputs``, ``label``/``labels``/``targets``/``y`` and ``ids`` from a dict.
+
+    Raises:
+      ValueError: on missing keys, or missing ``ids`` when ``need_ids`` (AQ-SGD, per-sample EF).
+    """
+    if isinstance(batch, Batch):
+        parsed = batch
+    else:
+        if not isinstance(batch, dict):
+            raise TypeError(f"batch must be a dict; got {type(batch).__name__}.")
+        parsed = Batch(
+            _pick(batch, INPUT_KEYS, "inputs"),
+            _pick(batch, LABEL_KEYS, "labels"),
+            batch.get(ID_KEY),
+        )
+    if need_ids and parsed.ids is None:
+        raise ValueError(
+            "a link uses per-sample buffers (AQ-SGD or per-sample error feedback): the batch "
+            f"must carry the sample ids of its rows under {ID_KEY!r}."
+        )
+    return parsed
+
+
+def check_batch(batch: Batch, num_microbatches: int, replicas: int = 1) -> int:
+    """Checks leading sizes and returns the microbatch size ``B / (replicas * M)``."""
+    size = jnp.shape(batch.inputs)[0] if jnp.ndim(batch.inputs) else 0
+    for name, tree in (("labels", batch.labels), ("ids", batch.ids)):
+        for leaf in jax.tree.leaves(tree):
+            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != size:
+                raise ValueError(
+                    f"batch {name} must have the inputs' leading size {size}; got shape "
+                    f"{jnp.shape(leaf)}."
+                )
+    if batch.ids is not None:
+        if jnp.ndim(batch.ids) != 1 or not jnp.issubdtype(batch.ids.dtype, jnp.integer):
+            raise ValueError(
+                "batch ids must be a 1-D integer array; got "
+                f"{batch.ids.dtype}{list(jnp.shape(batch.ids))}."
+            )
+    per = replicas * num_microbatches
+    if size == 0 or size % per:
+        what = f"{replicas} replicas x {num_microbatches}" if replicas > 1 else num_microbatches
+        raise ValueError(f"batch size {size} must be a positive multiple of {what} microbatches.")
+    return size // per
+
+
+def microbatches(tree: Any, num_microbatches: int) -> Any:
+    """Reshapes every leaf's leading axis ``B`` into ``(M, B // M)``."""
+    return jax.tree.map(
+        lambda a: a.reshape(num_microbatches, a.shape[0] // num_microbatches, *a.shape[1:]), tree
+    )
+
+
+def unmicrobatch(tree: Any) -> Any:
+    """Inverse of :func:`microbatches`."""
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)

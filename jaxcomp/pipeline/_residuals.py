@@ -32,19 +32,12 @@ from jax.extend import core as jex_core
 
 from jaxcomp.pipeline import _params
 
-CHECKPOINT_POLICIES = (
-    "nothing_saveable",
-    "everything_saveable",
-    "dots_saveable",
-    "dots_with_no_batch_dims_saveable",
-)
-
 
 def checkpointed(stage_fn: Callable, checkpoint: Any) -> Callable:
     """``stage_fn`` wrapped in ``jax.checkpoint`` with ``checkpoint``'s policy (``None``: as is).
 
     ``checkpoint`` is ``None``, ``True`` (save nothing but the input), a name of
-    ``jax.checkpoint_policies`` listed in ``CHECKPOINT_POLICIES``, or a policy callable.
+    ``jax.checkpoint_policies`` listed in ``_config.CHECKPOINT_POLICIES``, or a policy callable.
     """
     if checkpoint is None or checkpoint is False:
         return stage_fn
@@ -55,18 +48,6 @@ def checkpointed(stage_fn: Callable, checkpoint: Any) -> Callable:
     else:
         policy = checkpoint
     return jax.checkpoint(stage_fn, policy=policy)
-
-
-def check_checkpoint(checkpoint: Any) -> None:
-    """Raises ``ValueError`` unless ``checkpoint`` is a valid :func:`checkpointed` argument."""
-    if checkpoint is None or isinstance(checkpoint, bool) or callable(checkpoint):
-        return
-    if isinstance(checkpoint, str) and checkpoint in CHECKPOINT_POLICIES:
-        return
-    raise ValueError(
-        f"checkpoint must be None, True, a policy callable or one of {CHECKPOINT_POLICIES}; "
-        f"got {checkpoint!r}."
-    )
 
 
 class StageFns(NamedTuple):

@@ -16,7 +16,6 @@ from jaxcomp import feedback as F
 from jaxcomp import pipeline
 from jaxcomp import transforms
 from jaxcomp.pipeline import _adaptive
-from jaxcomp.pipeline import _detector
 
 L, H = pipeline.LOW_COMPRESSION, pipeline.HIGH_COMPRESSION
 STEP_ARGS = ("compress", "modes")
@@ -56,8 +55,8 @@ def _detector_modes(norms, interval_steps, check_every, schedule, boundaries=2):
     det = pipeline.Detector(interval_steps, check_every, learning_rate=schedule)
     mask = ((True, True),) * boundaries
     adaptive = _adaptive.Adaptive((None,) * boundaries, (None,) * boundaries, mask, det)
-    state = _detector.init_state(boundaries)
-    update = jax.jit(lambda s, x: _detector.update(adaptive, s, x))
+    state = _adaptive.initial_detector_state(boundaries)
+    update = jax.jit(lambda s, x: _adaptive.update_detector(adaptive, s, x))
     acc, used = jnp.zeros((boundaries, 2)), []
     for n in norms:
         used.append(np.asarray(state.mode))

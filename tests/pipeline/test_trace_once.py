@@ -1,6 +1,7 @@
 """Every tick that runs a stage's op or a boundary's send reuses one trace of it
-(``jaxcomp.pipeline._tick_ops``): a program traces each stage a fixed number of times, however
-many microbatches (ticks) it has. Trace only, nothing compiled: each check is milliseconds."""
+(``jaxcomp.pipeline._ticks.stage_ops``): a program traces each stage a fixed number of times,
+however many microbatches (ticks) it has. Trace only, nothing compiled: each check is
+milliseconds."""
 
 import collections
 
@@ -12,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import compressors as C
 from jaxcomp import pipeline
-from jaxcomp.pipeline import _exchange
+from jaxcomp.pipeline import _links
 
 
 def _counting_mlp(tools, counts, num_microbatches):
@@ -40,13 +41,13 @@ def test_each_stage_and_send_is_traced_once_per_program(
     shared, every tick traced them again (9 and 4 traces per stage)."""
     counts, sends = collections.Counter(), collections.Counter()
     for name in ("send_forward", "send_backward"):
-        original = getattr(_exchange, name)
+        original = getattr(_links, name)
 
         def counted(lk, b, *args, _name=name, _original=original):
             sends[_name, b] += 1
             return _original(lk, b, *args)
 
-        monkeypatch.setattr(_exchange, name, counted)
+        monkeypatch.setattr(_links, name, counted)
     model, fx = _counting_mlp(tools, counts, num_microbatches)
     link = pipeline.link(C.quantize(8), C.quantize(8))
     config = pipeline.PipelineConfig(num_microbatches, link, schedule=schedule)
