@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp import _critical
+from jaxcomp import _regime as _critical
 from jaxcomp import _validate
 from jaxcomp.comm import _mesh
 from jaxcomp.feedback import _channel

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp import _critical
+from jaxcomp import _regime as _critical
 from jaxcomp import _validate
 from jaxcomp import compressors
 from jaxcomp import feedback

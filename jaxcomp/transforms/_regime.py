@@ -16,12 +16,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxcomp import _critical
+from jaxcomp import _regime as _critical
 from jaxcomp import _finite
 from jaxcomp import _scaling
 from jaxcomp import _validate
-from jaxcomp._critical import critical_regime  # noqa: F401 (re-exported)
-from jaxcomp._critical import replicated_norms  # noqa: F401 (re-exported)
+from jaxcomp._regime import critical_regime  # noqa: F401 (re-exported)
+from jaxcomp._regime import replicated_norms  # noqa: F401 (re-exported)
 
 STATISTICS = _critical.STATISTICS
 
