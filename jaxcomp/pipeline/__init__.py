@@ -42,10 +42,10 @@ Contracts:
   ``data_wire_bytes`` is the slow axis's and ``data_fast_wire_bytes`` the fast one's).
 """
 
-from jaxcomp.pipeline._adaptive import HIGH_COMPRESSION
-from jaxcomp.pipeline._adaptive import LOW_COMPRESSION
+from jaxcomp._regime import HIGH_COMPRESSION
+from jaxcomp._regime import LOW_COMPRESSION
+from jaxcomp._regime import Detector
 from jaxcomp.pipeline._adaptive import AdaptiveLink
-from jaxcomp.pipeline._adaptive import Detector
 from jaxcomp.pipeline._adaptive import DetectorState
 from jaxcomp.pipeline._adaptive import adaptive_link
 from jaxcomp.pipeline._adaptive import link_modes

@@ -4,7 +4,7 @@ A boundary given as an :class:`AdaptiveLink` has two ordinary links, ``low`` (fo
 regimes, e.g. 8-bit activations) and ``high`` (e.g. 4-bit), and a mode per direction: its
 forward channel is chosen by the norms of the activations it carries, its backward channel by
 the norms of the activation-gradients. The detector is Accordion's (Agarwal et al., 2021),
-:func:`jaxcomp._critical.critical_regime`: over an interval of ``interval_steps`` training
+:mod:`jaxcomp._regime`: over an interval of ``interval_steps`` training
 steps the sender of each adaptive direction accumulates
 
 .. math::
@@ -47,7 +47,6 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
@@ -56,8 +55,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp import _regime as _critical
-from jaxcomp import _validate
+from jaxcomp import _regime
+from jaxcomp._regime import HIGH_COMPRESSION
+from jaxcomp._regime import LOW_COMPRESSION
+from jaxcomp._regime import Detector
 from jaxcomp.comm import _mesh
 from jaxcomp.feedback import _channel
 from jaxcomp.pipeline import _config
@@ -383,33 +384,7 @@ def finish_step(adaptive: Adaptive | None, modes, old: Any, stats, loss, grads, 
 # (:func:`track`); at the end of a step the driver reads those sums out of the packed link states
 # (:func:`accumulators`, :func:`collect_local` / :func:`collect_stacked`, zeroed at an interval
 # end) and :func:`update_detector` decides the next modes with
-# :func:`jaxcomp._critical.critical_regime` (the math: the module docstring).
-
-
-LOW_COMPRESSION = _critical.LOW_COMPRESSION  #: critical regime: the boundary's ``low`` link
-HIGH_COMPRESSION = _critical.HIGH_COMPRESSION  #: otherwise: its ``high`` link
-STATISTICS = _critical.STATISTICS
-
-
-class Detector(NamedTuple):
-    """Accordion's detector settings for a pipeline's adaptive links.
-
-    Attributes:
-      interval_steps: steps per interval (the reference's epoch); a Python int >= 1.
-      check_every: ``T``, intervals between checks (10 in the reference's CNN runs).
-      eta: the threshold on the relative norm change (0.5).
-      learning_rate: ``None``, a number, or a schedule ``step -> lr``: a decrease between two
-        steps switches every adaptive direction to low compression (piecewise-constant
-        schedules; a smooth decay triggers at every step).
-      statistic: with data replicas, ``"worker0"`` (replica 0's norms decide, the reference's
-        rank 0) or ``"mean"`` (the mean of the replicas' norms).
-    """
-
-    interval_steps: int
-    check_every: int = 10
-    eta: float = 0.5
-    learning_rate: Any = None
-    statistic: str = "worker0"
+# :func:`jaxcomp._regime.decide` (the math: the module docstring).
 
 
 class DetectorState(NamedTuple):
@@ -431,24 +406,14 @@ class DetectorState(NamedTuple):
 
 
 def check_detector(detector: Any) -> Detector:
+    """``PipelineConfig.detector`` checked: a :class:`Detector` of Python values (it keys the
+    compiled programs)."""
     if not isinstance(detector, Detector):
         raise TypeError(
             "PipelineConfig.detector must be a pipeline.Detector(interval_steps, ...) when a "
             f"link is adaptive; got {type(detector).__name__}."
         )
-    _validate.check_int("detector.interval_steps", detector.interval_steps, 1)
-    _validate.check_int("detector.check_every", detector.check_every, 1)
-    eta = detector.eta
-    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not eta > 0:
-        raise ValueError(f"detector.eta must be a number > 0; got {eta!r}.")
-    lr = detector.learning_rate
-    number = isinstance(lr, (int, float)) and not isinstance(lr, bool)
-    if not (lr is None or callable(lr) or number):
-        raise ValueError(
-            f"detector.learning_rate must be None, a number or a schedule; got {lr!r}."
-        )
-    _validate.check_choice("detector.statistic", detector.statistic, STATISTICS)
-    return detector
+    return _regime.check_detector(detector, "detector.", static=True)
 
 
 def initial_detector_state(num_boundaries: int) -> DetectorState:
@@ -533,47 +498,33 @@ def replicate(
     replicas' axis or axes)."""
     if replicas < 2:
         return stats
-    return _critical.replicated_norms(stats, data, detector.statistic)
+    return _regime.replicated_norms(stats, data, detector.statistic)
 
 
 def interval_end(detector: Detector, state: DetectorState) -> jax.Array:
     """Whether the step about to run (number ``state.count``) ends an interval."""
-    return (state.count + 1) % detector.interval_steps == 0
-
-
-def _lr(schedule: Callable | None, count: jax.Array) -> jax.Array | None:
-    if schedule is None or not callable(schedule):
-        return None  # a constant learning rate never drops
-    return jnp.asarray(schedule(count), jnp.float32)
+    return _regime.position(detector, state.count)[1]
 
 
 def update_detector(adaptive: Any, state: DetectorState, stats: jax.Array) -> DetectorState:
     """The detector after one step whose accumulated squared norms are ``stats``.
 
-    At the end of interval ``e`` (``stats`` then holds its sums), when ``e % T == 0``, each
-    adaptive direction takes the mode :func:`jaxcomp._critical.critical_regime` decides; a
-    learning-rate drop at the next step switches every adaptive direction to low.
+    At the end of interval ``e`` (``stats`` then holds its sums) each adaptive direction takes
+    the mode :func:`jaxcomp._regime.decide` gives (at a check, ``e % T == 0``); a learning-rate
+    drop at the next step switches every adaptive direction to low.
     """
     det = adaptive.detector
     count = state.count
-    interval = count // det.interval_steps
-    end = interval_end(det, state)
-    check = jnp.logical_and(end, interval % det.check_every == 0)
+    interval, end, check = _regime.position(det, count)
     norm = jnp.sqrt(stats)
-    critical = _critical.critical_regime(state.prev_norm, norm, det.eta, interval == 0)
-    decided = jnp.where(critical, LOW_COMPRESSION, HIGH_COMPRESSION).astype(jnp.int32)
-    mode = jnp.where(check, decided, state.mode)
-    now, nxt = _lr(det.learning_rate, count), _lr(det.learning_rate, count + 1)
-    if now is not None:
+    mode, prev_norm = _regime.decide(det, interval, check, state.prev_norm, norm, state.mode)
+    now = _regime.current_lr(det.learning_rate, count)
+    if now is not None:  # the modes are the next step's: its learning rate against this one's
+        nxt = _regime.current_lr(det.learning_rate, count + 1)
         mode = jnp.where(nxt < now, LOW_COMPRESSION, mode)
     mask = jnp.asarray(np.asarray(adaptive.mask, bool))
     mode = jnp.where(mask, mode, LOW_COMPRESSION).astype(jnp.int32)
-    return DetectorState(
-        count + 1,
-        mode,
-        jnp.where(check, norm, state.prev_norm),
-        jnp.where(end, norm, state.norm),
-    )
+    return DetectorState(count + 1, mode, prev_norm, jnp.where(end, norm, state.norm))
 
 
 def program_statistic(

@@ -13,6 +13,7 @@ builders that run them over a mesh (``data_parallel``, ``ab_data_parallel``, ``a
 are in :mod:`jaxcomp.parallel`.
 """
 
+from jaxcomp._regime import critical_regime
 from jaxcomp.transforms._ab_config import ABConfig
 from jaxcomp.transforms._ab_config import group_sizes
 from jaxcomp.transforms._ab_metrics import ab_metrics
@@ -34,7 +35,6 @@ from jaxcomp.transforms._batch_size import accordion_batch_size
 from jaxcomp.transforms._batch_size import batch_size_metrics
 from jaxcomp.transforms._compressed_mean import CompressedMeanState
 from jaxcomp.transforms._compressed_mean import compressed_mean
-from jaxcomp.transforms._regime import critical_regime
 
 __all__ = (
     "ABConfig",

@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxcomp import _regime
 from jaxcomp import _validate
 from jaxcomp import compressors
 from jaxcomp import feedback
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _reduce_plan
 from jaxcomp.transforms import _compressed_mean as _cm
-from jaxcomp.transforms import _regime
 from jaxcomp.transforms._accordion_step import HIGH_COMPRESSION
 from jaxcomp.transforms._accordion_step import LOW_COMPRESSION
 from jaxcomp.transforms._accordion_step import UNCOMPRESSED
@@ -193,21 +193,18 @@ def accordion(
     for channel in (low, high):
         _reduce_plan.check_path(channel.codec, path)
         _reduce_plan.check_channel(channel)
-    _regime.check_detector_args(interval_steps, check_every, eta, statistic, learning_rate)
+    detector = _regime.Detector(interval_steps, check_every, eta, learning_rate, statistic)
+    _regime.check_detector(detector)
     slow, fast = _cm.split_axes(axis_name)
     config = AccordionConfig(
         low=low,
         high=high,
         feedback=low.feedback,
-        interval_steps=_validate.static_int("interval_steps", interval_steps, 1),
-        check_every=_validate.static_int("check_every", check_every, 1),
-        eta=eta,
-        learning_rate=learning_rate,
+        detector=detector,
         axis_name=slow,
         fast_axis=fast,
         reset_on_switch=bool(reset_on_switch),
         reset_memory_on_switch=bool(reset_memory_on_switch),
-        statistic=statistic,
         path=path,
         min_compression_rate=_validate.static_number(
             "min_compression_rate", min_compression_rate, 0
@@ -232,7 +229,7 @@ def accordion_metrics(opt_state: Any) -> dict[str, Any]:
       "bytes_sent": float32[], "fast_bytes_sent": float32[], "count": int32[]}``. Under
       ``shard_map`` the values are replicated.
     """
-    (state,) = _regime.find_states(opt_state, AccordionState)
+    (state,) = find_states(opt_state, AccordionState)
 
     def mode(leaf):
         if isinstance(leaf, AccordionLeaf):
@@ -246,3 +243,19 @@ def accordion_metrics(opt_state: Any) -> dict[str, Any]:
         "fast_bytes_sent": state.fast_bytes_sent,
         "count": state.count,
     }
+
+
+def find_states(opt_state: Any, cls: type) -> list:
+    """The one ``cls`` node in an optimizer state (e.g. of an ``optax.chain``), as a 1-list."""
+    found = [
+        node
+        for node in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, cls))
+        if isinstance(node, cls)
+    ]
+    if not found:
+        raise ValueError(f"no {cls.__name__} found in the optimizer state.")
+    if len(found) > 1:
+        raise ValueError(
+            f"{len(found)} {cls.__name__}s found; pass the one you want (e.g. opt_state[0])."
+        )
+    return found

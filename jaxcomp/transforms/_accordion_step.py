@@ -16,19 +16,18 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp import _regime as _critical
+from jaxcomp import _regime
 from jaxcomp import _validate
 from jaxcomp import compressors
 from jaxcomp import feedback
+from jaxcomp._regime import HIGH_COMPRESSION
+from jaxcomp._regime import LOW_COMPRESSION
 from jaxcomp.comm import _local
 from jaxcomp.comm import _reduce
 from jaxcomp.comm import _reduce_plan
 from jaxcomp.compressors import _protocol
 from jaxcomp.transforms import _compressed_mean as _cm
-from jaxcomp.transforms import _regime
 
-LOW_COMPRESSION = _critical.LOW_COMPRESSION  #: critical regime: e.g. PowerSGD rank 2
-HIGH_COMPRESSION = _critical.HIGH_COMPRESSION  #: otherwise: e.g. PowerSGD rank 1
 UNCOMPRESSED = -1  #: reported for parameters averaged uncompressed in both modes
 
 
@@ -38,7 +37,7 @@ class AccordionLeaf(NamedTuple):
     Attributes:
       mode: ``int32[]``, :data:`LOW_COMPRESSION` or :data:`HIGH_COMPRESSION` (replicated).
       prev_norm: ``float32[]``, the regime statistic at the last check (replicated): the
-        root-mean-square of ``accum`` (:func:`jaxcomp.transforms._regime.rms`).
+        root-mean-square of ``accum`` (:func:`jaxcomp._regime.rms`).
       accum: :class:`~jaxcomp.compressors.PerWorker` of ``[1, *shape]``: this worker's sum of
         its local gradients over the current interval (before compression and feedback),
         times ``2**-j``, ``2**j >= interval_steps`` (exact; it cannot overflow).
@@ -84,7 +83,8 @@ class AccordionState(NamedTuple):
 class AccordionConfig:
     """The validated static configuration of :func:`accordion` (see its arguments).
 
-    ``low`` and ``high`` are channels with the same error compensation, ``feedback``.
+    ``low`` and ``high`` are channels with the same error compensation, ``feedback``;
+    ``detector`` the regime detector's settings (:class:`jaxcomp._regime.Detector`).
     ``axis_name`` is the axis the codecs reduce over (the slow axis of a pair), ``fast_axis``
     the fast axis of a pair, averaged densely first (``None`` without one).
     """
@@ -92,15 +92,11 @@ class AccordionConfig:
     low: feedback.Channel
     high: feedback.Channel
     feedback: feedback.Feedback | None
-    interval_steps: int
-    check_every: int
-    eta: Any
-    learning_rate: Any
+    detector: _regime.Detector
     axis_name: str | None
     fast_axis: str | None
     reset_on_switch: bool
     reset_memory_on_switch: bool
-    statistic: str
     path: str
     min_compression_rate: float
     min_ndim: int
@@ -232,19 +228,18 @@ def reduce_leaf(config, protocols, g, leaf, key):
     return mean, leaf._replace(memory=memory, low=low, high=high)
 
 
-def end_of_interval(config, protocols, leaf, stat, like, end, interval, num_workers):
-    """Periodic check (at interval ends with ``interval % T == 0``), accumulator reset."""
-    check = jnp.logical_and(end, interval % config.check_every == 0)
-    critical = _regime.critical_regime(leaf.prev_norm, stat, config.eta, interval == 0)
-    decided = jnp.where(critical, LOW_COMPRESSION, HIGH_COMPRESSION).astype(jnp.int32)
-    new_mode = jnp.where(check, decided, leaf.mode)
+def end_of_interval(config, protocols, leaf, stat, like, position, num_workers):
+    """The detector's decision (at a check: :func:`jaxcomp._regime.decide`) and the accumulator
+    reset at an interval end; ``position`` is :func:`jaxcomp._regime.position`'s."""
+    interval, end, check = position
+    new_mode, prev_norm = _regime.decide(
+        config.detector, interval, check, leaf.prev_norm, stat, leaf.mode
+    )
     leaf = switch(
         config, protocols, leaf, new_mode, like, num_workers, config.reset_memory_on_switch
     )
     accum = jnp.where(end, 0, leaf.accum.value).astype(leaf.accum.value.dtype)
-    return leaf._replace(
-        prev_norm=jnp.where(check, stat, leaf.prev_norm), accum=_protocol.PerWorker(accum)
-    )
+    return leaf._replace(prev_norm=prev_norm, accum=_protocol.PerWorker(accum))
 
 
 def update_accordion(
@@ -266,7 +261,7 @@ def update_accordion(
     leaf_states = treedef.flatten_up_to(state.leaves)
     names = _cm.leaf_names(updates)
     count = state.count
-    lr = _regime.current_lr(config.learning_rate, extra, count)
+    lr = _regime.current_lr(config.detector.learning_rate, count, extra)
     lr_drop = None if lr is None else lr < state.last_lr
     key = _cm.step_key(state.key, count)
 
@@ -286,7 +281,7 @@ def update_accordion(
             # the reference's decay switch keeps the memory even with --zero-memory
             low_now = jnp.where(lr_drop, LOW_COMPRESSION, leaf.mode)
             leaf = switch(config, protocols, leaf, low_now, g, num, False)
-        down = _regime.interval_scale(config.interval_steps)
+        down = _regime.interval_scale(config.detector.interval_steps)
         accum = leaf.accum.value + g[None].astype(leaf.accum.value.dtype) * down
         leaf = leaf._replace(accum=_protocol.PerWorker(accum))
         mean, leaf = reduce_leaf(config, protocols, g, leaf, jax.random.fold_in(key, i))
@@ -299,14 +294,14 @@ def update_accordion(
         detect.append(i)
         protocols_of[i] = protocols
 
-    interval = count // config.interval_steps
-    end = (count + 1) % config.interval_steps == 0
+    position = _regime.position(config.detector, count)
+    end = position[1]
     if detect:
         accums = [new_leaves[i].accum.value for i in detect]
 
         def statistics(accums):  # the replicated regime statistic (one tiny all-reduce)
             norms = jnp.stack([_regime.local_norm(a) for a in accums])
-            return _regime.replicated_norms(norms, axis_name, config.statistic)
+            return _regime.replicated_norms(norms, axis_name, config.detector.statistic)
 
         def no_statistics(accums):  # typed as statistics(): invariant over axis_name, varying
             # over the other mesh axes the accumulators vary over (e.g. a pipeline's stage)
@@ -318,7 +313,7 @@ def update_accordion(
         stats = lax.cond(end, statistics, no_statistics, accums)
         for j, i in enumerate(detect):
             new_leaves[i] = end_of_interval(
-                config, protocols_of[i], new_leaves[i], stats[j], flat[i], end, interval, num
+                config, protocols_of[i], new_leaves[i], stats[j], flat[i], position, num
             )
         if axis_name is not None:
             sent += jnp.where(end, 4.0 * len(detect), 0.0)

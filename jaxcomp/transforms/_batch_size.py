@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomp import _regime
 from jaxcomp import _validate
 from jaxcomp.comm import _mesh
 from jaxcomp.compressors import _protocol
 from jaxcomp.transforms import _compressed_mean as _cm
-from jaxcomp.transforms import _regime
+from jaxcomp.transforms._accordion import find_states
 
 LR_SCALINGS = ("linear", "sqrt", "none")
 
@@ -30,7 +31,7 @@ class AccordionBatchState(NamedTuple):
       next_k: ``int32[]``, the detector's latest choice; it becomes ``every_k`` when a new
         accumulation starts.
       prev_norm: ``float32[]``, the regime statistic at the last check: the root-mean-square
-        of ``accum`` over all its entries (:func:`jaxcomp.transforms._regime.rms`).
+        of ``accum`` over all its entries (:func:`jaxcomp._regime.rms`).
       last_lr: ``float32[]``, the learning rate seen at the last micro-step (NaN before any).
       accum: :class:`~jaxcomp.compressors.PerWorker` of the parameter tree (leaves
         ``[1, *shape]``): this worker's sum of the micro-batch gradients over the current
@@ -134,7 +135,8 @@ def accordion_batch_size(
     if large_steps < small_steps:
         raise ValueError(f"large_steps ({large_steps}) must be >= small_steps ({small_steps}).")
     _validate.check_choice("lr_scaling", lr_scaling, LR_SCALINGS)
-    _regime.check_detector_args(interval_steps, check_every, eta, statistic, learning_rate)
+    detector = _regime.Detector(interval_steps, check_every, eta, learning_rate, statistic)
+    _regime.check_detector(detector)
     _validate.check_axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
     interval_down = _regime.interval_scale(interval_steps)
@@ -177,7 +179,7 @@ def accordion_batch_size(
                 )
         _protocol.axis_size(axis_name)
         count = state.count
-        lr = _regime.current_lr(learning_rate, extra_args, count)
+        lr = _regime.current_lr(learning_rate, count, extra_args)
         next_k = state.next_k
         if lr is not None:
             next_k = jnp.where(lr < state.last_lr, small_steps, next_k).astype(jnp.int32)
@@ -205,23 +207,18 @@ def accordion_batch_size(
         new_updates, inner_state, grads = lax.cond(emit, apply_inner, hold, grads, state.inner)
         mini_step = jnp.where(emit, 0, mini_step)
 
-        interval = count // interval_steps
-        end = (count + 1) % interval_steps == 0
+        interval, end, check = _regime.position(detector, count)
 
         def decide(accum, prev_norm, next_k):
             local = _regime.rms(jax.tree.leaves(accum))
             stat = _regime.replicated_norms(local[None], axis_name, statistic)[0]
-            check = interval % check_every == 0
-            critical = _regime.critical_regime(prev_norm, stat, eta, interval == 0)
-            decided = jnp.where(critical, small_steps, large_steps).astype(jnp.int32)
+            next_k, prev_norm = _regime.decide(
+                detector, interval, check, prev_norm, stat, next_k, small_steps, large_steps
+            )
             reset = jax.tree.map(
                 lambda a: _protocol.to_varying(jnp.zeros_like(a), _protocol.varying_axes(a)), accum
             )
-            return (
-                reset,
-                jnp.where(check, stat, prev_norm),
-                jnp.where(check, decided, next_k),
-            )
+            return reset, prev_norm, next_k
 
         accum, prev_norm, next_k = lax.cond(
             end, decide, lambda *a: a, accum, state.prev_norm, next_k
@@ -244,5 +241,5 @@ def accordion_batch_size(
 
 def batch_size_metrics(opt_state: Any) -> dict[str, jax.Array]:
     """``{"every_k", "mini_step", "count"}`` of the :class:`AccordionBatchState` in a state."""
-    (state,) = _regime.find_states(opt_state, AccordionBatchState)
+    (state,) = find_states(opt_state, AccordionBatchState)
     return {"every_k": state.every_k, "mini_step": state.mini_step, "count": state.count}

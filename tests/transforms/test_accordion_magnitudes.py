@@ -11,6 +11,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _regime
 from jaxcomp import comm
 from jaxcomp import transforms
 from jaxcomp.transforms import HIGH_COMPRESSION as HIGH
@@ -202,7 +203,7 @@ def test_mean_statistic_does_not_overflow_at_the_largest_norms():
     norms = np.asarray([[3e38, 1.0], [3e38, 3.0], [3e38, 2.0], [3e38, 2.0]], np.float32)
 
     def mean(x):
-        return transforms._regime.replicated_norms(x[0], comm.DATA, "mean")
+        return _regime.replicated_norms(x[0], comm.DATA, "mean")
 
     fn = jax.jit(jax.shard_map(mean, mesh=mesh, in_specs=P(comm.DATA), out_specs=P()))
     np.testing.assert_allclose(np.asarray(fn(norms)), [3e38, 2.0], rtol=1e-6)
