@@ -304,7 +304,7 @@ def power_sgd(
         )
         return (payload.p @ payload.q.T).reshape(shape).astype(like.dtype)
 
-    from jaxcomp.compressors import _low_rank_reduce  # the protocol module imports this one
+    from jaxcomp.compressors import _power_sgd as _low_rank_reduce  # (moved next: no cycle)
 
     codec = _base.Codec(init, compress, decompress, name, _base.Reduction.GATHER, not warm_start)
     return codec._replace(
