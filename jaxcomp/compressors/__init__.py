@@ -34,9 +34,9 @@ from jaxcomp.compressors._low_rank import PowerSGDState
 from jaxcomp.compressors._low_rank import effective_rank
 from jaxcomp.compressors._low_rank import matrix_shape
 from jaxcomp.compressors._low_rank import orthogonalize
-from jaxcomp.compressors._low_rank import power_sgd
 from jaxcomp.compressors._low_rank import transposed_matmul
 from jaxcomp.compressors._power_sgd import LowRankReduce
+from jaxcomp.compressors._power_sgd import power_sgd
 from jaxcomp.compressors._power_sgd import power_sgd_protocol
 from jaxcomp.compressors._protocol import PerWorker
 from jaxcomp.compressors._protocol import ReduceProtocol

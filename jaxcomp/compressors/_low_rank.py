@@ -1,4 +1,5 @@
-"""PowerSGD: rank-r compression by one step of subspace iteration with a warm-started Q."""
+"""Low-rank factors for PowerSGD: the matrix view, orthogonalisation, the transposed product,
+overflow-safe power-of-two scalings, and the payload and state types."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp import _scaling
-from jaxcomp import _validate
-from jaxcomp.compressors import _base
 from jaxcomp.compressors import _checks
 
 
@@ -173,140 +172,3 @@ def orthogonalize(p: jax.Array, epsilon: float = DEFAULT_EPSILON) -> jax.Array:
         dead = (norm_v <= epsilon * norm_c) & jnp.isfinite(norm_c)
         basis.append(jnp.where(dead, 0.0, v / jnp.where(dead, 1.0, norm_v)))
     return jnp.stack(basis, axis=1)
-
-
-def power_sgd(
-    rank: int = 1, *, epsilon: float = DEFAULT_EPSILON, seed: int = 0, warm_start: bool = True
-) -> _base.Codec:
-    r"""PowerSGD low-rank compression of one tensor (the single-worker codec).
-
-    With :math:`M` the matrix view of ``x`` and :math:`Q` the state:
-
-    .. math::
-      P = \mathrm{orth}(M Q), \quad Q' = M^\top P, \quad \hat x = P Q'^\top
-
-    :math:`P` has orthonormal (or zero) columns (:func:`orthogonalize`), so
-    :math:`\hat x = P P^\top M` is the projection of :math:`M` onto the span of :math:`MQ`: a
-    matrix of rank at most r (rank-deficient, zero blocks, all zero) is recovered exactly, at
-    any magnitude (the warm-start Q is rescaled by powers of two before it multiplies
-    :math:`M`, so nothing scales with :math:`|M|^2`; where :math:`MQ` or :math:`M^\top P`
-    overflows, :math:`M` is rescaled by a power of two too, see :func:`unscaled`; 1e-30 to
-    3.1e38 are tested, with and without error feedback; entries below ``2**-126`` are read
-    as zero on XLA:CPU).
-
-    ``Q'`` is kept as the next step's Q (warm start), which makes repeated compression of
-    slowly changing tensors a power iteration. A column of :math:`P` that is zero (its column
-    of :math:`MQ` depends on the earlier ones, e.g. when :math:`M` has rank below r) gives a
-    zero column of :math:`Q'`; the state keeps the previous Q's column there instead, so that
-    the iteration can pick up a new direction when one appears. A non-finite input gives a
-    NaN payload (and reconstruction) and leaves the state unchanged. Tensors with fewer than
-    2 dimensions, or with no entries, pass through uncompressed.
-
-    The codec carries its multi-worker protocol (``codec.protocol``: all-reduce of P, then of
-    Q, with the shared warm start), which the data-parallel transforms run.
-
-    Args:
-      rank: target rank r >= 1 (capped at ``min(rows, cols)``).
-      epsilon: relative tolerance of :func:`orthogonalize`'s dependence test, in ``[0, 1]``
-        (1 makes every column dependent: the codec then sends zeros).
-        (The reference adds an absolute ``1e-8`` to column norms instead, which is not scale
-        invariant; see :func:`orthogonalize`.)
-      seed: seed of the initial Q ~ N(0, 1), identical on every worker (the reference draws it
-        from ``RandomState(42)``); the initial Q is not orthogonalised, as in the reference.
-      warm_start: keep Q across calls (``reuse_query=True`` in the reference). If ``False`` a
-        fresh Q is drawn from the key at every call.
-
-    Returns:
-      A :class:`~jaxcomp.compressors.Codec` with :class:`LowRankPayload` payloads of
-      ``(rows + cols) * r`` floats, and :class:`PowerSGDState` state. ``compress`` raises
-      ``ValueError`` for an input whose matrix view does not match the state's Q, and
-      ``decompress`` for a payload whose factors do not fit ``like``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from jaxcomp import compressors
-      >>> codec = compressors.power_sgd(rank=4)
-      >>> x = jnp.outer(jnp.arange(1.0, 4.0), jnp.arange(1.0, 7.0))   # rank 1 < 4
-      >>> payload, state = codec.compress(x, codec.init(x), None)
-      >>> bool(jnp.allclose(codec.decompress(payload, x), x, rtol=1e-5))
-      True
-
-    References:
-      Vogels et al., `PowerSGD: Practical Low-Rank Gradient Compression for Distributed
-      Optimization <https://arxiv.org/abs/1905.13727>`_, 2019.
-    """
-    _validate.check_int("rank", rank, 1)
-    ok = isinstance(epsilon, (int, float)) and not isinstance(epsilon, bool)
-    if not (ok and 0.0 <= epsilon <= 1.0):
-        raise ValueError(f"epsilon must be a float in [0, 1]; got {epsilon!r}.")
-    name = f"power_sgd(rank={rank})"
-
-    def initial_q(cols: int, r: int, key) -> jax.Array:
-        return jax.random.normal(key, (cols, r), jnp.float32)
-
-    def q_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-        r = effective_rank(shape, rank)
-        return (matrix_shape(shape)[1], r) if r else (0, 0)
-
-    def init(x):
-        _base.check_float(x, name)
-        cols, r = q_shape(tuple(x.shape))
-        if r == 0:
-            return PowerSGDState(jnp.zeros((0, 0), jnp.float32))
-        return PowerSGDState(initial_q(cols, r, jax.random.key(seed)))
-
-    def compress(x, state, key=None):
-        _base.check_float(x, name)
-        shape = tuple(x.shape)
-        if tuple(state.q.shape) != q_shape(shape):
-            raise ValueError(
-                f"{name}: compress got x of {_checks.describe(x)}, which needs a state Q of "
-                f"shape {list(q_shape(shape))}, but the state's Q is {list(state.q.shape)}: "
-                "the state was initialised for another shape (call init with this one)."
-            )
-        cols, r = q_shape(shape)
-        if r == 0:
-            return x, state
-        rows = matrix_shape(shape)[0]
-        m = x.reshape(rows, cols).astype(jnp.float32)
-        q_old = state.q
-        if not warm_start:
-            _base.check_key(key, name)
-            q_old = initial_q(cols, r, key)
-        q_scaled = _pow2_normalized(q_old)
-
-        def factors(m):
-            p = orthogonalize(m @ q_scaled, epsilon)
-            return p, transposed_matmul(m, p)
-
-        def rescaled(m):  # |M| near 3e38: M Q or M^T P overflowed; exact, one more pass
-            f = max_scale(m)
-            return unscaled(*factors(m * f), f)
-
-        p, q = factors(m)
-        p, q = lax.cond(jnp.all(jnp.isfinite(q)), lambda m: (p, q), rescaled, m)
-        # a zero column of P (dependent column of MQ) gives a zero column of Q: keep the old
-        # one; a non-finite input leaves the whole state as it was
-        alive = jnp.any(p != 0, axis=0, keepdims=True) & jnp.all(jnp.isfinite(q))
-        return LowRankPayload(p, q), PowerSGDState(jnp.where(alive, q, q_old))
-
-    def decompress(payload, like):
-        shape = tuple(like.shape)
-        cols, r = q_shape(shape)
-        if r == 0:
-            _checks.check_fits(name, like, [("payload", payload, shape, None)])
-            return payload.astype(like.dtype)
-        rows = matrix_shape(shape)[0]
-        _checks.check_fits(
-            name,
-            like,
-            [("p", payload.p, (rows, r), jnp.float32), ("q", payload.q, (cols, r), jnp.float32)],
-        )
-        return (payload.p @ payload.q.T).reshape(shape).astype(like.dtype)
-
-    from jaxcomp.compressors import _power_sgd as _low_rank_reduce  # (moved next: no cycle)
-
-    codec = _base.Codec(init, compress, decompress, name, _base.Reduction.GATHER, not warm_start)
-    return codec._replace(
-        protocol=_low_rank_reduce.power_sgd_protocol(codec, rank, epsilon, warm_start)
-    )
