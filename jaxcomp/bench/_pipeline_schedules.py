@@ -119,7 +119,7 @@ def _memory(compiled) -> dict[str, float]:
 
 
 def _compile(model, params, batch, mesh, config):
-    pipe = pipeline.gpipe(model, config, mesh)
+    pipe = pipeline.distribute(model, config, mesh)
     packed = pipeline.pack_params(params, NamedSharding(mesh, P(comm.STAGE)))
     args = (packed, batch, pipe.init(packed, batch), jax.random.key(0))
     return pipe, jax.jit(pipe.step).lower(*args).compile(), args

@@ -10,7 +10,7 @@ time, bytes per axis, per-stage ``jax.checkpoint``, compressed replica averaging
 ``"replicas"``. The JSON also records ``cat /proc/loadavg`` before and after.
 
 A stack of ``S`` MLP stages (``tanh(x W + b)``, width ``W``) runs one training step (loss,
-gradients, link states) as :func:`jaxcomp.pipeline.gpipe` over ``S`` fake CPU devices with
+gradients, link states) as :func:`jaxcomp.pipeline.distribute` over ``S`` fake CPU devices with
 ``M`` microbatches of ``B`` rows. For every link configuration:
 
 * ``step_time_s``: median time of the jitted step, measured round-robin with the identity
@@ -112,7 +112,7 @@ def run(
     def compiled(link):
         """The link's gpipe and simulate steps, compiled once (timed, and metered from HLO)."""
         config = pipeline.PipelineConfig(microbatches, link)
-        pipe, sim = pipeline.gpipe(model, config, mesh), pipeline.simulate(model, config)
+        pipe, sim = pipeline.distribute(model, config, mesh), pipeline.simulate(model, config)
         args = (packed, batch, pipe.init(packed, batch), key)
         sim_args = (params, batch, sim.init(params, batch), key)
         step = jax.jit(pipe.step).lower(*args).compile()

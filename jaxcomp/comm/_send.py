@@ -198,7 +198,7 @@ def compressed_ppermute(
       {'collective-permute': 16.0}
 
       With stateful channels, thread ``bwd_token`` as described in the module docstring
-      (see :func:`jaxcomp.pipeline.gpipe` for a full pipeline).
+      (see :func:`jaxcomp.pipeline.distribute` for a full pipeline).
 
     References:
       Rudakov et al., `Activations and Gradients Compression for Model-Parallel Training
@@ -243,7 +243,7 @@ def compressed_transfer(
       x, fwd_states, bwd_token, forward, backward, key, ids, backward_ids, mode, compress: as
         for :func:`compressed_ppermute`.
       slots: ``(source, target)`` when every state leaf stacks all stages' ends on a leading
-        axis (the layout of :func:`jaxcomp.pipeline.gpipe`'s link states): the forward's sender
+        axis (the layout of :func:`jaxcomp.pipeline.distribute`'s link states): the forward's sender
         end is row ``source`` and its receiver row ``target``, the backward's the other way
         round. Only those rows are read and written, and of a per-sample buffer only the rows
         at ``ids``, so a large AQ-SGD cache is never copied. ``None``: the states are the ends.

@@ -3,7 +3,7 @@
 Every model is a :class:`FlaxStagedModel`: an ordered list of named segments cut after the
 names in ``cuts``. It is a :class:`StagedModel` (the class of :mod:`jaxcomp.pipeline`, re-exported
 here): ``stages`` are the pure ``stage_fn(params, x) -> y`` the pipeline runs, ``loss_fn`` the
-mean cross-entropy, so ``pipeline.gpipe(models.get_model(...), config, mesh)`` works as is;
+mean cross-entropy, so ``pipeline.distribute(models.get_model(...), config, mesh)`` works as is;
 ``apply`` runs the whole model (with BatchNorm statistics, for data-parallel modes). A model
 with BatchNorm (``resnet18(norm="batch")``, the default; ``vgg16(norm="batch")``) is a
 *stateful* StagedModel: its stages take and return their running statistics

@@ -7,7 +7,7 @@ Every model in :mod:`jaxcomp.models` is built as an ordered list of named *segme
   variables = model.init(jax.random.key(0))                       # one dict per stage
   model.stages                                                     # pure stage_fn(params, x) -> y
   y = model.apply(variables, x)                                    # the whole model, in order
-  pipe = pipeline.gpipe(model, config, mesh)                       # a pipeline.StagedModel
+  pipe = pipeline.distribute(model, config, mesh)                       # a pipeline.StagedModel
 
 A :class:`FlaxStagedModel` *is* a :class:`jaxcomp.pipeline.StagedModel` (the one class of that
 name): its ``stages`` are the pure training-mode stage functions and its ``loss_fn`` the mean

@@ -1,14 +1,15 @@
 """Pipeline-parallel training with compressed activations and activation-gradients.
 
 A model cut into ``S`` stages (:class:`StagedModel`) runs as a GPipe or 1F1B schedule
-(``PipelineConfig.schedule``) over the ``stage`` axis of a ``shard_map`` mesh (:func:`gpipe`),
-or on one device with the same compression at the
-cut points (:func:`simulate`, same numbers for the same keys). Each boundary has a
+(``PipelineConfig.schedule``) over the ``stage`` axis of a ``shard_map`` mesh
+(:func:`distribute`), or on one device with the same compression at the cut points
+(:func:`simulate`, same numbers for the same keys). Each boundary has a
 :class:`Link`: a forward channel for the activations, a backward channel for their gradients
 (any codec or feedback channel from :mod:`jaxcomp.compressors` / :mod:`jaxcomp.feedback`), and
 the backward mode (``"independent"`` or ``"shared_mask"``)::
 
-  pipe = pipeline.gpipe(model, pipeline.PipelineConfig(num_microbatches=8, links=links), mesh)
+  config = pipeline.PipelineConfig(num_microbatches=8, links=links, schedule="1f1b")
+  pipe = pipeline.distribute(model, config, mesh)
   params = pipeline.pack_params(stage_params, NamedSharding(mesh, P("stage")))
   link_states = pipe.init(params, batch)
   loss, grads, link_states, metrics = pipe.step(params, batch, link_states, key)
@@ -38,7 +39,7 @@ Contracts:
 * **Metrics**: ``loss``, the ``loss_fn`` metrics, and the theoretical ``wire_bytes`` (forward +
   backward payloads per step) and ``dense_bytes``; exact counts from ``pipe.bytes_per_step``.
   With data replicas also ``data_wire_bytes`` / ``data_dense_bytes`` (the gradient average;
-  with a ``(slow, fast)`` pair of data axes, ``gpipe(..., data_axis=(slow, fast))``,
+  with a ``(slow, fast)`` pair of data axes, ``distribute(..., data_axis=(slow, fast))``,
   ``data_wire_bytes`` is the slow axis's and ``data_fast_wire_bytes`` the fast one's).
 """
 
@@ -50,7 +51,8 @@ from jaxcomp.pipeline._adaptive import DetectorState
 from jaxcomp.pipeline._adaptive import adaptive_link
 from jaxcomp.pipeline._adaptive import link_modes
 from jaxcomp.pipeline._build import Pipeline
-from jaxcomp.pipeline._build import gpipe
+from jaxcomp.pipeline._build import distribute
+from jaxcomp.pipeline._build import gpipe as gpipe  # deprecated alias of distribute; not in __all__
 from jaxcomp.pipeline._build import simulate
 from jaxcomp.pipeline._config import Link
 from jaxcomp.pipeline._config import PipelineConfig
@@ -87,7 +89,7 @@ __all__ = (
     "StagedModel",
     "adaptive_link",
     "bubble_fraction",
-    "gpipe",
+    "distribute",
     "gpipe_segments",
     "in_flight",
     "link",

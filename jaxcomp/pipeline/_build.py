@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -28,7 +29,7 @@ from jaxcomp.pipeline._config import Spec
 
 
 class Pipeline(NamedTuple):
-    """A pipeline's pure functions (from :func:`~jaxcomp.pipeline.gpipe` or
+    """A pipeline's pure functions (from :func:`~jaxcomp.pipeline.distribute` or
     :func:`~jaxcomp.pipeline.simulate`; both have the same signatures and numbers).
 
     ``step`` and ``evaluate`` validate their inputs and build the program in Python: wrap them
@@ -63,7 +64,7 @@ class Pipeline(NamedTuple):
         ``evaluate`` and ``bytes_per_step`` use the links of ``modes`` (every boundary's low
         link by default).
       memory: ``memory(params, batch, states=None) -> dict``: the planned per-device memory
-        of a training step (see :func:`jaxcomp.pipeline.gpipe`).
+        of a training step (see :func:`jaxcomp.pipeline.distribute`).
       num_stages: ``S``.
       num_microbatches: ``M``.
       links: one :class:`Link` per boundary.
@@ -106,7 +107,7 @@ def _make_spec(model, config, mesh, replicas, data_axes=(_mesh.DATA,)) -> Spec:
     )  # fmt: skip
 
 
-def gpipe(
+def distribute(
     model: _config.StagedModel,
     config: _config.PipelineConfig,
     mesh: jax.sharding.Mesh,
@@ -204,7 +205,7 @@ def gpipe(
       >>> link = pipeline.link(ef_topk, compressors.quantize(8))
       >>> mesh = pipeline.pipeline_mesh(4, jax.devices()[:4])
       >>> config = pipeline.PipelineConfig(4, link, schedule="1f1b")
-      >>> pipe = pipeline.gpipe(model, config, mesh)
+      >>> pipe = pipeline.distribute(model, config, mesh)
       >>> states = pipe.init(params, batch)
       >>> step = jax.jit(pipe.step, static_argnames="compress")
       >>> loss, grads, states, metrics = step(params, batch, states, jax.random.key(0))
@@ -242,6 +243,26 @@ def gpipe(
     return _pipeline(_make_spec(model, config, mesh, replicas, data_axes))
 
 
+def gpipe(
+    model: _config.StagedModel,
+    config: _config.PipelineConfig,
+    mesh: jax.sharding.Mesh,
+    *,
+    data_axis: str | tuple[str, str] = _mesh.DATA,
+) -> Pipeline:
+    """Deprecated alias of :func:`distribute`, which it calls (removed in the next release).
+
+    The name said GPipe, but the pipeline runs ``config.schedule`` (``"gpipe"`` or ``"1f1b"``).
+    """
+    warnings.warn(
+        "pipeline.gpipe is deprecated and will be removed in the next release: use "
+        "pipeline.distribute (the same pipeline; it runs config.schedule, GPipe or 1F1B).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return distribute(model, config, mesh, data_axis=data_axis)
+
+
 def _data_axes(data_axis) -> tuple[str, ...]:
     """``(data,)`` or ``(slow, fast)``; ``ValueError`` naming anything else."""
     pair = tuple(data_axis) if isinstance(data_axis, (tuple, list)) else ()
@@ -257,12 +278,12 @@ def _data_axes(data_axis) -> tuple[str, ...]:
 
 
 def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> Pipeline:
-    """The single-device counterpart of :func:`~jaxcomp.pipeline.gpipe`: same numbers, one device.
+    """The single-device counterpart of :func:`distribute`: same numbers, one device.
 
     Each microbatch runs through the stages and back, and every cut point applies its link with
     the same channel calls, keys, sample ids and state updates as the distributed pipeline's
     sends, with nothing sent. For the same params, batch, link states and key it returns the
-    same loss, gradients and link states as :func:`gpipe` on a stage-only mesh under either
+    same loss, gradients and link states as :func:`distribute` on a stage-only mesh under either
     schedule (up to float summation order), in the same layout, so a run can switch between the
     two. It is the fast way to run the paper's sweeps on one device, and what Rudakov et al. did
     ("integrating compression to the model directly"). ``config.schedule`` does not change what

@@ -50,7 +50,7 @@ class StagedModel:
 
     Build one from pure stage functions and a loss, ``StagedModel(stages, loss_fn)``. The
     models of :mod:`jaxcomp.models` (``models.get_model(...)``) are StagedModels too, with Flax
-    initialisation and named cut points on top, so they feed :func:`gpipe` and
+    initialisation and named cut points on top, so they feed :func:`distribute` and
     :func:`simulate` directly.
 
     A stage with running state (BatchNorm statistics) makes the model ``stateful``: pass

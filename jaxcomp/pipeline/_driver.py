@@ -325,7 +325,7 @@ def evaluate(
 def bytes_per_step(
     spec: Spec, params, batch, compress=True, train=True, modes=None, states=None
 ) -> dict[str, int]:
-    """Theoretical bytes per step and pipeline replica (see :func:`jaxcomp.pipeline.gpipe`)."""
+    """Theoretical bytes per step and pipeline replica (see :func:`jaxcomp.pipeline.distribute`)."""
     spec = _adaptive.combo_or_low(spec, modes)
     prep = prepare_for(
         spec, params, batch, need_ids=False, model_layout=_params.model_layout_of(states)

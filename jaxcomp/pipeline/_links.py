@@ -158,7 +158,7 @@ def step_bytes(
     compress: bool,
     train: bool = True,
 ) -> dict[str, int]:
-    """Theoretical bytes per step and pipeline replica (see :func:`jaxcomp.pipeline.gpipe`).
+    """Theoretical bytes per step and pipeline replica (see :func:`jaxcomp.pipeline.distribute`).
 
     Returns:
       ``{"wire_bytes", "forward_bytes", "backward_bytes", "dense_bytes"}``: ``M`` times the sum

@@ -225,7 +225,7 @@ def pack_params(stage_params: Sequence[Any], sharding: Any = None) -> PackedPara
     Args:
       stage_params: one parameter pytree per stage (structures may differ).
       sharding: optional ``jax.sharding.Sharding`` for the buffers, e.g.
-        ``NamedSharding(mesh, P("stage"))`` (what :func:`jaxcomp.pipeline.gpipe` expects).
+        ``NamedSharding(mesh, P("stage"))`` (what :func:`jaxcomp.pipeline.distribute` expects).
 
     Returns:
       The packed parameters.

@@ -177,7 +177,7 @@ def build_pipeline(
     pipe = (
         pipeline.simulate(pmodel, pconfig)
         if cfg["simulate"]
-        else pipeline.gpipe(pmodel, pconfig, mesh, **({"data_axis": data} if pair else {}))
+        else pipeline.distribute(pmodel, pconfig, mesh, **({"data_axis": data} if pair else {}))
     )
     opt = _config.optimizer(config)
     warmup_steps = int(cfg["warmup_epochs"]) * steps_per_epoch

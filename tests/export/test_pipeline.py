@@ -72,7 +72,7 @@ def test_pipeline_step_and_evaluate_export(name, schedule, setup, lowering):
     mesh, model, packed, batch = setup
     link = LINKS[name]
     kwargs = {} if schedule == "gpipe" else {"schedule": schedule}
-    pipe = pipeline.gpipe(model, pipeline.PipelineConfig(M, link, **kwargs), mesh)
+    pipe = pipeline.distribute(model, pipeline.PipelineConfig(M, link, **kwargs), mesh)
     states = pipe.init(packed, batch)
     key = jax.random.key(0)
     sends = {}

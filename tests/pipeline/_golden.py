@@ -94,7 +94,7 @@ def record():
     for name, (kind, link, schedule, replicas) in cases().items():
         fx = fixture(kind)
         mesh = pipeline.pipeline_mesh(4, jax.devices()[: 4 * replicas])
-        pipe = pipeline.gpipe(fx.model, pipeline.PipelineConfig(fx.M, link), mesh)
+        pipe = pipeline.distribute(fx.model, pipeline.PipelineConfig(fx.M, link), mesh)
         params = pipeline.pack_params(fx.params, NamedSharding(mesh, P("stage")))
         batch = fx.batch
         if replicas > 1:

@@ -58,7 +58,7 @@ def run(mesh):
     from jaxcomp import pipeline
 
     model, params, batch, config = build()
-    pipe = pipeline.gpipe(model, config, mesh)
+    pipe = pipeline.distribute(model, config, mesh)
     packed = pipeline.pack_params(params, NamedSharding(mesh, P("stage")))
     batch = jax.device_put(batch, NamedSharding(mesh, P()))
     states = pipe.init(packed, batch)

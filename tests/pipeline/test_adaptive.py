@@ -191,7 +191,10 @@ def test_distributed_equals_simulate_and_each_program_sends_its_theory(
 ):
     det = pipeline.Detector(1, check_every=1)
     config = pipeline.PipelineConfig(mlp.M, EF_ADAPTIVE, schedule="1f1b", detector=det)
-    pipe, sim = pipeline.gpipe(mlp.model, config, stage_mesh), pipeline.simulate(mlp.model, config)
+    pipe, sim = (
+        pipeline.distribute(mlp.model, config, stage_mesh),
+        pipeline.simulate(mlp.model, config),
+    )
     step = jax.jit(pipe.step, static_argnames=STEP_ARGS)
     sim_step = jax.jit(sim.step, static_argnames=STEP_ARGS)
     packed = pack(mlp.params)
@@ -229,7 +232,7 @@ def test_bubble_ticks_do_not_touch_the_detector_statistic(stage_mesh, pack, tool
     lk = pipeline.adaptive_link(pipeline.link(), pipeline.link(C.quantize(4), C.quantize(4)))
     det = pipeline.Detector(100)
     config = pipeline.PipelineConfig(4, lk, schedule="1f1b", detector=det)
-    pipe = pipeline.gpipe(mlp.model, config, stage_mesh)
+    pipe = pipeline.distribute(mlp.model, config, stage_mesh)
     packed = pack(mlp.params)
     states = pipe.init(packed, mlp.batch)
     _, _, states, _ = jax.jit(pipe.step, static_argnames=STEP_ARGS)(

@@ -72,7 +72,7 @@ def test_batchnorm_statistics_on_adaptive_links_switch_count_and_resume(stage_me
     # and parameters give the same norms: every link switches to high compression at step 2
     det = pipeline.Detector(1, check_every=1)
     config = pipeline.PipelineConfig(M, pipeline.adaptive_link(LOW, HIGH), detector=det)
-    pipe = pipeline.gpipe(model, config, stage_mesh)
+    pipe = pipeline.distribute(model, config, stage_mesh)
     step = jax.jit(pipe.step, static_argnames=STEP_ARGS)
     packed = pack(params)
     states = pipe.init(packed, batch, state0)

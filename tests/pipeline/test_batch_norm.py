@@ -87,7 +87,7 @@ def test_identity_links_equal_the_model_applied_microbatch_by_microbatch(
         pipe, p = pipeline.simulate(model, config), params
     else:
         mesh = pipeline.pipeline_mesh(S, jax.devices()[:S])
-        pipe = pipeline.gpipe(model, config, mesh)
+        pipe = pipeline.distribute(model, config, mesh)
         p = pipeline.pack_params(params, NamedSharding(mesh, P("stage")))
     states = pipe.init(p, batch, state)
     assert states.model["float32"].shape[0] == S  # per stage, on the stage's device
@@ -132,7 +132,7 @@ def test_only_real_microbatches_update_the_state_in_microbatch_order(schedule):
     }
     state = [{"count": jnp.zeros(()), "trace": jnp.zeros(())} for _ in range(S)]
     mesh = pipeline.pipeline_mesh(S, jax.devices()[:S])
-    pipe = pipeline.gpipe(model, pipeline.PipelineConfig(m_, schedule=schedule), mesh)
+    pipe = pipeline.distribute(model, pipeline.PipelineConfig(m_, schedule=schedule), mesh)
     states = pipe.init(params, batch, state)
     _, _, new, _ = jax.jit(pipe.step)(params, batch, states)
     h = np.asarray(batch["x"], np.float64).reshape(m_, 2, 3)
@@ -160,7 +160,7 @@ def test_data_replicas_keep_their_own_statistics_equal_to_the_simulation(resnet)
     ef = feedback.error_feedback(compressors.top_k(0.25, per_sample=True))
     config = pipeline.PipelineConfig(M, pipeline.link(ef), schedule="1f1b")
     mesh = pipeline.pipeline_mesh(S)
-    pipe = pipeline.gpipe(model, config, mesh)
+    pipe = pipeline.distribute(model, config, mesh)
     packed = pipeline.pack_params(params, NamedSharding(mesh, P("stage")))
     batch = {"x": x, "label": labels}
     states = pipe.init(packed, batch, state)
@@ -192,7 +192,7 @@ def test_synchronised_statistics_are_those_of_the_microbatch_concatenated_over_r
     model, params, state, x, labels = resnet
     config = pipeline.PipelineConfig(M)
     mesh = pipeline.pipeline_mesh(S)
-    pipe = pipeline.gpipe(model.with_batch_axis("data"), config, mesh)
+    pipe = pipeline.distribute(model.with_batch_axis("data"), config, mesh)
     packed = pipeline.pack_params(params, NamedSharding(mesh, P("stage")))
     batch = {"x": x, "label": labels}
     loss, grads, new, _ = jax.jit(pipe.step)(packed, batch, pipe.init(packed, batch, state))

@@ -50,7 +50,7 @@ def test_distributed_equals_simulated_and_sends_theory_bytes(
     name, schedule, mlp, stage_mesh, pack, tools
 ):
     config = pipeline.PipelineConfig(mlp.M, LINKS[name], schedule=schedule)
-    pipe = pipeline.gpipe(mlp.model, config, stage_mesh)
+    pipe = pipeline.distribute(mlp.model, config, stage_mesh)
     sim = pipeline.simulate(mlp.model, config)
     step = jax.jit(pipe.step, static_argnames="compress")
     sim_step = jax.jit(sim.step, static_argnames="compress")
@@ -144,7 +144,7 @@ def test_data_replicas_equal_per_replica_simulations(tools):
     mlp = tools.make_mlp(microbatch=4)
     mesh = pipeline.pipeline_mesh(4)  # 2 x 4
     config = pipeline.PipelineConfig(mlp.M, LINKS["topk_ef"])
-    pipe, sim = pipeline.gpipe(mlp.model, config, mesh), pipeline.simulate(mlp.model, config)
+    pipe, sim = pipeline.distribute(mlp.model, config, mesh), pipeline.simulate(mlp.model, config)
     states = pipe.init(mlp.params, mlp.batch)
     key = jax.random.key(3)
     loss, grads, states, _ = jax.jit(pipe.step)(mlp.params, mlp.batch, states, key)
@@ -170,7 +170,10 @@ def test_compressed_evaluation_applies_each_forward_codec_with_the_documented_ke
     payloads travel."""
     codec = C.quantize(2, rounding="stochastic")
     config = pipeline.PipelineConfig(mlp.M, pipeline.link(F.error_feedback(codec), C.quantize(8)))
-    pipe, sim = pipeline.gpipe(mlp.model, config, stage_mesh), pipeline.simulate(mlp.model, config)
+    pipe, sim = (
+        pipeline.distribute(mlp.model, config, stage_mesh),
+        pipeline.simulate(mlp.model, config),
+    )
     key = jax.random.key(11)
     stages, params = mlp.model.stages, mlp.params
     xs = np.asarray(mlp.batch["x"]).reshape(mlp.M, -1, mlp.batch["x"].shape[-1])
@@ -221,7 +224,7 @@ def test_per_sample_buffers_are_updated_in_place_and_cost_their_live_size(mlp, s
     )
     config = pipeline.PipelineConfig(mlp.M, link, schedule="1f1b")
     for pipe, params in (
-        (pipeline.gpipe(mlp.model, config, stage_mesh), pack(mlp.params)),
+        (pipeline.distribute(mlp.model, config, stage_mesh), pack(mlp.params)),
         (pipeline.simulate(mlp.model, config), mlp.params),
     ):
         states = pipe.init(params, mlp.batch)
@@ -235,6 +238,8 @@ def test_per_sample_buffers_are_updated_in_place_and_cost_their_live_size(mlp, s
     live = memory["live_link_state_bytes"]
     assert live[1] == live[2] == 2 * cache_bytes + 2 * cache_bytes  # 2 caches, f32 residual
     assert live[0] == cache_bytes and live[3] == cache_bytes + 2 * cache_bytes
-    distributed = pipeline.gpipe(mlp.model, config, stage_mesh).init(pack(mlp.params), mlp.batch)
+    distributed = pipeline.distribute(mlp.model, config, stage_mesh).init(
+        pack(mlp.params), mlp.batch
+    )
     per_device = sum(b.addressable_shards[0].data.nbytes for b in distributed.buffers.values())
     assert per_device == memory["link_state_bytes"] == max(live)

@@ -41,11 +41,11 @@ def test_stage_count_must_divide_devices():
 def test_mesh_and_model_must_agree(mlp):
     mesh = pipeline.pipeline_mesh(2, jax.devices()[:2])
     _raises(ValueError, "'stage' axis has 2 devices; the model has 4 stages",
-            pipeline.gpipe, mlp.model, pipeline.PipelineConfig(4), mesh)  # fmt: skip
+            pipeline.distribute, mlp.model, pipeline.PipelineConfig(4), mesh)  # fmt: skip
 
 
 def test_fewer_microbatches_than_stages(mlp, stage_mesh):
-    for build in (lambda c: pipeline.gpipe(mlp.model, c, stage_mesh),
+    for build in (lambda c: pipeline.distribute(mlp.model, c, stage_mesh),
                   lambda c: pipeline.simulate(mlp.model, c)):  # fmt: skip
         _raises(ValueError, "num_microbatches must be >= the number of stages",
                 build, pipeline.PipelineConfig(3))  # fmt: skip
@@ -59,7 +59,7 @@ def test_wrong_number_of_links(mlp):
 def test_mismatched_boundary_shapes(mlp, stage_mesh):
     params = list(mlp.params)
     params[2] = {"w": jnp.ones((12, 16)), "b": jnp.ones(16)}  # stage 2 expects width 12
-    pipe = pipeline.gpipe(mlp.model, pipeline.PipelineConfig(4), stage_mesh)
+    pipe = pipeline.distribute(mlp.model, pipeline.PipelineConfig(4), stage_mesh)
     match = r"boundary shape mismatch: stage 2 cannot take stage 1's output float32\[2, 16\]"
     _raises(ValueError, match, pipe.init, params, mlp.batch)
     states = pipeline.simulate(mlp.model, pipeline.PipelineConfig(4)).init(mlp.params, mlp.batch)
@@ -75,7 +75,7 @@ def test_stage_must_keep_the_microbatch_axis(mlp):
 
 def test_aq_sgd_needs_sample_ids(mlp, stage_mesh):
     link = pipeline.link(F.aq_sgd(C.quantize(4), 8), C.quantize(8))
-    pipe = pipeline.gpipe(mlp.model, pipeline.PipelineConfig(4, link), stage_mesh)
+    pipe = pipeline.distribute(mlp.model, pipeline.PipelineConfig(4, link), stage_mesh)
     states = pipe.init(mlp.params, mlp.batch)
     no_ids = {k: v for k, v in mlp.batch.items() if k != "ids"}
     _raises(ValueError, "must carry the sample ids", jax.jit(pipe.step), mlp.params, no_ids,
@@ -127,3 +127,13 @@ def test_a_stochastic_link_needs_a_key(mlp):
     states = sim.init(mlp.params, mlp.batch)
     _raises(ValueError, r"links\[0\].backward uses the stochastic codec", jax.jit(sim.step),
             mlp.params, mlp.batch, states)  # fmt: skip
+
+
+def test_gpipe_is_a_deprecated_alias_of_distribute(mlp, stage_mesh):
+    config = pipeline.PipelineConfig(4, schedule="1f1b")
+    with pytest.warns(DeprecationWarning, match="use pipeline.distribute"):
+        old = pipeline.gpipe(mlp.model, config, stage_mesh)
+    new = pipeline.distribute(mlp.model, config, stage_mesh)
+    assert old.step.func is new.step.func and old.schedule == new.schedule == "1f1b"
+    assert old.step.args[0]._replace(fns=None) == new.step.args[0]._replace(fns=None)
+    assert "gpipe" not in pipeline.__all__

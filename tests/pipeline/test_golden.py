@@ -46,7 +46,7 @@ def test_same_numbers_as_before_the_compact_layout(name, schedule, recorded):
     fx = golden.fixture(kind)
     mesh = pipeline.pipeline_mesh(4, jax.devices()[: 4 * replicas])
     config = pipeline.PipelineConfig(fx.M, link, schedule=schedule)
-    pipe = pipeline.gpipe(fx.model, config, mesh)
+    pipe = pipeline.distribute(fx.model, config, mesh)
     params = pipeline.pack_params(fx.params, NamedSharding(mesh, P("stage")))
     batch = fx.batch
     if replicas > 1:

@@ -15,7 +15,7 @@ from jaxcomp.train import _mode
 
 @pytest.mark.parametrize("form", ["packed", "list"])
 def test_identity_mlp_matches_unpipelined(mlp, stage_mesh, pack, tools, form):
-    pipe = pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M), stage_mesh)
+    pipe = pipeline.distribute(mlp.model, pipeline.PipelineConfig(mlp.M), stage_mesh)
     params = pack(mlp.params) if form == "packed" else mlp.params
     states = pipe.init(params, mlp.batch)
     loss, grads, _, metrics = jax.jit(pipe.step)(params, mlp.batch, states, jax.random.key(0))
@@ -39,7 +39,7 @@ def _forward(model, params, h):
 @pytest.mark.parametrize("schedule", pipeline.SCHEDULES)
 def test_identity_heterogeneous_cnn_matches_unpipelined(cnn, stage_mesh, pack, tools, schedule):
     config = pipeline.PipelineConfig(cnn.M, schedule=schedule)
-    pipe = pipeline.gpipe(cnn.model, config, stage_mesh)
+    pipe = pipeline.distribute(cnn.model, config, stage_mesh)
     params = pack(cnn.params)
     states = pipe.init(params, cnn.batch)
     loss, grads, _, metrics = jax.jit(pipe.step)(params, cnn.batch, states, jax.random.key(0))
@@ -79,7 +79,7 @@ def test_identity_gpt_decoder_from_the_registry_gpipe_equals_1f1b_equals_unpipel
     ref_loss, ref_grads = tools.reference(model, params, batch)
     packed = pack(params)
     for schedule in pipeline.SCHEDULES:
-        pipe = pipeline.gpipe(model, pipeline.PipelineConfig(4, schedule=schedule), stage_mesh)
+        pipe = pipeline.distribute(model, pipeline.PipelineConfig(4, schedule=schedule), stage_mesh)
         loss, grads, _, _ = jax.jit(pipe.step)(packed, batch, pipe.init(packed, batch), None)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
         tools.close(grads.unpack(), ref_grads, rtol=1e-4, atol=1e-6)
@@ -91,7 +91,7 @@ def test_identity_with_data_axis_on_an_explicit_mesh_matches_unpipelined(tools):
     local = {k: jnp.concatenate([v, v[::-1]]) for k, v in mlp.batch.items()}  # 2 x 8 rows
     batch = jax.device_put(local, NamedSharding(mesh, P(comm.DATA)))
     config = pipeline.PipelineConfig(mlp.M, schedule="1f1b")
-    pipe = pipeline.gpipe(mlp.model, config, mesh)
+    pipe = pipeline.distribute(mlp.model, config, mesh)
     states = pipe.init(mlp.params, batch)
     loss, grads, _, _ = jax.jit(pipe.step)(mlp.params, batch, states, jax.random.key(0))
     ref_loss, ref_grads = tools.reference(mlp.model, mlp.params, local)

@@ -45,7 +45,7 @@ def probe(stage_mesh, pack):
         F.error_feedback(C.top_k(count=3, per_sample=True)), F.error_feedback(C.quantize(3))
     )
     model = pipeline.StagedModel((_add, _add, _add, _mul), _total)
-    pipe = pipeline.gpipe(model, pipeline.PipelineConfig(M, link), stage_mesh)
+    pipe = pipeline.distribute(model, pipeline.PipelineConfig(M, link), stage_mesh)
     packed = pack(params)
     states = [pipe.init(packed, batches[0])]
     grads = []

@@ -34,7 +34,7 @@ def nan_batch(cnn):
 
 def _run(cnn, nan_batch, stage_mesh, pack, link, compress):
     """Loss and logits of ``evaluate``, and loss and gradients of ``step``, on the NaN batch."""
-    pipe = pipeline.gpipe(cnn.model, pipeline.PipelineConfig(cnn.M, link), stage_mesh)
+    pipe = pipeline.distribute(cnn.model, pipeline.PipelineConfig(cnn.M, link), stage_mesh)
     packed, key = pack(cnn.params), jax.random.key(0)
     evaluate = jax.jit(pipe.evaluate, static_argnames="compress")
     clean_loss, _, _ = evaluate(packed, cnn.batch, key, compress=compress)

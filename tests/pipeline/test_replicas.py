@@ -99,7 +99,7 @@ def test_replica_averaging_equals_the_transform_applied_by_hand(
     mlp, batch, mesh = setup
     tx = TRANSFORMS[name](load_test_module("transforms/test_user_protocol.py"))
     config = pipeline.PipelineConfig(mlp.M, LINK, schedule="1f1b", replica_mean=tx)
-    pipe = pipeline.gpipe(mlp.model, config, mesh)
+    pipe = pipeline.distribute(mlp.model, config, mesh)
     states = pipe.init(mlp.params, batch)
     keys = [jax.random.key(i) for i in range(STEPS)]
     step = jax.jit(pipe.step)
@@ -110,7 +110,7 @@ def test_replica_averaging_equals_the_transform_applied_by_hand(
         tools.close(got, want, rtol=1e-5, atol=1e-6)
         assert float(metrics["data_wire_bytes"]) == sent < float(metrics["data_dense_bytes"])
     # the averaged gradients differ from a plain mean (the transform did run)
-    plain = pipeline.gpipe(mlp.model, config._replace(replica_mean=None), mesh)
+    plain = pipeline.distribute(mlp.model, config._replace(replica_mean=None), mesh)
     _, dense, _, dense_metrics = jax.jit(plain.step)(
         mlp.params, batch, plain.init(mlp.params, batch), keys[0]
     )
@@ -128,7 +128,7 @@ def test_data_axis_bytes_in_the_program_are_the_reported_bytes(setup):
     mlp, batch, mesh = setup
     tx = _power_sgd_ef()
     config = pipeline.PipelineConfig(mlp.M, LINK, schedule="1f1b", replica_mean=tx)
-    pipe = pipeline.gpipe(mlp.model, config, mesh)
+    pipe = pipeline.distribute(mlp.model, config, mesh)
     states = pipe.init(mlp.params, batch)
     compiled = jax.jit(pipe.step).lower(mlp.params, batch, states, jax.random.key(0)).compile()
     report = comm.collective_report(compiled.as_text())
@@ -144,10 +144,12 @@ def test_data_axis_bytes_in_the_program_are_the_reported_bytes(setup):
 def test_replica_averaging_errors(setup):
     mlp, batch, mesh = setup
     with pytest.raises(TypeError, match="replica_mean must be None or an optax"):
-        pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M, replica_mean="powersgd"), mesh)
+        pipeline.distribute(
+            mlp.model, pipeline.PipelineConfig(mlp.M, replica_mean="powersgd"), mesh
+        )
     tx = _power_sgd_ef()
-    with_tx = pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M, replica_mean=tx), mesh)
-    without = pipeline.gpipe(mlp.model, pipeline.PipelineConfig(mlp.M), mesh)
+    with_tx = pipeline.distribute(mlp.model, pipeline.PipelineConfig(mlp.M, replica_mean=tx), mesh)
+    without = pipeline.distribute(mlp.model, pipeline.PipelineConfig(mlp.M), mesh)
     with pytest.raises(ValueError, match="have no replica-averaging state"):
         with_tx.step(mlp.params, batch, without.init(mlp.params, batch))
 
@@ -157,7 +159,7 @@ def test_plain_mean_of_a_heterogeneous_cnn_sends_each_stage_unpadded(tools):
     the largest stage's packed row) and gives the unpipelined gradient of the whole batch."""
     cnn = tools.make_cnn(microbatch=2)
     batch = {k: jnp.concatenate([v, v[::-1]]) for k, v in cnn.batch.items()}
-    pipe = pipeline.gpipe(
+    pipe = pipeline.distribute(
         cnn.model, pipeline.PipelineConfig(cnn.M, schedule="1f1b"), pipeline.pipeline_mesh(4)
     )
     args = (cnn.params, batch, pipe.init(cnn.params, batch), None)

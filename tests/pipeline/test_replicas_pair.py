@@ -29,7 +29,7 @@ def setup(tools):
 
 def _pipe(mlp, mesh, tx, **kw):
     config = pipeline.PipelineConfig(mlp.M, LINK, schedule="1f1b", replica_mean=tx)
-    return pipeline.gpipe(mlp.model, config, mesh, **kw)
+    return pipeline.distribute(mlp.model, config, mesh, **kw)
 
 
 def _run(pipe, mlp, batch, steps=2):

@@ -51,7 +51,7 @@ def test_each_stage_and_send_is_traced_once_per_program(
     model, fx = _counting_mlp(tools, counts, num_microbatches)
     link = pipeline.link(C.quantize(8), C.quantize(8))
     config = pipeline.PipelineConfig(num_microbatches, link, schedule=schedule)
-    pipe = pipeline.gpipe(model, config, stage_mesh)
+    pipe = pipeline.distribute(model, config, stage_mesh)
     params = pipeline.pack_params(fx.params, NamedSharding(stage_mesh, P("stage")))
     states = pipe.init(params, fx.batch)
     counts.clear()

@@ -39,13 +39,13 @@ def _config(make_config, mesh=(("stage", 4),), **keys):
 def built(monkeypatch):
     """The :class:`pipeline.PipelineConfig` of every pipeline the trainer builds."""
     configs = []
-    gpipe = pipeline.gpipe
+    distribute = pipeline.distribute
 
     def spy(model, config, mesh):
         configs.append(config)
-        return gpipe(model, config, mesh)
+        return distribute(model, config, mesh)
 
-    monkeypatch.setattr(pipeline, "gpipe", spy)
+    monkeypatch.setattr(pipeline, "distribute", spy)
     return configs
 
 
