@@ -6,7 +6,7 @@ and the alpha-beta cost model that predicts whether compression pays on a given 
   :func:`preset_overrides`, :func:`select`, :func:`run_study`.
 * The report: :func:`write_report` (markdown table, CSVs, PNG plots), :func:`read_runs`,
   :func:`aggregate`.
-* The cost model: :func:`link`, :func:`collective_time`, :func:`communication_time`,
+* The cost model: :func:`network_link`, :func:`collective_time`, :func:`communication_time`,
   :func:`step_time`, :func:`pipeline_step_time`, :func:`predicted_speedups`.
 """
 
@@ -15,10 +15,10 @@ from jaxcomp.study._cost import GBIT_PER_S
 from jaxcomp.study._cost import KINDS
 from jaxcomp.study._cost import SCHEDULES
 from jaxcomp.study._cost import Collective
-from jaxcomp.study._cost import Link
+from jaxcomp.study._cost import NetworkLink
 from jaxcomp.study._cost import collective_time
 from jaxcomp.study._cost import communication_time
-from jaxcomp.study._cost import link
+from jaxcomp.study._cost import network_link
 from jaxcomp.study._cost import pipeline_step_time
 from jaxcomp.study._cost import predicted_speedups
 from jaxcomp.study._cost import speedup
@@ -64,10 +64,10 @@ __all__ = (
     "KINDS",
     "SCHEDULES",
     "Collective",
-    "Link",
+    "NetworkLink",
     "collective_time",
     "communication_time",
-    "link",
+    "network_link",
     "pipeline_step_time",
     "predicted_speedups",
     "speedup",

@@ -63,15 +63,15 @@ from typing import NamedTuple
 
 from jaxcomp import _validate
 from jaxcomp.comm._hlo import KINDS  # the kinds the HLO meter counts, each priced below
+from jaxcomp.pipeline import SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b")
 #: the link speeds a report predicts for, in Gbit/s
 GBIT_PER_S = (1.0, 10.0, 100.0)
 #: latency assumed per message when none is given (a datacenter Ethernet/RoCE hop), seconds
 DEFAULT_LATENCY_S = 10e-6
 
 
-class Link(NamedTuple):
+class NetworkLink(NamedTuple):
     """A network link: ``bandwidth`` in bytes per second, ``latency`` in seconds per message."""
 
     bandwidth: float
@@ -94,26 +94,30 @@ class Collective(NamedTuple):
     executions: float = 1
 
 
-def link(gbit_per_s: float, latency_s: float = DEFAULT_LATENCY_S) -> Link:
-    """A :class:`Link` of ``gbit_per_s`` gigabits per second (``1e9 / 8`` bytes/s each).
+def network_link(gbit_per_s: float, latency_s: float = DEFAULT_LATENCY_S) -> NetworkLink:
+    """A :class:`NetworkLink` of ``gbit_per_s`` gigabits per second (``1e9 / 8`` bytes/s each).
 
     Example:
-      >>> link(10, latency_s=0.0)
-      Link(bandwidth=1250000000.0, latency=0.0)
+      >>> network_link(10, latency_s=0.0)
+      NetworkLink(bandwidth=1250000000.0, latency=0.0)
     """
     gbit = _validate.check_number("gbit_per_s", gbit_per_s, gt=0, finite=True)
-    return Link(gbit * 1e9 / 8, _validate.check_number("latency_s", latency_s, ge=0, finite=True))
+    return NetworkLink(
+        gbit * 1e9 / 8, _validate.check_number("latency_s", latency_s, ge=0, finite=True)
+    )
 
 
-def _check_link(lk) -> Link:
-    if not isinstance(lk, Link):
-        raise ValueError(f"link must be a cost.Link (see cost.link(gbit_per_s)); got {lk!r}.")
+def _check_link(lk) -> NetworkLink:
+    if not isinstance(lk, NetworkLink):
+        raise ValueError(
+            f"link must be a study.NetworkLink (see study.network_link(gbit_per_s)); got {lk!r}."
+        )
     _validate.check_number("link.bandwidth", lk.bandwidth, gt=0, finite=True)
     _validate.check_number("link.latency", lk.latency, ge=0, finite=True)
     return lk
 
 
-def collective_time(kind: str, nbytes: float, group_size: int, lk: Link) -> float:
+def collective_time(kind: str, nbytes: float, group_size: int, lk: NetworkLink) -> float:
     """Seconds one execution of a collective takes (formulas in the module docstring).
 
     Args:
@@ -126,7 +130,7 @@ def collective_time(kind: str, nbytes: float, group_size: int, lk: Link) -> floa
       The time in seconds; 0 for zero bytes or a group of one.
 
     Example:
-      >>> lk = Link(bandwidth=1e3, latency=0.1)
+      >>> lk = NetworkLink(bandwidth=1e3, latency=0.1)
       >>> round(collective_time("all-reduce", 100.0, 4, lk), 6)  # 6 * 0.1 + 1.5 * 0.1
       0.75
     """
@@ -147,7 +151,7 @@ def collective_time(kind: str, nbytes: float, group_size: int, lk: Link) -> floa
     return (w - 1) * alpha + (w - 1) / w * n / beta  # reduce-scatter, all-to-all
 
 
-def communication_time(collectives, lk: Link) -> float:
+def communication_time(collectives, lk: NetworkLink) -> float:
     """Seconds of all collectives of one step, run one after another.
 
     Args:
@@ -156,7 +160,7 @@ def communication_time(collectives, lk: Link) -> float:
       lk: the link.
 
     Example:
-      >>> lk = Link(bandwidth=1e3, latency=0.0)
+      >>> lk = NetworkLink(bandwidth=1e3, latency=0.0)
       >>> round(communication_time([Collective("all-gather", 100.0, 4, executions=2)], lk), 9)
       0.6
     """
@@ -168,11 +172,11 @@ def communication_time(collectives, lk: Link) -> float:
     return total
 
 
-def step_time(compute_s: float, collectives, lk: Link) -> float:
+def step_time(compute_s: float, collectives, lk: NetworkLink) -> float:
     """A data-parallel (or any non-pipelined) step: compute, then its collectives, no overlap.
 
     Example:
-      >>> lk = Link(bandwidth=1e3, latency=0.0)
+      >>> lk = NetworkLink(bandwidth=1e3, latency=0.0)
       >>> step_time(1.0, [Collective("all-reduce", 1000.0, 2)], lk)  # 1 + 2 * 1/2 * 1000/1e3
       2.0
     """
@@ -214,7 +218,7 @@ def pipeline_step_time(
     num_microbatches: int,
     forward_bytes: Sequence[float] | float,
     backward_bytes: Sequence[float] | float,
-    lk: Link,
+    lk: NetworkLink,
     *,
     num_stages: int | None = None,
     schedule: str = "gpipe",
@@ -240,7 +244,7 @@ def pipeline_step_time(
       :func:`communication_time`).
 
     Example:
-      >>> lk = Link(bandwidth=1e3, latency=0.1)  # a 100-byte send takes 0.2 s
+      >>> lk = NetworkLink(bandwidth=1e3, latency=0.1)  # a 100-byte send takes 0.2 s
       >>> round(pipeline_step_time(1.0, 2.0, 2, 100.0, 100.0, lk, num_stages=2), 6)
       9.8
       >>> round(pipeline_step_time(1.0, 2.0, 2, 100.0, 100.0, lk, num_stages=2,
@@ -320,7 +324,7 @@ def predicted_speedups(
       baseline, candidate: collectives of one step (see :func:`communication_time`).
       compute_s: the candidate's compute time per step, seconds.
       base_compute_s: the baseline's (compression costs compute); default ``compute_s``.
-      links: ``{gbit_per_s: Link}``; default :data:`GBIT_PER_S` at :data:`DEFAULT_LATENCY_S`.
+      links: ``{gbit_per_s: NetworkLink}``; default :data:`GBIT_PER_S` at :data:`DEFAULT_LATENCY_S`.
 
     Example:
       >>> dense = [Collective("all-reduce", 4e8, 4)]   # 400 MB of float32 gradients
@@ -329,7 +333,7 @@ def predicted_speedups(
       {1.0: 16.8, 10.0: 4.9, 100.0: 1.5}
     """
     base_compute_s = compute_s if base_compute_s is None else base_compute_s
-    links = links or {g: link(g) for g in GBIT_PER_S}
+    links = links or {g: network_link(g) for g in GBIT_PER_S}
     baseline, candidate = list(baseline), list(candidate)
     return {
         g: speedup(step_time(base_compute_s, baseline, lk), step_time(compute_s, candidate, lk))

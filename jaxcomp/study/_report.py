@@ -254,7 +254,7 @@ def aggregate(
     runs: list[Run],
     *,
     compute_s: float | None = None,
-    links: Mapping[float, _cost.Link] | None = None,
+    links: Mapping[float, _cost.NetworkLink] | None = None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """One row per (variant, axis values), mean and spread over seeds, and the report's notes.
 
@@ -264,12 +264,12 @@ def aggregate(
       compute_s: compute seconds per step for the cost model (same for every variant); default
         the baseline's measured wall time per step (an upper bound: it includes compilation and
         evaluation), per axis values.
-      links: ``{gbit_per_s: Link}``; default 1, 10 and 100 Gbit/s at 10 us latency.
+      links: ``{gbit_per_s: NetworkLink}``; default 1, 10 and 100 Gbit/s at 10 us latency.
 
     Returns:
       ``(rows, notes)``.
     """
-    links = dict(links or {g: _cost.link(g) for g in _cost.GBIT_PER_S})
+    links = dict(links or {g: _cost.network_link(g) for g in _cost.GBIT_PER_S})
     axes = list(manifest.get("axes", []))
     groups: dict[tuple, list[Run]] = {}
     for run in runs:

@@ -95,7 +95,7 @@ def write_report(
     out_dir: str | None = None,
     *,
     compute_s: float | None = None,
-    links: Mapping[float, _cost.Link] | None = None,
+    links: Mapping[float, _cost.NetworkLink] | None = None,
 ) -> dict[str, str]:
     """Reads the study in ``workdir`` and writes ``report.md``, ``report.csv`` (one row per
     variant and axis values), ``cells.csv`` (one row per run) and the PNG plots.
@@ -105,7 +105,7 @@ def write_report(
       out_dir: where to write (default ``workdir``).
       compute_s: compute seconds per step for the predicted speedups (see
         :func:`~jaxcomp.study._report.aggregate`).
-      links: ``{gbit_per_s: Link}`` for the predictions (default 1, 10, 100 Gbit/s).
+      links: ``{gbit_per_s: NetworkLink}`` for the predictions (default 1, 10, 100 Gbit/s).
 
     Returns:
       ``{"markdown", "csv", "cells_csv", <plot names>: path}``.
@@ -116,7 +116,7 @@ def write_report(
     out_dir = out_dir or workdir
     os.makedirs(out_dir, exist_ok=True)
     manifest, runs = _report.read_runs(workdir)
-    links = dict(links or {g: _cost.link(g) for g in _cost.GBIT_PER_S})
+    links = dict(links or {g: _cost.network_link(g) for g in _cost.GBIT_PER_S})
     rows, notes = _report.aggregate(manifest, runs, compute_s=compute_s, links=links)
     axes = list(manifest.get("axes", []))
     paths = {"markdown": os.path.join(out_dir, "report.md")}

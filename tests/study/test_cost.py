@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import study
 
-LK = study.Link(bandwidth=1000.0, latency=0.01)  # 100 bytes take 0.1 s on the wire
+LK = study.NetworkLink(bandwidth=1000.0, latency=0.01)  # 100 bytes take 0.1 s on the wire
 
 
 def test_collective_formulas_by_hand():
@@ -55,7 +55,7 @@ def test_communication_time_reads_the_hlo_meter_report():
 
 def test_pipeline_two_stages_by_hand():
     """S=2, M=2, f=1, b=2, every send 0.1 + 100 / 1000 = 0.2 s."""
-    lk = study.Link(bandwidth=1000.0, latency=0.1)  # a 100-byte send takes 0.2 s
+    lk = study.NetworkLink(bandwidth=1000.0, latency=0.1)  # a 100-byte send takes 0.2 s
     args = (1.0, 2.0, 2, 100.0, 100.0, lk)
     # lockstep (jaxcomp's GPipe): 3 ticks of 1 forward, 3 of 2 backward, then 2 x 2 sends
     assert study.pipeline_step_time(*args, num_stages=2) == pytest.approx(9.0 + 4 * 0.2)
@@ -68,7 +68,7 @@ def test_pipeline_two_stages_by_hand():
 
 def test_heterogeneous_stages_gpipe_vs_1f1b_by_hand():
     """S=3, M=2, f=(1, 2, 1), b=1, free links: GPipe 10, 1F1B 9, lockstep 4 * 2 + 4 * 1."""
-    free = study.Link(bandwidth=1.0, latency=0.0)
+    free = study.NetworkLink(bandwidth=1.0, latency=0.0)
     args = ([1.0, 2.0, 1.0], [1.0, 1.0, 1.0], 2, 0.0, 0.0, free)
     assert study.pipeline_step_time(*args) == pytest.approx(12.0)
     assert study.pipeline_step_time(*args, lockstep=False) == pytest.approx(10.0)
@@ -77,7 +77,7 @@ def test_heterogeneous_stages_gpipe_vs_1f1b_by_hand():
 
 def test_lockstep_adds_every_send_of_every_boundary():
     """S=3, M=2, f=b=1; sends 0.1 + bytes/1000: forward 0.2 and 0.4, backward 0 and 0.2."""
-    lk = study.Link(bandwidth=1000.0, latency=0.1)
+    lk = study.NetworkLink(bandwidth=1000.0, latency=0.1)
     got = study.pipeline_step_time(1.0, 1.0, 2, [100.0, 300.0], [0.0, 100.0], lk, num_stages=3)
     assert got == pytest.approx(4 * 2 + 2 * (0.2 + 0.4 + 0.0 + 0.2))
     # the same as compute plus the step's single-pair permutes as the HLO meter lists them
@@ -87,7 +87,7 @@ def test_lockstep_adds_every_send_of_every_boundary():
 
 def test_a_busy_link_serialises_sends():
     """150 bytes at 100 B/s take 1.5 s on the wire: the second send waits for the first."""
-    lk = study.Link(bandwidth=100.0, latency=0.1)
+    lk = study.NetworkLink(bandwidth=100.0, latency=0.1)
     # F0 [0,1] sent [1, 2.5] arrives 2.6; F1 [1,2] waits for the wire, sent [2.5, 4] -> 4.1;
     # stage 1: F0 [2.6,3.6] F1 [4.1,5.1] B1 [5.1,6.1] B0 [6.1,7.1]; no backward bytes
     # stage 0: B1 [6.1,7.1] B0 [7.1,8.1]
@@ -97,7 +97,7 @@ def test_a_busy_link_serialises_sends():
 
 @pytest.mark.parametrize("stages, micro", [(1, 3), (2, 1), (3, 4), (4, 8)])
 def test_uniform_free_pipelines_give_the_textbook_bubble(stages, micro):
-    free = study.Link(bandwidth=1.0, latency=0.0)
+    free = study.NetworkLink(bandwidth=1.0, latency=0.0)
     expected = (micro + stages - 1) * (1.0 + 3.0)
     kw = dict(num_stages=stages)
     assert study.pipeline_step_time(1.0, 3.0, micro, 0.0, 0.0, free, **kw) == expected
@@ -110,7 +110,7 @@ def test_uniform_free_pipelines_give_the_textbook_bubble(stages, micro):
 
 def test_asynchronous_never_slower_than_lockstep():
     rng = np.random.default_rng(0)
-    lk = study.link(1.0)
+    lk = study.network_link(1.0)
     for _ in range(20):
         s, m = int(rng.integers(1, 5)), int(rng.integers(1, 6))
         f, b = rng.uniform(0.01, 1, s), rng.uniform(0.01, 1, s)
@@ -136,15 +136,15 @@ def test_predicted_speedups():
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "fast", None])
 def test_invalid_bandwidth_is_a_clear_error(bad):
     with pytest.raises(ValueError, match="gbit_per_s"):
-        study.link(bad)
+        study.network_link(bad)
     with pytest.raises(ValueError, match="link.bandwidth"):
-        study.collective_time("all-reduce", 1.0, 2, study.Link(bad, 0.0))
+        study.collective_time("all-reduce", 1.0, 2, study.NetworkLink(bad, 0.0))
 
 
 def test_other_invalid_input_is_a_clear_error():
     with pytest.raises(ValueError, match="latency_s"):
-        study.link(1.0, latency_s=-1e-6)
-    with pytest.raises(ValueError, match="link must be a cost.Link"):
+        study.network_link(1.0, latency_s=-1e-6)
+    with pytest.raises(ValueError, match="link must be a study.NetworkLink"):
         study.collective_time("all-reduce", 1.0, 2, (1e9, 0.0))
     with pytest.raises(ValueError, match="kind must be one of"):
         study.collective_time("all_reduce", 1.0, 2, LK)

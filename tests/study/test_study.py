@@ -229,7 +229,7 @@ def finished(tiny, tmp_path):
 
 def test_report_aggregates_seeds_and_predicts_speedups_by_hand(finished):
     manifest, runs = study.read_runs(finished)
-    links = {1.0: study.Link(bandwidth=1000.0, latency=0.0)}
+    links = {1.0: study.NetworkLink(bandwidth=1000.0, latency=0.0)}
     rows, notes = study.aggregate(manifest, runs, compute_s=0.01, links=links)
     by = {(r["variant"], r["optimizer"]): r for r in rows}
     dense = by[("dense", "adam")]
@@ -254,7 +254,7 @@ def test_report_aggregates_seeds_and_predicts_speedups_by_hand(finished):
 @pytest.mark.parametrize("compute_s", [-0.01, float("nan"), float("inf"), "fast"])
 def test_report_rejects_a_bad_compute_s_naming_it(finished, compute_s):
     manifest, runs = study.read_runs(finished)
-    links = {1.0: study.Link(bandwidth=1000.0, latency=0.0)}
+    links = {1.0: study.NetworkLink(bandwidth=1000.0, latency=0.0)}
     with pytest.raises(ValueError, match="compute_s"):
         study.aggregate(manifest, runs, compute_s=compute_s, links=links)
 
@@ -295,7 +295,7 @@ def test_collectives_in_branches_are_scaled_to_the_runs_mean_bytes():
     assert [(c.kind, c.executions) for c in colls] == [("all-reduce", 1.0), ("all-gather", 1.0)]
     assert "scaled to the run's mean bytes" in how
     assert _report.bytes_by_kind(colls) == {"all-reduce/8": 100.0, "all-gather/8": 50.0}
-    lk = study.Link(bandwidth=1000.0, latency=0.0)  # by hand: 2*7/8*0.1 + 7*0.05
+    lk = study.NetworkLink(bandwidth=1000.0, latency=0.0)  # by hand: 2*7/8*0.1 + 7*0.05
     assert study.communication_time(colls, lk) == pytest.approx(0.525)
     # a step whose branches never ran (the mean is the fixed part): none of them counted
     colls, _ = _report.collectives_of(_run({"collectives": recs, "wire_bytes_per_step": 80.0}))
