@@ -83,7 +83,7 @@ def _switch_step(config, loss_fn, params, batch, mesh, count):
         return jax.tree.map(lambda x: x[None], (optax.apply_updates(params, updates), opt))
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
-    p, o = parallel.per_worker((params, tx.init(params)), mesh)
+    p, o = parallel.stack_per_worker((params, tx.init(params)), mesh)
     o = o._replace(count=jax.device_put(np.full(mesh.size, count, np.int32), o.count.sharding))
     args = (p, o, jax.device_put(batch, NamedSharding(mesh, P(axes))))
     compiled = fn.lower(*args).compile()

@@ -6,7 +6,7 @@
   :class:`TrainState` (step, replicated params, optimizer state with per-worker parts sharded).
 * :func:`ab_data_parallel`: AB-Training's grouped step (:class:`jaxcomp.transforms.ABConfig`)
   as compiled programs chosen on the host; :func:`ab_mesh` (the ``(group, member)`` mesh),
-  :func:`per_worker` / :func:`worker_entry` (per-worker state entries),
+  :func:`stack_per_worker` / :func:`worker_entry` (per-worker state entries),
   :func:`fit_rank_capacity` (resize the factors' rank capacity), :func:`single_thread_lapack`.
 
 Mesh axis names and :func:`jaxcomp.comm.make_mesh` stay in :mod:`jaxcomp.comm` (they are what
@@ -17,7 +17,7 @@ from jaxcomp.parallel._ab_parallel import ABDataParallel
 from jaxcomp.parallel._ab_parallel import ab_data_parallel
 from jaxcomp.parallel._ab_parallel import ab_mesh
 from jaxcomp.parallel._ab_parallel import fit_rank_capacity
-from jaxcomp.parallel._ab_parallel import per_worker
+from jaxcomp.parallel._ab_parallel import per_worker as stack_per_worker
 from jaxcomp.parallel._ab_parallel import single_thread_lapack
 from jaxcomp.parallel._ab_parallel import worker_entry
 from jaxcomp.parallel._data_parallel import DataParallel
@@ -32,7 +32,7 @@ __all__ = (
     "ab_mesh",
     "data_parallel",
     "fit_rank_capacity",
-    "per_worker",
     "single_thread_lapack",
+    "stack_per_worker",
     "worker_entry",
 )

@@ -116,7 +116,7 @@ def make_step(**options):
     mesh = parallel.ab_mesh(GROUPS, jax.devices()[:N])
     tx = transforms.ab_training(0.0, **OPTIONS, **options)
     params = {"w": jnp.zeros((ROWS, COLS))}
-    state0, _ = parallel.per_worker((tx.init(params), params), mesh)
+    state0, _ = parallel.stack_per_worker((tx.init(params), params), mesh)
     workers = NamedSharding(mesh, P((GROUP, MEMBER)))
     spec = P((GROUP, MEMBER))
 

@@ -208,7 +208,7 @@ def _refactor_with_old_factors(align, order, signs):
 
     run = jax.shard_map(body, mesh=mesh, in_specs=P(("group", "member")),
                         out_specs=P(("group", "member")))  # fmt: skip
-    new = jax.jit(run)(*parallel.per_worker((state, params), mesh))
+    new = jax.jit(run)(*parallel.stack_per_worker((state, params), mesh))
     return (mu_a, nu_a, mu_b, nu_b), parallel.worker_entry(new)
 
 

@@ -103,7 +103,7 @@ def test_the_transform_switch_keeps_the_dense_moments_row_major():
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(held), P(held), P(axes)),
                                out_specs=(P(held), P(held))))  # fmt: skip
-    p, o = parallel.per_worker((params, tx.init(params)), mesh, held)
+    p, o = parallel.stack_per_worker((params, tx.init(params)), mesh, held)
     batch = {"x": jnp.ones((16, *model.input_shape)), "label": jnp.zeros(16, jnp.int32)}
     text = fn.lower(p, o, batch).compile().as_text()
     svds = len(re.findall(r"custom_call_target=\"lapack_\w*gesdd", text))

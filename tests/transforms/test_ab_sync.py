@@ -34,7 +34,7 @@ def synced(sync_mode, count=3, **options):
     g = np.repeat(np.arange(GROUPS, dtype=np.float32), MEMBERS)[:, None, None]  # per worker
     a = np.ones((GROUPS * MEMBERS, 4, 2), np.float32) * (1 if sync_mode == "only-b" else g + 1)
     b = 10 * (g + 1) * np.eye(2, dtype=np.float32)
-    state, stacked = parallel.per_worker((tx.init(params), params), mesh)
+    state, stacked = parallel.stack_per_worker((tx.init(params), params), mesh)
     workers = NamedSharding(mesh, P((GROUP, MEMBER)))
     put = lambda x: jax.device_put(x, workers)  # noqa: E731
     state = state._replace(

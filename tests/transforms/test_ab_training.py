@@ -327,7 +327,7 @@ def test_the_optax_transform_equals_the_harness_programs():
     dp = parallel.ab_data_parallel(loss_fn, config, mesh)
     state = dp.init(params)
     held = config.state_axes(mesh)  # ("group",): one entry per group, as the harness
-    p, o = parallel.per_worker((params, tx.init(params)), mesh, held)  # init outside shard_map
+    p, o = parallel.stack_per_worker((params, tx.init(params)), mesh, held)  # init outside
     batches = make_batches(11)  # warm-up, AB, sync, full rank + re-factorisation, AB
     for x, y in batches:
         state, _ = dp.step(state, (x, y))

@@ -367,7 +367,7 @@ def _ab_run(tx, mesh, grads_seq, state=None):
     """Updates of ``tx`` on each per-worker gradient (params move by them), and the state."""
     held = _ab_held(mesh)
     state = tx.init(AB_PARAMS) if state is None else state  # outside shard_map
-    params, state = parallel.per_worker((AB_PARAMS, state), mesh, held)
+    params, state = parallel.stack_per_worker((AB_PARAMS, state), mesh, held)
 
     def body(params, state, grads):
         params, state = _local((params, state))
@@ -401,7 +401,7 @@ def test_ab_init_outside_shard_map_is_abstractly_stable(ab_mesh):
     tx = transforms.ab_training(AB_LR, **AB_OPTIONS)
     state = tx.init(AB_PARAMS)
     assert jax.tree.map(jax.typeof, state) == jax.tree.map(jax.typeof, jax.jit(tx.init)(AB_PARAMS))
-    placed = parallel.per_worker(state, ab_mesh, _ab_held(ab_mesh))
+    placed = parallel.stack_per_worker(state, ab_mesh, _ab_held(ab_mesh))
     assert jax.tree.structure(placed) == jax.tree.structure(state)
 
 
@@ -445,7 +445,7 @@ def test_ab_state_types_stable_under_cond(ab_mesh, ab_reference):
     state's types; ``True`` gives the reference, ``False`` keeps the state."""
     tx = transforms.ab_training(AB_LR, **AB_OPTIONS)
     held = _ab_held(ab_mesh)
-    params, state = parallel.per_worker((AB_PARAMS, tx.init(AB_PARAMS)), ab_mesh, held)
+    params, state = parallel.stack_per_worker((AB_PARAMS, tx.init(AB_PARAMS)), ab_mesh, held)
     seen = []
 
     def body(params, state, grads, pred):
