@@ -3,6 +3,7 @@
 import ast
 import importlib
 import pathlib
+import types
 
 import jaxcomp
 
@@ -14,23 +15,53 @@ ORDER = {"compressors": 0, "feedback": 1, "comm": 2, "pipeline": 3, "transforms"
 ROOT = pathlib.Path(jaxcomp.__file__).parent
 
 
-# Clashes known when this test was written, each someone's open item: the list may only
-# shrink (remove an entry when its clash is gone; the test fails until then).
-KNOWN = {
-    "Link": ["pipeline", "study"],  # study's cost-model link vs a pipeline boundary's link
-}
+def public_names(modules) -> list[tuple[str, str, object]]:
+    """``(package, name, object)`` of every public name (``__all__``) of ``modules``, a sequence
+    of ``(package, module)``; subpackages exported as names are left out."""
+    return [
+        (package, name, getattr(module, name))
+        for package, module in modules
+        for name in module.__all__
+        if not isinstance(getattr(module, name), types.ModuleType)
+    ]
 
 
-def test_no_two_public_classes_share_a_name():
-    owners = {}
-    for name in PACKAGES:
-        module = importlib.import_module(f"jaxcomp.{name}")
-        for attr in module.__all__:
-            obj = getattr(module, attr)
-            if isinstance(obj, type):
-                owners.setdefault(attr, set()).add((name, id(obj)))
-    clashes = {k: sorted(p for p, _ in v) for k, v in owners.items() if len({i for _, i in v}) > 1}
-    assert clashes == KNOWN, f"public classes of the same name: {clashes} (known: {KNOWN})"
+def alike_pairs(names) -> dict[str, list[str]]:
+    """Names alike (equal up to case and underscores: ``Link``/``link``, ``per_worker``/
+    ``PerWorker``) in different packages that are different objects. One package may pair a
+    type with its constructor (``pipeline.Link``/``pipeline.link``); the same object re-exported
+    by another package (``transforms.LOW_COMPRESSION`` is ``pipeline.LOW_COMPRESSION``) is one
+    thing."""
+    groups = {}
+    for package, name, obj in names:
+        groups.setdefault(name.lower().replace("_", ""), []).append((package, name, obj))
+    clashes = {}
+    for key, group in groups.items():
+        packages = {p for p, _, _ in group}
+        if len(packages) > 1 and len({id(o) for _, _, o in group}) > 1:
+            clashes[key] = sorted(f"{p}.{n}" for p, n, _ in group)
+    return clashes
+
+
+def test_no_two_public_names_alike_for_different_things():
+    modules = [("jaxcomp", jaxcomp)]
+    modules += [(name, importlib.import_module(f"jaxcomp.{name}")) for name in PACKAGES]
+    names = public_names(modules)
+    assert len(names) > 200, "found too few public names: the scan is broken"
+    clashes = alike_pairs(names)
+    assert not clashes, f"public names alike for different things: {clashes}"
+
+
+def test_the_check_finds_the_pairs_it_is_for():
+    link, Link = object(), type("Link", (), {})  # noqa: N806
+    names = [("pipeline", "Link", Link), ("pipeline", "link", link), ("study", "link", object()),
+             ("comm", "per_worker", len), ("parallel", "PerWorker", abs),
+             ("pipeline", "LOW", 0), ("transforms", "LOW", 0)]  # fmt: skip
+    assert alike_pairs(names) == {
+        "link": ["pipeline.Link", "pipeline.link", "study.link"],
+        "perworker": ["comm.per_worker", "parallel.PerWorker"],
+    }
+    assert alike_pairs(names[:2]) == {}  # a type and its constructor in one package
 
 
 def test_transforms_exports_only_transformations_and_their_types():
