@@ -22,9 +22,7 @@ from jaxcomp.compressors._base import decode_sum
 from jaxcomp.compressors._base import dense_bytes
 from jaxcomp.compressors._base import payload_shape
 from jaxcomp.compressors._base import wire_bytes
-from jaxcomp.compressors._bitpack import pack
 from jaxcomp.compressors._bitpack import packed_size
-from jaxcomp.compressors._bitpack import unpack
 from jaxcomp.compressors._cast import cast
 from jaxcomp.compressors._cast import identity
 from jaxcomp.compressors._compose import ComposedState
@@ -32,9 +30,6 @@ from jaxcomp.compressors._compose import compose
 from jaxcomp.compressors._low_rank import LowRankPayload
 from jaxcomp.compressors._low_rank import PowerSGDState
 from jaxcomp.compressors._low_rank import effective_rank
-from jaxcomp.compressors._low_rank import matrix_shape
-from jaxcomp.compressors._low_rank import orthogonalize
-from jaxcomp.compressors._low_rank import transposed_matmul
 from jaxcomp.compressors._power_sgd import LowRankReduce
 from jaxcomp.compressors._power_sgd import power_sgd
 from jaxcomp.compressors._power_sgd import power_sgd_protocol
@@ -78,9 +73,6 @@ __all__ = (
     "effective_rank",
     "identity",
     "kept_count",
-    "matrix_shape",
-    "orthogonalize",
-    "pack",
     "packed_size",
     "payload_shape",
     "per_worker",
@@ -91,8 +83,6 @@ __all__ = (
     "sign",
     "this_worker",
     "top_k",
-    "transposed_matmul",
-    "unpack",
     "wire_bytes",
     "worker_key",
 )

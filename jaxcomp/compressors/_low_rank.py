@@ -146,8 +146,8 @@ def orthogonalize(p: jax.Array, epsilon: float = DEFAULT_EPSILON) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxcomp import compressors
-      >>> p = compressors.orthogonalize(jnp.array([[3.0, 6.0], [4.0, 8.0]]))  # rank 1
+      >>> from jaxcomp.compressors import _low_rank
+      >>> p = _low_rank.orthogonalize(jnp.array([[3.0, 6.0], [4.0, 8.0]]))  # rank 1
       >>> p.tolist()
       [[0.6000000238418579, 0.0], [0.800000011920929, 0.0]]
 

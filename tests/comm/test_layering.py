@@ -71,6 +71,6 @@ def test_the_check_would_catch_a_type_test():
         "isinstance(payload, compressors.RandKPayload)",
         "from jaxcomp.compressors import power_sgd",
         "isinstance(state, feedback.ErrorFeedbackState)",
-        "compressors.matrix_shape(shape)",
+        "compressors.effective_rank(shape, 2)",
     ):
         assert referenced(line) & specific, line

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxcomp import compressors
+from jaxcomp.compressors import _low_rank
 
 # tolerances, exact zeros by construction, shapes and bytes: XLA optimisations off (suite speed);
 # the non-finite cases run at the default compile in test_nonfinite.py
@@ -27,7 +28,7 @@ def np_orthogonalize(p, eps=1e-8):
 
 @pytest.mark.parametrize("shape, rank", [((12, 9), 1), ((12, 9), 3), ((3, 4, 10), 2)])
 def test_exact_on_rank_r_matrices(shape, rank):
-    rows, cols = compressors.matrix_shape(shape)
+    rows, cols = _low_rank.matrix_shape(shape)
     k1, k2 = jax.random.split(KEY)
     m = jax.random.normal(k1, (rows, rank)) @ jax.random.normal(k2, (rank, cols))
     x = m.reshape(shape)
@@ -95,7 +96,7 @@ def test_without_warm_start_q_comes_from_the_key():
 
 
 def test_orthogonalize_gives_orthonormal_columns():
-    p = compressors.orthogonalize(jax.random.normal(KEY, (20, 4)))
+    p = _low_rank.orthogonalize(jax.random.normal(KEY, (20, 4)))
     np.testing.assert_allclose(p.T @ p, np.eye(4), atol=1e-5)
 
 
@@ -163,7 +164,7 @@ def test_rank_deficient_reconstruction_is_the_best_rank_r_approximation(
 ):
     codec, step = steppers[warm]
     x = jnp.asarray(CASES[case] * magnitude, jnp.float32)
-    rows, cols = compressors.matrix_shape(x.shape)
+    rows, cols = _low_rank.matrix_shape(x.shape)
     m = np.asarray(x, np.float64).reshape(rows, cols)
     k = numerical_rank(m)
     assert k <= RANK
@@ -215,15 +216,15 @@ def test_jit_and_eager_agree(case):
 def test_orthogonalize_zeroes_dependent_columns_at_every_magnitude():
     a, b = np.random.default_rng(1).standard_normal((2, 30))
     p = np.stack([a, 2 * a, b, a - 3 * b, np.zeros(30)], axis=1)
-    ref = np.asarray(compressors.orthogonalize(jnp.asarray(p, jnp.float32)))
+    ref = np.asarray(_low_rank.orthogonalize(jnp.asarray(p, jnp.float32)))
     alive = np.any(ref != 0, axis=0)
     np.testing.assert_array_equal(alive, [True, False, True, False, False])
     np.testing.assert_allclose(ref.T @ ref, np.diag(alive.astype(float)), atol=1e-6)
     for magnitude in (1e-30, 1e-10, 1e6, 1e30):
-        got = compressors.orthogonalize(jnp.asarray(p * magnitude, jnp.float32))
+        got = _low_rank.orthogonalize(jnp.asarray(p * magnitude, jnp.float32))
         np.testing.assert_allclose(got, ref, atol=1e-6)
     for power in (-100, -33, 20, 100):  # a power-of-two scale is exact: bit-identical result
-        got = compressors.orthogonalize(jnp.asarray(p, jnp.float32) * 2.0**power)
+        got = _low_rank.orthogonalize(jnp.asarray(p, jnp.float32) * 2.0**power)
         np.testing.assert_array_equal(got, ref)
 
 
@@ -231,11 +232,11 @@ def test_orthogonalize_old_call_form_and_tolerance():
     p = jnp.asarray(np.random.default_rng(2).standard_normal((20, 3)), jnp.float32)
     dep = jnp.stack([p[:, 0], p[:, 1], p[:, 0] + 1e-3 * p[:, 2]], axis=1)
     # positional epsilon (the old signature); 1e-8 is now a relative tolerance
-    kept = compressors.orthogonalize(dep, 1e-8)
+    kept = _low_rank.orthogonalize(dep, 1e-8)
     np.testing.assert_allclose(kept.T @ kept, np.eye(3), atol=1e-5)
     # a column whose new part is 1e-3 of its norm is dropped at tolerance 1e-2, kept at 1e-4
-    assert np.all(np.asarray(compressors.orthogonalize(dep, 1e-2))[:, 2] == 0)
-    assert np.any(np.asarray(compressors.orthogonalize(dep))[:, 2] != 0)
+    assert np.all(np.asarray(_low_rank.orthogonalize(dep, 1e-2))[:, 2] == 0)
+    assert np.any(np.asarray(_low_rank.orthogonalize(dep))[:, 2] != 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,8 +245,6 @@ def test_orthogonalize_old_call_form_and_tolerance():
 
 @pytest.mark.parametrize("r", [1, 3])
 def test_transposed_matmul_forms_agree(r):
-    from jaxcomp.compressors import _low_rank
-
     m = jax.random.normal(KEY, (64, 48))
     p = jax.random.normal(jax.random.key(1), (64, r))
     want = np.asarray(m, np.float64).T @ np.asarray(p, np.float64)
@@ -253,7 +252,7 @@ def test_transposed_matmul_forms_agree(r):
     dot = jax.jit(_low_rank._transposed_matmul_dot)(m, p)
     np.testing.assert_allclose(cpu, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dot, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(compressors.transposed_matmul(m, p), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_low_rank.transposed_matmul(m, p), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])

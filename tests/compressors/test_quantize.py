@@ -13,6 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 from jaxcomp import compressors
+from jaxcomp.compressors import _bitpack
 
 KEY = jax.random.key(0)
 
@@ -164,11 +165,11 @@ def test_sign_by_hand():
 @pytest.mark.parametrize("n", [1, 7, 8, 37])
 def test_bitpack_roundtrip_and_size(bits, n):
     codes = jax.random.randint(KEY, (n,), 0, 2**bits).astype(jnp.uint8)
-    packed = compressors.pack(codes, bits)
+    packed = _bitpack.pack(codes, bits)
     assert packed.dtype == jnp.uint8
     assert packed.shape == (compressors.packed_size(n, bits),)
     assert packed.shape[0] <= math.ceil(n * bits / 8) + 3  # at most one pad byte per part
-    np.testing.assert_array_equal(compressors.unpack(packed, n, bits), codes)
+    np.testing.assert_array_equal(_bitpack.unpack(packed, n, bits), codes)
 
 
 def test_packed_size_is_exact_for_aligned_lengths():

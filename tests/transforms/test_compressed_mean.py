@@ -16,6 +16,7 @@ from jaxcomp import compressors
 from jaxcomp import feedback
 from jaxcomp import parallel
 from jaxcomp import transforms
+from jaxcomp.compressors import _low_rank
 
 #: identity == pmean and the two inject_hyperparams forms compare programs of this process;
 #  PowerSGD == numpy to a tolerance; the HLO byte counts are the compiled program's collectives:
@@ -97,7 +98,7 @@ def numpy_orthogonalize(p, eps=1e-8):
 
 def numpy_powersgd(steps, q0, shape):
     """Published PowerSGD with EF and warm start over ``len(steps)`` steps of ``[W, *shape]``."""
-    rows, cols = compressors.matrix_shape(shape)
+    rows, cols = _low_rank.matrix_shape(shape)
     e = np.zeros((W, rows, cols), np.float64)
     q = np.asarray(q0, np.float64)
     outs, memories, queries = [], [], []
@@ -144,7 +145,7 @@ def test_power_sgd_without_feedback_has_no_memory(mesh):
     state, update, put = sharded_update(tx, mesh)
     assert isinstance(state.leaves["dense"], compressors.LowRankReduce)  # no feedback memory
     means, state = update(state, put(worker_grads(1)))
-    rows, cols = compressors.matrix_shape(PARAMS["dense"].shape)
+    rows, cols = _low_rank.matrix_shape(PARAMS["dense"].shape)
     assert np.linalg.matrix_rank(np.asarray(means["dense"]).reshape(rows, cols), tol=1e-4) == 1
 
 

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import transforms
+from jaxcomp.compressors import _low_rank
 
 W = 4
 # large enough that rank 4 compresses them (no dense fallback): 6.9x and 3.3x
@@ -49,7 +50,7 @@ def rank1_grads(seed, scale=1.0, same=False):
     rng = np.random.default_rng(seed)
     out = {}
     for name, p in PARAMS.items():
-        rows, cols = compressors.matrix_shape(p.shape)
+        rows, cols = _low_rank.matrix_shape(p.shape)
         u = rng.standard_normal((1 if same else W, rows, 1))
         v = rng.standard_normal((1 if same else W, 1, cols))
         g = np.broadcast_to(u @ v, (W, rows, cols)) * scale
