@@ -10,8 +10,8 @@
   ``psum``/``all_gather``/two-phase path, wrapped in the channel's error compensation) and
   :func:`compressed_pmean` runs it inside any ``shard_map`` body;
 * per-worker state on a mesh: :func:`place_state` and :func:`state_specs`;
-* compressed point-to-point sends whose backward is compressed too (:func:`compressed_ppermute`,
-  and :func:`compressed_transfer`, its single-device simulation);
+* a compressed point-to-point send's channel states (:func:`init_channel_states`; the pipeline
+  runs its sends, :mod:`jaxcomp.pipeline`);
 * the collective-uniformity check: every ``cond``/``switch``/``while`` holding a collective over
   axis ``a`` is decided uniformly over ``a`` (:func:`check_collective_uniformity`).
 """
@@ -44,11 +44,7 @@ from jaxcomp.comm._reduce_plan import dense_round
 from jaxcomp.comm._reduce_plan import plan_path
 from jaxcomp.comm._reduce_plan import plan_reduce
 from jaxcomp.comm._send import ChannelStates
-from jaxcomp.comm._send import backward_token
-from jaxcomp.comm._send import compressed_ppermute
-from jaxcomp.comm._send import compressed_transfer
 from jaxcomp.comm._send import init_channel_states
-from jaxcomp.comm._send import seed_backward_state
 from jaxcomp.comm._uniformity import NonUniformCollectiveError
 from jaxcomp.comm._uniformity import UniformityReport
 from jaxcomp.comm._uniformity import Violation
@@ -71,13 +67,10 @@ __all__ = (
     "TwoPhaseReduce",
     "UniformityReport",
     "Violation",
-    "backward_token",
     "check_collective_uniformity",
     "collective_uniformity",
     "collective_report",
     "compressed_pmean",
-    "compressed_ppermute",
-    "compressed_transfer",
     "dense_protocol",
     "dense_round",
     "gather_protocol",
@@ -89,7 +82,6 @@ __all__ = (
     "plan_path",
     "plan_reduce",
     "psum_protocol",
-    "seed_backward_state",
     "state_specs",
     "to_varying",
     "two_phase_protocol",

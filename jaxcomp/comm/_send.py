@@ -22,6 +22,11 @@ State in both directions is explicit:
 Every device runs the same program: the sender end updates only on ``source``, the receiver end
 only on ``target``, and both compress/decompress under ``lax.cond`` so the other devices do no
 work. The receiver gets zeros from ``ppermute`` when it is not the target.
+
+These sends are not exported: the pipeline runs its boundaries as two explicit calls per
+microbatch at the ticks of its schedule (:func:`jaxcomp.pipeline._links.send_forward`, made of
+the same :mod:`jaxcomp.comm._send_vjp` pieces), not inside one ``jax.grad``; they stay here, with
+their tests, as the ``custom_vjp`` form of the same protocol.
 """
 
 from __future__ import annotations
@@ -182,11 +187,12 @@ def compressed_ppermute(
       >>> import jax, jax.numpy as jnp
       >>> from jax.sharding import PartitionSpec as P
       >>> from jaxcomp import comm, compressors
+      >>> from jaxcomp.comm import _send
       >>> mesh = comm.make_mesh([("stage", 2)], jax.devices()[:2])
       >>> q8 = compressors.quantize(8)
       >>> states = comm.init_channel_states(q8, jnp.zeros(4))  # stateless: empty
       >>> def loss(x):  # device 0's x goes to device 1, which computes |x|^2
-      ...     y, _, _ = comm.compressed_ppermute(
+      ...     y, _, _ = _send.compressed_ppermute(
       ...         x, states, states, forward=q8, backward=q8,
       ...         axis_name="stage", source=0, target=1)
       ...     return jnp.sum(y ** 2)

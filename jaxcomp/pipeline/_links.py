@@ -5,8 +5,8 @@ send, so a boundary is two calls rather than one ``custom_vjp``: :func:`send_for
 encodes with the link's forward channel, the payload moves to ``b + 1``, which decodes it) and
 :func:`send_backward` (``b + 1`` encodes the gradient with the backward channel, or in
 ``"shared_mask"`` mode takes it at the forward's kept positions, and ``b`` decodes it). They are the
-functions :func:`jaxcomp.comm.compressed_ppermute` is made of (the same channel calls, keys and
-ids), with each end's state read from and written to the compact link-state buffers
+functions :func:`jaxcomp.comm._send.compressed_ppermute` is made of (the same channel calls, keys
+and ids), with each end's state read from and written to the compact link-state buffers
 (:mod:`jaxcomp.pipeline._link_state`).
 """
 

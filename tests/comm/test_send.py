@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import compressors as C
 from jaxcomp import feedback as F
+from jaxcomp.comm import _send
 
 S, SRC, DST = 4, 1, 2
 SHAPE = (2, 8)  # per device
@@ -52,16 +53,16 @@ def _chain(forward, backward, mode="independent", compress=True):
         def loss_fn(xs, token):
             state, total = fwd, 0.0
             for m in range(2):
-                y, state, token = comm.compressed_ppermute(
+                y, state, token = _send.compressed_ppermute(
                     xs[m], state, token, forward=forward, backward=backward,
                     axis_name=comm.STAGE, source=SRC, target=DST,
                     key=jax.random.fold_in(key, m), mode=mode, compress=compress,
                 )  # fmt: skip
                 total = total + jnp.where(on_dst, jnp.vdot(ws[m], y), 0.0)
-            return total + comm.seed_backward_state(token, bwd), (total, state)
+            return total + _send.seed_backward_state(token, bwd), (total, state)
 
         (_, (loss, fwd)), (dx, bwd) = jax.value_and_grad(loss_fn, (0, 1), has_aux=True)(
-            xs, comm.backward_token(bwd)
+            xs, _send.backward_token(bwd)
         )
         expand = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
         return lax.psum(loss, comm.STAGE), dx[:, None], expand(fwd), expand(bwd)
@@ -185,14 +186,14 @@ def test_transfer_is_the_single_device_link(stacked):
         def loss_fn(xs, token):
             state, total = fwd0, 0.0
             for m in range(2):
-                y, state, token = comm.compressed_transfer(
+                y, state, token = _send.compressed_transfer(
                     xs[m], state, token, forward=fwd_ch, backward=bwd_ch,
                     key=jax.random.fold_in(key, m), slots=slots,
                 )  # fmt: skip
                 total = total + jnp.vdot(ws[m], y)
-            return total + comm.seed_backward_state(token, bwd0), (total, state)
+            return total + _send.seed_backward_state(token, bwd0), (total, state)
 
-        return jax.value_and_grad(loss_fn, (0, 1), has_aux=True)(xs, comm.backward_token(bwd0))
+        return jax.value_and_grad(loss_fn, (0, 1), has_aux=True)(xs, _send.backward_token(bwd0))
 
     (_, (loss, fwd)), (dx, bwd) = run(xs[:, SRC], ws[:, DST])
     r_loss, r_dx, r_fwd, r_bwd = _reference(fwd_ch, bwd_ch, xs, ws, key)
@@ -214,17 +215,17 @@ def test_bad_links_raise_clear_errors():
     tokens = comm.init_channel_states(None, x)
     kw = dict(axis_name=comm.STAGE, source=0, target=1)
     with pytest.raises(ValueError, match="no backward channel"):
-        comm.compressed_transfer(x, tokens, tokens, forward=C.top_k(0.5),
+        _send.compressed_transfer(x, tokens, tokens, forward=C.top_k(0.5),
                                  backward=C.identity(), mode="shared_mask")  # fmt: skip
     with pytest.raises(ValueError, match="'values' field"):
-        comm.compressed_transfer(x, tokens, tokens, forward=C.quantize(4), mode="shared_mask")
+        _send.compressed_transfer(x, tokens, tokens, forward=C.quantize(4), mode="shared_mask")
     with pytest.raises(ValueError, match="mode must be one of"):
-        comm.compressed_ppermute(x, tokens, tokens, forward=C.identity(), mode="both", **kw)
+        _send.compressed_ppermute(x, tokens, tokens, forward=C.identity(), mode="both", **kw)
     bad = [(1, 1, "must differ"), (0, S, r"target must be an index along 'stage' in \[0, 4\)")]
     for src, dst, match in bad:
 
         def send(x, src=src, dst=dst):
-            return comm.compressed_ppermute(
+            return _send.compressed_ppermute(
                 x, tokens, tokens, forward=C.identity(), axis_name=comm.STAGE, source=src,
                 target=dst,
             )[0]  # fmt: skip
@@ -233,14 +234,14 @@ def test_bad_links_raise_clear_errors():
         with pytest.raises(ValueError, match=match):
             jax.eval_shape(fn, _put(jnp.ones((S * 2, 8))))
     with pytest.raises(ValueError, match="slots must be a pair"):
-        comm.compressed_transfer(x, tokens, tokens, forward=C.identity(), slots=(0,))
+        _send.compressed_transfer(x, tokens, tokens, forward=C.identity(), slots=(0,))
     ef = comm.init_channel_states(F.error_feedback(C.top_k(0.5)), x)  # [2, 8]: 2 rows
     with pytest.raises(ValueError, match=r"slots=\(1, 2\) index the leading axis"):
-        comm.compressed_transfer(x, ef, tokens, forward=F.error_feedback(C.top_k(0.5)),
+        _send.compressed_transfer(x, ef, tokens, forward=F.error_feedback(C.top_k(0.5)),
                                  slots=(1, 2))  # fmt: skip
     int_state = comm.ChannelStates(jnp.zeros(3, jnp.int32), C.EmptyState())
     with pytest.raises(ValueError, match="floating-point"):
-        comm.compressed_transfer(x, tokens, int_state, forward=C.identity())
+        _send.compressed_transfer(x, tokens, int_state, forward=C.identity())
 
 
 def counting_codec():
@@ -265,7 +266,7 @@ def test_only_declared_sample_fields_are_indexed_by_sample_id():
     tokens = comm.init_channel_states(None, like)
     x = jnp.arange(6.0).reshape(2, 3)
     _, new, _ = jax.jit(
-        lambda x, s: comm.compressed_transfer(
+        lambda x, s: _send.compressed_transfer(
             x, s, tokens, forward=channel, ids=jnp.array([1, 0]), slots=(SRC, DST)
         )
     )(x, stacked)
