@@ -63,8 +63,8 @@ def all_finite(tree: Any, *scalars: jax.Array) -> jax.Array:
     per-leaf flags, since XLA splits the reduction of a concatenation of flags back into one
     per operand. A group holds at most :data:`FINITE_GROUP_SIZE` elements (a larger leaf is
     tested alone), so the concatenation, a temporary, stays far below the 32 MiB past which
-    glibc hands XLA fresh pages on every call. The digits AB programs, one group each,
-    compiled 24% faster than with a test per leaf (2026-12-02).
+    glibc hands XLA fresh pages on every call. Fewer tests compile faster
+    (``docs/performance.md``).
 
     Args:
       tree: any pytree; integer and boolean leaves are ignored.
@@ -91,7 +91,7 @@ def all_finite_global(*trees: Any, replicated: bool = False) -> jax.Array:
       *trees: pytrees whose leaves may be sharded over a mesh.
       replicated: every leaf is replicated (or the program runs on one device). The leaves
         are then tested in groups, as :func:`all_finite` does: a few kernels for the whole
-        state (digits_dense's setup: 6.9-7.2 -> 5.2-5.6 s of CPU, 3 runs each, 2026-12-02).
+        state (its compile time: ``docs/performance.md``).
         Otherwise each leaf is tested alone: a concatenation of leaves sharded over a mesh
         axis would add resharding collectives (on a mesh of ``Auto`` axes the leaves' types
         do not say how they are placed).

@@ -100,7 +100,7 @@ def decode_mean(codec: compressors.Codec, stacked: Any, like: Any) -> jax.Array:
     loop over chunks for many workers, so memory stays one array whatever W. Sums in
     ``float32`` (or wider); returns ``like``'s dtype. Where that sum overflows (decoded arrays
     near ``3e38 / W``) the mean is infinite, never finite and wrong: a rescue pass behind a
-    ``lax.cond`` cost EF + quantize a leaf-sized temporary (session 16, not landed).
+    ``lax.cond`` cost EF + quantize a leaf-sized temporary (not taken).
     """
     like = _base.as_like(like)
     num = jax.tree.leaves(stacked)[0].shape[0]

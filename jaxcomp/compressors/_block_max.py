@@ -54,8 +54,8 @@ def max_per_block_short_tail(flat: jax.Array, nb: int, blk: int):
     their values gathered at the found positions afterwards: XLA:CPU made the value a second
     fusion that redid the whole selection pass (no multi-output fusion there). Only the last
     block is padded (with zeros, which never win: the strict comparison keeps its first real
-    entry). Padding the whole input was a full copy (an 8 MiB pass and temporary per leaf of
-    the bench), and so was a reshaped slice of it or a second reader of one.
+    entry). Padding the whole input was a full copy (a pass and a temporary the size of the
+    input), and so was a reshaped slice of it or a second reader of one.
     """
     b, d = flat.shape
     full = nb - 1

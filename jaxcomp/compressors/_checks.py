@@ -50,11 +50,11 @@ def has_nan(x: jax.Array) -> jax.Array:
     """Whether ``x`` holds a NaN, from ``isnan(sum(x))``: a sum keeps NaN, unlike XLA:CPU's max.
 
     Cheaper than :func:`nan_as_inf` inside a max: XLA:CPU runs a reduction of the raw input
-    in one vectorised kernel, while a select in front of it is materialised first (3.4 vs 2.1
-    ms for a quantize encode of 4M floats, vs 2.5 ms with this sum). Also true for +inf and
+    in one vectorised kernel, while a select in front of it is materialised first (timings:
+    ``docs/performance.md``). Also true for +inf and
     -inf together, and for a finite ``x`` whose float32 sum overflows both ways (magnitudes
     near 1e38 / size); never false for a NaN. ``has_nan(abs(x))`` is exact (a sum of
-    magnitudes overflows to ``+inf`` at worst) but made quantize(8) 4.2 -> 5.2 ms (4M floats).
+    magnitudes overflows to ``+inf`` at worst) but made quantize(8) slower.
     """
     return jnp.isnan(jnp.sum(x))
 
@@ -88,8 +88,8 @@ def tensor_absmax(x: jax.Array) -> jax.Array:
     The entries are folded as ``TENSOR_FOLD_ROWS`` rows (:func:`leading_absmax`: one fused,
     vectorised pass that keeps NaN in its column; the few entries past the last full row are
     reduced apart), and the max and the NaN test read the folded row only. A max reduction and
-    :func:`has_nan`'s sum read ``x`` twice (2.2 ms for 4M floats vs 1.1 ms folded, 2026-12-02;
-    a variadic max-and-sum reduce is not vectorised: 3.0 ms). Exact: a sum of magnitudes
+    :func:`has_nan`'s sum read ``x`` twice, and a variadic max-and-sum reduce is not vectorised
+    (timings: ``docs/performance.md``). Exact: a sum of magnitudes
     overflows to ``+inf`` at worst, never to NaN, so a finite ``x`` gets its absmax however
     large (``has_nan(x)`` is true for a finite ``x`` whose sum overflows both ways).
     """

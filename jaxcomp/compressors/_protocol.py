@@ -252,9 +252,9 @@ def pmean(x: Array, axis_name: str | None) -> Array:
 
     Where the float32 sum of the workers' arrays overflows (entries near ``3e38 / W``) the mean
     is inf, never a finite wrong value (tests/comm/test_reduce_magnitudes.py). Scaling the
-    terms by ``2**-k`` before the ``psum`` would make it exact there, but it cost the dense
-    mean 8-11% (a pass over the array, 4 MiB per device, W = 8, session 16) and read terms
-    below ``2**(k - 126)`` as zero (XLA:CPU flushes subnormals): not taken.
+    terms by ``2**-k`` before the ``psum`` would make it exact there, but it costs the dense
+    mean a pass over the array (``docs/performance.md``) and reads terms below ``2**(k - 126)``
+    as zero (XLA:CPU flushes subnormals): not taken.
     """
     return x if axis_name is None else lax.pmean(x, axis_name)
 

@@ -41,8 +41,8 @@ every scale ``+inf`` (min-max: ``hi``), so every entry of those groups decodes t
 XLA:CPU's vectorised ``max`` drops NaN on large arrays, so NaN is detected from the tensor's
 sum, which keeps it; every scale mode tests the sum of magnitudes (or of the elementwise folds
 that take the maxima over leading axes), which overflows to ``+inf`` at worst, so a finite
-tensor is never taken for a NaN, however large (a signed sum overflowing both ways was, for
-tensor and min-max scales, until 2026-12-02). Up to float32's largest (3.4e38) the error stays
+tensor is never taken for a NaN, however large (a signed sum, overflowing both ways, would be).
+Up to float32's largest (3.4e38) the error stays
 within its bound: a scale above ``2**64`` divides ``x * 2**-64`` by ``s * 2**-64`` (XLA:CPU's
 ``x / s`` is ``x * (1 / s)``, whose subnormal reciprocal it flushes to 0), and a min-max span past
 the float32 range decodes as the interpolation ``t hi + (1 - t) lo``. A zero-size input gives
@@ -110,8 +110,8 @@ def _shrink(s: jax.Array) -> jax.Array:
     above ``2**126`` (inputs near ``1e38``) the reciprocal is 0 and every code the midpoint.
     Scaling both by a power of two is exact (an ``x`` that underflows is below the code's
     resolution by ``2**60`` and more); at ``s <= 2**64`` it multiplies by 1, bit-identically.
-    One ``k`` per tensor (a ``k`` per feature scale cost a second broadcast operand per entry:
-    quantize(4, feature) 7.5 -> 12.9 ms for 4M floats); its limit: when a tensor's largest
+    One ``k`` per tensor (a ``k`` per feature scale costs a second broadcast operand per entry,
+    ``docs/performance.md``); its limit: when a tensor's largest
     feature scale exceeds ``2**64``, a feature whose scale is below ``2**-62`` (a dynamic range
     beyond ``2**126`` inside one tensor) decodes as zeros.
     """

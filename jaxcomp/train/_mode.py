@@ -67,13 +67,9 @@ def jit_init(fn: Callable, **jit_kwargs: Any) -> Callable:
     threefry key part at a low backend level, where integers are exact, the float math as XLA's
     default compiles it).
 
-    Compiling the whole init at backend level 1 (3-7x faster too) was tried and withdrawn: it
-    gave the default compile's bits in every check run alone, but in one full-suite run
-    (``pytest -n 2``, 2026-12-01) its normal draws of a 65,536-element parameter differed from
-    the default compile's in 2,516 elements (up to 4 ulp). In that run the reference itself
-    was compiled at level 0 (a test fixture had left XLA's optimisations off; fixed
-    2026-12-02), which shows how float bits follow the level: float math is never compiled at
-    another level here. ``tests/test_init_program.py`` pins the bits for every model.
+    Float math is never compiled at another backend level here: float bits follow the level
+    (compiling the whole init at level 1 was tried and withdrawn; ``docs/performance.md``).
+    ``tests/test_init_program.py`` pins the bits for every model.
 
     Example:
       >>> init = jit_init(model.init)  # doctest: +SKIP
