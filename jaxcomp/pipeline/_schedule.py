@@ -22,6 +22,10 @@ other), so stage ``s`` holds at most ``S - s`` microbatches' activations, whatev
 Both run the backwards of a boundary in microbatch order ``0 .. M - 1``, as they run its
 forwards, so every link state sees the same sequence of updates under either schedule.
 
+A schedule is one :class:`Timing` in :data:`TIMINGS` (the two formulas of the table above and
+the period of its steady state); everything else is derived from its tick table: the segments,
+the residual ring's slots (the most microbatches alive on a stage) and where each tick writes.
+
 Runs of ticks whose pattern of ops repeats (period 1 for GPipe, 2 for 1F1B) become one
 ``lax.scan`` (:func:`segments`); the fill and drain ticks are unrolled with their active stages
 known at trace time, so **bubble ticks send nothing and touch no state**, and the compiled
@@ -37,10 +41,44 @@ fall out of this design.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
-SCHEDULES = ("gpipe", "1f1b")
 FORWARD, BACKWARD = "F", "B"
+
+
+class Timing(NamedTuple):
+    """A schedule: the tick of each op, and the period of its steady state.
+
+    Attributes:
+      forward: ``forward(m, s, S, M)``, the tick of microbatch ``m``'s forward on stage ``s``.
+      backward: ``backward(m, s, S, M)``, the tick of its backward (each boundary's backwards
+        must run in microbatch order ``0 .. M - 1``, as its forwards do: the link states then
+        see the same sequence of updates under every schedule).
+      period: ticks after which the steady state's pattern of ops repeats (:func:`segments`
+        scans such runs).
+    """
+
+    forward: Callable[[int, int, int, int], int]
+    backward: Callable[[int, int, int, int], int]
+    period: int
+
+
+#: Every schedule, by name: adding one is adding its :class:`Timing` here (and a row to the
+#: table of the module docstring); the tick engine, the residual ring and the checks follow.
+TIMINGS = {
+    "gpipe": Timing(
+        forward=lambda m, s, S, M: m + s,
+        backward=lambda m, s, S, M: (M + S - 1) + m + (S - 1 - s),
+        period=1,
+    ),
+    "1f1b": Timing(
+        forward=lambda m, s, S, M: 2 * m + s,
+        backward=lambda m, s, S, M: 2 * m + 2 * S - 1 - s,
+        period=2,
+    ),
+}
+SCHEDULES = tuple(TIMINGS)
 
 
 class Op(NamedTuple):
@@ -99,15 +137,11 @@ def ticks(
     """
     _check(schedule, num_stages, num_microbatches)
     s_, m_ = num_stages, num_microbatches
-    if not train:
-        times = {(FORWARD, m, s): m + s for m in range(m_) for s in range(s_)}
-    elif schedule == "gpipe":
-        flush = m_ + s_ - 1
-        times = {(FORWARD, m, s): m + s for m in range(m_) for s in range(s_)}
-        times |= {(BACKWARD, m, s): flush + m + s_ - 1 - s for m in range(m_) for s in range(s_)}
-    else:
-        times = {(FORWARD, m, s): 2 * m + s for m in range(m_) for s in range(s_)}
-        times |= {(BACKWARD, m, s): 2 * m + 2 * s_ - 1 - s for m in range(m_) for s in range(s_)}
+    timing = TIMINGS["gpipe" if not train else schedule]
+    ops = [(m, s) for m in range(m_) for s in range(s_)]
+    times = {(FORWARD, m, s): timing.forward(m, s, s_, m_) for m, s in ops}
+    if train:
+        times |= {(BACKWARD, m, s): timing.backward(m, s, s_, m_) for m, s in ops}
     table: list[list[Op | None]] = [[None] * s_ for _ in range(max(times.values()) + 1)]
     for (kind, m, s), t in times.items():
         assert table[t][s] is None, "two ops of one stage in one tick"
@@ -131,7 +165,7 @@ def segments(
     """
     table = ticks(schedule, num_stages, num_microbatches, train)
     kinds = [_kinds(row) for row in table]
-    period = 2 if train and schedule == "1f1b" else 1
+    period = TIMINGS[schedule].period if train else 1
     out: list[Segment] = []
     t = 0
     while t < len(kinds):
@@ -181,9 +215,9 @@ def in_flight(schedule: str, num_stages: int, num_microbatches: int) -> tuple[in
 
 def residual_slots(schedule: str, num_stages: int, num_microbatches: int) -> int:
     """Slots of the per-stage residual ring buffer: microbatch ``m`` lives in slot
-    ``m mod slots`` (``S`` for 1F1B, ``M`` for GPipe)."""
-    _check(schedule, num_stages, num_microbatches)
-    return min(num_stages, num_microbatches) if schedule == "1f1b" else num_microbatches
+    ``m mod slots``, the most microbatches alive on a stage (:func:`in_flight`: ``S`` for
+    1F1B, ``M`` for GPipe)."""
+    return max(in_flight(schedule, num_stages, num_microbatches))
 
 
 @functools.lru_cache(maxsize=64)
@@ -214,6 +248,7 @@ def write_slots(schedule: str, num_stages: int, num_microbatches: int) -> tuple[
                 continue
             slot = op.microbatch % slots
             if op.kind == FORWARD:
+                assert slot not in alive[s], f"{schedule}: two live microbatches in slot {slot}"
                 alive[s].add(slot)
             else:
                 alive[s].discard(slot)
