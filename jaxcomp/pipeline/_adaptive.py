@@ -322,10 +322,9 @@ def combo(spec: Any, modes: Any) -> Any:
 def combo_or_low(spec: Any, modes: Any) -> Any:
     """:func:`combo` for evaluation and byte counts, which have no detector state to read:
     ``modes`` checked, every boundary in low compression when ``None``."""
-    modes = check_modes(modes, spec.adaptive)
     if spec.adaptive is not None and modes is None:
-        modes = spec.adaptive.all_low()
-    return combo(spec, modes)
+        return combo(spec, spec.adaptive.all_low())
+    return combo(spec, check_modes(modes, spec.adaptive))
 
 
 def init_detector(adaptive: Adaptive | None, shapes, mesh) -> DetectorState | None:

@@ -142,6 +142,13 @@ def test_modes_follow_scripted_norms_and_bytes_follow_modes(scripted):
     assert pipeline.link_modes(states) == (((H, L),) * 3)
     lo, hi, mixed = bytes_by_mode[(L, L)], bytes_by_mode[(H, H)], bytes_by_mode[(L, H)]
     assert hi < mixed < lo  # 4-bit vs 8-bit payloads
+    # without modes, evaluation and byte counts take every boundary's low link (as documented)
+    low = ((L, L),) * 3
+    for train in (True, False):
+        assert sim.bytes_per_step(params, batch, train=train) == sim.bytes_per_step(
+            params, batch, train=train, modes=low
+        )
+    assert np.isfinite(float(sim.evaluate(params, batch, compress=True)[0]))
 
 
 def test_a_switch_keeps_the_error_feedback_residual(mlp):
