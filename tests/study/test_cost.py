@@ -174,3 +174,12 @@ def test_other_invalid_input_is_a_clear_error():
         study.pipeline_step_time(1.0, 1.0, 2, 0.0, 0.0, LK, num_stages=2, schedule="1f1b")
     with pytest.raises(ValueError, match=r"forward_s\[1\]"):
         study.pipeline_step_time([1.0, math.inf], 1.0, 2, 0.0, 0.0, LK)
+
+
+def test_a_pipeline_schedule_without_an_operation_order_is_an_error(monkeypatch):
+    from jaxcomp.study import _cost
+
+    monkeypatch.setattr(_cost, "SCHEDULES", (*_cost.SCHEDULES, "interleaved"))
+    with pytest.raises(NotImplementedError, match="no operation order for 'interleaved'"):
+        study.pipeline_step_time(1.0, 1.0, 4, 1.0, 1.0, LK, num_stages=2,
+                                 schedule="interleaved", lockstep=False)  # fmt: skip
