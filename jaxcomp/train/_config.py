@@ -16,6 +16,7 @@ import ml_collections
 import optax
 
 from jaxcomp import _validate
+from jaxcomp.train import _writers
 
 MODES = ("dense", "pipeline", "data_parallel", "ab")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "step")
@@ -48,6 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "checkpoint_every": 0,
     "keep_checkpoints": 2,
     "max_nonfinite_in_a_row": 10,
+    "writers": (),  # metric writers beside the files: "tensorboard", "wandb" (train/_writers.py)
     "pipeline": {},
     "data_parallel": {},
     "ab": {},
@@ -62,6 +64,7 @@ RUN_ONLY_KEYS = (
     "max_nonfinite_in_a_row",
     "eval_batch_size",
     "eval_data",
+    "writers",
 )
 
 
@@ -81,6 +84,7 @@ def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     full = {**DEFAULTS, **given}
     _validate.check_choice("config.mode", full["mode"], MODES)
     _validate.check_choice("config.schedule", full["schedule"], SCHEDULES)
+    full["writers"] = _writers.check(full["writers"])
     if not isinstance(full["batch_size"], int) or full["batch_size"] < 1:
         raise ValueError(f"config.batch_size must be a positive int; got {full['batch_size']!r}.")
     if not isinstance(full["total_steps"], int) or full["total_steps"] < 1:

@@ -1,4 +1,5 @@
-"""Metrics on disk (JSON lines and CSV), a PNG of the curves, and the final summary table."""
+"""Metrics on disk (JSON lines and CSV, and the writers of ``config.writers``), a PNG of the
+curves, and the final summary table."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+
+from jaxcomp.train import _writers
 
 
 def _plain(v: Any) -> Any:
@@ -27,11 +30,29 @@ class MetricWriter:
     Records are ``{"step": int, "split": "train" | "eval", **scalars}``. A run that starts
     calls :meth:`truncate_after` with the step it resumes from (0 for a fresh start), so the
     files never hold a step twice nor rows of an earlier attempt.
+
+    Every record also goes to the writers named in ``writers`` (:mod:`jaxcomp.train._writers`:
+    ``"tensorboard"``, ``"wandb"``), opened by :meth:`truncate_after`, as ``<split>/<key>``
+    scalars.
+
+    Args:
+      workdir: the run directory.
+      enabled: write at all (only process 0 writes).
+      writers: names of writers beside the files (checked by ``_writers.check``).
+      config: the experiment config as JSON-able data, handed to the writers.
     """
 
-    def __init__(self, workdir: str, enabled: bool = True):
+    def __init__(
+        self,
+        workdir: str,
+        enabled: bool = True,
+        writers: Sequence[str] = (),
+        config: Mapping[str, Any] | None = None,
+    ):
         self.workdir, self.enabled = workdir, enabled
         self.jsonl = os.path.join(workdir, "metrics.jsonl")
+        self.writer_names, self.config = tuple(writers), config
+        self.writers: list = []
 
     def truncate_after(self, step: int) -> None:
         """Drops records with ``step > step`` (``0``: all), rewriting each file atomically."""
@@ -46,6 +67,8 @@ class MetricWriter:
                 os.remove(path)
             for r in rows:
                 self._csv(r)
+        self.close()
+        self.writers = _writers.open_writers(self.writer_names, self.workdir, step, self.config)
 
     def find(self, step: int, split: str) -> dict | None:
         """The record of ``split`` at ``step``, if written."""
@@ -54,13 +77,40 @@ class MetricWriter:
                 return r
         return None
 
-    def write(self, step: int, split: str, scalars: Mapping[str, Any]) -> None:
+    def write(
+        self,
+        step: int,
+        split: str,
+        scalars: Mapping[str, Any],
+        step_time_s: float | None = None,
+    ) -> None:
+        """Appends one record; ``step_time_s`` (the mean seconds of a step since the last
+        record) goes to the writers only, so that the files of a resumed run match."""
         if not self.enabled:
             return
         record = {"step": int(step), "split": split, **{k: _plain(v) for k, v in scalars.items()}}
         with open(self.jsonl, "a") as f:
             f.write(json.dumps(record) + "\n")
         self._csv(record)
+        if self.writers:
+            tags = _writers.tagged(split, record)
+            tags.pop(f"{split}/step", None)
+            if step_time_s is not None:
+                tags[f"{split}/step_time_s"] = float(step_time_s)
+            for w in self.writers:
+                w.write(step, tags)
+
+    def write_summary(self, step: int, summary: Mapping[str, Any]) -> None:
+        """The summary's numbers and per-kind collective bytes to the writers, at ``step``."""
+        scalars = _writers.summary_scalars(summary)
+        for w in self.writers:
+            w.write(step, scalars)
+
+    def close(self) -> None:
+        """Closes the writers (the files need no closing)."""
+        for w in self.writers:
+            w.close()
+        self.writers = []
 
     def _csv(self, record: dict) -> None:
         path = os.path.join(self.workdir, f"{record['split']}.csv")

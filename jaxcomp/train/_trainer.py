@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import logging
 import math
 import time
@@ -242,7 +243,9 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
     """Restores, runs the loop, evaluates and writes the summary."""
     lead = jax.process_index() == 0
     mode, cfg = s.mode, s.config
-    writer = _metrics.MetricWriter(workdir, enabled=lead)
+    writer = _metrics.MetricWriter(
+        workdir, lead, cfg.writers, json.loads(cfg.to_json_best_effort())
+    )
     # modes place their own state; no ambient mesh (shard_map bodies may seed PRNGs)
     state = RunState(
         mode.init(jax.random.key(cfg.seed)),
@@ -276,14 +279,17 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
 
     def interrupt(message):
         ckpt.close()
+        writer.close()
         raise Interrupted(stop.signum, step, f"interrupted by {stop.name} {message}")
 
     if stop.should_stop():
         interrupt(f"before step {step + 1}; nothing new to save.")
     _compile_ahead(s, state, ckpt)
     progress = _progress.Progress(cfg.total_steps, step, enabled=lead)
+    logged, step_seconds = step, 0.0  # the writers' step time since the last train record
     # --- Loop ----------------------------------------------------------------------------
     while step < cfg.total_steps:
+        t_step = time.perf_counter()
         batch, data_state = s.train_loader.next(data_state)
         key = np.asarray(jax.random.key_data(jax.random.fold_in(base_key, step)))
         state_ms, metrics = mode.train_step(
@@ -292,6 +298,7 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
         state = state._replace(mode_state=state_ms)
         step += 1
         m = _scalars(metrics)
+        step_seconds += time.perf_counter() - t_step
         if m.get("finite", 1.0) < 1.0:
             run["nonfinite_total"] += 1
             run["nonfinite_streak"] += 1
@@ -299,6 +306,7 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
             if run["nonfinite_streak"] >= cfg.max_nonfinite_in_a_row:
                 save(step)
                 ckpt.close()
+                writer.close()
                 raise NonFiniteError(
                     f"{run['nonfinite_streak']} training steps in a row had a non-finite loss, "
                     f"gradient or update (last at step {step}); stopping with the last finite "
@@ -314,7 +322,9 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
             avg = {k: float(np.mean([w[k] for w in window])) for k in window[0]} if window else {}
             avg.setdefault("wire_bytes", mode.wire_bytes)  # a mode may report it per step
             avg.update(nonfinite_steps=run["nonfinite_total"], epoch=data_state.epoch)
-            writer.write(step, "train", {k: v for k, v in avg.items() if k != "finite"})
+            seconds = step_seconds / (step - logged)
+            writer.write(step, "train", {k: v for k, v in avg.items() if k != "finite"}, seconds)
+            logged, step_seconds = step, 0.0
             progress.update(step, avg, final=step == cfg.total_steps)
             run["window"] = []
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.total_steps:
@@ -330,6 +340,7 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
         if stop_after is not None and step - int(meta["step"]) >= stop_after:
             save(step)
             ckpt.close()
+            writer.close()
             return {"stopped_at": step}
     # --- Evaluation & summary ----------------------------------------------------------------
     # restored at the last step (a run stopped before writing its summary): the final eval
@@ -343,6 +354,8 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
     summary = _workdir.summarize(s, final, step, run["nonfinite_total"], wall, wire)
     if lead:
         _workdir.write_summary(workdir, summary, f"summary: {cfg.mode} / {s.model.name}")
+    writer.write_summary(step, summary)
+    writer.close()
     return summary
 
 

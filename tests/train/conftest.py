@@ -1,6 +1,8 @@
 """Small configs shared by the trainer tests (dense digits: compiles in a few seconds)."""
 
 import functools
+import math
+import os
 
 import jax
 import ml_collections
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxcomp import train
+from jaxcomp.train import _writers
 
 
 def digits_config(**overrides) -> ml_collections.ConfigDict:
@@ -59,3 +62,45 @@ def resume_is_bit_identical(
 @pytest.fixture(scope="session")
 def check_resume(last_checkpoint):
     return functools.partial(resume_is_bit_identical, last_checkpoint=last_checkpoint)
+
+
+def tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series in ``logdir``, as TensorBoard shows it (purged steps dropped)."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(str(logdir), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def jsonl_scalars(workdir) -> dict[str, list[tuple[int, float]]]:
+    """The numbers of ``metrics.jsonl`` as ``<split>/<key>`` series, rounded to float32 as an
+    event file stores them."""
+    out: dict[str, list] = {}
+    for r in train.read_metrics(str(workdir)):
+        for k, v in r.items():
+            if k not in ("step", "split") and isinstance(v, (int, float)):
+                out.setdefault(f"{r['split']}/{k}", []).append((r["step"], float(np.float32(v))))
+    return out
+
+
+def _event_files_hold_metrics(workdir) -> dict:
+    """Every scalar of ``metrics.jsonl`` is in the event files at the same steps (NaN as NaN);
+    returns the event files' series."""
+    seen = tensorboard_scalars(os.path.join(workdir, _writers.TENSORBOARD_DIR))
+    expected = jsonl_scalars(workdir)
+    assert expected
+    for tag, points in expected.items():
+        got = seen.get(tag)
+        assert got is not None, f"{tag} missing from the event files"
+        assert [s for s, _ in got] == [s for s, _ in points], tag
+        for (_, a), (_, b) in zip(got, points):
+            assert a == b or (math.isnan(a) and math.isnan(b)), (tag, a, b)
+    return seen
+
+
+@pytest.fixture(scope="session")
+def event_files():
+    """``event_files(workdir)``: asserts the TensorBoard events of a run hold every scalar of
+    its ``metrics.jsonl`` at the same steps; returns every series of the event files."""
+    return _event_files_hold_metrics

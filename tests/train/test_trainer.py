@@ -35,11 +35,16 @@ def test_run_writes_metrics_plot_and_summary(make_config, tmp_path, capsys):
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 12
 
 
-def test_stop_and_resume_is_bit_identical(make_config, tmp_path):
+def test_stop_and_resume_is_bit_identical(make_config, tmp_path, event_files):
+    """Also: the resumed run's TensorBoard events hold every scalar of its metrics.jsonl (a
+    writer changes no result: ``full`` runs without one)."""
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     train.train_and_evaluate(make_config(), full)
-    assert train.train_and_evaluate(make_config(), part, stop_after=6) == {"stopped_at": 6}
-    train.train_and_evaluate(make_config(), part)  # resumes from step 6 (mid-epoch position)
+    tb = make_config(writers=("tensorboard",))
+    assert train.train_and_evaluate(tb, part, stop_after=6) == {"stopped_at": 6}
+    train.train_and_evaluate(tb, part)  # resumes from step 6 (mid-epoch position)
+    seen = event_files(part)
+    assert seen["summary/final_accuracy"][0][0] == 12 and "train/step_time_s" in seen
     (s1, a), (s2, b) = _final_params(full), _final_params(part)
     assert s1 == s2 == 12
     for x, y in zip(_leaves(a), _leaves(b)):

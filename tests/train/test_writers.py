@@ -1,0 +1,66 @@
+"""Metric writers: TensorBoard event files hold what metrics.jsonl holds, read back by
+tensorboard's own reader; W&B in offline mode where it is installed."""
+
+import importlib.util
+
+import pytest
+
+from jaxcomp import train
+from jaxcomp.train import _writers
+
+
+def test_check_names_writers_and_extras(monkeypatch):
+    assert _writers.check(None) == () and _writers.check("tensorboard") == ("tensorboard",)
+    assert _writers.check(["tensorboard", "tensorboard"]) == ("tensorboard",)
+    with pytest.raises(ValueError, match=r"unknown writer 'tb'; allowed are \['tensorboard'"):
+        _writers.check(("tb",))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "tensorboardX" else real(n, *a)
+    )
+    with pytest.raises(ValueError, match=r"pip install 'jaxcomp\[tensorboard\]'"):
+        _writers.check(("tensorboard",))
+
+
+def test_resumed_writer_purges_the_interrupted_attempts_later_steps(tmp_path, event_files):
+    """An attempt that wrote steps 1-4 and was killed after its checkpoint at 2: the resumed run
+    writes 3-4 again, and TensorBoard shows each step once, with the new values."""
+    first = train.MetricWriter(str(tmp_path), writers=("tensorboard",))
+    first.truncate_after(0)
+    for step in range(1, 5):
+        first.write(step, "train", {"loss": 10.0 + step, "phase": 1, "name": "x"}, 0.5)
+    first.close()
+    second = train.MetricWriter(str(tmp_path), writers=("tensorboard",))
+    second.truncate_after(2)
+    for step in (3, 4):
+        second.write(step, "train", {"loss": 20.0 + step, "phase": 1, "name": "x"}, 0.25)
+    second.write(4, "eval", {"loss": float("nan"), "accuracy": 0.5})
+    second.write_summary(4, {"steps": 4, "collectives": [
+        {"kind": "all-reduce", "group_size": 8, "bytes_per_execution": 16.0, "executions": 2.0,
+         "conditional": False},
+        {"kind": "all-reduce", "group_size": 8, "bytes_per_execution": 4.0, "executions": 1.0,
+         "conditional": True}]})  # fmt: skip
+    second.close()
+    seen = event_files(tmp_path)
+    assert seen["train/loss"] == [(1, 11.0), (2, 12.0), (3, 23.0), (4, 24.0)]
+    assert seen["train/step_time_s"] == [(1, 0.5), (2, 0.5), (3, 0.25), (4, 0.25)]
+    assert seen["collectives/all-reduce/8"] == [(4, 36.0)] and seen["summary/steps"] == [(4, 4)]
+    assert "train/name" not in seen
+    # a fresh start in the same workdir removes the earlier run's event files
+    third = train.MetricWriter(str(tmp_path), writers=("tensorboard",))
+    third.truncate_after(0)
+    third.write(1, "train", {"loss": 1.0})
+    third.close()
+    assert event_files(tmp_path) == {"train/loss": [(1, 1.0)]}
+
+
+def test_wandb_offline_logs_every_record(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="W&B is optional (pip install 'jaxcomp[wandb]')")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    w = train.MetricWriter(str(tmp_path), writers=("wandb",))
+    w.truncate_after(0)
+    w.write(1, "train", {"loss": 2.0, "wire_bytes": 16})
+    w.close()
+    run_id = (tmp_path / "wandb_run_id").read_text()
+    assert run_id and list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
