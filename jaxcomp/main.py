@@ -1,4 +1,7 @@
-r"""Runs one experiment: ``python -m jaxcomp.main --config configs/X.py[:smoke] --workdir DIR``.
+r"""Runs one experiment: ``python -m jaxcomp.main --config NAME[:smoke] --workdir DIR``.
+
+``NAME`` is a config of the package (``digits_pipeline``; the repository's ``configs/``, shipped
+in the wheel as ``jaxcomp/configs``) or a path to a config file (``configs/X.py``, your own).
 
 This file is intentionally thin (as the Flax examples' ``main.py``): it sets up devices and
 processes, loads the config, applies ``--set`` overrides (:func:`jaxcomp.train.apply_overrides`)
@@ -59,7 +62,12 @@ class UsageError(ValueError):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxcomp.main", description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, help="configs/NAME.py, optionally :ARG (e.g. :smoke)")
+    p.add_argument(
+        "--config",
+        required=True,
+        help="a config name (digits_pipeline, ...) or a file (configs/NAME.py, your own), "
+        "optionally :ARG (e.g. :smoke)",
+    )
     p.add_argument("--workdir", required=True, help="run directory (checkpoints, metrics, plot)")
     p.add_argument("--cpu_devices", type=int, default=8, help="fake CPU devices per process")
     p.add_argument(
@@ -115,8 +123,7 @@ def load_config(spec: str):
         own code keep their traceback.
     """
     path, colon, arg = spec.partition(":")
-    if not os.path.isfile(path):
-        raise UsageError(f"config file {path!r} does not exist.")
+    path = config_path(path)
     module_spec = importlib.util.spec_from_file_location("jaxcomp_config", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
@@ -133,6 +140,26 @@ def load_config(spec: str):
         kind = type(config).__name__
         raise UsageError(f"{path}: get_config() returned a {kind}, not a ConfigDict.")
     return config
+
+
+def config_path(name: str) -> str:
+    """The file of a config given by path (``configs/X.py``) or by name (``digits_pipeline``,
+    one of :func:`jaxcomp._resources.config_names`).
+
+    Raises:
+      UsageError: for a missing file or an unknown name (listing the known ones).
+    """
+    if os.path.isfile(name):
+        return name
+    if name.endswith(".py") or os.sep in name or "/" in name:
+        raise UsageError(f"config file {name!r} does not exist.")
+    from jaxcomp import _resources
+
+    candidate = _resources.configs_dir() / f"{name}.py"
+    if candidate.is_file():
+        return str(candidate)
+    known = ", ".join(_resources.config_names()) or "none found"
+    raise UsageError(f"unknown config {name!r}; the configs are: {known}.")
 
 
 def _positive_env(environ, name: str) -> int:

@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
+from jaxcomp import _resources
+
 #: overrides that make every cell a 2-step smoke run (``--smoke``)
 SMOKE = {"total_steps": 2, "log_every": 1, "eval_every": 0, "checkpoint_every": 0}
 
@@ -178,9 +180,9 @@ def select(grid: list[Cell], patterns) -> list[Cell]:
 
 
 def repo_configs_dir() -> pathlib.Path:
-    """``configs/`` beside the ``jaxcomp`` package (a source checkout), else under the cwd."""
-    here = pathlib.Path(__file__).resolve().parents[2] / "configs"
-    return here if here.is_dir() else pathlib.Path.cwd() / "configs"
+    """The experiment configs (:func:`jaxcomp._resources.configs_dir`: the wheel's copy or the
+    checkout's ``configs/``)."""
+    return _resources.configs_dir()
 
 
 def _find(spec: str, folder: pathlib.Path, what: str) -> pathlib.Path:
