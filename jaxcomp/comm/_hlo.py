@@ -242,7 +242,7 @@ def measure_collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Co
     Args:
       fn: a function (jitted or not); keyword arguments are passed through to it as static
         closure values.
-      *args: example arguments (arrays or ``ShapeDtypeStruct``s with shardings).
+      *args: example arguments (arrays or ``ShapeDtypeStruct`` values with shardings).
 
     Returns:
       A :class:`CollectiveReport`.

@@ -119,15 +119,15 @@ class ABDataParallel(NamedTuple):
         choose the programs (so it waits for the previous step to finish).
       shard_batch: places a host batch on the mesh (``step`` calls it too).
       state_sharding: ``state_sharding(params, model_state=()) -> TrainState`` of
-        ``NamedSharding``s.
+        ``NamedSharding`` values.
       abstract_state: ``abstract_state(params, model_state=()) -> TrainState`` of
-        ``ShapeDtypeStruct``s with
+        ``ShapeDtypeStruct`` values with
         their shardings (an orbax restore target, or :attr:`compile`'s input).
       mesh: the mesh.
       axis_name: the workers' axes.
       config: the :class:`~jaxcomp.transforms.ABConfig`.
       compile: ``compile(state, batch, also=None)``: compiles every program ahead of time
-        (arrays or ``ShapeDtypeStruct``s), side by side in threads with ``also`` (other
+        (arrays or ``ShapeDtypeStruct`` values), side by side in threads with ``also`` (other
         lowered programs by name, e.g. the model's init), and returns them all by name.
       step_bytes: ``step_bytes(state, batch) -> {kind: {role: bytes}}``: collective bytes per
         worker of each step kind, read from the compiled programs' HLO; roles ``"a"``/``"b"``

@@ -56,7 +56,7 @@ class DataParallel(NamedTuple):
         over the data axis along their first dimension; ``metrics["loss"]`` is the mean loss.
       shard_batch: places a host batch on the mesh (``step`` calls it too).
       state_sharding: ``state_sharding(params, model_state=()) -> TrainState`` of
-        ``NamedSharding``s, e.g. for an orbax restore target.
+        ``NamedSharding`` values, e.g. for an orbax restore target.
       mesh: the mesh.
       axis_name: the data axis, or the ``(slow, fast)`` pair of a hierarchical mesh.
     """

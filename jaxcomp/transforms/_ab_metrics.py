@@ -144,10 +144,10 @@ def ab_step_bytes(
     worker of that role sends; nothing runs.
 
     Args:
-      params: the dense parameters (arrays or ``ShapeDtypeStruct``s, not per worker).
+      params: the dense parameters (arrays or ``ShapeDtypeStruct`` values, not per worker).
       mesh: a mesh with ``config.axis_name`` (e.g. :func:`~jaxcomp.parallel.ab_mesh`).
       config: the :class:`~jaxcomp.transforms.ABConfig`.
-      state: a (not per-worker) state or its ``ShapeDtypeStruct``s, e.g. with a cut capacity
+      state: a (not per-worker) state or its ``ShapeDtypeStruct`` values, e.g. with a cut capacity
         from :func:`~jaxcomp.parallel.fit_rank_capacity`; default: the initial state.
       kinds: which of :data:`STEP_KINDS` to compile.
 

@@ -225,7 +225,7 @@ def accordion_metrics(opt_state: Any) -> dict[str, Any]:
         (e.g. of ``optax.chain(accordion(...), optax.sgd(...))``).
 
     Returns:
-      ``{"modes": tree of int32[] (LOW_COMPRESSION, HIGH_COMPRESSION or UNCOMPRESSED),
+      A dict: ``{"modes": tree of int32[] (LOW_COMPRESSION, HIGH_COMPRESSION or UNCOMPRESSED),
       "bytes_sent": float32[], "fast_bytes_sent": float32[], "count": int32[]}``. Under
       ``shard_map`` the values are replicated.
     """
