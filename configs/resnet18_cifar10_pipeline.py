@@ -24,8 +24,9 @@ severely harm convergence and that a TopK-trained model (no error feedback) need
 at inference too. The uncompressed reference for this ResNet-18 is about 94-95% (the
 kuangliu/pytorch-cifar model; Accordion's logs: 94.5% at 300 epochs, SPEC.md section 2.6), so
 expect the compression-on column a little below that and the compression-off column lower.
-``:smoke`` runs a width-8 ResNet for 2 steps on CIFAR-10 (the tests use a fake copy written by
-:func:`jaxcomp.data.write_fake_tfds`; point ``data.data_dir`` at it).
+``:smoke`` runs a width-8 ResNet for 2 steps on a generated copy of
+CIFAR-10 (``data.fake``: :func:`jaxcomp.data.write_fake_tfds`, 64 images per split; nothing is
+downloaded or prepared).
 """
 
 import ml_collections
@@ -59,6 +60,7 @@ def get_config(arg=None):
         backward=dict(name="top_k", fraction=0.1, per_sample=True),
     )
     if smoke:
+        c.data.fake = True  # generated images: no download
         c.model = dict(norm="batch", width=8, blocks=(1, 1, 1, 1))
         c.batch_size = c.eval_batch_size = 16
         c.total_steps, c.log_every, c.eval_every, c.checkpoint_every = 2, 1, 0, 0

@@ -17,9 +17,9 @@ during training on this setup "while maintaining competitive accuracy" (its accu
 could not be read, SPEC.md section 3.1; for scale, a data-parallel VGG-16 commonly reaches
 about 92-93% on CIFAR-10, a figure from the wider literature, not from this paper), and 50-70%
 less network traffic than data parallelism.
-``:smoke`` runs a 1/16-width VGG-16 for 2 steps (one warm-up step, one AB step) on CIFAR-10
-(the tests use a fake copy written by :func:`jaxcomp.data.write_fake_tfds`; point
-``data.data_dir`` at it).
+``:smoke`` runs a 1/16-width VGG-16 for 2 steps (one warm-up step, one AB step) on a generated
+copy of CIFAR-10 (``data.fake``: :func:`jaxcomp.data.write_fake_tfds`, 64 images per split;
+nothing is downloaded or prepared).
 """
 
 import ml_collections
@@ -59,6 +59,7 @@ def get_config(arg=None):
         inner="adamw",
     )
     if smoke:
+        c.data.fake = True  # generated images: no download
         c.model = dict(width_divisor=16)
         c.augment = None
         c.batch_size = c.eval_batch_size = 16

@@ -19,11 +19,16 @@ threads of a running step starve beside a compile.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+#: logs each program's name (INFO) as :func:`compile_all` starts lowering and compiling it;
+#: the trainer prints these lines during its setup
+log = logging.getLogger(__name__)
 
 
 def callers_config() -> Callable[[], contextlib.AbstractContextManager] | None:
@@ -103,6 +108,7 @@ def compile_all(lowered: Mapping[str, Any]) -> dict[str, Any]:
     config = callers_config()
 
     def lower(name: str) -> Any:
+        log.info("compiling %s", name)
         program = lowered[name]
         if hasattr(program, "compile"):
             return program

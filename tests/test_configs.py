@@ -1,8 +1,8 @@
 """Every config in configs/ runs 2 training steps in ``:smoke`` mode (one process).
 
-Paper-scale configs read CIFAR-10 / a text corpus through tfds; their smoke variants run on a fake
-copy in tfds format written here (nothing downloads), and without it they stop with the one-line
-prepare message.
+Paper-scale configs read CIFAR-10 / a text corpus through tfds; their smoke variants run on a
+generated copy in tfds format (``data.fake``; nothing downloads), and without the prepared
+dataset the real runs stop with the one-line prepare message.
 """
 
 import importlib.util
@@ -44,7 +44,7 @@ def test_the_paper_scale_configs_are_found():
 GPT = CONFIGS[0].with_name("gpt_lm_pipeline.py")
 
 
-def _documents_its_run_and_smoke_trains_two_steps(path, workdir, fake_tfds_dir):
+def _documents_its_run_and_smoke_trains_two_steps(path, workdir):
     module = load(path)
     doc = module.__doc__ or ""
     assert f"--config configs/{path.name}" in doc and "Expected" in doc, "docstring incomplete"
@@ -54,7 +54,7 @@ def _documents_its_run_and_smoke_trains_two_steps(path, workdir, fake_tfds_dir):
     if path in PAPER_SCALE:  # the smoke variant reads the real run's dataset, not a stand-in
         assert (smoke.data_name, smoke.data.name) == (full.data_name, full.data.name)
         assert "GPU" in doc and "tfds build" in doc
-        smoke.data.data_dir = fake_tfds_dir
+        assert smoke.data.fake  # generated images (data.write_fake_tfds): no download
     summary = train.train_and_evaluate(smoke, str(workdir))
     assert summary["steps"] == 2
     assert summary["wire_bytes_per_step"] > 0
@@ -65,14 +65,14 @@ OTHERS = [p for p in CONFIGS if p != GPT]
 
 
 @pytest.mark.parametrize("path", OTHERS, ids=[p.stem for p in OTHERS])
-def test_config_documents_its_run_and_smoke_trains_two_steps(path, tmp_path, fake_tfds_dir):
-    _documents_its_run_and_smoke_trains_two_steps(path, tmp_path, fake_tfds_dir)
+def test_config_documents_its_run_and_smoke_trains_two_steps(path, tmp_path):
+    _documents_its_run_and_smoke_trains_two_steps(path, tmp_path)
 
 
 def test_gpt_lm_config_smoke_trains_on_pydoc_and_on_a_tfds_text_corpus(tmp_path, fake_tfds_dir):
     # one test, so that the second run's programs (same shapes) come from the compilation
     # cache of the same process (each pytest-xdist worker has its own)
-    _documents_its_run_and_smoke_trains_two_steps(GPT, tmp_path / "pydoc", fake_tfds_dir)
+    _documents_its_run_and_smoke_trains_two_steps(GPT, tmp_path / "pydoc")
     c = load(GPT).get_config("smoke")
     c.data_name = "tfds_text"  # tiny_shakespeare by default
     c.data.data_dir = fake_tfds_dir

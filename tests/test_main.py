@@ -52,6 +52,24 @@ def test_bad_input_is_a_one_line_error_before_training(tmp_path, extra, match):
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_a_missing_extra_is_a_one_line_error_naming_it_and_leaves_no_workdir(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    gone = {"tensorflow_datasets", "tensorboardX"}
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n in gone else real(n, *a)
+    )
+    for argv, extra in (
+        (["--config", "resnet18_cifar10_pipeline:smoke"], "data"),
+        (["--config", f"{CONFIG}:smoke", "--set", "writers=('tensorboard',)"], "tensorboard"),
+    ):
+        code, err = _run_main([*argv, "--workdir", str(tmp_path / "run")])
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith("error: config.") and f"pip install 'jaxcomp[{extra}]'" in err, err
+        assert not (tmp_path / "run").exists()
+
+
 def test_workdir_of_another_experiment_is_a_one_line_error(tmp_path):
     args = ["--config", f"{CONFIG}:smoke", "--workdir", str(tmp_path)]
     assert _run_main(args)[0] == 0
@@ -204,3 +222,21 @@ def test_bench_help_lists_every_benchmark_and_its_flags(capsys):
     assert "--microbatches" in out and "--rank-fractions" in out and "--json PATH" in out
     assert bench.main(["nope"]) == 2
     assert "unknown benchmark 'nope'" in capsys.readouterr().err
+
+
+def test_every_benchmark_flag_has_help_and_every_description_is_whole(monkeypatch):
+    import importlib
+
+    from jaxcomp.bench import __main__ as bench
+    from jaxcomp.bench import _common
+
+    made, make = [], _common.parser
+    monkeypatch.setattr(_common, "parser", lambda *a: made.append(make(*a)) or made[-1])
+    for name, module in bench.BENCHMARKS.items():
+        with pytest.raises(SystemExit):
+            importlib.import_module(module).main(["--help"])
+        p = made[-1]
+        assert p.prog == f"python -m jaxcomp.bench {name}"
+        assert p.description.endswith((".", ")")), (name, p.description)
+        undocumented = [a.option_strings for a in p._actions if not a.help]
+        assert not undocumented, (name, undocumented)

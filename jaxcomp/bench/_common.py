@@ -35,9 +35,23 @@ def request_cpu_devices(n: int = 8) -> None:
             pass
 
 
-def parser(description: str) -> argparse.ArgumentParser:
-    """An argument parser with the options every benchmark takes."""
-    p = argparse.ArgumentParser(description=description)
+def parser(doc: str, module: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark takes.
+
+    Args:
+      doc: the benchmark module's docstring: its first paragraph is the description (whole
+        sentences; ``python -m pydoc MODULE`` shows the rest).
+      module: the module's ``__name__``; names the command (``python -m jaxcomp.bench
+        NAME``), whatever ``sys.argv[0]`` is.
+    """
+    first = " ".join(doc.strip().split("\n\n")[0].split())
+    name = module.rsplit(".", 1)[-1]
+    p = argparse.ArgumentParser(
+        prog=f"python -m jaxcomp.bench {name}",
+        description=first,
+        epilog=f"More: python -m pydoc {module}",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--json", metavar="PATH", help="write results as JSON to PATH")
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median reported)")
     return p

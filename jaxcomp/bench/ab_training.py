@@ -245,11 +245,27 @@ def run_mean(kind_bytes_first: dict, kind_bytes: dict) -> float:
 
 
 def main(argv: list[str] | None = None, host_malloc: HostMalloc | None = None) -> int:
-    p = _common.parser(__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=["vgg16_cifar", "vgg16_timm"])
-    p.add_argument("--sync-modes", nargs="+", default=["only-b", "with-stale"])
-    p.add_argument("--rank-fractions", nargs="+", type=float, default=[0.05, 0.1, 0.25])
-    p.add_argument("--groups", type=int, default=2)
+    p = _common.parser(__doc__, __name__)
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=["vgg16_cifar", "vgg16_timm"],
+        help="VGG-16 parameter shapes of the byte analysis",
+    )
+    p.add_argument(
+        "--sync-modes",
+        nargs="+",
+        default=["only-b", "with-stale"],
+        help="AB sync modes of the byte analysis",
+    )
+    p.add_argument(
+        "--rank-fractions",
+        nargs="+",
+        type=float,
+        default=[0.05, 0.1, 0.25],
+        help="kept ranks as fractions of each layer's full rank (byte analysis)",
+    )
+    p.add_argument("--groups", type=int, default=2, help="independent AB worker groups")
     p.add_argument("--no-bytes", action="store_true", help="skip the VGG-16 byte analysis")
     p.add_argument("--no-time", action="store_true", help="skip the step timing")
     p.add_argument(

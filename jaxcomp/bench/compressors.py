@@ -192,7 +192,7 @@ def run(n: int = 4 * 1024 * 1024, repeats: int = 20, only: str = "") -> tuple[li
 
 
 def main(argv: list[str] | None = None, host_malloc: HostMalloc | None = None) -> int:
-    p = _common.parser(__doc__.splitlines()[0])
+    p = _common.parser(__doc__, __name__)
     p.add_argument("--n", type=int, default=4 * 1024 * 1024, help="elements per input")
     p.add_argument("--only", default="", help="comma-separated codec labels to run (default: all)")
     args = p.parse_args(argv)

@@ -256,7 +256,7 @@ def run(
 
 
 def main(argv: list[str] | None = None, host_malloc: HostMalloc | None = None) -> int:
-    p = _common.parser(__doc__.splitlines()[0])
+    p = _common.parser(__doc__, __name__)
     p.set_defaults(repeats=5)
     p.add_argument("--workers", type=int, default=8, help="workers of the codec table")
     p.add_argument("--scaling", default="2,4,8", help="worker counts of the scaling table")

@@ -125,7 +125,7 @@ def run(parts=PARTS, repeats: int = 20, tiny: bool = False) -> tuple[list[dict],
 
 
 def main(argv: list[str] | None = None, host_malloc: HostMalloc | None = None) -> int:
-    p = _common.parser(__doc__.splitlines()[0])
+    p = _common.parser(__doc__, __name__)
     p.set_defaults(repeats=20)
     p.add_argument("--tiny", action="store_true", help="tiny sizes, also on CPU-only machines")
     p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")

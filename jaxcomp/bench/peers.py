@@ -146,7 +146,7 @@ def run(n: int = 4 * 1024 * 1024, repeats: int = 20, ddp: bool = True) -> tuple[
 
 
 def main(argv: list[str] | None = None, host_malloc: HostMalloc | None = None) -> int:
-    p = _common.parser(__doc__.splitlines()[0])
+    p = _common.parser(__doc__, __name__)
     p.add_argument("--n", type=int, default=4 * 1024 * 1024, help="elements per input")
     p.add_argument(
         "--no-ddp", action="store_true", help="leave out the 2-worker DDP training-step rows"

@@ -219,18 +219,23 @@ def _check_targets(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None, host_malloc: HostMalloc | None = None) -> int:
-    p = _common.parser(__doc__.splitlines()[0])
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--microbatch-size", type=int, default=32)
-    p.add_argument("--width", type=int, default=1024)
+    p = _common.parser(__doc__, __name__)
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages (stage-axis devices)")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
+    p.add_argument("--microbatch-size", type=int, default=32, help="rows per micro-batch")
+    p.add_argument("--width", type=int, default=1024, help="width of the MLP stages")
     p.add_argument("--only", default="", help="comma-separated labels to run (default: all)")
     p.add_argument(
         "--schedules", default="cnn,gpt", help="models of the GPipe vs 1F1B part ('' skips it)"
     )
     p.add_argument("--schedule-microbatches", default="4,8,16,32", help="M values, S = 4")
-    p.add_argument("--schedule-repeats", type=int, default=10)
-    p.add_argument("--no-replicas", dest="replicas", action="store_false")
+    p.add_argument("--schedule-repeats", type=int, default=10, help="timings per GPipe / 1F1B row")
+    p.add_argument(
+        "--no-replicas",
+        dest="replicas",
+        action="store_false",
+        help="leave out the rows with data-parallel pipeline replicas",
+    )
     args = p.parse_args(argv)
     only = tuple(filter(None, args.only.split(",")))
     load_before = _common.load_average()

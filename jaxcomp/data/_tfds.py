@@ -91,8 +91,31 @@ def _read(source, indices: list[int]):
         ) from e
 
 
-def _open(name: str, split: str, data_dir: str | None, download: bool):
+def _fake_dir(name: str, data_dir: str | None, download: bool) -> str:
+    """A fresh temporary data_dir holding a generated copy of ``name``
+    (:func:`~jaxcomp.data.write_fake_tfds`), removed when the process exits."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from jaxcomp.data import _fake_tfds
+
+    if data_dir is not None or download:
+        raise ValueError(
+            f"tfds dataset {name!r}: fake=True reads a generated copy; it takes no data_dir "
+            f"({data_dir!r}) and no download."
+        )
+    where = tempfile.mkdtemp(prefix=f"jaxcomp-fake-{name}-")
+    atexit.register(shutil.rmtree, where, True)
+    _fake_tfds.write_fake_tfds(name, where)
+    return where
+
+
+def _open(name: str, split: str, data_dir: str | None, download: bool, fake: bool = False):
     import tensorflow_datasets as tfds
+
+    if fake:
+        data_dir = _fake_dir(name, data_dir, download)
 
     try:
         src = tfds.data_source(name, split=split, data_dir=data_dir, download=download)
@@ -113,6 +136,7 @@ def tfds_images(
     label_key: str = "label",
     normalize: str | None = None,
     download: bool = False,
+    fake: bool = False,
 ) -> TfdsImageSource:
     """An image-classification split (cifar10, mnist, ...) read from array_record files.
 
@@ -123,10 +147,13 @@ def tfds_images(
       image_key, label_key: feature names.
       normalize: ``"cifar"`` for the CIFAR mean/std, or ``None``.
       download: allow tfds to download and prepare (off by default: nothing downloads).
+      fake: read a small generated copy instead (:func:`~jaxcomp.data.write_fake_tfds`, 64
+        images per split, written to a temporary directory; no download, no ``data_dir``): the
+        paper configs' ``:smoke`` runs.
     """
     if normalize not in (None, "cifar"):
         raise ValueError(f"normalize must be None or 'cifar'; got {normalize!r}.")
-    src = _open(name, split, data_dir, download)
+    src = _open(name, split, data_dir, download, fake)
     mean, std = (CIFAR_MEAN, CIFAR_STD) if normalize == "cifar" else (None, None)
     return TfdsImageSource(src, image_key=image_key, label_key=label_key, mean=mean, std=std)
 
@@ -139,6 +166,7 @@ def tfds_text(
     text_key: str = "text",
     seq_len: int = 128,
     download: bool = False,
+    fake: bool = False,
 ) -> _sources.ArraySource:
     """A text split (tiny_shakespeare, wikitext, ...) as byte-level LM windows.
 
@@ -152,8 +180,9 @@ def tfds_text(
       text_key: the text feature's name.
       seq_len: tokens per example.
       download: allow tfds to download and prepare (off by default: nothing downloads).
+      fake: read a small generated copy instead (:func:`~jaxcomp.data.write_fake_tfds`).
     """
-    src = _open(name, split, data_dir, download)
+    src = _open(name, split, data_dir, download, fake)
     parts = []
     for row in _read(src, list(range(len(src)))):
         t = row[text_key]

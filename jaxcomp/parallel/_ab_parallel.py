@@ -233,6 +233,7 @@ def ab_data_parallel(
         return TrainState(step0, *placed, _driver.stack_per_worker(model_state, mesh, axes))
 
     def shard_batch(batch):
+        _driver.check_divisible(batch, mesh, axes)
         return jax.device_put(batch, split)
 
     def step(state, batch):

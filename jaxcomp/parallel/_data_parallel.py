@@ -53,7 +53,13 @@ class DataParallel(NamedTuple):
     Attributes:
       init: ``init(params, model_state=()) -> TrainState``, placed on the mesh.
       step: ``step(state, batch) -> (state, metrics)``, jitted; ``batch`` leaves are split
-        over the data axis along their first dimension; ``metrics["loss"]`` is the mean loss.
+        over the data axis along their first dimension (a size the workers do not divide is
+        a ``ValueError`` naming both); ``metrics["loss"]`` is the mean loss,
+        ``metrics["bytes_sent"]`` (``float32[W]``) the bytes each worker put into the
+        gradient average's collectives this step (the reducing transform's ``bytes_sent``;
+        a hierarchical mesh adds ``fast_bytes_sent``, its dense average over the fast axis)
+        and ``metrics["dense_bytes"]`` (``float32[W]``) the bytes of the dense gradient,
+        what an uncompressed average would send.
       shard_batch: places a host batch on the mesh (``step`` calls it too).
       state_sharding: ``state_sharding(params, model_state=()) -> TrainState`` of
         ``NamedSharding`` values, e.g. for an orbax restore target.
@@ -168,7 +174,7 @@ def data_parallel(
                 "or transforms.accordion)."
             )
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": lax.pmean(loss, axes)}
+        metrics = {"loss": lax.pmean(loss, axes), **_bytes_of(opt_state, grads, len(axes) == 2)}
         if has_aux:
             metrics["aux"] = jax.tree.map(lambda a: lax.pmean(a, axes), aux)
         if check_finite:  # this worker's own loss and state: no collective
@@ -197,6 +203,8 @@ def data_parallel(
     def specs(state, batch):
         state_specs = _driver.layout_of(state, mesh)
         metrics = {"loss": P(), **({"aux": P()} if has_aux else {})}
+        for name in _bytes_of(state.opt_state, state.params, len(axes) == 2):
+            metrics[name] = split.spec
         if check_finite:
             metrics["finite"] = split.spec
         return (state_specs, jax.tree.map(lambda _: split.spec, batch)), (state_specs, metrics)
@@ -204,6 +212,7 @@ def data_parallel(
     program = _driver.Program(body, mesh, specs, donate=donate)
 
     def shard_batch(batch):
+        _driver.check_divisible(batch, mesh, axes)
         return jax.device_put(batch, split)
 
     def step(state, batch):
@@ -239,6 +248,41 @@ def data_parallel(
         return TrainState(replicated, jax.tree.map(lambda _: replicated, params), *shardings)
 
     return DataParallel(init, step, shard_batch, state_sharding, mesh, axis_name)
+
+
+def _bytes_of(opt_state: Any, grads: Any, pair: bool) -> dict[str, jax.Array]:
+    """This worker's ``bytes_sent`` (and, over a ``(slow, fast)`` ``pair``,
+    ``fast_bytes_sent``) in the reducing transform's state, and ``dense_bytes``, each
+    ``float32[1]`` (one row per worker in the step's output).
+
+    The reducer is the first state in ``opt_state`` with a ``bytes_sent`` field
+    (``compressed_mean``, ``accordion``); under ``accordion_batch_size`` its inner mean sends
+    only on the micro-steps that update (``mini_step == 0`` after the update).
+    """
+    from jaxcomp import compressors
+    from jaxcomp import transforms
+
+    def is_state(x):
+        return isinstance(x, transforms.AccordionBatchState) or hasattr(x, "bytes_sent")
+
+    dense = sum(float(compressors.dense_bytes(g)) for g in jax.tree.leaves(grads))
+    out = {}
+    for x in jax.tree.leaves(opt_state, is_leaf=is_state):
+        if isinstance(x, transforms.AccordionBatchState):
+            (inner,) = [s for s in jax.tree.leaves(x.inner, is_leaf=is_state) if is_state(s)][:1]
+            updated = x.mini_step == 0
+            sent = jnp.where(updated, inner.bytes_sent, 0.0)
+            fast = jnp.where(updated, getattr(inner, "fast_bytes_sent", 0.0), 0.0)
+        elif hasattr(x, "bytes_sent"):
+            sent, fast = x.bytes_sent, getattr(x, "fast_bytes_sent", None)
+        else:
+            continue
+        out["bytes_sent"] = jnp.asarray(sent, jnp.float32).reshape(1)
+        if pair and fast is not None:
+            out["fast_bytes_sent"] = jnp.asarray(fast, jnp.float32).reshape(1)
+        break
+    out["dense_bytes"] = jnp.full((1,), dense, jnp.float32)
+    return out
 
 
 def _worker_axes(axis_name: Any, mesh: jax.sharding.Mesh) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ in what a worker computes; how it runs is shared here:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -184,3 +185,24 @@ class Program:
 
     def __call__(self, *args: Any) -> Any:
         return self.compiled(*args)(*args)
+
+
+def check_divisible(batch: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> None:
+    """Every leaf of a host ``batch`` has a first dimension the workers (the product of
+    ``axes``' sizes) divide.
+
+    Raises:
+      ValueError: naming the leaf, its rows, the number of workers and the mesh (instead of
+        JAX's sharding error).
+    """
+    workers = math.prod(mesh.shape[a] for a in axes)
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = getattr(x, "shape", None) or np.shape(x)
+        rows = shape[0] if len(shape) else None
+        if rows is None or rows % workers:
+            name = jax.tree_util.keystr(path) or "batch"
+            raise ValueError(
+                f"batch {name} has {rows} rows (the batch size), not divisible by the "
+                f"{workers} workers of the mesh {dict(mesh.shape)} (axes {list(axes)}): use a "
+                f"batch size that is a multiple of {workers}."
+            )

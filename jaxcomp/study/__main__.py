@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 
 from jaxcomp.study._grid import PRESETS
 
@@ -49,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "compile the same programs): default WORKDIR/.jax_cache; 'none' to turn it off",
     )
     report = sub.add_parser("report", help="tables, CSVs and plots of a study's runs")
-    report.add_argument("workdir")
+    report.add_argument("workdir", help="the folder of a `run` (its --workdir)")
     report.add_argument("--out", default=None, help="where to write (default: the workdir)")
     report.add_argument("--compute_s", type=float, default=None,
                         help="compute seconds per step for the predicted speedups")  # fmt: skip
@@ -63,7 +64,13 @@ def _list(studies_dir=None) -> None:
     for path in sorted(folder.glob("*.py")):
         study = _grid.load_study(str(path))
         runs = len(_grid.cells(study))
-        print(f"{study.name:32s} {runs:4d} runs  {study.doc.splitlines()[0]}")
+        print(f"{study.name}: {runs} runs")
+        print(textwrap.indent(textwrap.fill(_summary(study.doc), 92), "    "))
+
+
+def _summary(doc: str) -> str:
+    """A study docstring's first paragraph, as one line (whole sentences)."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
 
 
 def _compile_cache(args) -> None:

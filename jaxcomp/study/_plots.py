@@ -150,18 +150,27 @@ def plot_state(runs: list, path: str) -> str | None:
     keys.append("wire_bytes")
     plt = _pyplot()
     fig, axs = plt.subplots(len(keys), 1, figsize=(8, 2.4 * len(keys)), squeeze=False)
-    variants = list(dict.fromkeys(r.variant for r in runs))
+    # a colour per variant and axes combination (AB with Adam, AB with SGD-momentum, ...), a
+    # line style per seed: every run is told apart, not only the variants
+    combos = list(dict.fromkeys(_state_combo(r) for r in runs))
+    seeds = sorted({r.seed for r in runs})
+    styles = ("-", "--", ":", "-.")
     for ax, key in zip((a[0] for a in axs), keys):
         for run in runs:
             pts = [(t["step"], t[key]) for t in run.train if t.get(key) is not None]
             if pts:
-                color = f"C{variants.index(run.variant) % 10}"
-                ax.plot(*zip(*pts), "-", color=color, alpha=0.7, label=run.name)
+                color = f"C{combos.index(_state_combo(run)) % 10}"
+                style = styles[seeds.index(run.seed) % len(styles)]
+                ax.plot(*zip(*pts), style, color=color, alpha=0.7, label=run.name)
         ax.set_ylabel(STATE_METRICS[key], fontsize=8)
         ax.grid(alpha=0.3)
     axs[-1][0].set_xlabel("step")
     axs[0][0].legend(fontsize=5, ncol=2)
     return _save(fig, path)
+
+
+def _state_combo(run) -> tuple:
+    return (run.variant, *sorted(run.axes.items()))
 
 
 def all_plots(rows, runs, axes, out_dir: str) -> dict[str, str]:

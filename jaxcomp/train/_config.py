@@ -16,6 +16,7 @@ import ml_collections
 import optax
 
 from jaxcomp import _validate
+from jaxcomp.train import _extras
 from jaxcomp.train import _writers
 
 MODES = ("dense", "pipeline", "data_parallel", "ab")
@@ -85,6 +86,7 @@ def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     _validate.check_choice("config.mode", full["mode"], MODES)
     _validate.check_choice("config.schedule", full["schedule"], SCHEDULES)
     full["writers"] = _writers.check(full["writers"])
+    _extras.check_data(full["data_name"])
     if not isinstance(full["batch_size"], int) or full["batch_size"] < 1:
         raise ValueError(f"config.batch_size must be a positive int; got {full['batch_size']!r}.")
     if not isinstance(full["total_steps"], int) or full["total_steps"] < 1:

@@ -1,9 +1,14 @@
-"""Progress output: a one-line bar on a terminal, periodic lines otherwise."""
+"""Progress output: a one-line bar on a terminal, periodic lines otherwise; the programs being
+compiled during setup."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import time
+from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Mapping
 
 
@@ -61,3 +66,31 @@ class Progress:
         if self.enabled:
             self.stream.write(("\n" if self.tty else "") + text + "\n")
             self.stream.flush()
+
+
+class _Say(logging.Handler):
+    def __init__(self, say: Callable[[str], None], t0: float):
+        super().__init__(logging.INFO)
+        self.say, self.t0 = say, t0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.say(f"  {record.getMessage()} ({time.perf_counter() - self.t0:.1f} s)")
+
+
+@contextlib.contextmanager
+def compiles_announced(say: Callable[[str], None]) -> Iterator[None]:
+    """Prints ``  compiling NAME (T s)`` as each program's compile starts inside the block
+    (:func:`jaxcomp._compile.compile_all` logs them), ``T`` the seconds since the block began:
+    a user sees what the setup is doing before its first step."""
+    logger = logging.getLogger("jaxcomp._compile")
+    handler = _Say(say, time.perf_counter())
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate

@@ -216,7 +216,12 @@ def train_and_evaluate(
         )
         return done
     with _signals.StopOnSignal() as stop:
-        s = setup(config, devices=devices)
+        say(
+            f"jaxcomp: {config.mode} | model {config.model_name}, data {config.data_name}, "
+            f"batch {config.batch_size}, {config.total_steps} steps, mesh {dict(config.mesh)}"
+        )
+        with _progress.compiles_announced(say):
+            s = setup(config, devices=devices)
         _describe(s, say)
         # on an error, pending saves finish before it propagates
         with _checkpoint.Checkpointer(workdir, config.keep_checkpoints) as ckpt:
@@ -224,12 +229,13 @@ def train_and_evaluate(
 
 
 def _describe(s: Setup, say) -> None:
-    cfg, mode = s.config, s.mode
-    say(f"jaxcomp: {cfg.mode} | {mode.description}")
+    """The run's description once set up (the config's line is printed before, then each
+    program as its compile starts)."""
+    mode = s.mode
+    say(f"  {mode.description}")
     say(
-        f"  model {s.model.name} ({s.model.num_stages} stage(s)), data {cfg.data_name}: "
-        f"{s.train_loader.num_examples} train / {s.eval_loader.num_examples} test, "
-        f"batch {cfg.batch_size}, {cfg.total_steps} steps, mesh {dict(s.mesh.shape)}"
+        f"  model {s.model.name} ({s.model.num_stages} stage(s)): "
+        f"{s.train_loader.num_examples} train / {s.eval_loader.num_examples} test examples"
     )
     wire0 = (
         "reported each step"

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import collections
 import glob
-import importlib.util
 import json
 import math
 import os
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+
+from jaxcomp.train import _extras
 
 #: writer name -> (the module it needs, the jaxcomp extra that installs it)
 WRITERS = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb")}
@@ -63,11 +64,7 @@ def check(names: Any) -> tuple[str, ...]:
                 f"config.writers: unknown writer {name!r}; allowed are {sorted(WRITERS)}."
             )
         module, extra = WRITERS[name]
-        if importlib.util.find_spec(module) is None:
-            raise ValueError(
-                f"config.writers names {name!r}, which needs the {module} package: "
-                f"pip install 'jaxcomp[{extra}]'."
-            )
+        _extras.require(module, extra, f"config.writers={name!r}")
         if name not in out:
             out.append(name)
     return tuple(out)

@@ -55,6 +55,11 @@ def test_identity_compression_equals_full_batch_training(mesh):
     for k in PARAMS:
         np.testing.assert_allclose(state.params[k], params[k], rtol=1e-5, atol=1e-6)
     assert int(state.step) == 3
+    # the step reports each worker's bytes sent and the dense gradient's: identity sends it all
+    dense = 4.0 * sum(x.size for x in PARAMS.values())
+    assert metrics["dense_bytes"].tolist() == [dense] * W
+    assert metrics["bytes_sent"].tolist() == [float(state.opt_state[0].bytes_sent)] * W
+    assert metrics["bytes_sent"].tolist() == [dense] * W
 
 
 def test_no_hidden_all_reduce_unlike_plain_grad(mesh):
@@ -114,6 +119,9 @@ def test_errors_name_the_problem(mesh):
     state = good.init(PARAMS)
     with pytest.raises(ValueError, match="live on the mesh"):
         good.step(jax.tree.map(np.asarray, state), BATCH)
+    odd = (BATCH[0][:30], BATCH[1][:30])
+    with pytest.raises(ValueError, match=r"\[0\] has 30 rows .*not divisible by the 4 workers"):
+        good.step(state, odd)
 
     def scalar_state():  # a transform with a per-worker scalar in its state
         def init(params):

@@ -92,7 +92,10 @@ def test_cli_errors_are_one_line(capsys):
     assert result.stderr.count("\n") == 1
     assert cli.main(["list"]) == 0
     listed = capsys.readouterr().out
-    assert all(name in listed for name in STUDIES)
+    assert all(f"{name}: " in listed for name in STUDIES)
+    for name in STUDIES:  # each description whole: its first paragraph, to its last word
+        first = " ".join(study.load_study(name).doc.strip().split("\n\n")[0].split())
+        assert first.split()[-1] in listed and first.endswith((".", ":", ")")), name
 
 
 # --- every study file (in-process) ------------------------------------------------------------

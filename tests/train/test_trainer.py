@@ -25,6 +25,14 @@ def test_run_writes_metrics_plot_and_summary(make_config, tmp_path, capsys):
     summary = train.train_and_evaluate(make_config(eval_every=8), str(tmp_path))
     out = capsys.readouterr().out
     assert "summary: dense / mlp" in out and "step 12/12" in out
+    # the config's line first, then each program as its compile starts, then the description
+    lines = out.splitlines()
+    assert lines[0].startswith("jaxcomp: dense | model mlp, data digits, batch 64, 12 steps")
+    compiling = [i for i, line in enumerate(lines) if line.startswith("  compiling ")]
+    described = next(i for i, line in enumerate(lines) if line.startswith("  wire bytes/step"))
+    assert compiling and compiling == list(range(1, len(compiling) + 1)), lines[:8]
+    assert described > compiling[-1]
+    assert any(line.startswith("  compiling train_step (") for line in lines[1:described])
     for name in ("metrics.jsonl", "train.csv", "eval.csv", "metrics.png", "summary.json"):
         assert (tmp_path / name).exists(), name
     records = train.read_metrics(str(tmp_path))
