@@ -36,7 +36,7 @@ from IPython.display import display
 from jaxcomp import compressors
 from jaxcomp import feedback
 
-SMOKE = os.environ.get("JAXCOMP_NOTEBOOK_SMOKE", "1") == "1"  # tests run the small sizes
+SMOKE = os.environ.get("JAXCOMP_NOTEBOOK_SMOKE") == "1"  # the tests run the small sizes
 n = 4096
 x = jax.random.normal(jax.random.key(0), (n,))
 

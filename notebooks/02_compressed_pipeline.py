@@ -32,7 +32,7 @@ import ml_collections
 from jaxcomp import models
 from jaxcomp import train
 
-SMOKE = os.environ.get("JAXCOMP_NOTEBOOK_SMOKE", "1") == "1"  # tests run the small sizes
+SMOKE = os.environ.get("JAXCOMP_NOTEBOOK_SMOKE") == "1"  # the tests run the small sizes
 
 # %% [markdown]
 # ## The staged model and its cut points

@@ -41,7 +41,7 @@ from jaxcomp import models
 from jaxcomp import parallel
 from jaxcomp import transforms
 
-SMOKE = os.environ.get("JAXCOMP_NOTEBOOK_SMOKE", "1") == "1"  # tests run the small sizes
+SMOKE = os.environ.get("JAXCOMP_NOTEBOOK_SMOKE") == "1"  # the tests run the small sizes
 
 # %% [markdown]
 # ## The model, the data and the transform

@@ -39,7 +39,7 @@ from IPython.display import display
 import jaxcomp
 from jaxcomp import train
 
-SMOKE = os.environ.get("JAXCOMP_NOTEBOOK_SMOKE", "1") == "1"  # tests run the small sizes
+SMOKE = os.environ.get("JAXCOMP_NOTEBOOK_SMOKE") == "1"  # the tests run the small sizes
 ROOT = pathlib.Path(jaxcomp.__file__).parents[1]
 
 # %% [markdown]

@@ -203,7 +203,7 @@ def data_parallel(
     def specs(state, batch):
         state_specs = _driver.layout_of(state, mesh)
         metrics = {"loss": P(), **({"aux": P()} if has_aux else {})}
-        for name in _bytes_of(state.opt_state, state.params, len(axes) == 2):
+        for name in _byte_names(state.opt_state, len(axes) == 2):
             metrics[name] = split.spec
         if check_finite:
             metrics["finite"] = split.spec
@@ -250,37 +250,49 @@ def data_parallel(
     return DataParallel(init, step, shard_batch, state_sharding, mesh, axis_name)
 
 
-def _bytes_of(opt_state: Any, grads: Any, pair: bool) -> dict[str, jax.Array]:
-    """This worker's ``bytes_sent`` (and, over a ``(slow, fast)`` ``pair``,
-    ``fast_bytes_sent``) in the reducing transform's state, and ``dense_bytes``, each
-    ``float32[1]`` (one row per worker in the step's output).
-
-    The reducer is the first state in ``opt_state`` with a ``bytes_sent`` field
-    (``compressed_mean``, ``accordion``); under ``accordion_batch_size`` its inner mean sends
-    only on the micro-steps that update (``mini_step == 0`` after the update).
-    """
-    from jaxcomp import compressors
+def _reducer(opt_state: Any) -> Any:
+    """The reducing transform's state in ``opt_state``: the first with a ``bytes_sent`` field
+    (``compressed_mean``, ``accordion``) or an ``accordion_batch_size`` state; ``None``."""
     from jaxcomp import transforms
 
     def is_state(x):
         return isinstance(x, transforms.AccordionBatchState) or hasattr(x, "bytes_sent")
 
-    dense = sum(float(compressors.dense_bytes(g)) for g in jax.tree.leaves(grads))
+    return next((x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)), None)
+
+
+def _byte_names(opt_state: Any, pair: bool) -> tuple[str, ...]:
+    """The byte metrics the step reports for this optimizer state (abstract or not)."""
+    if _reducer(opt_state) is None:
+        return ("dense_bytes",)
+    return ("bytes_sent", *(("fast_bytes_sent",) if pair else ()), "dense_bytes")
+
+
+def _bytes_of(opt_state: Any, grads: Any, pair: bool) -> dict[str, jax.Array]:
+    """This worker's ``bytes_sent`` (and, over a ``(slow, fast)`` ``pair``,
+    ``fast_bytes_sent``) in the reducing transform's state (:func:`_reducer`), and
+    ``dense_bytes``, each ``float32[1]`` (one row per worker in the step's output).
+
+    Under ``accordion_batch_size`` the inner mean sends only on the micro-steps that update
+    (``mini_step == 0`` after the update).
+    """
+    from jaxcomp import compressors
+    from jaxcomp import transforms
+
     out = {}
-    for x in jax.tree.leaves(opt_state, is_leaf=is_state):
-        if isinstance(x, transforms.AccordionBatchState):
-            (inner,) = [s for s in jax.tree.leaves(x.inner, is_leaf=is_state) if is_state(s)][:1]
-            updated = x.mini_step == 0
-            sent = jnp.where(updated, inner.bytes_sent, 0.0)
-            fast = jnp.where(updated, getattr(inner, "fast_bytes_sent", 0.0), 0.0)
-        elif hasattr(x, "bytes_sent"):
-            sent, fast = x.bytes_sent, getattr(x, "fast_bytes_sent", None)
-        else:
-            continue
+    x = _reducer(opt_state)
+    if isinstance(x, transforms.AccordionBatchState):
+        inner = _reducer(x.inner)
+        updated = x.mini_step == 0
+        sent = jnp.where(updated, inner.bytes_sent, 0.0)
+        fast = jnp.where(updated, inner.fast_bytes_sent, 0.0)
+    elif x is not None:
+        sent, fast = x.bytes_sent, x.fast_bytes_sent
+    if x is not None:
         out["bytes_sent"] = jnp.asarray(sent, jnp.float32).reshape(1)
-        if pair and fast is not None:
+        if pair:
             out["fast_bytes_sent"] = jnp.asarray(fast, jnp.float32).reshape(1)
-        break
+    dense = sum(float(compressors.dense_bytes(g)) for g in jax.tree.leaves(grads))
     out["dense_bytes"] = jnp.full((1,), dense, jnp.float32)
     return out
 
