@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
+from jaxcomp import _stamp
 from jaxcomp.study import _grid
 
 STATUSES = ("running", "done", "diverged", "failed")
@@ -167,6 +168,7 @@ def run_study(
             continue
         os.makedirs(cell_dir, exist_ok=True)
         record = {"status": "running", "overrides": manifest["cells"][i - 1]["overrides"]}
+        record["stamp"] = _stamp.stamp()  # the commit and versions this cell ran with
         _write_json(os.path.join(cell_dir, CELL_FILE), record)
         log(f"[{i}/{len(grid)}] {cell.name}: running")
         t0 = time.perf_counter()

@@ -7,9 +7,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from jaxcomp import _stamp
 from jaxcomp.study import _cost
 from jaxcomp.study import _plots
 from jaxcomp.study import _report
+from jaxcomp.study import _runner
 
 
 def _bytes(n: float | None) -> str:
@@ -158,6 +160,16 @@ def write_report(
             kinds,
             "",
         ]
+    stamps = []
+    for run in runs:
+        record = _runner.read_cell_status(os.path.join(workdir, run.name)) or {}
+        line = _stamp.describe(record["stamp"]) if record.get("stamp") else "not recorded"
+        stamps += [line] if line not in stamps else []
+    lines += [
+        f"Produced by {'; '.join(stamps) or 'no run'}. Rerun: `python -m jaxcomp.study run "
+        f"{manifest['study']} --workdir DIR`, then `python -m jaxcomp.study report DIR`.",
+        "",
+    ]
     if notes:
         lines += ["Notes:", *[f"- {n}" for n in notes], ""]
     for name, path in plots.items():

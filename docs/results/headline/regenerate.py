@@ -7,22 +7,21 @@ r"""Regenerates the numbers the README and the digits configs' docstrings state,
 Each config of :data:`CONFIGS` runs in full (``python -m jaxcomp.main --config NAME``, 8 fake
 CPU devices, a fresh workdir) and its ``summary.json`` gives the numbers: final test accuracy
 with compression on and off, bytes per step, the compression ratio, steps and wall time.
-``headline.json`` holds them with a stamp (commit, a dirty flag, jax / jaxlib / Python
-versions, date, CPU count). The runs are deterministic on one machine and library version (a
-rerun, or a resumed run, gives the same bits), so ``--check`` compares accuracies and bytes
-exactly and wall times not at all; another jax/jaxlib or CPU may round differently (the stamp
-says which produced the file). ``tests/test_headline.py`` checks that the README and the
-config docstrings quote these numbers. All five configs take about 4 minutes on 2 cores.
+``headline.json`` holds them with a stamp (:func:`jaxcomp._stamp.stamp`: commit, a dirty
+flag, jax / jaxlib / Python versions, date, CPU count). The runs are deterministic on one
+machine and library version (a rerun, or a resumed run, gives the same bits), so ``--check``
+compares accuracies and bytes exactly and wall times not at all; another jax/jaxlib or CPU
+may round differently (the stamp says which produced the file). ``tests/test_headline.py``
+checks that the README and the config docstrings quote these numbers. All five configs take
+about 2 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 import tempfile
@@ -47,27 +46,6 @@ EXACT = (
     "compression_ratio",
     "steps",
 )
-
-
-def stamp() -> dict:
-    """What produced the numbers: commit (and whether the tree had changes), versions, date."""
-    import jax
-    import jaxlib
-
-    def git(*args):
-        run = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-        return run.stdout.strip() if run.returncode == 0 else None
-
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {
-        "commit": git("rev-parse", "HEAD"),
-        "dirty": bool(status) if status is not None else None,
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "date": datetime.date.today().isoformat(),
-    }
 
 
 def run_config(name: str, workdir: str) -> dict:
@@ -110,7 +88,10 @@ def main(argv=None) -> int:
         print("\n".join(diffs) or f"all {len(fresh)} configs reproduce headline.json exactly")
         return 1 if diffs else 0
     recorded["configs"].update(fresh)
-    recorded["stamp"] = stamp()
+    sys.path.insert(0, str(ROOT))
+    from jaxcomp import _stamp
+
+    recorded["stamp"] = _stamp.stamp()
     RESULTS.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
     print(f"wrote {RESULTS}")
     return 0
