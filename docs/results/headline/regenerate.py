@@ -3,6 +3,7 @@ r"""Regenerates the numbers the README and the digits configs' docstrings state,
   python docs/results/headline/regenerate.py            # rerun every config, write headline.json
   python docs/results/headline/regenerate.py --check    # rerun, compare with headline.json
   python docs/results/headline/regenerate.py --configs digits_dense,digits_ab --check
+  python docs/results/headline/regenerate.py --out DIR   # write DIR/headline.json instead
 
 Each config of :data:`CONFIGS` runs in full (``python -m jaxcomp.main --config NAME``, 8 fake
 CPU devices, a fresh workdir) and its ``summary.json`` gives the numbers: final test accuracy
@@ -67,12 +68,17 @@ def main(argv=None) -> int:
                                 description=__doc__.strip().splitlines()[0])  # fmt: skip
     p.add_argument("--check", action="store_true", help="compare with headline.json, write nothing")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated config names")
+    p.add_argument("--out", default=str(HERE), help="the folder of the headline.json written")
     args = p.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
     unknown = sorted(set(names) - set(CONFIGS))
     if unknown:
         p.error(f"unknown config(s) {unknown}; known: {list(CONFIGS)}")
     recorded = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"configs": {}}
+    sys.path.insert(0, str(ROOT))
+    from jaxcomp import _stamp
+
+    produced_by = _stamp.stamp()  # before the runs: the tree they ran from
     fresh = {}
     with tempfile.TemporaryDirectory(prefix="jaxcomp-headline-") as tmp:
         for name in names:
@@ -88,12 +94,10 @@ def main(argv=None) -> int:
         print("\n".join(diffs) or f"all {len(fresh)} configs reproduce headline.json exactly")
         return 1 if diffs else 0
     recorded["configs"].update(fresh)
-    sys.path.insert(0, str(ROOT))
-    from jaxcomp import _stamp
-
-    recorded["stamp"] = _stamp.stamp()
-    RESULTS.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {RESULTS}")
+    recorded["stamp"] = produced_by
+    out = pathlib.Path(args.out) / RESULTS.name
+    out.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {out}")
     return 0
 
 
