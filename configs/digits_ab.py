@@ -7,9 +7,11 @@ are stored (and sent) at a rank capacity of 64 of 256.
 
 Expected: ~8 s of training on 2 idle CPU cores (8.1-8.4 s, where digits_dense with the same
 300 steps took 6.1-6.4 s; 11.3 s beside a CPU-busy process, dense 8.5 s; medians of 2-5 runs,
-docs/results/benchmarks_idle/after12), test accuracy 97.2%; HLO bytes per step: 589 KiB full-rank,
+docs/results/benchmarks_idle/after12), test accuracy 97.49%; HLO bytes per step: 589 KiB full-rank,
 205 KiB in AB phases, 538 KiB at a sync; 56% less traffic than data parallelism over a full
 cycle (the paper: 50-70%).
+The numbers: docs/results/headline/headline.json (with the commit and jax/jaxlib versions;
+``python docs/results/headline/regenerate.py --check`` reruns them).
 """
 
 import ml_collections

@@ -6,8 +6,10 @@ every 2 intervals (the paper: every 10 epochs of 300).
 
   python -m jaxcomp.main --config configs/digits_accordion.py --workdir runs/digits_accordion
 
-Expected: ~30 s on 2 CPU cores (30 s measured), test accuracy 98.1%; 11.4 KiB of PowerSGD
-factors per step on average instead of 589 KiB dense (52x), more in the critical intervals.
+Expected: ~30 s on 2 CPU cores (30 s measured), test accuracy 98.05%; 10.8 KiB of PowerSGD
+factors per step on average instead of 589 KiB dense (54.5x), more in the critical intervals.
+The numbers: docs/results/headline/headline.json (with the commit and jax/jaxlib versions;
+``python docs/results/headline/regenerate.py --check`` reruns them).
 """
 
 import ml_collections
