@@ -26,7 +26,7 @@ def test_api_reference_builds_without_warnings_and_lists_every_public_name(tmp_p
     expected = {f"jaxcomp.{n}" for n in build.public_names()}
     for package in build.PACKAGES:
         expected |= {f"jaxcomp.{package}.{n}" for n in build.public_names(package)}
-    assert len(expected) >= 250 and not expected - documented, sorted(expected - documented)
+    assert len(expected) > 200 and not expected - documented, sorted(expected - documented)
     for nb in (ROOT / "notebooks").glob("*.ipynb"):
         page = (tmp_path / "html" / "notebooks" / f"{nb.stem}.html").read_text()
         assert "<img" in page, nb.stem  # the committed outputs, figures included
