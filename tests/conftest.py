@@ -17,10 +17,18 @@ if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
 # Property tests are deterministic (the team rule: no flaky test): every run draws the same
-# examples. HYPOTHESIS_PROFILE=explore draws new ones; a failure found that way becomes an
-# explicit @example.
-hypothesis.settings.register_profile("ci", derandomize=True, database=None)
-hypothesis.settings.register_profile("explore", derandomize=False)
+# examples, few of them (``ci``, the default: a property test costs about one example test).
+# HYPOTHESIS_PROFILE=thorough draws many more, still the same ones every run (before landing a
+# change to a codec or a channel); HYPOTHESIS_PROFILE=explore draws new ones. A failure found
+# either way becomes an explicit @example. Tests set no max_examples of their own: the profile
+# decides.
+hypothesis.settings.register_profile(
+    "ci", derandomize=True, database=None, max_examples=10, deadline=None
+)
+hypothesis.settings.register_profile(
+    "thorough", derandomize=True, database=None, max_examples=200, deadline=None
+)
+hypothesis.settings.register_profile("explore", derandomize=False, max_examples=100, deadline=None)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
@@ -40,9 +48,16 @@ def _compilation_cache_dir() -> tuple[str | None, bool]:
     worker: a program the other worker compiled was compiled again); the controller names it
     in ``JAXCOMP_TEST_CACHE_RUN`` before it starts the workers, and the cache writes each entry
     atomically (:func:`_atomic_cache_writes`). ``JAXCOMP_TEST_COMPILATION_CACHE=0`` turns it
-    off."""
-    if os.environ.get("JAXCOMP_TEST_COMPILATION_CACHE", "1") == "0":
+    off; ``JAXCOMP_TEST_COMPILATION_CACHE=DIR`` keeps it in ``DIR`` from one run to the next
+    (while working: a rerun loads what an earlier one compiled; an entry's key holds the
+    program, the compile options and the JAX version, so a change compiles what it changed).
+    CI runs cold."""
+    setting = os.environ.get("JAXCOMP_TEST_COMPILATION_CACHE", "1")
+    if setting == "0":
         return None, False
+    if setting != "1":
+        os.makedirs(setting, exist_ok=True)
+        return os.path.abspath(setting), False
     owned = "JAXCOMP_TEST_CACHE_RUN" not in os.environ
     run = os.environ.setdefault("JAXCOMP_TEST_CACHE_RUN", f"{os.getpid()}-{os.urandom(4).hex()}")
     return os.path.join(tempfile.gettempdir(), f"jaxcomp-tests-xla-cache-{run}"), owned
@@ -136,6 +151,40 @@ def _optimisations_as_declared(request):
     yield
 
 
+#: the trainer setups built by :func:`shared_setups` in this process
+_SETUPS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def shared_setups():
+    """For the module: ``jaxcomp.train.setup`` (and the trainer's own call) returns a setup
+    built once per process for the same config, devices and compile setting (setup is pure:
+    the compiled programs, mesh, loaders and mode of a config), so that each in-process run
+    of a config after the first, in this module or a later one, compiles nothing: a resumed
+    run, a rerun, a reference. A module asks for it with
+    ``pytestmark = pytest.mark.usefixtures("shared_setups")``; a test that counts what a
+    setup compiles must not (tests/train/test_no_stall.py)."""
+    from jaxcomp import train
+    from jaxcomp.train import _trainer
+
+    real = _trainer.setup
+
+    def setup(config, devices=None):
+        key = (
+            train.with_defaults(config).to_json_best_effort(sort_keys=True),
+            None if devices is None else tuple(d.id for d in devices),
+            jax.config.read("jax_disable_most_optimizations"),
+        )
+        if key not in _SETUPS:
+            _SETUPS[key] = real(config, devices=devices)
+        return _SETUPS[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_trainer, "setup", setup)
+        mp.setattr(train, "setup", setup)
+        yield setup
+
+
 @pytest.fixture(scope="session")  # conftest functions are not importable in importlib mode
 def last_checkpoint():
     """:func:`_last_checkpoint`: ``last_checkpoint(workdir) -> (step, state)``."""
@@ -174,7 +223,10 @@ def fake_tfds_dir(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Test ids must be the same in every process (pytest-xdist compares them)."""
+    """Test ids must be the same in every process (pytest-xdist compares them). The modules
+    that hold a ``slow`` test run first, each module's tests together: pytest-xdist hands out
+    tests in this order, so the long ones start early and the short ones fill both workers
+    at the end (a 20-second test handed out last kept one worker busy alone)."""
     _check_also_under_set_mesh(items)
     unstable = [item.nodeid for item in items if " at 0x" in item.nodeid]
     if unstable:
@@ -182,6 +234,8 @@ def pytest_collection_modifyitems(config, items):
             "test ids contain object addresses, which differ between xdist workers; pass "
             f"ids= to parametrize: {unstable[:3]}"
         )
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable
 
 
 def _check_also_under_set_mesh(items):
@@ -231,7 +285,24 @@ def under_set_mesh(request):
     return request.param
 
 
+@functools.cache
+def _codec_table():
+    """``tests/codecs.py``'s :data:`CODEC_TABLE` (loaded once per process)."""
+    return _load_test_module("codecs.py").CODEC_TABLE
+
+
+@pytest.fixture(scope="session")
+def codec_table():
+    """Every row of ``tests/codecs.py``'s table (for a test that needs the other rows)."""
+    return _codec_table()
+
+
 def pytest_generate_tests(metafunc):
+    if "codec_case" in metafunc.fixturenames:  # one test per row of the codec table
+        marker = metafunc.definition.get_closest_marker("codec_rows")
+        keep = marker.args[0] if marker else (lambda case: True)
+        rows = [case for case in _codec_table() if keep(case)]
+        metafunc.parametrize("codec_case", rows, ids=[case.name for case in rows])
     if metafunc.definition.nodeid.split("[")[0] in ALSO_UNDER_SET_MESH:
         metafunc.fixturenames.append("under_set_mesh")
         metafunc.parametrize(

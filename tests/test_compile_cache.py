@@ -9,6 +9,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from jaxcomp import main
 
@@ -45,6 +46,7 @@ def _same(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow  # three CLI processes
 def test_a_warm_run_compiles_nothing_and_a_damaged_entry_is_compiled_again(tmp_path):
     # one cache path throughout: JAX's cache key holds the directory's path (its GPU
     # autotuning cache lives inside it), so a copied cache would miss everything

@@ -64,11 +64,13 @@ def _documents_its_run_and_smoke_trains_two_steps(path, workdir):
 OTHERS = [p for p in CONFIGS if p != GPT]
 
 
+@pytest.mark.slow  # a setup per config, ResNet-18 and VGG-16 among them
 @pytest.mark.parametrize("path", OTHERS, ids=[p.stem for p in OTHERS])
 def test_config_documents_its_run_and_smoke_trains_two_steps(path, tmp_path):
     _documents_its_run_and_smoke_trains_two_steps(path, tmp_path)
 
 
+@pytest.mark.slow
 def test_gpt_lm_config_smoke_trains_on_pydoc_and_on_a_tfds_text_corpus(tmp_path, fake_tfds_dir):
     # one test, so that the second run's programs (same shapes) come from the compilation
     # cache of the same process (each pytest-xdist worker has its own)

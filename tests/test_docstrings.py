@@ -23,7 +23,14 @@ def test_the_library_has_examples():
     assert count > 100
 
 
-@pytest.mark.parametrize("name", MODULES)
+#: the modules whose examples compile a pipeline or a factorisation (seconds each): the slow tier
+SLOW = {"jaxcomp.models._staged", "jaxcomp.pipeline._gpipe", "jaxcomp.compressors._low_rank",
+        "jaxcomp.transforms._ab_training", "jaxcomp.comm._reduce_plan"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MODULES]
+)
 def test_docstring_examples(name):
     module = importlib.import_module(name)
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

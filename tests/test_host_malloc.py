@@ -43,6 +43,7 @@ def _faults_per_round(choice):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="mallopt settings are glibc's")
 def test_keep_reuses_freed_large_blocks_without_page_faults():
     applied, reason, kept = _faults_per_round("keep")

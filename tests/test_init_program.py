@@ -44,7 +44,9 @@ def test_every_registered_model_is_covered():
     assert set(SMALL) == set(models.MODELS)
 
 
-@pytest.mark.parametrize("name", sorted(SMALL))
+@pytest.mark.parametrize(
+    "name", [n if n == "mlp" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(SMALL)]
+)
 def test_every_models_init_has_the_default_compiles_bits(name):
     model = SMALL[name]()
     key = jax.random.key(0)
@@ -55,6 +57,7 @@ def test_every_models_init_has_the_default_compiles_bits(name):
     assert any(np.std(np.asarray(x)) > 0.005 for x in jax.tree.leaves(variables))
 
 
+@pytest.mark.slow
 def test_the_initializers_have_the_default_compiles_bits_on_small_and_large_shapes():
     """The initializers the models use (Dense/Conv: lecun_normal, GPT: normal(0.02)) on small
     shapes (loops unrolled at XLA's default level) and large ones (vectorised)."""

@@ -12,6 +12,7 @@ import pytest
 NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.py"))
 
 
+@pytest.mark.slow  # a kernel per notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_is_paired_and_runs(path, tmp_path):
     jupytext = pytest.importorskip("jupytext")

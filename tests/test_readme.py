@@ -38,6 +38,7 @@ def test_the_readme_has_python_blocks():
     assert len(BLOCKS) >= 8, [name for name, _ in BLOCKS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", [s for _, s in BLOCKS], ids=[n for n, _ in BLOCKS])
 def test_readme_block_runs_alone(source, request):
     name = request.node.callspec.id

@@ -43,6 +43,7 @@ def test_round_robin_runs_the_baseline_before_every_candidate_sample():
     assert stats["ratio_q1"] <= stats["ratio_q3"]
 
 
+@pytest.mark.slow
 def test_compressors_benchmark_writes_its_keys(tmp_path):
     path = tmp_path / "compressors.json"
     only = "identity,quant3,quant4_feature,topk1%_exact,topk1%_blockwise"
@@ -102,6 +103,7 @@ def test_ab_training_rows_per_worker_must_be_a_positive_int(rows):
         ab_training.time_kinds(1, rows)
 
 
+@pytest.mark.slow
 def test_ab_training_benchmark_times_each_rows_per_worker_and_keeps_its_keys(tmp_path):
     from jaxcomp.bench import ab_training
 

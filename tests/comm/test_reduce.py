@@ -56,6 +56,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("channel", "path"), CASES, ids=lambda c: getattr(c, "name", c))
 def test_hlo_bytes_equal_reduce_bytes_and_no_dense_all_reduce(mesh, grads, channel, path):
     _, g = grads
@@ -144,6 +145,7 @@ DECODE_CODECS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("codec", "shape", "dtype"),
     DECODE_CODECS,

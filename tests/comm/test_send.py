@@ -99,6 +99,7 @@ def _reference(forward, backward, xs, ws, key):
     return loss, jnp.stack(dx), (fs, fr), (bs, br)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "forward, backward",
     [

@@ -82,6 +82,7 @@ def _dense(vals, idx, blk, d):
     return out[:, :d]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,count,per_sample", CASES, ids=str)
 def test_one_per_block_with_a_short_last_block_is_the_padded_argmax(shape, count, per_sample):
     codec = compressors.top_k(count=count, per_sample=per_sample, method="blockwise")

@@ -1,12 +1,9 @@
-"""Compress-and-decode equals decompress of compress, for every codec of ``test_contract.py``
-at the edges (NaN, +-Inf, magnitudes 1e-10 and 1e6), bit for bit.
+"""Compress-and-decode equals decompress of compress, for every row of the codec table
+(``tests/codecs.py``) at the edges (NaN, +-Inf, magnitudes 1e-10 and 1e6), bit for bit.
 
 At XLA's default compile: the fused sender and the separately compiled receiver are two
 differently optimised programs, whose agreement on non-finite entries is what this guards
 (``test_contract.py`` runs unoptimised)."""
-
-import importlib.util
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +12,7 @@ import pytest
 
 from jaxcomp import compressors
 
-_spec = importlib.util.spec_from_file_location(  # test modules cannot import each other
-    "_contract_codecs", pathlib.Path(__file__).with_name("test_contract.py")
-)
-_contract = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_contract)
+SHAPE = (16, 64)
 
 
 EDGES = {
@@ -32,12 +25,14 @@ EDGES = {
 }
 
 
+@pytest.mark.slow
+@pytest.mark.slow  # three programs per row at the default compile (test_contract.py: fast)
 @pytest.mark.parametrize("edge", EDGES)
-@pytest.mark.parametrize("codec", _contract.CODECS, ids=lambda c: c.name)
-def test_compress_and_decode_equals_decompress_of_compress(codec, edge):
+def test_compress_and_decode_equals_decompress_of_compress(codec_case, edge):
     """The error-feedback sender's echo is what the receiver decodes, at the edges too (a
     quantize round trip once decoded a NaN entry as NaN while the payload decoded it as -inf)."""
-    x = EDGES[edge](jax.random.normal(jax.random.key(2), _contract.SHAPE))
+    codec = codec_case.codec
+    x = EDGES[edge](jax.random.normal(jax.random.key(2), SHAPE))
     state = codec.init(x)
     key = jax.random.key(3)
     payload, new_state, x_hat = jax.jit(

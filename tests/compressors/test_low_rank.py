@@ -26,6 +26,7 @@ def np_orthogonalize(p, eps=1e-8):
     return p
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, rank", [((12, 9), 1), ((12, 9), 3), ((3, 4, 10), 2)])
 def test_exact_on_rank_r_matrices(shape, rank):
     rows, cols = _low_rank.matrix_shape(shape)

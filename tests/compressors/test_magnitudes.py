@@ -50,60 +50,18 @@ def _scaled(magnitude):
     return x, np.asarray(x, np.float64)
 
 
-def _bound_symmetric(x, bits, feature, wire_eps):
-    """One step ``s / h`` per entry, ``s`` the absmax (per feature column) rounded up."""
-    amax = np.abs(x).max(0, keepdims=True) if feature else np.abs(x).max()
-    return amax * (1 + wire_eps) / 2 ** (bits - 1)
-
-
-QUANTIZERS = {
-    # name: (codec, bound(x64) on |x_hat - x| per entry)
-    "quantize8_tensor": (C.quantize(8), lambda x: _bound_symmetric(x, 8, False, 0)),
-    "quantize4_tensor_stochastic": (
-        C.quantize(4, rounding="stochastic"),
-        lambda x: _bound_symmetric(x, 4, False, 0),
-    ),
-    "quantize1_tensor": (C.quantize(1), lambda x: _bound_symmetric(x, 1, False, 0)),
-    "quantize8_feature": (
-        C.quantize(8, scale="feature"),
-        lambda x: _bound_symmetric(x, 8, True, 2.0**-7),  # bfloat16 scale rounded up
-    ),
-    "quantize4_feature_stochastic": (
-        C.quantize(4, scale="feature", rounding="stochastic"),
-        lambda x: _bound_symmetric(x, 4, True, 2.0**-7),
-    ),
-    "quantize8_feature_f32": (
-        C.quantize(8, scale="feature", scale_dtype=jnp.float32),
-        lambda x: _bound_symmetric(x, 8, True, 0),
-    ),
-    "quantize2_minmax": (
-        C.quantize(2, scale="minmax"),
-        lambda x: (x.max() - x.min()) / (2 * 3),
-    ),
-    "quantize3_minmax_stochastic": (
-        C.quantize(3, scale="minmax", rounding="stochastic"),
-        lambda x: (x.max() - x.min()) / 7,
-    ),
-    "cast_bf16": (C.cast("bfloat16"), lambda x: np.abs(x) * 2.0**-8),  # unit roundoff
-}
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    return {name: _jit_roundtrip(codec) for name, (codec, _) in QUANTIZERS.items()}
-
-
+@pytest.mark.codec_rows(lambda case: case.bound is not None)
 @pytest.mark.parametrize("magnitude", MAGNITUDES + HUGE, ids=lambda m: f"{m:g}")
-@pytest.mark.parametrize("name", sorted(QUANTIZERS))
-def test_quantizer_error_within_its_bound_at_every_magnitude(name, magnitude, compiled):
-    _, bound = QUANTIZERS[name]
+def test_quantizer_error_within_its_bound_at_every_magnitude(codec_case, magnitude):
+    """Every row of the codec table with a per-entry bound (``tests/codecs.py``)."""
+    bound = codec_case.bound
     x, x64 = _scaled(magnitude)
-    y = np.asarray(compiled[name](x, jax.random.key(3)), np.float64)
+    y = np.asarray(codec_case.round_trip()(x, jax.random.key(3))[2], np.float64)
     err = np.abs(y - x64)
     # plus float32 rounding of the decoded value (about 2**-24 of it)
     assert np.all(err <= bound(x64) + np.abs(x64) * 2.0**-22), np.max(err / bound(x64))
     # and the error is not trivially small: the codec really quantizes at this magnitude
-    if name != "cast_bf16":
+    if not codec_case.name.startswith("cast"):
         assert np.max(err / np.abs(x64).max()) > 1e-4
 
 
@@ -187,6 +145,7 @@ def _feedback_run(channel, magnitude, steps=3):
     return out, send_state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["error_feedback", "ef21"])
 @pytest.mark.parametrize("name", sorted(FEEDBACK_CODECS))
 def test_feedback_around_sign_and_power_sgd_does_not_depend_on_magnitude(name, kind):
@@ -212,7 +171,8 @@ def test_float16_feature_scales_documented_range():
     for magnitude in (0.1, 1.0, 1e3):  # group maxima inside [6.1e-5, 65504]: the bound holds
         x, x64 = _scaled(magnitude)
         err = np.abs(np.asarray(f(x, None), np.float64) - x64)
-        assert np.all(err <= _bound_symmetric(x64, 8, True, 2.0**-10) * (1 + 1e-6))
+        bound = np.abs(x64).max(0, keepdims=True) * (1 + 2.0**-10) / 2**7  # one step
+        assert np.all(err <= bound * (1 + 1e-6))
     # a column whose max exceeds 65504: infinite scale, that column decodes non-finite
     x = jnp.asarray(X, jnp.float32).at[2, 7].set(7e4)
     y = np.asarray(f(x, None))

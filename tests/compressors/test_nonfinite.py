@@ -20,48 +20,8 @@ import pytest
 from jaxcomp import compressors as C
 from jaxcomp.compressors import _low_rank
 
-SIZES = {"small": ((4, 8), (1, 3)), "large": ((24, 1024), (17, 777))}  # shape, bad position
+SIZES = {"small": ((16, 64), (1, 3)), "large": ((24, 1024), (17, 777))}  # shape, bad position
 BAD = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
-
-# what the decoded output holds, per codec (see each codec's docstring):
-#   same     the bad entry decodes to itself (NaN stays NaN, +-Inf stays +-Inf), the rest finite
-#   all      every entry is non-finite
-#   feature  for +-Inf, every entry of the bad entry's feature column (scale over axis 0) is
-#            non-finite and every other entry finite; for NaN, every entry is non-finite
-#   kept     the bad entry is kept as itself, every other entry finite
-#   kept_all every kept entry is non-finite, the dropped ones are zero
-CODECS = {
-    "identity": (C.identity(), "same"),
-    "cast_fp16": (C.cast("float16"), "same"),
-    "cast_bf16": (C.cast("bfloat16"), "same"),
-    "quantize8": (C.quantize(8), "all"),
-    "quantize1": (C.quantize(1), "all"),
-    "quantize4_stochastic": (C.quantize(4, rounding="stochastic"), "all"),
-    "quantize8_feature": (C.quantize(8, scale="feature"), "feature"),
-    "quantize4_feature_stochastic": (
-        C.quantize(4, scale="feature", rounding="stochastic"),
-        "feature",
-    ),
-    "quantize8_feature_fp16": (C.quantize(8, scale="feature", scale_dtype=jnp.float16), "feature"),
-    "quantize2_minmax": (C.quantize(2, scale="minmax"), "all"),
-    "quantize3_minmax_stochastic": (C.quantize(3, scale="minmax", rounding="stochastic"), "all"),
-    "sign": (C.sign(), "all"),
-    "sign_rms": (C.sign(scale="rms"), "all"),
-    "top_k_exact": (C.top_k(0.1), "kept"),
-    "top_k_blockwise": (C.top_k(0.1, method="blockwise"), "kept"),
-    "top_k_blockwise_16": (C.top_k(0.1, method="blockwise", block_size=16), "kept"),
-    "top_k_per_sample": (C.top_k(0.25, per_sample=True), "kept"),
-    "top_k_per_sample_blockwise": (C.top_k(0.25, per_sample=True, method="blockwise"), "kept"),
-    "rand_k": (C.rand_k(0.1), "kept_all"),
-    "rand_k_unbiased": (C.rand_k(0.1, unbiased=True), "kept_all"),
-    "power_sgd": (C.power_sgd(2), "all"),
-    "power_sgd_cold": (C.power_sgd(2, warm_start=False), "all"),
-    "top_k+quantize8": (C.compose(C.top_k(0.1), C.quantize(8)), "kept_all"),
-    "rand_k+quantize4_stochastic": (
-        C.compose(C.rand_k(0.1), C.quantize(4, rounding="stochastic")),
-        "kept_all",
-    ),
-}
 
 
 def _roundtrip(codec):
@@ -72,64 +32,72 @@ def _roundtrip(codec):
     return f
 
 
-@pytest.fixture(scope="module")
-def jitted():
-    return {name: jax.jit(_roundtrip(codec)) for name, (codec, _) in CODECS.items()}
-
-
-# the codecs whose large input runs the sort-free select, by layout (rows of the select)
+#: the rows whose large input runs the sort-free select, by layout (rows of the select): eager,
+#: each layout is a test of its own (below)
 EAGER_SELECT = {
-    "one_row": ("top_k_exact", "top_k+quantize8"),
+    "one_row": ("top_k", "top_k+quantize8"),
     "per_sample": ("top_k_per_sample",),
 }
 _EAGER_SELECT = {name for names in EAGER_SELECT.values() for name in names}
 
 
-def _check(name, size, mode, bad, jitted):
-    codec, pattern = CODECS[name]
+def _check(case, size, mode, bad, jitted=None):
+    """The row's documented pattern (``tests/codecs.py``: ``nonfinite``) for one input
+    (``mode="jit"``: through ``jitted``, the row's jitted round trip)."""
+    codec, pattern = case.codec, case.nonfinite
     shape, pos = SIZES[size]
     x = np.array(jax.random.normal(jax.random.key(0), shape))
     x[pos] = BAD[bad]
-    f = jitted[name] if mode == "jit" else _roundtrip(codec)
+    f = jitted if mode == "jit" else _roundtrip(codec)
     y = np.asarray(f(jnp.asarray(x), jax.random.key(1)))
     finite = np.isfinite(y)
-    assert not finite.all()  # the issue: a NaN decoded to finite values
-    if pattern == "same":
-        assert np.isnan(y[pos]) if bad == "nan" else y[pos] == BAD[bad]
-        assert finite.sum() == y.size - 1
+    where = f"{case.name}-{size}-{mode}-{bad}"
+    assert not finite.all(), where  # the issue: a NaN decoded to finite values
+    if pattern in ("same", "kept"):
+        assert np.isnan(y[pos]) if bad == "nan" else y[pos] == BAD[bad], where
+        assert finite.sum() == y.size - 1, where
     elif pattern == "all" or (pattern == "feature" and bad == "nan"):
-        assert not finite.any()
+        assert not finite.any(), where
     elif pattern == "feature":
-        assert not finite[:, pos[1]].any()
-        assert np.delete(finite, pos[1], axis=1).all()
-    elif pattern == "kept":
-        assert np.isnan(y[pos]) if bad == "nan" else y[pos] == BAD[bad]
-        assert finite.sum() == y.size - 1
+        assert not finite[:, pos[1]].any(), where
+        assert np.delete(finite, pos[1], axis=1).all(), where
     else:  # kept_all: every kept value is non-finite, the dropped entries exactly zero
-        assert np.all(finite == (y == 0))
-        assert (~finite).sum() == C.kept_count(y.size, 0.1, None)  # every such codec keeps 10%
+        assert pattern == "kept_all", where
+        assert np.all(finite == (y == 0)), where
+        assert (~finite).sum() == C.kept_count(y.size, 0.1, None), where  # every such row: 10%
 
 
-_CASES = [
-    pytest.param(name, size, mode, bad, id=f"{name}-{size}-{mode}-{bad}")
-    for name in sorted(CODECS)
-    for size in sorted(SIZES)
-    for mode in ["eager", "jit"]
-    for bad in sorted(BAD)
-    if not (name in _EAGER_SELECT and size == "large" and mode == "eager")
-]
+def _check_size(case, size):
+    round_trip = case.round_trip()  # one program per row and size
+
+    def jitted(x, key):
+        return round_trip(x, key)[2]
+
+    for mode in ("eager", "jit"):
+        if case.name in _EAGER_SELECT and size == "large" and mode == "eager":
+            continue  # test_non_finite_large_input_decodes_non_finite_eagerly_through_the_select
+        for bad in sorted(BAD):
+            _check(case, size, mode, bad, jitted)
 
 
-@pytest.mark.parametrize("name, size, mode, bad", _CASES)
-def test_non_finite_input_decodes_non_finite(name, size, mode, bad, jitted):
-    _check(name, size, mode, bad, jitted)
+def test_non_finite_input_decodes_non_finite(codec_case):
+    """Small, eager and jitted, NaN, Inf and -Inf."""
+    _check_size(codec_case, "small")
 
 
+@pytest.mark.slow  # the codecs' large-input paths: the select, the folds
+def test_non_finite_large_input_decodes_non_finite(codec_case):
+    """Large, eager and jitted, NaN, Inf and -Inf."""
+    _check_size(codec_case, "large")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(EAGER_SELECT))
-def test_non_finite_large_input_decodes_non_finite_eagerly_through_the_select(layout, jitted):
+def test_non_finite_large_input_decodes_non_finite_eagerly_through_the_select(layout, codec_table):
+    rows = {case.name: case for case in codec_table}
     for name in EAGER_SELECT[layout]:
         for bad in sorted(BAD):
-            _check(name, "large", "eager", bad, jitted)
+            _check(rows[name], "large", "eager", bad)
 
 
 # PowerSGD's own non-finite cases (moved from test_low_rank.py, which runs unoptimised)

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from hypothesis import example
 from hypothesis import given
-from hypothesis import settings
 from hypothesis import strategies as st
 
 from jaxcomp import compressors
@@ -161,6 +160,7 @@ def test_sign_by_hand():
     np.testing.assert_array_equal(y, [2.0, -2.0, 2.0, -2.0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", range(1, 9))
 @pytest.mark.parametrize("n", [1, 7, 8, 37])
 def test_bitpack_roundtrip_and_size(bits, n):
@@ -194,7 +194,6 @@ QUANTIZERS = {
 }
 
 
-@settings(max_examples=30, deadline=None)
 @given(
     x=FLOATS,
     bits=st.sampled_from([1, 3, 4, 8]),
@@ -214,7 +213,6 @@ def test_quantization_error_bound(x, bits, scale, rounding, seed):
     assert np.all(err <= bound * (1 + 1e-5) + 1e-30)
 
 
-@settings(max_examples=20, deadline=None)
 @given(x=FLOATS, bits=st.sampled_from([1, 3, 4, 8]))
 @example(x=np.full((6, 5), np.finfo(np.float32).tiny, np.float32), bits=3)  # found in CI
 def test_feature_quantization_error_bound(x, bits):

@@ -65,6 +65,8 @@ KINDS = [
 # (d, k): rows of 300 (stride 1, not a multiple of 32), 4096 (the bench's), 65536 (the largest
 # short row) and 257; K from 1 to d - 1
 SHAPES = [(300, 1), (300, 30), (300, 299), (4096, 41), (4096, 410), (65536, 6554), (257, 256)]
+#: one program per shape (seconds of compile each): the fast tier's shape, every shape in the slow
+SHAPE_PARAMS = [s if s == (300, 30) else pytest.param(*s, marks=pytest.mark.slow) for s in SHAPES]
 
 
 def _matrix(kinds, d, seed=0):
@@ -103,7 +105,7 @@ def _outputs(d: int, k: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("d, k", SHAPES)
+@pytest.mark.parametrize("d, k", SHAPE_PARAMS)
 def test_short_bracket_agrees_with_lax_top_k_on_every_row_it_accepts(d, k):
     x, t, p, ok, t_ref, p_ref, _ = _outputs(d, k)["all"]
     np.testing.assert_array_equal(t[ok], t_ref[ok])
@@ -113,12 +115,13 @@ def test_short_bracket_agrees_with_lax_top_k_on_every_row_it_accepts(d, k):
     assert normal.all(), "the bracket fails on Gaussian rows: the fast path is never taken"
 
 
-@pytest.mark.parametrize("d, k", SHAPES)
+@pytest.mark.parametrize("d, k", SHAPE_PARAMS)
 def test_top_k_indices_is_the_stable_top_k_with_and_without_fallback(d, k):
     for x, *_, idx in _outputs(d, k).values():
         np.testing.assert_array_equal(idx, _stable_top(x, k))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_bad", [0, 1, _select._FEW_ROWS, _select._FEW_ROWS + 1, 40])
 def test_rows_whose_bracket_fails_fall_back_alone_or_all_together(n_bad):
     # Gaussian rows with n_bad dead ones (all zero, all equal, subnormal: the bracket fails):

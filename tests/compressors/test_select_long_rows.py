@@ -71,6 +71,7 @@ def _select_fn(k: int):
     return jax.jit(f)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [D // 100, D // 10])
 def test_long_row_select_is_the_stable_top_k_for_every_kind(k, load_test_module):
     stable_top = load_test_module("compressors/test_select.py")._stable_top  # numpy reference

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given
-from hypothesis import settings
 from hypothesis import strategies as st
 
 from jaxcomp import compressors
@@ -56,7 +55,6 @@ def test_index_dtype_grows_with_range():
 TOPK_EXACT = jax.jit(lambda x: roundtrip(compressors.top_k(count=7), x)[1])
 
 
-@settings(max_examples=40, deadline=None)
 @given(x=hnp.arrays(np.float32, (50,), elements=st.floats(-100, 100, width=32), unique=True))
 def test_top_k_keeps_exactly_the_k_largest_magnitudes(x):
     y = np.asarray(TOPK_EXACT(jnp.asarray(x)))
@@ -137,6 +135,7 @@ SELECT_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape, fraction, per_sample, x",
     [c[1:] for c in SELECT_CASES],
@@ -167,6 +166,7 @@ def _top_k_magnitude(x2d):
     return jnp.where(jnp.isnan(a), jnp.inf, a)
 
 
+@pytest.mark.slow
 def test_approx_method_is_the_exact_selection_off_tpu():
     x = jnp.asarray(_edge_vector(70001, 3))
     exact, approx = compressors.top_k(0.01), compressors.top_k(0.01, method="approx")
@@ -263,6 +263,7 @@ def test_rand_k_non_finite_input_poisons_the_payload():
     assert np.all(np.isnan(roundtrip(codec, x)[0].values))
 
 
+@pytest.mark.slow
 def test_exact_top_k_called_eagerly_traces_the_select_once(caplog):
     """Called eagerly (a notebook), the sort-free select ran its ~550 small ops one by one,
     each traced and compiled on its own (~13 s for a new shape); now one jitted program."""
@@ -278,10 +279,14 @@ def test_exact_top_k_called_eagerly_traces_the_select_once(caplog):
 
 @pytest.mark.parametrize(
     "codec, shape",
-    [
-        (compressors.top_k(0.1, per_sample=True), (8, 4096)),
-        (compressors.top_k(0.01), (70016,)),
-        (compressors.top_k(0.05, method="blockwise", block_size=512), (32768,)),
+    [  # past the lax.top_k shortcut: seconds of compile each, in the slow tier
+        pytest.param(compressors.top_k(0.1, per_sample=True), (8, 4096), marks=pytest.mark.slow),
+        pytest.param(compressors.top_k(0.01), (70016,), marks=pytest.mark.slow),
+        pytest.param(
+            compressors.top_k(0.05, method="blockwise", block_size=512),
+            (32768,),
+            marks=pytest.mark.slow,
+        ),
         # K == every entry (a small leaf, e.g. a bias): the select's constant answer was not
         # typed as varying and shard_map's platform switch refused it (until session 16)
         (compressors.top_k(1.0), (64,)),

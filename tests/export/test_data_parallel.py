@@ -73,6 +73,7 @@ def setup():
     return mesh, params, batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_data_parallel_step_exports_with_compressed_collectives(name, setup, lowering):
     mesh, params, batch = setup

@@ -66,6 +66,7 @@ def _payload_types(channel, lowering):
     return {lowering.element_type(a.dtype) for a in jax.tree.leaves(payload)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("name", sorted(LINKS))
 def test_pipeline_step_and_evaluate_export(name, schedule, setup, lowering):

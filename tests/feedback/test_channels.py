@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given
-from hypothesis import settings
 from hypothesis import strategies as st
 
 from jaxcomp import comm
@@ -34,7 +33,6 @@ EF_STEPS = {
 }
 
 
-@settings(max_examples=30, deadline=None)
 @given(
     x=hnp.arrays(np.float32, (8, 6), elements=st.floats(-50, 50, width=32)),
     e=hnp.arrays(np.float32, (8, 6), elements=st.floats(-5, 5, width=32)),
@@ -131,7 +129,6 @@ def _mirror_run(codec, num_samples):
 MIRRORS = {(c, n): _mirror_run(MIRROR_CODECS[c], n) for c in MIRROR_CODECS for n in (None, 6)}
 
 
-@settings(max_examples=12, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
     codec=st.sampled_from(sorted(MIRROR_CODECS)),
@@ -265,6 +262,7 @@ ADD_DECODED_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec,shape", ADD_DECODED_CASES, ids=lambda v: getattr(v, "name", v))
 def test_add_decoded_and_compress_into_equal_the_dense_form(codec, shape):
     """What EF keeps (c - D(C(c))) and EF21 keeps (g + D(m)), eager and jitted, NaN/Inf too."""

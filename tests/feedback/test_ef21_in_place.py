@@ -87,12 +87,14 @@ def _state_copies(compiled):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CODECS))
 def test_ef21_estimate_updated_in_place(name):
     compiled, _, _ = _step("ef21", name)
     assert _state_copies(compiled) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CODECS))
 def test_error_feedback_residual_updated_in_place(name):
     # EF scatters into the array it compressed (c = x + e), made by _order.computed_once:
@@ -102,6 +104,7 @@ def test_error_feedback_residual_updated_in_place(name):
     assert _state_copies(compiled) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(DENSE_ECHO_CODECS))
 def test_error_feedback_writes_c_and_the_residual_into_the_donated_buffer(name):
     # c = x + e made by _order.computed_once in the residual's buffer, c - echo over it after
@@ -113,6 +116,7 @@ def test_error_feedback_writes_c_and_the_residual_into_the_donated_buffer(name):
     assert compiled.memory_analysis().temp_size_in_bytes < leaf_bytes
 
 
+@pytest.mark.slow
 def test_ef21_step_in_place_keeps_the_formula():
     # the donated step (no ordering select) against g' = g + D(C(x - g)) and G' = mean of g'
     codec = CODECS["blockwise"]

@@ -117,6 +117,7 @@ def mesh():
     return comm.make_mesh([(comm.DATA, W)], devices=jax.devices()[:W])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec,shape", CASES, ids=lambda v: getattr(v, "name", v))
 def test_error_feedback_and_ef21_reductions_keep_their_formulas_bit_for_bit(
     mesh, signals, codec, shape

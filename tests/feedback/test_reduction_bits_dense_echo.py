@@ -126,6 +126,7 @@ POWER_SGD_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,shape,rank,decay", POWER_SGD_CASES, ids=str)
 def test_power_sgd_error_feedback_keeps_c_minus_its_mean_bit_for_bit(
     mesh, signals, kind, shape, rank, decay
@@ -161,6 +162,7 @@ QUANTIZE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", QUANTIZE_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("kind", ["random", "zero", "nonfinite"])
 def test_dense_echo_error_feedback_keeps_c_minus_the_round_trip_bit_for_bit(
@@ -203,6 +205,7 @@ def _recording(inner):
     return inner._replace(reduce=reduce), seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "protocol,in_place",
     [

@@ -24,6 +24,7 @@ TINY = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_stage_fns_compose_to_the_whole_model(name):
     model = TINY[name]()
@@ -88,6 +89,7 @@ BN = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BN))
 def test_stateful_stage_fns_compose_to_the_whole_batchnorm_model(name):
     """Training: outputs and updated statistics of the chained stages == the whole model's;

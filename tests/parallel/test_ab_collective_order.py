@@ -82,6 +82,7 @@ def _ab_hlo(mesh, name):
     return _entry_schedule(programs.compiled(name, *args).as_text())
 
 
+@pytest.mark.slow
 def test_the_loss_mean_is_the_ab_programs_last_collective(mesh, monkeypatch):
     order = _ab_hlo(mesh, "ab")
     # the role cond (the factor's group mean), the head's group mean, the sync cond, and
@@ -109,6 +110,7 @@ def _run(config, mesh, data):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, {"reset_opt": True, "sync_mode": "only-learned"}])
 def test_every_state_and_metric_leaf_is_bit_identical_to_the_loss_mean_after_the_forward(
     mesh, monkeypatch, options

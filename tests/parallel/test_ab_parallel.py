@@ -53,6 +53,7 @@ def grouped():
     return config, parallel.ab_data_parallel(loss_fn, config, mesh, donate=False)
 
 
+@pytest.mark.slow
 def test_truncation_cuts_the_rank_and_capacity_can_follow(grouped):
     _, dp = grouped
     params, data = init_params(), batches(8)
@@ -248,6 +249,7 @@ def _stateful_loss(params, model_state, batch):
     return loss_fn(params, batch), {"m": 0.5 * model_state["m"] + 0.5 * x.mean(0)[:2]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout,rule",
     [("flat", "average"), ("flat", "first"), ("flat", "keep"), ("rectangular", "average")],
@@ -289,6 +291,7 @@ def _mesh_of(layout):
     return parallel.ab_mesh(2, jax.devices()[:4])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout,options",
     [
@@ -381,6 +384,7 @@ def test_the_refactorisation_compiles_fast_wherever_it_compiles_with_the_default
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout,options",
     [("rectangular", {}), ("flat", dict(axis_name="data", group_size=2, sync_mode="only-learned"))],

@@ -151,6 +151,7 @@ def test_modes_follow_scripted_norms_and_bytes_follow_modes(scripted):
     assert np.isfinite(float(sim.evaluate(params, batch, compress=True)[0]))
 
 
+@pytest.mark.slow
 def test_a_switch_keeps_the_error_feedback_residual(mlp):
     """Low and high share the channel state: the first 4-bit step compensates the residual the
     8-bit steps left (x + e_old == x_hat + e_new for every microbatch, with the high codec)."""
@@ -193,6 +194,7 @@ def _bytes_by_direction(text):
     return out, report.bytes_by_kind()
 
 
+@pytest.mark.slow
 def test_distributed_equals_simulate_and_each_program_sends_its_theory(
     mlp, stage_mesh, pack, tools
 ):

@@ -5,6 +5,7 @@ checkpoint taken after the switch is bit-identical."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxcomp import compressors as C
 from jaxcomp import pipeline
@@ -65,6 +66,7 @@ def _stats(states):
     return [states.model_state(s) for s in range(S)]
 
 
+@pytest.mark.slow
 def test_batchnorm_statistics_on_adaptive_links_switch_count_and_resume(stage_mesh, pack, tmp_path):
     model = _bn_model()
     params, state0, batch = _setup()

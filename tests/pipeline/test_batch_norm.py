@@ -1,7 +1,7 @@
 """BatchNorm in the pipeline: running statistics as per-stage state, threaded through GPipe,
 1F1B and the simulation, updated by real microbatches only and in microbatch order; per-replica
 and synchronised statistics with data replicas; evaluation with the running statistics (the
-trainer's resume: tests/train/test_pipeline_batch_norm.py)."""
+trainer's resume: tests/train/test_resume.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +76,7 @@ def reference(resnet):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "simulate"])
 def test_identity_links_equal_the_model_applied_microbatch_by_microbatch(
     resnet, reference, schedule
@@ -120,6 +121,7 @@ def _counter_model():
     return pipeline.StagedModel((stage,) * S, loss, stateful=True, eval_stages=(evaluate,) * S)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_only_real_microbatches_update_the_state_in_microbatch_order(schedule):
     m_ = 6  # > S: bubble ticks, and 1F1B's steady state interleaves forwards and backwards
@@ -153,6 +155,7 @@ def _replica_batch(x, labels, r):
     return {"x": x[r * half : (r + 1) * half], "label": labels[r * half : (r + 1) * half]}
 
 
+@pytest.mark.slow
 def test_data_replicas_keep_their_own_statistics_equal_to_the_simulation(resnet):
     """2 replicas x 4 stages, TopK+EF forward links: each replica's statistics, link states
     and gradient equal the simulation on its half of the batch."""
@@ -188,6 +191,7 @@ def test_data_replicas_keep_their_own_statistics_equal_to_the_simulation(resnet)
         np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_synchronised_statistics_are_those_of_the_microbatch_concatenated_over_replicas(resnet):
     model, params, state, x, labels = resnet
     config = pipeline.PipelineConfig(M)

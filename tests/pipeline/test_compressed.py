@@ -43,9 +43,14 @@ def _max_diff(a, b):
 RUNS = [(n, "gpipe") for n in sorted(LINKS)] + [
     (n, "1f1b") for n in ("aq_sgd", "ef21_bf16", "shared_mask", "topk_ef")
 ]
+#: the fast tier's run (every other in the slow tier)
+FAST_RUN = ("topk_ef", "1f1b")
 
 
-@pytest.mark.parametrize("name, schedule", RUNS)
+@pytest.mark.parametrize(
+    "name, schedule",
+    [r if r == FAST_RUN else pytest.param(*r, marks=pytest.mark.slow) for r in RUNS],
+)
 def test_distributed_equals_simulated_and_sends_theory_bytes(
     name, schedule, mlp, stage_mesh, pack, tools
 ):
@@ -161,6 +166,7 @@ def test_data_replicas_equal_per_replica_simulations(tools):
         tools.close(jax.tree.map(lambda a, r=r: a[:, r], states), outs[r][2])
 
 
+@pytest.mark.slow
 def test_compressed_evaluation_applies_each_forward_codec_with_the_documented_keys(
     mlp, stage_mesh, pack, tools
 ):
@@ -210,6 +216,7 @@ def test_compressed_evaluation_applies_each_forward_codec_with_the_documented_ke
     np.testing.assert_allclose(dense_loss, ref_loss, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_per_sample_buffers_are_updated_in_place_and_cost_their_live_size(mlp, stage_mesh, pack):
     """AQ-SGD caches (forward) and per-sample EF residuals (backward) hold one row per sample
     of the dataset; a step touches only its rows, so its scratch memory must not scale with

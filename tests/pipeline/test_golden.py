@@ -40,7 +40,10 @@ def _ends(states, replica):
 RUNS = [(n, "1f1b") for n in sorted(CASES)] + [("aq_sgd", "gpipe"), ("replicas_topk_ef", "gpipe")]
 
 
-@pytest.mark.parametrize("name, schedule", RUNS)
+@pytest.mark.parametrize(
+    "name, schedule",
+    [r if r == ("ef21_q8", "1f1b") else pytest.param(*r, marks=pytest.mark.slow) for r in RUNS],
+)
 def test_same_numbers_as_before_the_compact_layout(name, schedule, recorded):
     kind, link, compress_per_step, replicas = CASES[name]
     fx = golden.fixture(kind)

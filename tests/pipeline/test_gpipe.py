@@ -36,6 +36,7 @@ def _forward(model, params, h):
     return h
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", pipeline.SCHEDULES)
 def test_identity_heterogeneous_cnn_matches_unpipelined(cnn, stage_mesh, pack, tools, schedule):
     config = pipeline.PipelineConfig(cnn.M, schedule=schedule)
@@ -70,6 +71,7 @@ def gpt():
     return model, params, {"x": tokens, "label": jnp.roll(tokens, -1, axis=1)}
 
 
+@pytest.mark.slow  # the GPT decoder, three programs
 def test_identity_gpt_decoder_from_the_registry_gpipe_equals_1f1b_equals_unpipelined(
     gpt, stage_mesh, pack, tools
 ):

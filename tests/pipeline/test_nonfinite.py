@@ -54,10 +54,12 @@ def _assert_non_finite(e_loss, outputs, s_loss, grads):
     assert not all(np.isfinite(np.asarray(g)).all() for g in grads)
 
 
+@pytest.mark.slow
 def test_nan_pixel_without_compression(cnn, nan_batch, stage_mesh, pack):
     _assert_non_finite(*_run(cnn, nan_batch, stage_mesh, pack, LINKS["quantize8"], False))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LINKS))
 def test_nan_pixel_with_compression(name, cnn, nan_batch, stage_mesh, pack):
     _assert_non_finite(*_run(cnn, nan_batch, stage_mesh, pack, LINKS[name], True))

@@ -92,6 +92,7 @@ def _bytes_states(states):
     return [x for x in found if hasattr(x, "_fields")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_replica_averaging_equals_the_transform_applied_by_hand(
     name, setup, tools, load_test_module
@@ -154,6 +155,7 @@ def test_replica_averaging_errors(setup):
         with_tx.step(mlp.params, batch, without.init(mlp.params, batch))
 
 
+@pytest.mark.slow
 def test_plain_mean_of_a_heterogeneous_cnn_sends_each_stage_unpadded(tools):
     """Without a transform the replicas' float mean sends each stage's own parameter bytes (not
     the largest stage's packed row) and gives the unpipelined gradient of the whole batch."""

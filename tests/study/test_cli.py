@@ -52,6 +52,7 @@ def smoke_study(tmp_path_factory):
     return workdir, result
 
 
+@pytest.mark.slow  # a study CLI process of 4 cells
 def test_paper1_direction_smoke_runs_the_chosen_cells_and_reports(smoke_study):
     workdir, result = smoke_study
     assert result.returncode == 0, result.stderr[-3000:]
@@ -71,6 +72,7 @@ def test_paper1_direction_smoke_runs_the_chosen_cells_and_reports(smoke_study):
     assert (workdir / ".jax_cache").is_dir()  # the CLI process turns the cache on
 
 
+@pytest.mark.slow
 def test_a_rerun_skips_the_finished_cells_and_report_writes_elsewhere(smoke_study, tmp_path):
     workdir, _ = smoke_study
     cells = [a for c in CELLS for a in ("--cells", c)]
@@ -116,6 +118,7 @@ def test_every_study_documents_itself_and_its_cells_are_valid_configs(name):
 RUN_IN_TESTS = ["accordion_powersgd", "accordion_batch_size"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUN_IN_TESTS)
 def test_a_study_of_each_mode_runs_a_smoke_cell(name, tmp_path):
     s = study.load_study(name)

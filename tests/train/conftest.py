@@ -1,17 +1,14 @@
 """Small configs shared by the trainer tests (dense digits: compiles in a few seconds)."""
 
-import functools
 import math
 import os
 
-import jax
 import ml_collections
 import numpy as np
 import pytest
 
 from jaxcomp import train
 from jaxcomp.train import _writers
-
 
 def digits_config(**overrides) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
@@ -37,31 +34,41 @@ def make_config():
     return digits_config
 
 
-def resume_is_bit_identical(
-    config: ml_collections.ConfigDict, tmp_path, stop: int = 2, *, last_checkpoint
-):
-    """Trains ``config`` uninterrupted and stopped after ``stop`` steps then resumed; asserts
-    the last checkpointed states are bit-identical and the eval records equal; returns
-    ``(step, state)`` of the last checkpoint (a raw pytree as orbax restores it;
-    ``last_checkpoint`` is the root conftest's fixture)."""
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    train.train_and_evaluate(config, full)
-    assert train.train_and_evaluate(config, part, stop_after=stop) == {"stopped_at": stop}
-    train.train_and_evaluate(config, part)
-    (s1, a), (s2, b) = last_checkpoint(full), last_checkpoint(part)
-    assert s1 == s2 == config.total_steps
-    a_leaves, b_leaves = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(a_leaves) == len(b_leaves)
-    for x, y in zip(a_leaves, b_leaves, strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    evals = [[r for r in train.read_metrics(w) if r["split"] == "eval"] for w in (full, part)]
-    assert evals[0] == evals[1] and evals[0]
-    return s1, a
+#: the options of each mode on the digits MLP, small: the same programs in every test that
+#: builds a mode from them (test_nonfinite.py, test_modes.py)
+MODE_OPTIONS = {
+    "dense": {},
+    "data_parallel": {
+        "data_parallel": {
+            "transform": "compressed_mean",
+            "codec": {"name": "top_k", "fraction": 0.1, "feedback": "ef"},
+        }
+    },
+    "pipeline": {
+        "mesh": [("stage", 4)],
+        "model": {"hidden": (16, 16, 16)},
+        "batch_size": 32,
+        "eval_batch_size": 32,
+        "pipeline": {
+            "num_microbatches": 4,
+            "forward": {"name": "top_k", "fraction": 0.25, "feedback": "ef"},
+        },
+    },
+    "ab": {
+        "mesh": [("group", 2), ("member", 4)],
+        "ab": {"warmup_steps": 1, "sync_every": 2, "full_rank_steps": 1, "inner": "adam"},
+    },
+}
+
+
+def mode_config(mode: str, **overrides) -> ml_collections.ConfigDict:
+    return digits_config(mode=mode, **{**MODE_OPTIONS[mode], **overrides})
 
 
 @pytest.fixture(scope="session")
-def check_resume(last_checkpoint):
-    return functools.partial(resume_is_bit_identical, last_checkpoint=last_checkpoint)
+def make_mode_config():
+    """``make_mode_config(mode, **overrides)``: :data:`MODE_OPTIONS`' config of ``mode``."""
+    return mode_config
 
 
 def tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:

@@ -39,6 +39,7 @@ def train_records(config, workdir):
     return summary, [r for r in records if r.get("split") == "train"]
 
 
+@pytest.mark.slow
 def test_one_micro_batch_per_update_equals_compressed_mean(tmp_path):
     """small = large = 1, identity codec: the same steps as a dense compressed_mean."""
     ref, ref_rec = train_records(
@@ -55,6 +56,7 @@ def test_one_micro_batch_per_update_equals_compressed_mean(tmp_path):
     assert got["final_accuracy"] == pytest.approx(ref["final_accuracy"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_a_large_batch_sends_only_on_its_update_steps(tmp_path):
     summary, rec = train_records(
         dp_config(transform="accordion_batch_size", codec="identity", small_steps=2,

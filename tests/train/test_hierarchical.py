@@ -49,6 +49,7 @@ def _run(config, steps=3):
 PAIR = [("slow", 2), ("fast", 4)]
 
 
+@pytest.mark.slow
 def test_data_parallel_pair_equals_the_flat_axis(make_config):
     _, want, want_params = _run(_dp(make_config, [("data", 8)], IDENTITY))
     s, got, params = _run(_dp(make_config, PAIR, IDENTITY))
@@ -62,6 +63,7 @@ def test_data_parallel_pair_equals_the_flat_axis(make_config):
     assert "fast_wire_bytes" not in want[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reducer", [POWER_SGD, ACCORDION], ids=["power_sgd", "accordion"])
 def test_data_parallel_pair_compresses_only_the_slow_axis(make_config, reducer):
     s, got, params = _run(_dp(make_config, PAIR, reducer), steps=2)
@@ -79,6 +81,7 @@ def test_data_parallel_pair_compresses_only_the_slow_axis(make_config, reducer):
     assert not big, big
 
 
+@pytest.mark.slow
 def test_pipeline_pair_equals_the_flat_data_axis(make_config):
     flat = [("data", 4), ("stage", 2)]
     pair = [("slow", 2), ("fast", 2), ("stage", 2)]

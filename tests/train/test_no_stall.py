@@ -79,6 +79,7 @@ def _tiny(make_config, mode):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "data_parallel", "pipeline"])
 def test_evaluation_and_checkpoints_compile_nothing_after_the_first_step(
     make_config, mode, tmp_path, monkeypatch

@@ -1,5 +1,8 @@
-"""The trainer's ``config.pipeline`` keys of the 1F1B work: ``schedule``, ``checkpoint`` and
-``replica_mean`` reach the pipeline, change nothing they should not, and reject bad values."""
+"""The trainer's ``config.pipeline`` keys: ``schedule``, ``checkpoint`` and ``replica_mean`` reach
+the pipeline, change nothing they should not, and reject bad values; AQ-SGD's warm-up fills
+the per-sample caches, then compresses."""
+
+import functools
 
 import jax
 import numpy as np
@@ -17,17 +20,18 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")
 POWER_SGD = {"transform": "compressed_mean", "codec": {"name": "power_sgd", "rank": 1}}
 
 
-def _config(make_config, mesh=(("stage", 4),), **keys):
+def _config(make_config, mesh=(("stage", 2),), **keys):
+    """A 2-stage MLP, 2 microbatches: the smallest pipeline where 1F1B is not GPipe."""
     return make_config(
         mode="pipeline",
         mesh=list(mesh),
-        model={"hidden": (16, 16, 16)},
+        model={"hidden": (16,)},
         batch_size=32,
         eval_batch_size=32,
         optax_name="sgd",
         lr=0.1,
         pipeline={
-            "num_microbatches": 4,
+            "num_microbatches": 2,
             "forward": {"name": "quantize", "bits": 8},
             "backward": {"name": "quantize", "bits": 8},
             **keys,
@@ -49,17 +53,21 @@ def built(monkeypatch):
     return configs
 
 
+def _key(s, i):
+    return _trainer._replicated(np.asarray(jax.random.key_data(jax.random.key(i))), s.mesh)
+
+
 def _one_step(config):
     """``(setup, metrics, params)`` after one training step from the seed-0 state."""
     s = train.setup(config)
     state = s.mode.init(jax.random.key(0))
     batch, _ = s.train_loader.next(s.train_loader.initial_state())
     batch = _trainer.place(batch, s.mode.batch_sharding)
-    key = _trainer._replicated(np.asarray(jax.random.key_data(jax.random.key(1))), s.mesh)
-    state, metrics = s.mode.train_step(state, batch, key, 0)
+    state, metrics = s.mode.train_step(state, batch, _key(s, 1), 0)
     return s, jax.device_get(metrics), [np.asarray(p) for p in jax.tree.leaves(state.params)]
 
 
+@pytest.mark.slow
 def test_schedule_and_checkpoint_reach_the_pipeline_with_gpipes_numbers(make_config, built):
     _, gpipe_metrics, gpipe_params = _one_step(_config(make_config))
     for keys in ({"schedule": "1f1b"}, {"schedule": "1f1b", "checkpoint": "dots_saveable"},
@@ -76,8 +84,9 @@ def test_schedule_and_checkpoint_reach_the_pipeline_with_gpipes_numbers(make_con
     assert built[0].schedule == "gpipe" and built[0].checkpoint is None  # the defaults
 
 
+@pytest.mark.slow
 def test_replica_mean_compresses_the_data_axis(make_config, built):
-    mesh = (("data", 2), ("stage", 4))
+    mesh = (("data", 2), ("stage", 2))
     plain, plain_metrics, _ = _one_step(_config(make_config, mesh, schedule="1f1b"))
     assert built[-1].replica_mean is None
     assert plain.mode.extra["replica_mean"] == "float32 pmean"
@@ -92,24 +101,45 @@ def test_replica_mean_compresses_the_data_axis(make_config, built):
     assert metrics["finite"] == 1 and all(np.isfinite(p).all() for p in params)
 
 
+@pytest.mark.slow
+def test_aq_sgd_warm_up_fills_the_caches_then_compresses(make_config):
+    config = _config(
+        make_config,
+        forward={"name": "quantize", "bits": 4, "scale": "feature", "feedback": "aq_sgd"},
+        warmup_epochs=1,
+    )
+    s = train.setup(config)
+    steps_per_epoch = s.train_loader.steps_per_epoch
+    state = s.mode.init(jax.random.key(0))
+    batch, _ = s.train_loader.next(s.train_loader.initial_state())
+    place = functools.partial(_trainer.place, sharding=s.mode.batch_sharding)
+    state, m0 = s.mode.train_step(state, place(batch), _key(s, 0), 0)  # warm-up: dense
+    cache = np.asarray(state.link_states.ends()[0].forward.send.estimate)  # [samples, 16]
+    filled = np.flatnonzero(np.abs(cache).sum(axis=1))
+    np.testing.assert_array_equal(np.sort(filled), np.sort(batch["ids"]))
+    state, m1 = s.mode.train_step(state, place(batch), _key(s, 1), steps_per_epoch)
+    assert m0["finite"] == 1 and m1["finite"] == 1
+    assert s.mode.wire_bytes < s.mode.dense_bytes
+
+
 @pytest.mark.parametrize(
     "mesh, keys, error",
     [
-        ((("stage", 4),), {"schedule": "1F1B"}, r"schedule must be one of \('gpipe', '1f1b'\)"),
-        ((("stage", 4),), {"schedule": None}, r"schedule must be one of"),
-        ((("stage", 4),), {"checkpoint": "sometimes"}, r"checkpoint must be None, True"),
-        ((("stage", 4),), {"checkpoint": 2}, r"checkpoint must be None, True"),
-        ((("stage", 4),), {"replica_mean": POWER_SGD}, r"needs the distributed pipeline .* 1 "
+        ((("stage", 2),), {"schedule": "1F1B"}, r"schedule must be one of \('gpipe', '1f1b'\)"),
+        ((("stage", 2),), {"schedule": None}, r"schedule must be one of"),
+        ((("stage", 2),), {"checkpoint": "sometimes"}, r"checkpoint must be None, True"),
+        ((("stage", 2),), {"checkpoint": 2}, r"checkpoint must be None, True"),
+        ((("stage", 2),), {"replica_mean": POWER_SGD}, r"needs the distributed pipeline .* 1 "
          r"replica"),
-        ((("data", 2), ("stage", 4)), {"replica_mean": POWER_SGD, "simulate": True},
+        ((("data", 2), ("stage", 2)), {"replica_mean": POWER_SGD, "simulate": True},
          r"replica_mean averages .*\(simulate=True"),
-        ((("data", 2), ("stage", 4)), {"replica_mean": {"transfrom": "compressed_mean"}},
+        ((("data", 2), ("stage", 2)), {"replica_mean": {"transfrom": "compressed_mean"}},
          r"unknown key\(s\) \['transfrom'\] in config.pipeline.replica_mean"),
-        ((("data", 2), ("stage", 4)), {"replica_mean": {"transform": "mean_of_signs"}},
+        ((("data", 2), ("stage", 2)), {"replica_mean": {"transform": "mean_of_signs"}},
          r"replica_mean.transform must be one of .* got 'mean_of_signs'"),
         # accordion_batch_size changes the batch per update: not an average (was silently
         # taken as compressed_mean with the default codec)
-        ((("data", 2), ("stage", 4)), {"replica_mean": {"transform": "accordion_batch_size"}},
+        ((("data", 2), ("stage", 2)), {"replica_mean": {"transform": "accordion_batch_size"}},
          r"replica_mean.transform must be one of \('compressed_mean', 'accordion'\)"),
     ],
 )  # fmt: skip

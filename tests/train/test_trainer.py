@@ -1,24 +1,13 @@
-"""The training loop: resume, non-finite steps, corrupted checkpoints, metrics and summary."""
+"""The training loop: corrupted checkpoints, another experiment's workdir, metrics and summary
+(resume: test_resume.py; non-finite steps: test_nonfinite.py)."""
 
 import json
 import logging
 import os
-import shutil
 
-import numpy as np
 import pytest
 
 from jaxcomp import train
-
-
-def _final_params(workdir):
-    ckpt = train.Checkpointer(workdir)
-    step = ckpt.all_steps()[-1]
-    import orbax.checkpoint as ocp
-
-    out = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-    ckpt.close()
-    return step, out["state"]
 
 
 def test_run_writes_metrics_plot_and_summary(make_config, tmp_path, capsys):
@@ -43,31 +32,6 @@ def test_run_writes_metrics_plot_and_summary(make_config, tmp_path, capsys):
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 12
 
 
-def test_stop_and_resume_is_bit_identical(make_config, tmp_path, event_files):
-    """Also: the resumed run's TensorBoard events hold every scalar of its metrics.jsonl (a
-    writer changes no result: ``full`` runs without one)."""
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    train.train_and_evaluate(make_config(), full)
-    tb = make_config(writers=("tensorboard",))
-    assert train.train_and_evaluate(tb, part, stop_after=6) == {"stopped_at": 6}
-    train.train_and_evaluate(tb, part)  # resumes from step 6 (mid-epoch position)
-    seen = event_files(part)
-    assert seen["summary/final_accuracy"][0][0] == 12 and "train/step_time_s" in seen
-    (s1, a), (s2, b) = _final_params(full), _final_params(part)
-    assert s1 == s2 == 12
-    for x, y in zip(_leaves(a), _leaves(b)):
-        np.testing.assert_array_equal(x, y)
-    r1 = [r for r in train.read_metrics(full) if r["split"] == "eval"]
-    r2 = [r for r in train.read_metrics(part) if r["split"] == "eval"]
-    assert r1 == r2
-
-
-def _leaves(tree):
-    import jax
-
-    return [np.asarray(x) for x in jax.tree.leaves(tree)]
-
-
 def test_corrupted_latest_checkpoint_falls_back_with_a_warning(make_config, tmp_path, caplog):
     workdir = str(tmp_path)
     train.train_and_evaluate(make_config(total_steps=8), workdir)
@@ -89,15 +53,3 @@ def test_workdir_of_another_experiment_is_refused(make_config, tmp_path):
         train.train_and_evaluate(make_config(total_steps=4, lr=0.5), str(tmp_path))
     # run-length keys may change: continuing the same experiment for longer is allowed
     assert train.train_and_evaluate(make_config(total_steps=8), str(tmp_path))["steps"] == 8
-
-
-def test_non_finite_steps_are_skipped_counted_and_stop_the_run(make_config, tmp_path):
-    config = make_config(optax_name="sgd", lr=1e30, max_nonfinite_in_a_row=3, total_steps=40)
-    with pytest.raises(train.NonFiniteError, match="3 training steps in a row"):
-        train.train_and_evaluate(config, str(tmp_path))
-    records = train.read_metrics(str(tmp_path))
-    state_step, state = _final_params(str(tmp_path))
-    assert all(np.isfinite(x).all() for x in _leaves(state))  # the last good state was kept
-    assert state_step < 40
-    shutil.rmtree(tmp_path)
-    assert records is not None

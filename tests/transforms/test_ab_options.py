@@ -244,6 +244,7 @@ def test_match_columns_leaves_new_directions_without_history():
 # ---- every layout x comm setup x sync mode: the groups agree after each sync --------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "axis,options",
     [

@@ -77,6 +77,7 @@ def _column_major_copies(hlo: str, shape: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_the_transform_switch_keeps_the_dense_moments_row_major():
     """Compiled on CPU (the digits MLP of ``configs/digits_ab.py``), no branch copies a dense
     moment or a factorised weight into column-major: only LAPACK's operands are (one per

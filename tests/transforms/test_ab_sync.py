@@ -63,6 +63,7 @@ def synced(sync_mode, count=3, **options):
 #   only-b:       1 * mean(10, 20, 30, 40) = 25
 # The biases, by the reference's rule: averaged (mean(0, 1, 2, 3) = 1.5) with
 # comm_setup="groups" except in only-b, where its DDP re-wrap broadcasts rank 0's (0).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sync_mode,weight,a_after,b_after,bias",
     [("with-stale", 62.5, 2.5, 25.0, 1.5), ("only-learned", 52.5, 1.5, 35.0, 1.5),
@@ -114,6 +115,7 @@ def _groups_and_bytes(report):
     return {(r.kind, r.group_size) for r in report.records}, report.total_bytes
 
 
+@pytest.mark.slow
 def test_ab_steps_send_only_the_trained_factor_within_the_group(step_bytes):
     state = jax.eval_shape(transforms.ab_training(**KWARGS).init, PARAMS)
     assert [x.shape for x in state.a] == [(36, 3), (16, 3)]

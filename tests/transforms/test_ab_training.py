@@ -185,6 +185,7 @@ def assert_params_close(got, want, rtol=2e-4, atol=2e-5):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
 
 
+@pytest.mark.slow
 def test_one_group_without_truncation_is_plain_data_parallel_training():
     """G = 1: warm-up/full-rank steps are plain DP, AB steps train B of the exact factorisation.
 
@@ -221,6 +222,7 @@ def _run_groups(config, mesh, params, batches, refs, shard_of_worker, group_of_w
     return state
 
 
+@pytest.mark.slow
 def test_each_group_trains_its_factor_on_its_own_data():
     """2 groups of 2, ``split_sigma=False``: group 0 trains A, group 1 trains B."""
     mesh = parallel.ab_mesh(2, jax.devices()[:4])
@@ -242,6 +244,7 @@ def test_each_group_trains_its_factor_on_its_own_data():
             np.testing.assert_allclose(abs(opt.b[i]), abs(ref.b[n]), rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_unequal_groups_on_a_flat_axis_train_and_sync_as_the_reference():
     """5 workers, group_size 2: groups of 3 (trains A) and 2 (trains B), as the reference
     spreads the remainder; the with-stale sync averages over workers (3:2)."""
@@ -271,6 +274,7 @@ def test_unequal_groups_on_a_flat_axis_train_and_sync_as_the_reference():
             np.testing.assert_allclose(got[n]["kernel"], want[n], rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_individual_workers_train_factors_on_their_own_gradients():
     """``comm_setup="individual"``: a worker's factor sees only its own shard's gradient; the
     biases and the head take the mean over the group's workers (SPEC §3.4)."""
@@ -318,6 +322,7 @@ def _user_loop_step(config, mesh):
     return tx, jax.jit(fn)
 
 
+@pytest.mark.slow
 def test_the_optax_transform_equals_the_harness_programs():
     """``tx.update`` (one program, ``lax.switch``) == the harness's programs, every kind."""
     mesh = parallel.ab_mesh(2, jax.devices()[:4])

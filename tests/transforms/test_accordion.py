@@ -103,6 +103,7 @@ def sharded(tx, mesh, params=PARAMS):
     return comm.place_state(state, mesh, comm.DATA), update
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("statistic", "mode"), [("worker0", HIGH), ("mean", LOW)])
 def test_decisions_are_replicated_from_the_chosen_statistic(mesh, statistic, mode):
     tx = transforms.accordion(interval_steps=2, check_every=1, statistic=statistic)
@@ -117,6 +118,7 @@ def test_decisions_are_replicated_from_the_chosen_statistic(mesh, statistic, mod
     assert int(metrics["modes"]["a"]) == mode and int(metrics["modes"]["b"]) == mode
 
 
+@pytest.mark.slow
 def test_switch_resets_the_incoming_q_and_keeps_the_error_memory():
     tx_keep = transforms.accordion(interval_steps=1, check_every=1, axis_name=None)
     tx_zero = transforms.accordion(
@@ -140,6 +142,7 @@ def test_switch_resets_the_incoming_q_and_keeps_the_error_memory():
         assert (memory > 0) == (tx is tx_keep)
 
 
+@pytest.mark.slow
 def test_low_compression_mode_equals_compressed_mean_with_power_sgd(mesh):
     def loss_fn(params, batch):
         x, y = batch
@@ -207,6 +210,7 @@ BATCH = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "pair",
     [
@@ -262,6 +266,7 @@ def test_each_mode_sends_exactly_its_payload(mesh, pair):
 # Checkpointing and composition
 
 
+@pytest.mark.slow
 def test_state_survives_orbax_and_the_run_continues_identically(mesh, tmp_path):
     tx = optax.chain(
         transforms.accordion(interval_steps=2, check_every=1), optax.sgd(0.05, momentum=0.9)
@@ -310,6 +315,7 @@ def test_composes_with_adamw(mesh):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_inject_hyperparams_learning_rate_drop_switches_everything_low():
     tx = optax.inject_hyperparams(
         transforms.accordion,
@@ -328,6 +334,7 @@ def test_inject_hyperparams_learning_rate_drop_switches_everything_low():
     assert float(state.inner_state.last_lr) == pytest.approx(0.01)
 
 
+@pytest.mark.slow
 def test_learning_rate_from_extra_args_overrides_the_schedule_and_keeps_the_memory():
     """A decrease switches to low compression; unlike a periodic switch it keeps the memory
     even with ``reset_memory_on_switch`` (the reference's ``--zero-memory``)."""
@@ -375,6 +382,7 @@ def test_bad_arguments_raise_clear_errors():
         tx.update({"a": PARAMS["a"]}, state)
 
 
+@pytest.mark.slow
 def test_power_sgd_switches_under_set_mesh(mesh):
     """A switch re-initialises the incoming PowerSGD Q inside the traced shard_map body; under
     ``jax.set_mesh`` that must be a staged computation, not an eager PRNG key (issue 14)."""

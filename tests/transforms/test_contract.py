@@ -111,8 +111,13 @@ CASES = [
         static=("interval_steps", "check_every", "small_steps", "large_steps"),
     ),
 ]
-IDS = [c.name for c in CASES]
 BF16_CASES = [c for c in CASES if c.same_plan_in_bfloat16]
+
+
+def _params(cases):
+    """The cases as parameters; Accordion's (seconds of compile each) in the slow tier."""
+    slow = [pytest.mark.slow]
+    return [pytest.param(c, id=c.name, marks=slow if "accordion" in c.name else ()) for c in cases]
 
 
 def _worker_grads(seed, dtype=jnp.float32):
@@ -195,7 +200,7 @@ def _moved(updates_seq):
     return all(any(np.any(u != 0) for u in jax.tree.leaves(upd)) for upd in updates_seq)
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", _params(CASES))
 def test_init_outside_shard_map_is_abstractly_stable(case, mesh):
     tx = case.build()
     state = _init(case, tx, PARAMS, mesh)
@@ -210,7 +215,7 @@ def test_init_outside_shard_map_is_abstractly_stable(case, mesh):
     assert jax.tree.structure(placed) == jax.tree.structure(state)
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", _params(CASES))
 def test_in_optax_chain(case, mesh, reference):
     want = reference(case)
     assert _moved(want[:1])
@@ -220,7 +225,7 @@ def test_in_optax_chain(case, mesh, reference):
         _assert_trees_equal(g, jax.tree.map(lambda u: -LR * u, w), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", _params(CASES))
 def test_inject_hyperparams(case, mesh, reference):
     tx = optax.inject_hyperparams(case.factory, static_args=case.static)(*case.args, **case.kwargs)
     state = _init(case, tx, PARAMS, mesh)
@@ -231,7 +236,7 @@ def test_inject_hyperparams(case, mesh, reference):
         _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", _params(CASES))
 def test_multisteps(case, mesh, reference):
     """MultiSteps(k=2): a zero update, then the reference's first update on the two
     micro-batches' running mean (optax accumulates per worker, so its accumulator is placed
@@ -274,7 +279,7 @@ def _exact_grads(seed):
     }
 
 
-@pytest.mark.parametrize("case", BF16_CASES, ids=[c.name for c in BF16_CASES])
+@pytest.mark.parametrize("case", _params(BF16_CASES))
 def test_bfloat16_params(case, mesh):
     """bfloat16 parameters and gradients: bfloat16 updates, state types kept step to step, and
     the float32 run's numbers on the same (bfloat16-exact) gradients to bfloat16 precision."""
@@ -296,7 +301,7 @@ def test_bfloat16_params(case, mesh):
         _assert_trees_equal(updates, w, rtol=2e-2, atol=1e-2 * scale)
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", _params(CASES))
 def test_state_types_stable_under_cond(case, mesh, reference):
     tx = case.build()
     state = comm.place_state(_init(case, tx, PARAMS, mesh), mesh, AXIS)

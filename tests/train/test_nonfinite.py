@@ -1,0 +1,126 @@
+"""A non-finite step is skipped, counted and never committed nor saved, in every mode.
+
+Each mode (dense, data parallel, pipeline, AB-Training) on the digits MLP (conftest's
+``MODE_OPTIONS``), two runs:
+
+* Adam at its usual learning rate, batches 2 and 3 of the run made non-finite: a NaN pixel
+  (the loss and gradients are NaN) and a batch of ``1e20`` (finite loss and gradients whose
+  squares overflow Adam's second moment: committed, the weights would never move again). Both
+  steps are skipped: the checkpoints after steps 1, 2 and 3 hold the same state, training goes
+  on after them, and the summary counts 2 skipped steps.
+* SGD at ``lr = 1e39`` (``inf`` in float32): finite loss and gradients, an update that is not.
+  Each step says so and changes nothing; after ``max_nonfinite_in_a_row`` of them the run
+  stops with the last finite state saved (the initial one).
+
+At XLA's default compile: the modes' finiteness checks are read from the optimised programs
+(a check's fusion with what it reads is where XLA:CPU once dropped NaN).
+"""
+
+import pathlib
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxcomp import train
+from jaxcomp.train import _trainer
+
+pytestmark = pytest.mark.usefixtures("shared_setups")
+
+#: the dense mode in the fast tier, every mode in the full suite
+MODES = (
+    "dense",
+    *(pytest.param(m, marks=pytest.mark.slow) for m in ("data_parallel", "pipeline", "ab")),
+)
+BAD = {1: np.nan, 2: 1e20}  # loader index (the step before it) -> what the batch becomes
+
+
+class _Corrupting:
+    """A loader whose batches at the indices of :data:`BAD` are made non-finite."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def next(self, state):
+        batch, new = self._loader.next(state)
+        bad = BAD.get(int(state.index))
+        if bad is not None:
+            batch = dict(batch, x=batch["x"].copy())
+            if np.isnan(bad):
+                batch["x"][3, 5] = bad
+            else:
+                batch["x"][...] = bad
+        return batch, new
+
+
+def _state_at(workdir, step):
+    with ocp.StandardCheckpointer() as ckpt:
+        return ckpt.restore(pathlib.Path(workdir) / "checkpoints" / str(step) / "state")
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def _same(a, b):
+    la, lb = _leaves(a), _leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(x, y, equal_nan=True) for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_non_finite_batches_are_skipped_and_the_run_goes_on(
+    mode, make_mode_config, shared_setups, monkeypatch, tmp_path
+):
+    config = make_mode_config(mode, total_steps=5, checkpoint_every=1, keep_checkpoints=5,
+                     log_every=1)  # fmt: skip
+    s = shared_setups(config)
+    corrupting = s._replace(train_loader=_Corrupting(s.train_loader))
+    monkeypatch.setattr(_trainer, "setup", lambda config, devices=None: corrupting)
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    assert summary["steps"] == 5 and summary["nonfinite_steps"] == 2
+    states = {t: _state_at(tmp_path, t)["mode_state"] for t in (1, 2, 3, 4, 5)}
+    assert _same(states[1], states[2]) and _same(states[1], states[3])  # nothing committed
+    assert not _same(states[3], states[4])  # the next finite batch trains
+    assert all(np.isfinite(x).all() for x in _leaves(states[5]) if x.dtype.kind == "f")
+    records = [r for r in train.read_metrics(str(tmp_path)) if r["split"] == "train"]
+    assert [r["nonfinite_steps"] for r in records] == [0, 1, 2, 2, 2]
+
+
+def _one_step(s, state, step):
+    batch, _ = s.train_loader.next(_trainer.data.LoaderState(0, step))
+    key = _trainer._replicated(np.asarray(jax.random.key_data(jax.random.key(step))), s.mesh)
+    return s.mode.train_step(state, _trainer.place(batch, s.mode.batch_sharding), key, step)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_overflowing_update_is_never_committed_and_stops_the_run(
+    mode, make_mode_config, shared_setups, tmp_path
+):
+    config = make_mode_config(mode, optax_name="sgd", lr=1e39, max_nonfinite_in_a_row=3,
+                     total_steps=40)  # fmt: skip
+    if mode == "ab":
+        config.ab = dict(config.ab.to_dict(), inner="sgd")
+    s = shared_setups(config)
+    init = s.mode.init(jax.random.key(0))
+    before = jax.device_get(init)
+    state = init
+    for step in range(3):  # AB: the warm-up, then the step with the factorisation
+        state, metrics = _one_step(s, state, step)
+        assert np.isfinite(float(metrics["loss"])) and int(metrics["finite"]) == 0
+        if "grad_norm" in metrics:
+            assert np.isfinite(float(metrics["grad_norm"]))
+        if mode == "ab":  # a skipped step leaves the schedule: the state's kind, the warm-up
+            assert metrics["wire_bytes"] == s.mode.dense_bytes
+        assert _same(before, jax.device_get(state))
+    with pytest.raises(train.NonFiniteError, match="3 training steps in a row"):
+        train.train_and_evaluate(config, str(tmp_path))
+    target = _trainer.RunState(init, _trainer._replicated(np.zeros(2, np.uint32), s.mesh))
+    ckpt = train.Checkpointer(str(tmp_path))
+    step, saved, _ = ckpt.restore_latest(target)
+    ckpt.close()
+    assert step == 3
+    assert _same(saved.mode_state, before)  # the last finite state: the initial one

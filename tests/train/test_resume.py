@@ -1,0 +1,174 @@
+"""A stopped and resumed run is bit-identical to an uninterrupted one, in every mode.
+
+One matrix: each mode (dense, data parallel, pipeline, AB-Training) against one uninterrupted
+reference run of the same config, interrupted at each point: after the first step (off the
+checkpoint grid), in the middle of the run, and with its newest checkpoint damaged (the
+resume falls back to the older one). Every mode's config carries the state a resume must
+restore exactly: BatchNorm statistics (per worker, per stage and replica), error-feedback
+residuals, the adaptive links' detector and modes (the pipeline switches its links after its
+first interval), the AB schedule across a sync, the data loader's position in its epoch and
+the metrics written so far. Compared: every leaf of the last checkpoint, bit for bit, every
+metrics record and the summary's final loss and accuracy.
+
+The CLI's kill and signals: tests/test_faults.py. Resuming the library's own states (no
+trainer): tests/transforms/test_accordion.py, tests/pipeline/test_adaptive_bn.py.
+"""
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxcomp import train
+
+#: setups are shared between the runs of a mode (setup is pure): a resumed run computes with
+#: the executables of the run it continues, as it does from the persistent compilation cache;
+#: each run checks its bits against a run of the same process and compile setting, so the
+#: programs compile unoptimised
+pytestmark = pytest.mark.usefixtures("fast_compiles", "shared_setups")
+
+WORKERS, BATCH, STEPS = 4, 16, 5
+#: a ResNet of one basic block: a stem and a block, 3 BatchNorms
+RESNET = dict(width=4, blocks=(1,), cuts=(), input_shape=(8, 8, 1), norm="batch")
+EF = {"name": "top_k", "fraction": 0.25, "feedback": "ef"}
+
+
+def _config(make_config, mode):
+    c = make_config(
+        mode=mode, mesh=[("data", WORKERS)], model_name="resnet18", model=dict(RESNET),
+        data=dict(flat=False), optax_name="sgd", lr=0.1, batch_size=BATCH,
+        eval_batch_size=BATCH, total_steps=STEPS, checkpoint_every=2, log_every=1,
+        eval_every=2,
+    )  # fmt: skip
+    if mode == "data_parallel":  # per-worker statistics beside per-worker EF residuals
+        c.data_parallel = {"transform": "compressed_mean", "codec": dict(EF)}
+    elif mode == "pipeline":  # 2 replicas of 2 stages, adaptive forward links with EF,
+        c.mesh = [("data", 2), ("stage", 2)]  # statistics synchronised over the replicas
+        c.model = dict(RESNET, cuts=("stem",))
+        c.pipeline = dict(
+            num_microbatches=2, forward=dict(EF), forward_high=dict(EF, fraction=0.125),
+            detector=dict(interval_steps=1, check_every=1, eta=10.0),
+            sync_batch_stats=True, eval_batch_stats="mean",
+        )  # fmt: skip
+    elif mode == "ab":  # 2 groups of 2: warm-up, factorisation, AB steps, a sync every 2
+        c.ab = dict(warmup_steps=1, sync_every=2, full_rank_steps=1, group_size=2, inner="sgd")
+    return c
+
+
+#: the dense mode in the fast tier, every mode in the full suite
+MODES = (
+    "dense",
+    *(pytest.param(m, marks=pytest.mark.slow) for m in ("data_parallel", "pipeline", "ab")),
+)
+POINTS = ("after_step_1", "after_step_3", "newest_checkpoint_damaged")
+
+
+def _records(workdir):
+    return train.read_metrics(str(workdir))
+
+
+@pytest.fixture(scope="module")
+def references(make_config, tmp_path_factory):
+    """``references(mode) -> (workdir, summary)``: the uninterrupted run, once per mode."""
+    runs = {}
+
+    def get(mode):
+        if mode not in runs:
+            workdir = tmp_path_factory.mktemp(f"reference_{mode}")
+            runs[mode] = workdir, train.train_and_evaluate(_config(make_config, mode), str(workdir))
+        return runs[mode]
+
+    return get
+
+
+def _interrupted(config, workdir, point, capsys):
+    """Runs ``config`` in ``workdir`` stopped at ``point`` and resumed to the end."""
+    if point == "newest_checkpoint_damaged":
+        assert train.train_and_evaluate(config, str(workdir), stop_after=4) == {"stopped_at": 4}
+        for data in (workdir / "checkpoints" / "4").rglob("d/*"):  # bytes inside each array file
+            raw = bytearray(data.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            data.write_bytes(bytes(raw))
+        capsys.readouterr()
+        summary = train.train_and_evaluate(config, str(workdir))
+        out = capsys.readouterr().out
+        assert "checkpoint step 4" in out and "damaged" in out, out
+        assert "resumed from step 2" in out, out
+        return summary
+    stop = int(point.rsplit("_", 1)[1])
+    assert train.train_and_evaluate(config, str(workdir), stop_after=stop) == {"stopped_at": stop}
+    capsys.readouterr()
+    summary = train.train_and_evaluate(config, str(workdir))
+    assert f"resumed from step {stop}" in capsys.readouterr().out
+    return summary
+
+
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_resumed_run_is_bit_identical_to_the_uninterrupted_one(
+    mode, point, make_config, references, last_checkpoint, event_files, tmp_path, capsys
+):
+    full, want = references(mode)
+    part = tmp_path / "part"
+    config = _config(make_config, mode)
+    writes = mode == "dense" and point == "after_step_3"
+    if writes:
+        config.writers = ("tensorboard",)
+    got = _interrupted(config, part, point, capsys)
+    if writes:
+        seen = event_files(part)
+        assert seen["summary/final_accuracy"][0][0] == STEPS and "train/step_time_s" in seen
+    (s1, a), (s2, b) = last_checkpoint(str(full)), last_checkpoint(str(part))
+    assert s1 == s2 == STEPS
+    a_leaves, b_leaves = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(a_leaves) == len(b_leaves)
+    for x, y in zip(a_leaves, b_leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    records = _records(full)
+    assert [r["step"] for r in records if r["split"] == "eval"] == [2, 4, 5]
+    assert _records(part) == records  # no duplicate, missing or different row
+    for k in ("final_loss", "final_accuracy", "nonfinite_steps", "wire_bytes_per_step"):
+        assert got[k] == want[k], k
+    shutil.rmtree(part)
+
+
+def _batch_stats(state):
+    paths = jax.tree_util.tree_flatten_with_path(state)[0]
+    return [np.asarray(x) for p, x in paths if "batch_stats" in jax.tree_util.keystr(p)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_checkpoint_holds_the_state_a_resume_needs(mode, references, last_checkpoint):
+    """What the matrix's bit comparison covers, in each mode's last checkpoint."""
+    full, summary = references(mode)
+    _, state = last_checkpoint(str(full))
+    records = [r for r in _records(full) if r["split"] == "train"]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert np.isfinite(summary["final_loss"]) and summary["nonfinite_steps"] == 0
+    if mode == "pipeline":
+        # the running statistics {float32: [S, D, L]}: stage 0 (the stem: one BatchNorm of 4
+        # channels, mean and var) and stage 1 (the block: two); SyncBatchNorm: every replica
+        # holds the statistics of the microbatch concatenated over the replicas (each its
+        # own without the option: tests/pipeline/test_batch_norm.py)
+        stats = np.asarray(state["mode_state"]["link_states"][-2])
+        assert stats.shape == (2, 2, 16)
+        stem = stats[0, :, :8]
+        assert not np.allclose(stem[:, :4], 0.0) and not np.allclose(stem[:, 4:], 1.0)
+        np.testing.assert_allclose(stats[:, 0], stats[:, 1], rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(stats[0, :, 8:], 0.0)  # the stem's padding
+        # the detector's first check is critical (low), then every link switches to high
+        modes = [r["link_mode_forward_0"] for r in records]
+        assert modes[0] == 0 and modes[-1] == 1, modes
+        assert records[0]["wire_bytes"] > records[-1]["wire_bytes"]
+        return
+    stats = _batch_stats(state)
+    assert len(stats) == 6  # 3 BatchNorms' running means and variances
+    assert all(np.isfinite(x).all() for x in stats)
+    per_worker = [x.shape[:1] == (WORKERS,) and x.ndim == 2 for x in stats]  # [W, channels]
+    assert all(per_worker) if mode in ("data_parallel", "ab") else not any(per_worker)
+    if mode == "data_parallel":  # the error-feedback residuals, per worker
+        paths = jax.tree_util.tree_flatten_with_path(state)[0]
+        residuals = [x for p, x in paths if "residual" in jax.tree_util.keystr(p)]
+        assert residuals and all(np.shape(x)[0] == WORKERS for x in residuals)
+        assert any(np.any(np.asarray(x) != 0) for x in residuals)
