@@ -4,6 +4,8 @@ every public name, and renders every notebook."""
 import importlib.util
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parents[1]
 
 
@@ -14,6 +16,7 @@ def _build_module():
     return module
 
 
+@pytest.mark.slow  # a whole Sphinx build
 def test_api_reference_builds_without_warnings_and_lists_every_public_name(tmp_path):
     from sphinx.util.inventory import InventoryFile
 

@@ -14,6 +14,9 @@ import pytest
 
 import jaxcomp
 
+#: a build, twine and a fresh virtualenv: subprocesses of seconds each
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).parents[1]
 #: what the sdist is built from: the files a release needs, copied so that the build writes
 #: nothing into the checkout (setuptools puts build/ and *.egg-info beside its sources)

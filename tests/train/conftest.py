@@ -10,6 +10,7 @@ import pytest
 from jaxcomp import train
 from jaxcomp.train import _writers
 
+
 def digits_config(**overrides) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.mode = "dense"
