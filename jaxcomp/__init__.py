@@ -12,11 +12,12 @@
   ``ab_data_parallel`` and the AB ``(group, member)`` mesh helpers.
 
 Imports only go down: compressors → feedback → comm → pipeline / transforms → parallel →
-models, data, train → bench, study.
+models, data, train → bench, study → lab.
 
 The training harness (:mod:`jaxcomp.models`, :mod:`jaxcomp.data`, :mod:`jaxcomp.train`,
-``python -m jaxcomp.main``) and the studies (:mod:`jaxcomp.study`, ``python -m jaxcomp.study``)
-are imported on first attribute access, so ``import jaxcomp`` stays
+``python -m jaxcomp.main``), the studies (:mod:`jaxcomp.study`, ``python -m jaxcomp.study``)
+and the network lab (:mod:`jaxcomp.lab`, ``python -m jaxcomp.lab``: real multi-host runs on
+rate-limited links) are imported on first attribute access, so ``import jaxcomp`` stays
 light (no Flax model zoo, scikit-learn, orbax or matplotlib); benchmarks run with
 ``python -m jaxcomp.bench``. :func:`tune_host_malloc` keeps freed host memory mapped for
 reuse (glibc; the command-line entry points call it; a CPU training script may too).
@@ -37,7 +38,7 @@ from jaxcomp.compressors import wire_bytes
 
 __version__ = "0.1.0"
 
-_LAZY_SUBPACKAGES = ("data", "models", "train", "study")
+_LAZY_SUBPACKAGES = ("data", "models", "train", "study", "lab")
 
 
 def __getattr__(name):
@@ -52,6 +53,7 @@ __all__ = (
     "compressors",
     "data",
     "feedback",
+    "lab",
     "measure_collectives",
     "models",
     "parallel",

@@ -8,10 +8,11 @@ import types
 import jaxcomp
 
 PACKAGES = ("compressors", "feedback", "comm", "pipeline", "transforms", "parallel", "models",
-            "data", "train", "study")  # fmt: skip
+            "data", "train", "study", "lab")  # fmt: skip
 # imports only go down (CONTRIBUTING.md): a package may import the ones before it
 ORDER = {"compressors": 0, "feedback": 1, "comm": 2, "pipeline": 3, "transforms": 3,
-         "parallel": 4, "models": 5, "data": 5, "train": 6, "bench": 7, "study": 7}  # fmt: skip
+         "parallel": 4, "models": 5, "data": 5, "train": 6, "bench": 7, "study": 7,
+         "lab": 8}  # fmt: skip
 ROOT = pathlib.Path(jaxcomp.__file__).parent
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from jaxcomp import _stamp
 from jaxcomp.study import _cost
+from jaxcomp.study import _network
 from jaxcomp.study import _plots
 from jaxcomp.study import _report
 from jaxcomp.study import _runner
@@ -100,7 +101,9 @@ def write_report(
     links: Mapping[float, _cost.NetworkLink] | None = None,
 ) -> dict[str, str]:
     """Reads the study in ``workdir`` and writes ``report.md``, ``report.csv`` (one row per
-    variant and axis values), ``cells.csv`` (one row per run) and the PNG plots.
+    variant and axis values), ``cells.csv`` (one row per run) and the PNG plots; for cells run
+    in the network lab also their step times beside the cost model's
+    (:mod:`jaxcomp.study._network`).
 
     Args:
       workdir: a study's folder (``python -m jaxcomp.study run ... --workdir DIR``).
@@ -132,6 +135,10 @@ def write_report(
                       "status": run.status, **m})  # fmt: skip
     _write_csv(paths["cells_csv"], cells)
     plots = _plots.all_plots(rows, runs, axes, out_dir)
+    done_dirs = [os.path.join(workdir, run.name) for run in runs if run.status == "done"]
+    lab_runs = _network.predict([r for r in map(_network.read_lab_run, done_dirs) if r])
+    if lab_runs:
+        plots.update(_network.plots(lab_runs, out_dir))
     paths.update(plots)
     done = sum(r.status == "done" for r in runs)
     diverged = sum(r.status == "diverged" for r in runs)
@@ -170,6 +177,8 @@ def write_report(
         f"{manifest['study']} --workdir DIR`, then `python -m jaxcomp.study report DIR`.",
         "",
     ]
+    if lab_runs:
+        lines += [_network.TABLE_NOTE, "", _network.table(lab_runs), ""]
     if notes:
         lines += ["Notes:", *[f"- {n}" for n in notes], ""]
     for name, path in plots.items():

@@ -13,6 +13,9 @@ from typing import Any
 
 from jaxcomp.train import _writers
 
+#: per-step wall times (:meth:`MetricWriter.write_time`)
+TIMING = "timing.jsonl"
+
 
 def _plain(v: Any) -> Any:
     try:
@@ -53,6 +56,7 @@ class MetricWriter:
         self.jsonl = os.path.join(workdir, "metrics.jsonl")
         self.writer_names, self.config = tuple(writers), config
         self.writers: list = []
+        self.timing = os.path.join(workdir, TIMING)
 
     def truncate_after(self, step: int) -> None:
         """Drops records with ``step > step`` (``0``: all), rewriting each file atomically."""
@@ -60,6 +64,8 @@ class MetricWriter:
             return
         keep = [r for r in read_metrics(self.workdir) if r["step"] <= step]
         _replace(self.jsonl, "".join(json.dumps(r) + "\n" for r in keep))
+        times = [r for r in read_metrics(self.workdir, TIMING) if r["step"] <= step]
+        _replace(self.timing, "".join(json.dumps(r) + "\n" for r in times))
         for split in {r["split"] for r in keep} | {"train", "eval"}:
             path = os.path.join(self.workdir, f"{split}.csv")
             rows = [r for r in keep if r["split"] == split]
@@ -112,6 +118,15 @@ class MetricWriter:
             w.close()
         self.writers = []
 
+    def write_time(self, step: int, step_s: float, elapsed_s: float) -> None:
+        """Appends ``{"step", "step_s", "elapsed_s"}`` to ``timing.jsonl``: the wall time of
+        training step ``step`` (its batch fetched to its metrics on the host) and since the run
+        started. Apart from ``metrics.jsonl``, whose records a resumed run repeats bit for bit."""
+        if self.enabled:
+            with open(self.timing, "a") as f:
+                f.write(json.dumps({"step": int(step), "step_s": step_s, "elapsed_s": elapsed_s}))
+                f.write("\n")
+
     def _csv(self, record: dict) -> None:
         path = os.path.join(self.workdir, f"{record['split']}.csv")
         fields = [k for k in record if k != "split"]
@@ -135,15 +150,15 @@ def _replace(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def read_metrics(workdir: str) -> list[dict]:
-    """All records of ``workdir/metrics.jsonl`` (empty if none).
+def read_metrics(workdir: str, name: str = "metrics.jsonl") -> list[dict]:
+    """All records of ``workdir/metrics.jsonl`` (or of ``name``: :data:`TIMING`; empty if none).
 
     A last line cut short (a process killed while writing it) is dropped.
 
     Raises:
       ValueError: naming the file and line if any other line is not a JSON record.
     """
-    path = os.path.join(workdir, "metrics.jsonl")
+    path = os.path.join(workdir, name)
     if not os.path.exists(path):
         return []
     with open(path) as f:

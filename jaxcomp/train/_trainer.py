@@ -303,8 +303,10 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
         )
         state = state._replace(mode_state=state_ms)
         step += 1
-        m = _scalars(metrics)
-        step_seconds += time.perf_counter() - t_step
+        m = _scalars(metrics)  # waits for the step
+        now = time.perf_counter()
+        step_seconds += now - t_step
+        writer.write_time(step, now - t_step, wall0 + now - t_start)
         if m.get("finite", 1.0) < 1.0:
             run["nonfinite_total"] += 1
             run["nonfinite_streak"] += 1

@@ -1,0 +1,192 @@
+r"""Calibration: the lab measures its own network and fits the cost model's alpha and beta.
+
+Three measurements, each a run of the lab's hosts:
+
+* the achieved rate: one bulk TCP transfer from host 0 to host 1 (:mod:`jaxcomp.lab._xfer`);
+* an all-reduce sweep over message sizes and a ping-pong (``collective-permute`` there and
+  back) through JAX collectives across the processes (:mod:`jaxcomp.lab._probe`).
+
+For each collective kind the times are fitted to the cost model's formula for that kind
+(:func:`jaxcomp.study.collective_time`), linear in :math:`\alpha` and :math:`1/\beta`: for
+the all-reduce over :math:`W` devices
+:math:`t(n) = 2(W-1)\,\alpha + \tfrac{2(W-1)}{W}\, n / \beta`, for a permute
+:math:`t(n) = \alpha + n/\beta`. The fit is least squares on the *relative* error (each row
+divided by its measured time), so the small messages, where :math:`\alpha` shows, weigh as much
+as the large ones, where :math:`\beta` does; :math:`\alpha \ge 0` and :math:`\beta > 0` are
+enforced (an unlimited link can fit no measurable :math:`1/\beta`: it is then capped at
+:data:`MAX_BANDWIDTH`). :math:`\beta` is the bandwidth the collective achieves (gloo's ring
+over every device-rank, TCP, headers), not the configured rate; both are recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from jaxcomp.lab import _lab
+from jaxcomp.lab import _probe
+from jaxcomp.lab import _xfer
+from jaxcomp.study import _cost
+
+#: the largest all-reduce / ping-pong message, bytes per device
+MAX_BYTES = 4 << 20
+MIN_BYTES = 1 << 10
+#: the longest one collective of the sweep may take at the nominal rate, seconds
+SWEEP_SECONDS = 0.25
+#: bytes/s standing for "no measurable limit" (100 GB/s)
+MAX_BANDWIDTH = 1e11
+
+
+def sweep_sizes(rate_bit_s: float | None, factor: float) -> list[int]:
+    """Message sizes 1 KiB, 4 KiB, ... up to 4 MiB or what takes :data:`SWEEP_SECONDS` at the
+    rate when ``factor * n`` bytes cross the link.
+
+    Example:
+      >>> sweep_sizes(None, 1.75)[-1], sweep_sizes(10e6, 1.75)
+      (4194304, [1024, 4096, 16384, 65536])
+    """
+    cap = MAX_BYTES
+    if rate_bit_s is not None:
+        cap = min(cap, SWEEP_SECONDS * rate_bit_s / 8 / factor)
+    sizes, n = [], MIN_BYTES
+    while n <= cap:
+        sizes.append(n)
+        n *= 4
+    return sizes
+
+
+def _design(kind: str, nbytes: np.ndarray, group_size: int) -> np.ndarray:
+    """The columns multiplying ``(alpha, 1/beta)`` in the cost model's formula for ``kind``."""
+    unit = _cost.Link(bandwidth=1.0, latency=0.0)
+    per_byte = np.array([_cost.collective_time(kind, float(n), group_size, unit) for n in nbytes])
+    latency = _cost.collective_time(kind, 1.0, group_size, _cost.Link(1e300, 1.0))
+    return np.stack([np.full(len(nbytes), latency), per_byte], axis=1)
+
+
+def fit(kind: str, points: list[dict], group_size: int) -> dict:
+    """Least-squares ``alpha`` (s) and ``beta`` (bytes/s) of the cost model for ``kind``.
+
+    Args:
+      kind: ``"all-reduce"`` or ``"collective-permute"`` (any of the cost model's kinds).
+      points: ``[{"bytes": n, "median_s": t}, ...]`` (at least two sizes).
+      group_size: ``W`` of the collective (2 for the ping-pong).
+
+    Returns:
+      ``{"alpha_s", "beta_bytes_s", "beta_bit_s", "max_rel_error", "points": [..., with
+      "predicted_s"]}``.
+
+    Example:
+      >>> pts = [{"bytes": n, "median_s": 1e-3 + n / 1e6} for n in (1e3, 1e4, 1e5)]
+      >>> f = fit("collective-permute", pts, 2)
+      >>> round(f["alpha_s"], 6), round(f["beta_bytes_s"])
+      (0.001, 1000000)
+    """
+    if len(points) < 2:
+        raise ValueError(f"fitting {kind} needs at least two message sizes; got {len(points)}.")
+    n = np.array([p["bytes"] for p in points], float)
+    t = np.array([p["median_s"] for p in points], float)
+    if not np.all(t > 0):
+        raise ValueError(f"{kind} times must be positive; got {t.tolist()}.")
+    a = _design(kind, n, group_size)
+    rows = a / t[:, None]
+    (alpha, inv_beta), *_ = np.linalg.lstsq(rows, np.ones_like(t), rcond=None)
+    if alpha < 0:  # refit the bandwidth alone
+        alpha = 0.0
+        inv_beta = float(rows[:, 1] @ np.ones_like(t) / (rows[:, 1] @ rows[:, 1]))
+    if inv_beta <= 1 / MAX_BANDWIDTH:  # no measurable bandwidth term: refit the latency alone
+        inv_beta = 1 / MAX_BANDWIDTH
+        alpha = float(max(rows[:, 0] @ (1 - rows[:, 1] * inv_beta) / (rows[:, 0] @ rows[:, 0]),
+                          0.0))  # fmt: skip
+    predicted = a @ np.array([alpha, inv_beta])
+    return {
+        "kind": kind,
+        "group_size": group_size,
+        "alpha_s": float(alpha),
+        "beta_bytes_s": float(1 / inv_beta),
+        "beta_bit_s": float(8 / inv_beta),
+        "max_rel_error": float(np.max(np.abs(predicted - t) / t)),
+        "points": [{**p, "predicted_s": float(q)} for p, q in zip(points, predicted, strict=True)],
+    }
+
+
+def link_of(calibration: dict, kind: str = "all-reduce") -> _cost.Link:
+    """The cost model's :class:`~jaxcomp.study.Link` fitted for ``kind`` in a calibration."""
+    f = calibration["fits"][kind]
+    return _cost.Link(bandwidth=f["beta_bytes_s"], latency=f["alpha_s"])
+
+
+def measure_rate(lab: _lab.Lab, out_dir: str, nbytes: int | None = None) -> dict:
+    """One bulk TCP transfer from host 0 to host 1 of ``nbytes`` (default: ~0.5 s at the rate,
+    200 MB unlimited); ``{"bytes", "seconds", "bit_s"}``.
+
+    Raises:
+      LabError: if the transfer fails (the hosts' logs are named).
+    """
+    rate = lab.spec.rate_bit_s
+    nbytes = nbytes or (200_000_000 if rate is None else int(rate / 8 * 0.5))
+    out = os.path.join(out_dir, "xfer.json")
+    result = lab.run([sys.executable, _xfer.__file__, str(nbytes), out], out_dir, timeout_s=120)
+    if not result.ok:
+        raise _lab_error("the rate probe", result)
+    with open(out) as f:
+        return json.load(f)
+
+
+def _lab_error(what: str, result) -> Exception:
+    from jaxcomp.lab import _net
+
+    tail = ""
+    for log in result.logs:
+        with open(log) as f:
+            lines = [ln for ln in f.read().splitlines() if ln.strip()]
+        if lines:
+            tail = lines[-1]
+    how = "timed out" if result.timed_out else f"exited {list(result.returncodes)}"
+    error = _net.LabTimeout if result.timed_out else _net.LabError
+    return error(f"{what} {how}; logs {list(result.logs)}; last line: {tail}")
+
+
+def calibrate(lab: _lab.Lab, out_dir: str, *, reps: int = 7, timeout_s: float = 300.0) -> dict:
+    """Measures the open ``lab``'s network and fits alpha and beta (module docstring).
+
+    Args:
+      lab: an open :class:`~jaxcomp.lab.Lab` of at least 2 hosts.
+      out_dir: where the probes write their logs and results.
+      reps: timed calls per size.
+      timeout_s: the probe run's limit.
+
+    Returns:
+      ``{"network", "achieved", "sweeps", "fits": {"all-reduce": ..., "collective-permute":
+      ...}, "load_before", "load_after"}`` (JSON-able).
+    """
+    if lab.spec.hosts < 2:
+        raise ValueError("calibration needs at least 2 hosts (a link between them).")
+    os.makedirs(out_dir, exist_ok=True)
+    before = _lab.load()
+    achieved = measure_rate(lab, out_dir)
+    world = lab.spec.hosts * lab.devices
+    rate = lab.spec.rate_bit_s
+    sizes = sweep_sizes(rate, 2 * (world - 1) / world)
+    pings = sweep_sizes(rate, 2.0)
+    out = os.path.join(out_dir, "probe.json")
+    argv = [sys.executable, "-m", _probe.__name__, out, "--sizes", ",".join(map(str, sizes)),
+            "--pingpong_sizes", ",".join(map(str, pings)), "--reps", str(reps)]  # fmt: skip
+    result = lab.run(argv, out_dir, timeout_s=timeout_s)
+    if not result.ok:
+        raise _lab_error("the calibration probe", result)
+    with open(out) as f:
+        sweeps = json.load(f)
+    fits = {"all-reduce": fit("all-reduce", sweeps["all-reduce"], world)}
+    if len(sweeps["collective-permute"]) >= 2:
+        fits["collective-permute"] = fit("collective-permute", sweeps["collective-permute"], 2)
+    return {
+        "network": lab.describe(),
+        "achieved": achieved,
+        "sweeps": sweeps,
+        "fits": fits,
+        "load_before": before,
+        "load_after": _lab.load(),
+    }

@@ -1,0 +1,71 @@
+"""The calibration's fit recovers the cost model's alpha and beta, on the formula of each kind."""
+
+import pytest
+
+from jaxcomp import lab
+from jaxcomp.lab import _calibrate
+from jaxcomp.study import _cost
+
+
+def _points(kind, alpha, beta, w, sizes=(1e3, 1e4, 1e5, 1e6)):
+    lk = _cost.Link(beta, alpha)
+    return [{"bytes": n, "median_s": _cost.collective_time(kind, n, w, lk)} for n in sizes]
+
+
+@pytest.mark.parametrize("kind, w", [("all-reduce", 8), ("collective-permute", 2),
+                                     ("all-gather", 4)])  # fmt: skip
+def test_fit_recovers_alpha_and_beta(kind, w):
+    f = lab.fit_alpha_beta(kind, _points(kind, 2e-4, 1.2e7, w), w)
+    assert f["alpha_s"] == pytest.approx(2e-4, rel=1e-9)
+    assert f["beta_bytes_s"] == pytest.approx(1.2e7, rel=1e-9)
+    assert f["beta_bit_s"] == pytest.approx(9.6e7, rel=1e-9) and f["max_rel_error"] < 1e-9
+    link = _calibrate.link_of({"fits": {kind: f}}, kind)
+    assert link == pytest.approx(_cost.Link(1.2e7, 2e-4))
+
+
+def test_fit_keeps_alpha_non_negative_and_beta_finite():
+    # pure bandwidth with a little noise that would make alpha negative
+    pts = _points("all-reduce", 0.0, 1e7, 8)
+    pts[0]["median_s"] *= 0.9
+    f = lab.fit_alpha_beta("all-reduce", pts, 8)
+    assert f["alpha_s"] == 0.0 and f["beta_bytes_s"] == pytest.approx(1e7, rel=0.05)
+    # no measurable bandwidth term (an unlimited link): latency only, beta capped
+    flat = [{"bytes": n, "median_s": 1e-3} for n in (1e3, 1e5)]
+    f = lab.fit_alpha_beta("collective-permute", flat, 2)
+    assert f["beta_bytes_s"] == _calibrate.MAX_BANDWIDTH
+    assert f["alpha_s"] == pytest.approx(1e-3, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "points, match",
+    [([{"bytes": 1e3, "median_s": 1e-3}], "at least two"),
+     ([{"bytes": 1e3, "median_s": 1e-3}, {"bytes": 1e4, "median_s": 0.0}], "positive")],
+)  # fmt: skip
+def test_fit_refuses_what_it_cannot_fit(points, match):
+    with pytest.raises(ValueError, match=match):
+        lab.fit_alpha_beta("all-reduce", points, 8)
+
+
+def test_sweep_stops_where_a_collective_would_take_too_long():
+    assert _calibrate.sweep_sizes(None, 1.75)[-1] == _calibrate.MAX_BYTES
+    for rate in (10e6, 100e6, 1e9):
+        sizes = _calibrate.sweep_sizes(rate, 1.75)
+        assert len(sizes) >= 4 and sizes[0] == 1024
+        assert sizes[-1] * 1.75 * 8 / rate <= _calibrate.SWEEP_SECONDS
+
+
+@pytest.mark.parametrize("text, want", [("10mbit", 1e7), ("2.5gbit", 2.5e9),
+                                        ("unlimited", None), ("1000kbit", None)])  # fmt: skip
+def test_rates(text, want):
+    if text == "1000kbit":  # 1 Mbit/s: below the lab's range
+        with pytest.raises(ValueError, match="within 10mbit"):
+            lab.parse_rate(text)
+        return
+    assert lab.parse_rate(text) == want
+    assert lab.parse_rate(lab.rate_name(want)) == want
+
+
+@pytest.mark.parametrize("text", ["100", "fast", "20gbit", "-5mbit"])
+def test_bad_rates_name_the_problem(text):
+    with pytest.raises(ValueError, match="rate must"):
+        lab.parse_rate(text)
