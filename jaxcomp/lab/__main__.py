@@ -103,14 +103,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+#: runs a command inside a user, network, mount and pid namespace of its own where it is root:
+#: a private tmpfs on /run holds the lab's named namespaces, and when the command exits the
+#: kernel kills whatever it left
+USERNS_PREFIX = ("unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork",
+                 "--kill-child", "--mount-proc", "--", "sh", "-c",
+                 'mount -t tmpfs jxlab /run && mkdir -p /run/netns && exec "$@"', "sh")  # fmt: skip
+
+
 def _userns_command(argv) -> list[str]:
-    """This CLI again, inside a user, network, mount and pid namespace of its own where it is
-    root (a private tmpfs on /run holds its named namespaces; when it exits the kernel kills
-    whatever it left)."""
-    return ["unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork",
-            "--kill-child", "--mount-proc", "--", "sh", "-c",
-            'mount -t tmpfs jxlab /run && mkdir -p /run/netns && exec "$@"', "sh",
-            sys.executable, "-m", "jaxcomp.lab", *argv]  # fmt: skip
+    """This CLI again, inside :data:`USERNS_PREFIX`'s namespaces."""
+    return [*USERNS_PREFIX, sys.executable, "-m", "jaxcomp.lab", *argv]
 
 
 def _reexec_unprivileged(argv) -> int | None:

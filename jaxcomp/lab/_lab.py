@@ -93,12 +93,14 @@ class Lab:
         timeout_s: float = 600.0,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        fail_grace_s: float = 15.0,
     ) -> _hosts.HostsResult:
         """Runs ``argv`` on every host (see :func:`~jaxcomp.lab._hosts.run_hosts`)."""
         if self.net is None:
             raise RuntimeError("Lab.run needs an open lab: use it inside `with Lab(...) as lab:`.")
         return _hosts.run_hosts(self.net, argv, log_dir, devices=self.devices,
-                                timeout_s=timeout_s, env=env, cwd=cwd)  # fmt: skip
+                                timeout_s=timeout_s, env=env, cwd=cwd,
+                                fail_grace_s=fail_grace_s)  # fmt: skip
 
     def describe(self) -> dict:
         """The network as the results record it."""

@@ -33,7 +33,7 @@ def test_fit_keeps_alpha_non_negative_and_beta_finite():
     flat = [{"bytes": n, "median_s": 1e-3} for n in (1e3, 1e5)]
     f = lab.fit_alpha_beta("collective-permute", flat, 2)
     assert f["beta_bytes_s"] == _calibrate.MAX_BANDWIDTH
-    assert f["alpha_s"] == pytest.approx(1e-3, rel=1e-6)
+    assert f["alpha_s"] == pytest.approx(1e-3, rel=1e-3)  # less the capped beta's term
 
 
 @pytest.mark.parametrize(

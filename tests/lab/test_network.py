@@ -44,12 +44,12 @@ def test_two_labs_at_once_have_their_own_names_and_addresses():
 def test_a_failing_host_stops_the_others_and_a_timeout_stops_all(tmp_path):
     with lab.Lab(3, "10mbit") as lb:
         failed = lb.run(["sh", "-c", 'test "{process_id}" = 1 && exit 3; sleep 60'],
-                        str(tmp_path / "f"), timeout_s=60)  # fmt: skip
+                        str(tmp_path / "f"), timeout_s=60, fail_grace_s=0.5)  # fmt: skip
         slow = lb.run(["sleep", "60"], str(tmp_path / "t"), timeout_s=1)
         namespaces = lb.net.namespaces
         assert not any(_net._pids(n) for n in namespaces)  # every host process is gone
     assert failed.returncodes[1] == 3 and not failed.ok and not failed.timed_out
-    assert failed.seconds < 30 and all(c != 0 for c in failed.returncodes)
+    assert failed.seconds < 15 and all(c != 0 for c in failed.returncodes)
     assert slow.timed_out and slow.seconds < 15
     assert not set(namespaces) & set(_net.lab_namespaces())
 

@@ -1,0 +1,87 @@
+"""Lab runs beside the cost model: step times without warm-up and idle-gap steps, time to
+accuracy, and the prediction (compute from the unlimited run, communication from the
+calibrated links), in the study report."""
+
+import json
+
+import pytest
+
+from jaxcomp.study import _cost
+from jaxcomp.study import _network
+from jaxcomp.study import write_report
+
+FITS = {"all-reduce": {"alpha_s": 1e-4, "beta_bytes_s": 1e7, "beta_bit_s": 8e7}}
+COLLS = [{"kind": "all-reduce", "group_size": 8, "bytes_per_execution": 4e5, "executions": 1.0,
+          "conditional": False}]  # fmt: skip
+
+
+def _run(path, rate, step_s, *, evals=((4, 0.5), (8, 0.9)), variant="dense"):
+    """A lab run's workdir: 8 steps of ``step_s`` (steps 1 and 5 slow: warm-up, after the
+    evaluation at step 4), evaluations, a summary with one all-reduce, and ``lab.json``."""
+    path.mkdir(parents=True)
+    with open(path / "timing.jsonl", "w") as f:
+        for s in range(1, 9):
+            t = step_s * (5 if s in (1, 5) else 1)
+            f.write(json.dumps({"step": s, "step_s": t, "elapsed_s": 10 + s * step_s}) + "\n")
+    with open(path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"step": 8, "split": "train", "loss": 0.5}) + "\n")
+        for s, acc in evals:
+            f.write(json.dumps({"step": s, "split": "eval", "accuracy": acc, "loss": 1}) + "\n")
+    summary = {"mode": "dense", "steps": 8, "final_accuracy": evals[-1][1],
+               "wire_bytes_per_step": 4e5, "collectives": COLLS}  # fmt: skip
+    (path / "summary.json").write_text(json.dumps(summary))
+    (path / "experiment.json").write_text(json.dumps({"mesh": [["data", 8]]}))
+    net = {"topology": "per_host", "hosts": 2, "devices_per_host": 4,
+           "rate": "unlimited" if rate is None else "100mbit", "rate_bit_s": rate}  # fmt: skip
+    lab = {"name": path.name, "variant": variant, "axes": {}, "network": net,
+           "calibration": {"fits": FITS, "achieved": {"bit_s": 9.5e7}}, "targets": [0.9],
+           "load_before": [1.0], "load_after": [1.2]}  # fmt: skip
+    (path / _network.LAB_FILE).write_text(json.dumps(lab))
+    return str(path)
+
+
+def test_step_times_leave_out_warm_up_and_the_step_after_an_evaluation(tmp_path):
+    st = _network.step_times(_run(tmp_path / "r", None, 0.01))
+    assert st["left_out"] == [1, 2, 5] and st["n"] == 5
+    assert st["median_s"] == st["q25_s"] == st["q75_s"] == pytest.approx(0.01)
+    # a checkpoint every 3 steps also leaves out steps 4 and 7
+    assert _network.step_times(str(tmp_path / "r"), checkpoint_every=3)["left_out"] == [
+        1, 2, 4, 5, 7]  # fmt: skip
+
+
+def test_time_to_accuracy_sums_the_steps_up_to_the_first_evaluation_on_target(tmp_path):
+    w = _run(tmp_path / "r", None, 0.01)
+    tta = _network.time_to_accuracy(w, [0.9, 0.99])
+    assert tta["0.99"] is None
+    assert tta["0.9"]["step"] == 8 and tta["0.9"]["train_s"] == pytest.approx(0.16)
+    assert tta["0.9"]["elapsed_s"] == pytest.approx(10.08)
+
+
+def test_prediction_takes_compute_from_the_unlimited_run(tmp_path):
+    runs = [_network.read_lab_run(_run(tmp_path / n, r, t))
+            for n, r, t in (("u", None, 0.05), ("slow", 1e8, 0.2))]  # fmt: skip
+    runs.append(_network.read_lab_run(_run(tmp_path / "x", 1e8, 0.2, variant="other")))
+    unl, slow, other = _network.predict(runs)
+    comm = _cost.collective_time("all-reduce", 4e5, 8, _cost.Link(1e7, 1e-4))
+    assert unl["prediction"]["compute_s"] == pytest.approx(0.05 - comm)
+    assert unl["prediction"]["measured_over_predicted"] == pytest.approx(1.0)
+    assert slow["prediction"]["step_s"] == pytest.approx(0.05)  # both runs share the fit here
+    assert slow["prediction"]["measured_over_predicted"] == pytest.approx(4.0)
+    assert other["prediction"]["step_s"] is None and "unlimited" in other["prediction"]["why"]
+    table = _network.table([unl, slow])
+    assert "| slow | per_host | 2 x 4 | 100mbit | 95 | 100 | 80 |" in table
+
+
+def test_the_study_report_shows_lab_cells(tmp_path):
+    names = ["dense__network=unlimited-2h__seed0", "dense__network=100mbit-2h__seed0"]
+    for name, rate, t in zip(names, (None, 1e8), (0.05, 0.2)):
+        _run(tmp_path / name, rate, t)
+        (tmp_path / name / "cell.json").write_text(json.dumps({"status": "done"}))
+    cells = [{"name": n, "variant": "dense", "axes": {"network": n.split("=")[1][:-7]},
+              "seed": 0, "overrides": {}} for n in names]  # fmt: skip
+    manifest = {"study": "s", "cells": cells, "axes": ["network"], "baseline": "dense"}
+    (tmp_path / "study.json").write_text(json.dumps(manifest))
+    paths = write_report(str(tmp_path))
+    text = open(paths["markdown"]).read()
+    assert _network.TABLE_NOTE in text and "| 100mbit |" in text
+    assert {"accuracy_vs_time", "measured_vs_predicted"} <= set(paths)
