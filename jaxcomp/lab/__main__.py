@@ -52,6 +52,8 @@ def _network_args(p: argparse.ArgumentParser, *, devices: bool = True, rate: boo
         p.add_argument("--rate", default="unlimited", help="10mbit ... 10gbit or unlimited")
     p.add_argument("--topology", default="per_host", choices=_net.TOPOLOGIES)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    p.add_argument("--no_slow_start_after_idle", action="store_true",
+                   help="TCP keeps its window across idle gaps (lab namespaces only)")  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -150,7 +152,8 @@ def _load_json(path: str) -> dict:
 def _lab(args):
     from jaxcomp.lab import _lab
 
-    return _lab.Lab(args.hosts, args.rate, args.topology, getattr(args, "devices", 1))
+    return _lab.Lab(args.hosts, args.rate, args.topology, getattr(args, "devices", 1),
+                    slow_start_after_idle=not args.no_slow_start_after_idle)  # fmt: skip
 
 
 def _rate(args) -> int:

@@ -46,6 +46,8 @@ class Lab:
         10 Gbit/s), or bit/s as a number, ``None`` for unlimited.
       topology: ``"per_host"`` (a NIC per host into a switch) or ``"shared"`` (one loopback).
       devices: fake CPU devices per host.
+      slow_start_after_idle: ``False`` turns TCP's slow start after idle off in the lab's
+        namespaces (a diagnosis: what the idle gaps between a step's collectives cost).
 
     Example:
       >>> # with Lab(2, "100mbit", devices=4) as lab:
@@ -53,12 +55,20 @@ class Lab:
       >>> #                       "--workdir", "w", "--cpu_devices", "{devices}"], "w/logs")
     """
 
-    def __init__(self, hosts: int, rate="unlimited", topology: str = "per_host", devices: int = 1):
+    def __init__(
+        self,
+        hosts: int,
+        rate="unlimited",
+        topology: str = "per_host",
+        devices: int = 1,
+        *,
+        slow_start_after_idle: bool = True,
+    ):
         rate_bit_s = rate if isinstance(rate, (int, float)) else _net.parse_rate(rate)
         if not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices must be an integer >= 1; got {devices!r}.")
-        self.spec = _net.NetworkSpec(hosts, None if rate_bit_s is None else float(rate_bit_s),
-                                     topology)  # fmt: skip
+        rate_bit_s = None if rate_bit_s is None else float(rate_bit_s)
+        self.spec = _net.NetworkSpec(hosts, rate_bit_s, topology, bool(slow_start_after_idle))
         self.devices = devices
         self.net: _net.Network | None = None
         self._stack: contextlib.ExitStack | None = None
@@ -112,5 +122,6 @@ class Lab:
             "rate": _net.rate_name(spec.rate_bit_s),
             "rate_bit_s": spec.rate_bit_s,
             "tbf": None if spec.rate_bit_s is None else _net.tbf_params(spec.rate_bit_s),
+            "slow_start_after_idle": spec.slow_start_after_idle,
             "addresses": list(self.net.addresses) if self.net else None,
         }

@@ -59,11 +59,15 @@ class NetworkSpec(NamedTuple):
       hosts: the number of hosts (processes).
       rate_bit_s: each link's rate in bit/s, ``None`` for no limit.
       topology: ``"per_host"`` or ``"shared"``.
+      slow_start_after_idle: TCP's congestion window restarts from its initial size after an
+        idle period (Linux's default, ``net.ipv4.tcp_slow_start_after_idle=1``); ``False``
+        keeps it (set in the lab's namespaces only).
     """
 
     hosts: int
     rate_bit_s: float | None
     topology: str = "per_host"
+    slow_start_after_idle: bool = True
 
 
 class Network(NamedTuple):
@@ -147,6 +151,11 @@ def _sh(*argv: str) -> str:
     return done.stdout
 
 
+def _sysctls(ns: str, spec: NetworkSpec) -> None:
+    if not spec.slow_start_after_idle:
+        _sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
+
+
 def _limit(ns: str, dev: str, tbf: dict) -> None:
     _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
         "rate", tbf["rate"], "burst", tbf["burst"], "latency", tbf["latency"])  # fmt: skip
@@ -185,6 +194,7 @@ def build(spec: NetworkSpec, lab_id: str | None = None) -> Network:
             made.append(ns)
             _sh("ip", "-n", ns, "link", "set", "lo", "mtu", str(SHARED_MTU))
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sysctls(ns, spec)
             if tbf:
                 _limit(ns, "lo", tbf)
             hosts = (ns,) * spec.hosts
@@ -209,6 +219,7 @@ def build(spec: NetworkSpec, lab_id: str | None = None) -> Network:
             _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            _sysctls(ns, spec)
             if tbf:
                 _limit(ns, "eth0", tbf)  # what the host sends
                 _limit(hub, port, tbf)  # what the host receives

@@ -14,7 +14,7 @@ from jaxcomp.lab import _net
 from jaxcomp.study import _network
 
 #: what identifies the network of a lab run (a workdir may only be continued on the same one)
-NETWORK_KEYS = ("topology", "hosts", "devices_per_host", "rate_bit_s")
+NETWORK_KEYS = ("topology", "hosts", "devices_per_host", "rate_bit_s", "slow_start_after_idle")
 
 
 def resolve_config(config: str, overrides: Sequence[str] = ()):
