@@ -76,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "(default: calibrate first; 'none': skip)")  # fmt: skip
     tr.add_argument("--target", type=float, action="append", default=[],
                     help="report the time to this test accuracy (repeatable)")  # fmt: skip
+    tr.add_argument("--variant", default=None,
+                    help="a name for the run in reports (runs of one variant at several "
+                    "rates share the unlimited one's compute)")  # fmt: skip
     st = sub.add_parser("study", help="a study at every rate x hosts, each cell in the lab")
     st.add_argument("study")
     st.add_argument("--workdir", required=True)
@@ -213,7 +216,7 @@ def _train_cmd(args) -> int:
             _print_calibration(cal)
         record = _train.run_config(lab, args.config, args.workdir, overrides=args.set,
                                    calibration=cal, targets=args.target,
-                                   timeout_s=args.timeout)  # fmt: skip
+                                   timeout_s=args.timeout, variant=args.variant)  # fmt: skip
     st = record["measured"]["step_time"] or {}
     if st:
         print(f"step time: median {1e3 * st['median_s']:.1f} ms [q25 {1e3 * st['q25_s']:.1f}, "

@@ -18,8 +18,10 @@ inside the namespaces the lab makes. Every object a lab makes is named
 since boot, so a reused pid does not look alive), which :func:`stale_namespaces` reads to find
 what a killed lab left behind.
 
-The token bucket: ``burst`` is 2 ms of traffic at the rate (at least 8 KiB), so an idle link
-lets at most 2 ms worth through at line speed; ``latency 400ms`` bounds the queue. The
+The token bucket: ``burst`` is 1 ms of traffic at the rate, at least two full Ethernet frames
+(3028 bytes), so an idle link lets at most that much through at the veth's speed (a smaller
+burst cost 1 Gbit/s links 10% of their rate here, 2026-12-05); ``latency 400ms`` bounds the
+queue. The
 loopback of a shared link runs at MTU 1500 (with loopback's 65536 a packet can exceed the
 burst and is dropped).
 """
@@ -37,8 +39,8 @@ TOPOLOGIES = ("per_host", "shared")
 #: the rates the lab accepts, bit/s (and ``None``: unlimited)
 MIN_RATE, MAX_RATE = 10e6, 10e9
 UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-BURST_S = 2e-3
-MIN_BURST_BYTES = 8 * 1024
+BURST_S = 1e-3
+MIN_BURST_BYTES = 2 * 1514
 QUEUE_LATENCY = "400ms"
 SHARED_MTU = 1500
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-([0-9a-f]+)-")

@@ -192,8 +192,11 @@ def read_lab_run(workdir: str) -> dict[str, Any] | None:
 
 
 def _group(record: Mapping[str, Any]) -> tuple:
+    """What a run shares with its compute reference: the variant (or, unnamed, the config and
+    its overrides), the other axes, the topology and the layout."""
     net = record["network"]
-    return (record.get("variant"), net["topology"], net["hosts"], net["devices_per_host"],
+    what = record.get("variant") or (record.get("config"), tuple(record.get("overrides") or ()))
+    return (what, net["topology"], net["hosts"], net["devices_per_host"],
             tuple(sorted((record.get("axes") or {}).items())))  # fmt: skip
 
 
