@@ -3,6 +3,8 @@
 # short enough for one tools/cpu-all window:
 #   tools/cpu-all docs/results/network/run.sh 100mbit      # then 1gbit, 10mbit, unlimited
 #   tools/cpu-all docs/results/network/run.sh pipeline
+#   tools/cpu-all docs/results/network/run.sh diagnosis      # where the time goes
+#   tools/cpu-all docs/results/network/run.sh 2x1            # one device per host
 # Runs go to $RUNS (default /tmp/jaxcomp-lab-runs); each finished cell's small files (lab.json,
 # summary, timing and metrics) are copied into docs/results/network/cells/, which
 # `python -m jaxcomp.lab report docs/results/network/cells --out docs/results/network` reads.
@@ -24,9 +26,11 @@ keep() {  # the files the report reads, without checkpoints
   done
 }
 
-calibrate() {  # NAME HOSTS DEVICES RATE
+calibrate() {  # NAME HOSTS DEVICES RATE (the probes' logs stay in $RUNS)
   local out="$here/calibrations/$1.json"
-  [ -f "$out" ] || lab calibrate --hosts "$2" --devices "$3" --rate "$4" --out "$out"
+  [ -f "$out" ] && return 0
+  lab calibrate --hosts "$2" --devices "$3" --rate "$4" --out "$RUNS/$1.json"
+  cp "$RUNS/$1.json" "$out"
 }
 
 cell() {  # NAME VARIANT RATE CALIBRATION CONFIG [--set ...]
@@ -35,15 +39,41 @@ cell() {  # NAME VARIANT RATE CALIBRATION CONFIG [--set ...]
   [ -f "$here/cells/$name/lab.json" ] && return 0
   rm -rf "${RUNS:?}/$name"
   echo "== $name: load $(cut -d' ' -f1-3 /proc/loadavg)"
+  [ "$cal" = none ] || cal="$here/calibrations/$cal.json"
   lab train --config "$config" --workdir "$RUNS/$name" --variant "$variant" \
-    --hosts "$HOSTS" --devices "$DEVICES" --rate "$rate" \
-    --calibration "$here/calibrations/$cal.json" --target 0.97 "$@"
+    --hosts "$HOSTS" --devices "$DEVICES" --rate "$rate" --calibration "$cal" --target 0.97 "$@"
   keep "$name"
 }
 
 PSGD=(--set 'data_parallel.transform="compressed_mean"'
       --set 'data_parallel.codec={"name": "power_sgd", "rank": 2, "feedback": "ef"}')
+SHORT=(--set total_steps=60 --set eval_every=0 --set log_every=20 --set checkpoint_every=0)
 case "$what" in
+  diagnosis)  # the hierarchical mean (dense inside a host, compressed across); TCP slow start
+    HOSTS=2 DEVICES=4
+    HIER=(--set 'mesh=[("slow", 2), ("fast", 4)]')
+    for rate in unlimited 100mbit 10mbit; do
+      calibrate "per_host-2x4-$rate" 2 4 "$rate"
+      cell "powersgd-hier-2x4-$rate" powersgd-r2-ef-hierarchical "$rate" "per_host-2x4-$rate" \
+        configs/digits_accordion.py "${SHORT[@]}" "${PSGD[@]}" "${HIER[@]}"
+    done
+    for ss in slow-start no-slow-start; do
+      flag=(); [ $ss = no-slow-start ] && flag=(--no_slow_start_after_idle)
+      cell "dense-$ss-2x4-100mbit" "dense-$ss" 100mbit none configs/digits_dense.py \
+        "${SHORT[@]}" "${flag[@]}"
+    done
+    ;;
+  2x1)  # one device per host: each host's compute on its own core
+    HOSTS=2 DEVICES=1
+    ONE=(--set 'mesh=[("data", 2)]')
+    for rate in unlimited 100mbit 10mbit; do
+      calibrate "per_host-2x1-$rate" 2 1 "$rate"
+      cell "dense-2x1-$rate" dense-2x1 "$rate" "per_host-2x1-$rate" configs/digits_dense.py \
+        "${SHORT[@]}" "${ONE[@]}"
+      cell "powersgd-2x1-$rate" powersgd-r2-ef-2x1 "$rate" "per_host-2x1-$rate" \
+        configs/digits_accordion.py "${SHORT[@]}" "${ONE[@]}" "${PSGD[@]}"
+    done
+    ;;
   pipeline)
     HOSTS=4 DEVICES=1
     ONE=(--set 'mesh=[("stage", 4)]' --set total_steps=60 --set eval_every=20
