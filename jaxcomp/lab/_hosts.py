@@ -70,6 +70,22 @@ def signals_raise():
             signal.signal(s, h)
 
 
+@contextlib.contextmanager
+def signals_ignored():
+    """SIGINT, SIGTERM and SIGHUP are ignored while inside (in the main thread), so a second
+    Ctrl-C cannot cut a teardown short; the previous handlers come back on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_IGN)
+           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}  # fmt: skip
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def host_env(net: _net.Network, host: int, devices: int, base: Mapping[str, str]) -> dict:
     """The environment of host ``host``: JAX's process variables (read by ``jaxcomp.main`` and
     by a script's ``jax.distributed.initialize``), CPU only, ``devices`` fake devices, and this
@@ -192,6 +208,7 @@ def run_hosts(
                 break
             time.sleep(0.05)
     finally:
-        _stop(procs, grace_s)
+        with signals_ignored():
+            _stop(procs, grace_s)
     codes = tuple(p.returncode for p in procs)
     return HostsResult(codes, tuple(logs), time.monotonic() - t0, timed_out)

@@ -88,7 +88,8 @@ class Lab:
     def __exit__(self, *exc) -> None:
         try:
             if self.net is not None:
-                _net.teardown(self.net)
+                with _hosts.signals_ignored():
+                    _net.teardown(self.net)
         finally:
             self.net = None
             if self._stack is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 
@@ -27,13 +28,59 @@ def find_runs(paths: Sequence[str]) -> list[str]:
     return found
 
 
+def find_calibrations(paths: Sequence[str]) -> list[dict]:
+    """The calibrations (JSON files with ``fits`` and ``achieved``) among ``paths`` and their
+    subfolders, in order."""
+    found = []
+    for path in paths:
+        for root, dirs, files in os.walk(path):
+            dirs.sort()
+            for name in sorted(f for f in files if f.endswith(".json")):
+                try:
+                    with open(os.path.join(root, name)) as f:
+                        record = json.load(f)
+                except (OSError, json.JSONDecodeError):
+                    continue
+                if isinstance(record, dict) and {"fits", "achieved", "network"} <= set(record):
+                    found.append(record)
+    return found
+
+
+def calibration_table(calibrations: Sequence[dict]) -> str:
+    """Markdown: one line per calibrated network, the achieved TCP rate and each kind's fit."""
+    head = ["topology", "hosts x devices", "rate", "achieved Mbit/s", "all-reduce alpha us",
+            "all-reduce beta Mbit/s", "max error", "permute alpha us", "permute beta Mbit/s",
+            "max error", "load before / after"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in calibrations:
+        net, fits = c["network"], c["fits"]
+        cells = [net["topology"], f"{net['hosts']} x {net['devices_per_host']}", net["rate"],
+                 f"{c['achieved']['bit_s'] / 1e6:.1f}"]  # fmt: skip
+        for kind in ("all-reduce", "collective-permute"):
+            f = fits.get(kind)
+            if f is None:
+                cells += ["—"] * 3
+                continue
+            cells += [f"{1e6 * f['alpha_s']:.0f}", f"{f['beta_bit_s'] / 1e6:.1f}",
+                      f"{100 * f['max_rel_error']:.0f}%"]  # fmt: skip
+        cells.append(f"{c['load_before'][0]} / {c['load_after'][0]}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write(paths: Sequence[str], out_dir: str) -> str:
-    """Writes ``report.md`` (the runs' table, :func:`jaxcomp.study._network.table`) and the
-    plots of accuracy against training time per rate and of measured against predicted step
-    time into ``out_dir``; returns the markdown's path."""
+    """Writes ``report.md`` (the runs' table, :func:`jaxcomp.study._network.table`, and the
+    calibrations found among ``paths``, :func:`calibration_table`) and the plots of accuracy
+    against training time per rate and of measured against predicted step time into
+    ``out_dir``; returns the markdown's path."""
     records = _network.predict([_network.read_lab_run(w) for w in find_runs(paths)])
     os.makedirs(out_dir, exist_ok=True)
     lines = ["# Lab runs", "", _network.TABLE_NOTE, "", _network.table(records), ""]
+    calibrations = find_calibrations(paths)
+    if calibrations:
+        lines += ["Calibrations (cost model fits on the lab's links; alpha per message, beta "
+                  "the bandwidth the collective achieves):", "", calibration_table(calibrations),
+                  ""]  # fmt: skip
     notes = sorted({f"{r['name']}: no prediction ({r['prediction']['why']})" for r in records
                     if r["prediction"].get("step_s") is None})  # fmt: skip
     if notes:

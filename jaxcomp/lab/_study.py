@@ -23,6 +23,7 @@ from jaxcomp.lab import _net
 from jaxcomp.lab import _train
 from jaxcomp.study import _grid
 from jaxcomp.study import _runner
+from jaxcomp.train._config import fingerprint
 
 AXIS = "network"
 
@@ -111,6 +112,11 @@ def run(
         if size % n_hosts:
             raise ValueError(f"the mesh's {size} devices do not split over {n_hosts} hosts.")
         sets = _sets(cell.overrides)
+        if fingerprint(_train.resolve_config(config_file, sets)) != fingerprint(config):
+            raise ValueError(
+                f"cell {cell.name}: {config_file} with --set {sets} is not the cell's config "
+                "(an override that does not survive as text?)."
+            )
         with _lab.Lab(n_hosts, rate, topology, size // n_hosts) as lab:
             cal = calibration(lab) if n_hosts > 1 else None
             _train.run_config(lab, config_file, cell_dir, overrides=sets, calibration=cal,
