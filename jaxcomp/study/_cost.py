@@ -204,7 +204,7 @@ def _per_stage(name: str, values, count: int) -> list[float]:
 
 def _schedule_order(schedule: str, s: int, num_stages: int, m: int) -> list[tuple[str, int]]:
     if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]  # as the tick table
     if schedule != "1f1b":  # a schedule the pipeline gained and this model has no order for
         raise NotImplementedError(f"the cost model has no operation order for {schedule!r}.")
     warm = min(num_stages - s - 1, m)

@@ -183,3 +183,15 @@ def test_a_pipeline_schedule_without_an_operation_order_is_an_error(monkeypatch)
     with pytest.raises(NotImplementedError, match="no operation order for 'interleaved'"):
         study.pipeline_step_time(1.0, 1.0, 4, 1.0, 1.0, LK, num_stages=2,
                                  schedule="interleaved", lockstep=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_operation_order_is_the_pipeline_tick_tables(schedule):
+    from jaxcomp import pipeline
+    from jaxcomp.study import _cost
+
+    for s_n, m in [(1, 1), (2, 3), (4, 5)]:
+        table = pipeline.ticks(schedule, s_n, m)
+        for s in range(s_n):
+            ran = [(op.kind, op.microbatch) for row in table if (op := row[s])]
+            assert _cost._schedule_order(schedule, s, s_n, m) == ran, (s_n, m, s)
