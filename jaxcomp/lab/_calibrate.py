@@ -60,9 +60,9 @@ def sweep_sizes(rate_bit_s: float | None, factor: float) -> list[int]:
 
 def _design(kind: str, nbytes: np.ndarray, group_size: int) -> np.ndarray:
     """The columns multiplying ``(alpha, 1/beta)`` in the cost model's formula for ``kind``."""
-    unit = _cost.Link(bandwidth=1.0, latency=0.0)
+    unit = _cost.NetworkLink(bandwidth=1.0, latency=0.0)
     per_byte = np.array([_cost.collective_time(kind, float(n), group_size, unit) for n in nbytes])
-    latency = _cost.collective_time(kind, 1.0, group_size, _cost.Link(1e300, 1.0))
+    latency = _cost.collective_time(kind, 1.0, group_size, _cost.NetworkLink(1e300, 1.0))
     return np.stack([np.full(len(nbytes), latency), per_byte], axis=1)
 
 
@@ -112,10 +112,10 @@ def fit(kind: str, points: list[dict], group_size: int) -> dict:
     }
 
 
-def link_of(calibration: dict, kind: str = "all-reduce") -> _cost.Link:
-    """The cost model's :class:`~jaxcomp.study.Link` fitted for ``kind`` in a calibration."""
+def link_of(calibration: dict, kind: str = "all-reduce") -> _cost.NetworkLink:
+    """The cost model's :class:`~jaxcomp.study.NetworkLink` fitted for ``kind`` in a calibration."""
     f = calibration["fits"][kind]
-    return _cost.Link(bandwidth=f["beta_bytes_s"], latency=f["alpha_s"])
+    return _cost.NetworkLink(bandwidth=f["beta_bytes_s"], latency=f["alpha_s"])
 
 
 def measure_rate(lab: _lab.Lab, out_dir: str, nbytes: int | None = None) -> dict:

@@ -8,7 +8,7 @@ from jaxcomp.study import _cost
 
 
 def _points(kind, alpha, beta, w, sizes=(1e3, 1e4, 1e5, 1e6)):
-    lk = _cost.Link(beta, alpha)
+    lk = _cost.NetworkLink(beta, alpha)
     return [{"bytes": n, "median_s": _cost.collective_time(kind, n, w, lk)} for n in sizes]
 
 
@@ -20,7 +20,7 @@ def test_fit_recovers_alpha_and_beta(kind, w):
     assert f["beta_bytes_s"] == pytest.approx(1.2e7, rel=1e-9)
     assert f["beta_bit_s"] == pytest.approx(9.6e7, rel=1e-9) and f["max_rel_error"] < 1e-9
     link = _calibrate.link_of({"fits": {kind: f}}, kind)
-    assert link == pytest.approx(_cost.Link(1.2e7, 2e-4))
+    assert link == pytest.approx(_cost.NetworkLink(1.2e7, 2e-4))
 
 
 def test_fit_keeps_alpha_non_negative_and_beta_finite():

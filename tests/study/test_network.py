@@ -62,7 +62,7 @@ def test_prediction_takes_compute_from_the_unlimited_run(tmp_path):
             for n, r, t in (("u", None, 0.05), ("slow", 1e8, 0.2))]  # fmt: skip
     runs.append(_network.read_lab_run(_run(tmp_path / "x", 1e8, 0.2, variant="other")))
     unl, slow, other = _network.predict(runs)
-    comm = _cost.collective_time("all-reduce", 4e5, 8, _cost.Link(1e7, 1e-4))
+    comm = _cost.collective_time("all-reduce", 4e5, 8, _cost.NetworkLink(1e7, 1e-4))
     assert unl["prediction"]["compute_s"] == pytest.approx(0.05 - comm)
     assert unl["prediction"]["measured_over_predicted"] == pytest.approx(1.0)
     assert slow["prediction"]["step_s"] == pytest.approx(0.05)  # both runs share the fit here
@@ -85,3 +85,33 @@ def test_the_study_report_shows_lab_cells(tmp_path):
     text = open(paths["markdown"]).read()
     assert _network.TABLE_NOTE in text and "| 100mbit |" in text
     assert {"accuracy_vs_time", "measured_vs_predicted"} <= set(paths)
+
+
+@pytest.mark.parametrize("topology", ["per_host", "shared"])
+def test_pipeline_sends_of_one_tick_share_the_wire_only_on_a_shared_link(tmp_path, topology):
+    """S=4, M=4 GPipe: 2 M (S-1) = 24 sends of 32 KiB; per-host links carry a tick's sends at
+    once, so 2 (M + S - 2) = 10 ticks of one send each lie on the path; one wire carries all 24."""
+    w = _run(tmp_path / "p", 1e8, 0.05)
+    summary = {"mode": "pipeline", "stages": 4, "microbatches": 4, "schedule": "gpipe",
+               "boundary_bytes_per_step": 24 * 32768.0, "hlo_collective_bytes_per_step":
+               24 * 32768.0, "wire_bytes_per_step": 24 * 32768.0}  # fmt: skip
+    (tmp_path / "p" / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "p" / "experiment.json").write_text(json.dumps({"mesh": [["stage", 4]]}))
+    lab = json.loads((tmp_path / "p" / _network.LAB_FILE).read_text())
+    lab["network"]["topology"] = topology
+    (tmp_path / "p" / _network.LAB_FILE).write_text(json.dumps(lab))
+    comm, _ = _network._comm(_network.read_lab_run(w))
+    one = _cost.collective_time("collective-permute", 32768.0, 2, _cost.NetworkLink(1e7, 1e-4))
+    assert comm == pytest.approx((10 if topology == "per_host" else 24) * one)
+
+
+def test_gzipped_timing_reads_as_the_plain_file(tmp_path):
+    import gzip
+    import shutil
+
+    w = _run(tmp_path / "r", None, 0.01)
+    plain = _network.step_times(w)
+    with open(f"{w}/timing.jsonl", "rb") as src, gzip.open(f"{w}/timing.jsonl.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    (tmp_path / "r" / "timing.jsonl").unlink()
+    assert _network.step_times(w) == plain

@@ -18,12 +18,22 @@ mkdir -p "$RUNS" "$here/cells" "$here/calibrations"
 cd "$repo"
 lab() { PYTHONPATH="$repo" "$PY" -m jaxcomp.lab "$@"; }
 
-keep() {  # the files the report reads, without checkpoints
+compact() {  # JSON files on one line, a cell's lab.json without the calibration's raw sweeps
+  "$PY" -c 'import json, sys
+for p in sys.argv[1:]:
+    d = json.load(open(p))
+    (d.get("calibration") or {}).pop("sweeps", None)
+    open(p, "w").write(json.dumps(d, separators=(",", ":")) + "\n")' "$@"
+}
+
+keep() {  # the files the report reads, without checkpoints; per-step times gzipped
   local name=$1 src="$RUNS/$1" dst="$here/cells/$1"
   rm -rf "$dst"; mkdir -p "$dst"
-  for f in lab.json summary.json timing.jsonl metrics.jsonl experiment.json; do
+  for f in lab.json summary.json metrics.jsonl experiment.json; do
     cp "$src/$f" "$dst/"
   done
+  gzip -n -c "$src/timing.jsonl" > "$dst/timing.jsonl.gz"
+  compact "$dst/lab.json"
 }
 
 calibrate() {  # NAME HOSTS DEVICES RATE (the probes' logs stay in $RUNS)
@@ -31,6 +41,7 @@ calibrate() {  # NAME HOSTS DEVICES RATE (the probes' logs stay in $RUNS)
   [ -f "$out" ] && return 0
   lab calibrate --hosts "$2" --devices "$3" --rate "$4" --out "$RUNS/$1.json"
   cp "$RUNS/$1.json" "$out"
+  compact "$out"
 }
 
 cell() {  # NAME VARIANT RATE CALIBRATION CONFIG [--set ...]
