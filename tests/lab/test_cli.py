@@ -54,3 +54,18 @@ def test_another_user_builds_the_lab_network_in_its_user_namespace():
 def test_check_builds_and_removes_a_network(capsys):
     assert cli.main(["check"]) == 0
     assert capsys.readouterr().out.startswith("ok: this machine builds lab networks (as root)")
+
+
+@root_only
+def test_the_user_namespace_route_builds_a_lab_that_honours_its_rate():
+    """The whole CLI inside :data:`cli.USERNS_PREFIX` (root there as any user would be; the
+    interpreter here lives where another user cannot run it): 2 MB over 20 Mbit/s."""
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    done = subprocess.run(
+        cli._userns_command(["rate", "--rate", "20mbit", "--bytes", "2000000"]),
+        env={**os.environ, cli.USERNS_FLAG: "1"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    mbit = float(done.stdout.split(" = ")[1].split()[0])
+    assert 16 <= mbit <= 24, done.stdout
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
