@@ -57,6 +57,7 @@ def test_check_builds_and_removes_a_network(capsys):
 
 
 @root_only
+@pytest.mark.slow  # a subprocess lab, ~3 s
 def test_the_user_namespace_route_builds_a_lab_that_honours_its_rate():
     """The whole CLI inside :data:`cli.USERNS_PREFIX` (root there as any user would be; the
     interpreter here lives where another user cannot run it): 2 MB over 20 Mbit/s."""

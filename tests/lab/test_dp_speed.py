@@ -13,6 +13,8 @@ WORKER = pathlib.Path(__file__).with_name("_dp_worker.py")
 RATE = 50e6
 DENSE_BYTES = 150_794 * 4  # the MLP's float32 parameters
 
+pytestmark = pytest.mark.slow  # 2 JAX processes compile and time both steps
+
 
 @pytest.fixture(scope="module")
 def timed(tmp_path_factory):
