@@ -12,7 +12,7 @@ prediction beside them, and tears everything down. ``python -m jaxcomp.lab --hel
   :class:`LabTimeout`.
 * Calibration: :func:`calibrate`, :func:`measure_rate`, :func:`fit_alpha_beta`.
 * Runs: :func:`run_config` (a trainer config), :func:`run_network_study` (a study at every
-  rate x hosts), :func:`write_report`.
+  rate x hosts), :func:`write_network_report`.
 
 The lab sits above ``train``, ``study`` and ``bench``; nothing below imports it. It needs root
 or unprivileged user namespaces (the command line enters one when not root), and iproute2's
@@ -32,7 +32,7 @@ from jaxcomp.lab._net import NetworkSpec
 from jaxcomp.lab._net import cleanup
 from jaxcomp.lab._net import parse_rate
 from jaxcomp.lab._net import rate_name
-from jaxcomp.lab._report import write as write_report
+from jaxcomp.lab._report import write as write_network_report
 from jaxcomp.lab._study import run as run_network_study
 from jaxcomp.lab._train import run_config
 
@@ -52,5 +52,5 @@ __all__ = (
     "rate_name",
     "run_config",
     "run_network_study",
-    "write_report",
+    "write_network_report",
 )

@@ -186,7 +186,7 @@ def pipeline_sends(
     Example:
       >>> sends = [_cost.Collective("collective-permute", 100.0, 2, 24)]
       >>> pipeline_sends(sends, "gpipe", 4, 4)[0].executions
-      10
+      12
     """
     table = pipeline.ticks(schedule, stages, microbatches)
     forward = sum(any(op and op.kind == "F" for op in row[:-1]) for row in table)

@@ -40,10 +40,11 @@ def test_network_axis_puts_unlimited_first_for_every_host_count():
 def fake_lab(monkeypatch):
     """Records each lab opened, calibration made and config run."""
     log = {"labs": [], "calibrated": [], "runs": []}
+    real = _lab.Lab
 
     @contextlib.contextmanager
     def fake(hosts, rate, topology, devices):
-        lb = _lab.Lab(hosts, rate, topology, devices)
+        lb = real(hosts, rate, topology, devices)
         log["labs"].append((hosts, rate, devices))
         yield lb
 

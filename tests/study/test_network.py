@@ -90,7 +90,7 @@ def test_the_study_report_shows_lab_cells(tmp_path):
 @pytest.mark.parametrize("topology", ["per_host", "shared"])
 def test_pipeline_sends_of_one_tick_share_the_wire_only_on_a_shared_link(tmp_path, topology):
     """S=4, M=4 GPipe: 2 M (S-1) = 24 sends of 32 KiB; per-host links carry a tick's sends at
-    once, so 2 (M + S - 2) = 10 ticks of one send each lie on the path; one wire carries all 24."""
+    once, so 2 (M + S - 2) = 12 ticks of one send each lie on the path; one wire carries all 24."""
     w = _run(tmp_path / "p", 1e8, 0.05)
     summary = {"mode": "pipeline", "stages": 4, "microbatches": 4, "schedule": "gpipe",
                "boundary_bytes_per_step": 24 * 32768.0, "hlo_collective_bytes_per_step":
@@ -102,7 +102,7 @@ def test_pipeline_sends_of_one_tick_share_the_wire_only_on_a_shared_link(tmp_pat
     (tmp_path / "p" / _network.LAB_FILE).write_text(json.dumps(lab))
     comm, _ = _network._comm(_network.read_lab_run(w))
     one = _cost.collective_time("collective-permute", 32768.0, 2, _cost.NetworkLink(1e7, 1e-4))
-    assert comm == pytest.approx((10 if topology == "per_host" else 24) * one)
+    assert comm == pytest.approx((12 if topology == "per_host" else 24) * one)
 
 
 def test_gzipped_timing_reads_as_the_plain_file(tmp_path):
