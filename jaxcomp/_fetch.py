@@ -31,10 +31,12 @@ def is_local(x: Any) -> bool:
     return x.is_fully_addressable or x.is_fully_replicated
 
 
-def _replicated(x: jax.Array) -> jax.sharding.Sharding:
+def _replicated(x: jax.Array) -> NamedSharding:
+    """``x``'s devices, each holding the whole value."""
     if isinstance(x.sharding, NamedSharding):
         return x.sharding.update(spec=P())
-    return jax.sharding.GSPMDSharding.get_replicated(x.sharding._device_assignment)
+    devices = sorted(x.sharding.device_set, key=lambda d: (d.process_index, d.id))
+    return NamedSharding(jax.sharding.Mesh(np.asarray(devices), ("all",)), P())
 
 
 def _identity(tree: Any) -> Any:
@@ -42,7 +44,7 @@ def _identity(tree: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _gather(shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
+def _gather(shardings: tuple[NamedSharding, ...]) -> Any:
     """The jitted program replicating leaves onto ``shardings`` (one per output layout, so
     that each call after the first takes JAX's fast path)."""
     return jax.jit(_identity, out_shardings=list(shardings))

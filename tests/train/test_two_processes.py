@@ -7,8 +7,8 @@ sets up a process) trains every case of :data:`CASES` in turn: stopped after ``S
 trains each case's reference uninterrupted on ``jax.devices()[:4]`` (a resumed run continues
 bit-identically: ``tests/train/test_trainer.py``). The mesh's first axis spans the processes
 (``comm.make_mesh`` orders devices process by process), so every mode sends something across
-the process boundary: the gradient mean (dense, Accordion, the batch-size variant), the slow
-axis of a (slow, fast) pair, a pipeline boundary (stage 0 on one process, stage 1 on the
+the process boundary: the gradient mean (dense, the batch-size variant), the slow axis of a
+(slow, fast) pair (Accordion), a pipeline boundary (stage 0 on one process, stage 1 on the
 other), AB-Training's syncs between its two groups.
 
 Compared: every metrics record and the summary (integers equal, floats to ``RTOL``), and every
@@ -50,18 +50,12 @@ _DP = [*_SMALL, "mesh=[('data',4)]"]
 CASES = {
     # the float gradient all-reduce
     "dense": ("configs/digits_dense.py:smoke", _DP),
-    # a (slow, fast) pair, slow = the processes: dense over fast, PowerSGD + EF over slow
-    "compressed_mean": (
+    # Accordion (PowerSGD rank 2 / 1 by the detector, EF) on a (slow, fast) pair, slow = the
+    # processes: dense over fast (in a process), compressed over slow, EF state per slow worker
+    "accordion_pair": (
         "configs/digits_accordion.py:smoke",
-        [
-            *_SMALL,
-            "mesh=[('slow',2),('fast',2)]",
-            "data_parallel.transform=compressed_mean",
-            "data_parallel.codec={'name':'power_sgd','rank':2,'feedback':'ef'}",
-        ],
+        [*_SMALL, "mesh=[('slow',2),('fast',2)]"],
     ),
-    # Accordion: PowerSGD rank 2 / 1 by the detector
-    "accordion": ("configs/digits_accordion.py:smoke", _DP),
     # micro-batches accumulated, then compressed_mean(quantize 4-bit + EF: an all-gather)
     "accordion_batch_size": (
         "configs/digits_accordion.py:smoke",
