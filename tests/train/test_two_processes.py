@@ -37,7 +37,7 @@ import pytest
 from jaxcomp import main as cli
 from jaxcomp import train
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
+pytestmark = [pytest.mark.usefixtures("fast_compiles"), pytest.mark.slow]  # 2 subprocesses
 
 WORKER = pathlib.Path(__file__).with_name("_two_process_worker.py")
 ROOT = WORKER.parents[2]  # the repository: the workers import this checkout's jaxcomp
