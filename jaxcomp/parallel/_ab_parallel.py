@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _compile
+from jaxcomp import _fetch
 from jaxcomp.comm import GROUP
 from jaxcomp.comm import MEMBER
 from jaxcomp.comm import make_mesh
@@ -84,7 +85,7 @@ def per_worker(
 
 def worker_entry(tree: Any, worker: int = 0) -> Any:
     """Entry ``worker`` (a worker's, or a group's) of a per-worker tree (a host copy)."""
-    return jax.tree.map(lambda x: np.asarray(x)[worker], tree)
+    return jax.tree.map(lambda x: x[worker], _fetch.fetch(tree))
 
 
 def single_thread_lapack() -> None:
@@ -251,7 +252,8 @@ def ab_data_parallel(
                 finite.append(out["workers"]["finite"])
         if finite:  # the transitions' results must be finite too (combined on the host: an
             # eager jnp.minimum compiled a program of its own at the first transition)
-            metrics["finite"] = np.min([np.asarray(f) for f in (metrics["finite"], *finite)], 0)
+            flags = _fetch.fetch((metrics["finite"], *finite))  # every process's workers
+            metrics["finite"] = np.min(flags, 0)
         return state, metrics
 
     def abstract_state(params, model_state=()):
@@ -341,7 +343,7 @@ def fit_rank_capacity(
         if capacity == "full":
             caps = full
         elif capacity == "rank":
-            ranks = np.asarray(state.rank).reshape(-1, len(full)).max(axis=0)
+            ranks = _fetch.fetch(state.rank).reshape(-1, len(full)).max(axis=0)
             caps = [int(r) for r in ranks]
         else:
             raise ValueError(f"capacity must be 'rank', 'full' or a sequence; got {capacity!r}.")

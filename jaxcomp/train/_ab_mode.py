@@ -63,6 +63,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _fetch
 from jaxcomp import compressors
 from jaxcomp import parallel
 from jaxcomp import transforms
@@ -264,8 +265,9 @@ def build_ab(
                 f"{step}; the checkpoint's state and step disagree."
             )
         new, metrics = dp.step(state, batch)
-        # only the per-worker metrics used here (not lr and count): one transfer each
-        workers = jax.device_get({k: metrics[k] for k in _USED_WORKER_METRICS})
+        # only the per-worker metrics used here (not lr and count): one transfer each (of
+        # every worker's entry: several processes hold a part each, and all must agree)
+        workers = _fetch.fetch({k: metrics[k] for k in _USED_WORKER_METRICS})
         # the harness checks the loss and what each program wrote; the same rule as
         # _mode.commit_if_finite, without a second pass over the whole state
         finite = int(workers["finite"].min())

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp import _fetch
+
 
 def _check_whole_bytes(dtype: Any) -> None:
     if jax.dtypes.itemsize_bits(dtype) < 8:  # int4 & co: no per-element word
@@ -148,10 +150,6 @@ def _digest(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
     )
 
 
-def _host(x: jax.Array) -> np.ndarray:
-    return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
-
-
 def leaf_paths(tree: Any) -> list[str]:
     """``jax.tree_util.keystr`` of every leaf, in leaf order."""
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
@@ -180,7 +178,7 @@ def inspect_state(tree: Any) -> tuple[list[int], list[str]]:
         sums[i], finite[i] = _host_leaf_sum(h), _host_leaf_finite(h)
     if on_devices:
         dev_sums, dev_finite = _digest([leaves[i] for i in on_devices])
-        for i, s, ok in zip(on_devices, _host(dev_sums), _host(dev_finite)):
+        for i, s, ok in zip(on_devices, *_fetch.fetch((dev_sums, dev_finite))):
             sums[i], finite[i] = int(s), bool(ok)
     paths = leaf_paths(tree)
     return sums, [p for p, ok in zip(paths, finite) if not ok]

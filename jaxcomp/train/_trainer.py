@@ -21,6 +21,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from jaxcomp import _fetch
 from jaxcomp import comm
 from jaxcomp import data
 from jaxcomp import models
@@ -136,8 +137,7 @@ def _replicated(x: np.ndarray, mesh) -> jax.Array:
 
 def _scalars(tree: dict) -> dict[str, float]:
     out = {}
-    for k, v in tree.items():
-        a = np.asarray(v.addressable_data(0) if isinstance(v, jax.Array) else v)
+    for k, a in _fetch.fetch(tree).items():  # whole values, in every process
         out[k] = float(a) if a.ndim == 0 else a.tolist()
     return out
 

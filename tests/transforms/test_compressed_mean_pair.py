@@ -1,12 +1,6 @@
 """compressed_mean over a (slow, fast) axis pair on a 2 x 4 mesh: dense over the fast axis,
-compressed over the slow one; the mean equals the flat mean; the program's collectives say so."""
-
-import importlib.util
-import os
-import pathlib
-import socket
-import subprocess
-import sys
+compressed over the slow one; the mean equals the flat mean; the program's collectives say so.
+Across 2 processes (the slow axis), through the trainer: tests/train/test_two_processes.py."""
 
 import jax
 import numpy as np
@@ -145,39 +139,3 @@ def test_hlo_dense_on_fast_compressed_on_slow(channel, payload, pair_mesh, grads
 def test_bad_axis_pairs_are_named(axis_name):
     with pytest.raises(ValueError, match="pair of distinct names"):
         T.compressed_mean(C.quantize(4), axis_name)
-
-
-def test_two_processes_are_the_slow_axis(tmp_path):
-    """2 processes x 2 CPU devices (gloo), processes = the slow axis == one process's 2 x 2."""
-    worker = pathlib.Path(__file__).with_name("_pair_worker.py")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "pair.npz"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env["PYTHONPATH"] = os.pathsep.join([str(worker.parents[2]), env.get("PYTHONPATH", "")])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(i), str(port), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for i in range(2)
-    ]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        finally:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
-    spec = importlib.util.spec_from_file_location("_pair_worker", worker)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    reference = module.run(comm.make_mesh([(SLOW, 2), (FAST, 2)], devices=jax.devices()[:4]))
-    got = dict(np.load(out))
-    assert sorted(got) == sorted(reference)
-    for name, value in reference.items():
-        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
