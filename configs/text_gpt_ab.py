@@ -1,7 +1,14 @@
 r"""AB-Training on the small GPT: 8 workers in 2 groups of 4 train the decoder's factors
 independently (Coquelin et al., 2024), on Python's bundled text.
 
-TODO
+The model, data and learning rate of ``text_gpt_dense`` (Adam inside AB-Training, lr 3e-3
+constant, the averaged gradients clipped at 1.0). After 60 full-rank warm-up steps every
+block's attention output projection and MLP matrices (64 x 64, 64 x 256, 256 x 64: full rank
+64) are factorised ``W = A B`` by SVD, keeping the singular values above 0.15 of the largest
+(no rank capacity cap), and the groups train them independently, syncing every 40 steps
+(``with-stale``) with 5 full-rank steps after each. Kept dense: the embeddings, the head, and
+the per-head query/key/value kernels ``(64, 4, 16)`` with their ``(4, 16)`` biases, whose 2-D
+views (``(256, 16)``, ``(4, 16)``) are not the projections' matrices.
 
   python -m jaxcomp.main --config configs/text_gpt_ab.py --workdir runs/text_gpt_ab
 
@@ -25,7 +32,7 @@ def get_config(arg=None):
         full_rank_steps=1 if smoke else 5,
         sync_mode="with-stale",
         low_rank_cutoff=0.15,
-        exclude=("embed", "head"),
+        exclude=("embed", "head", "query", "key", "value", "bias"),
         inner="adam",
         max_grad_norm=1.0,
     )
