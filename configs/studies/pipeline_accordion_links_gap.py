@@ -32,14 +32,12 @@ COMMON = {
     "eval_every": 100,
     "checkpoint_every": 100,
     "log_every": 25,
-    "pipeline.forward_high.bits": 2,
-    "pipeline.backward_high.bits": 4,
 }
 FIXED = {"pipeline.forward_high": None, "pipeline.backward_high": None, "pipeline.detector": None}
 VARIANTS = {
     "fixed 8-bit (low)": FIXED,
     "fixed 2/4-bit (high)": {**FIXED, "pipeline.forward.bits": 2, "pipeline.backward.bits": 4},
-    "adaptive 8/8 <-> 2/4": {},
+    "adaptive 8/8 <-> 2/4": {"pipeline.forward_high.bits": 2, "pipeline.backward_high.bits": 4},
 }
 AXES = {"optimizer": optimizer_axis("adam", "sgdm")}
 SEEDS = (0, 1)
