@@ -9,7 +9,10 @@ detector reads the schedule: a decaying one marks every check critical), gradien
 
   python -m jaxcomp.main --config configs/text_gpt_dense.py --workdir runs/text_gpt_dense
 
-Expected: TODO
+Expected: ~1 minute on 2 idle CPU cores (600 steps at ~12 steps/s, 58 s in all with the
+compiles); validation perplexity ~4.5 at step 600 (6.8 at 200, 5.0 at 400) against the
+validation split's unigram perplexity of 26.1: 5.8x below it. Next-byte accuracy ~0.58.
+(docs/results/text_exploration.md, "The dense run".)
 """
 
 import ml_collections
