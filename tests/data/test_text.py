@@ -2,12 +2,16 @@
 unigram reference perplexity."""
 
 import hashlib
+import json
+import math
 import pathlib
 
+import ml_collections
 import numpy as np
 import pytest
 
 from jaxcomp import data
+from jaxcomp import train
 from jaxcomp.data import _text
 
 
@@ -129,3 +133,22 @@ def test_token_windows_edges():
         data.token_windows(np.arange(7), 0)
     with pytest.raises(ValueError, match="cannot fill one window"):
         data.token_windows(np.arange(3), 3)
+
+
+def test_a_tiny_gpt_trains_on_it_and_records_identity_and_perplexity(tmp_path, fast_compiles):
+    c = ml_collections.ConfigDict(dict(
+        mode="dense", mesh=[("data", 8)], model_name="gpt", data_name="pydoc_text",
+        model=dict(vocab_size=256, seq_len=8, dim=8, num_blocks=1, num_heads=1, cuts=()),
+        data=dict(seq_len=8), batch_size=8, eval_batch_size=512, optax_name="adam", lr=3e-3,
+        total_steps=2, log_every=1, eval_every=0, checkpoint_every=0,
+    ))  # fmt: skip
+    summary = train.train_and_evaluate(c, str(tmp_path))
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    identity = data.pydoc_text("test", seq_len=8).info
+    assert on_disk["dataset"]["corpus_sha256"] == identity["corpus_sha256"]
+    assert on_disk["dataset"]["test"] == identity["test"]  # the documents, bytes, hash
+    assert on_disk["unigram_perplexity"] == pytest.approx(identity["unigram_perplexity"])
+    final = train.read_metrics(str(tmp_path))[-1]
+    assert final["split"] == "eval"
+    assert final["perplexity"] == pytest.approx(math.exp(final["loss"]))
+    assert summary["final_perplexity"] == final["perplexity"]
