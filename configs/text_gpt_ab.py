@@ -13,11 +13,11 @@ views (``(256, 16)``, ``(4, 16)``) are not the projections' matrices.
   python -m jaxcomp.main --config configs/text_gpt_ab.py --workdir runs/text_gpt_ab
 
 Expected: under a minute on 2 shared CPU cores (300 steps, 42 s at load average ~4.5);
-validation perplexity 6.74 at step 300 (9.02 at 150) (Adam; the dense ``text_gpt_dense``: 6.76 at step
-200, 5.05 at 400; unigram 26.1), the factorised weights' mean rank 64 -> ~60 (the cutoff drops
-ranks), the factored model 0.85-0.88x the dense parameter count (at width 64 a rank-r factor
-pair is smaller only for r < 32), 15% less traffic than data parallelism over the run.
-805.30 KiB per step against 917.51 KiB (docs/results/text_exploration.md, "AB-Training").
+validation perplexity 6.74 at step 300, 9.02 at 150 (Adam; the dense ``text_gpt_dense``: 6.76
+at step 200, 5.05 at 400; unigram 26.1), the factorised weights' mean rank 64 -> ~60 (the
+cutoff drops ranks), the factored model 0.85-0.88x the dense parameter count (at width 64 a
+rank-r factor pair is smaller only for r < 32), 805.30 KiB per step against 917.51 KiB for data
+parallelism, 15% less over an AB cycle (docs/results/text_exploration.md, "AB-Training").
 """
 
 import pathlib
