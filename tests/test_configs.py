@@ -6,10 +6,13 @@ dataset the real runs stop with the one-line prepare message.
 """
 
 import importlib.util
+import json
+import math
 import pathlib
 
 import pytest
 
+from jaxcomp import data
 from jaxcomp import main
 from jaxcomp import train
 
@@ -59,6 +62,14 @@ def _documents_its_run_and_smoke_trains_two_steps(path, workdir):
     assert summary["steps"] == 2
     assert summary["wire_bytes_per_step"] > 0
     assert summary["final_loss"] == summary["final_loss"]  # finite, not NaN
+    if smoke.data_name == "pydoc_text":  # the embedded text: its identity and the reference
+        on_disk = json.loads((workdir / "summary.json").read_text())
+        assert on_disk["dataset"]["corpus_sha256"] == data.pydoc_corpus()[1]
+        assert on_disk["dataset"]["files"][0]["path"] == "pydoc_data/topics.py"
+        assert on_disk["unigram_perplexity"] == on_disk["dataset"]["unigram_perplexity"] > 1
+        final = train.read_metrics(str(workdir))[-1]
+        assert final["perplexity"] == pytest.approx(math.exp(final["loss"]))
+        assert summary["final_perplexity"] == final["perplexity"]
 
 
 OTHERS = [p for p in CONFIGS if p != GPT]

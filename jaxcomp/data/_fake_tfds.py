@@ -67,7 +67,7 @@ def _image_examples(name: str, split_index: int, n: int, seed: int):
 
 def _text_examples(split_index: int, n: int):
     """One record of ``n`` characters: a slice of Python's bundled documentation."""
-    from jaxcomp.data._sources import pydoc_corpus
+    from jaxcomp.data._text import pydoc_corpus
 
     text = pydoc_corpus()[0].decode("utf-8", errors="ignore")
     start = split_index * n

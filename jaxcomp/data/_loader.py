@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxcomp import _validate
 from jaxcomp.data import _sources
+from jaxcomp.data import _text
 
 AUGMENTATIONS = (None, "crop_flip")
 
@@ -138,7 +139,7 @@ def get_dataset(data_name: str, split: str, /, **kwargs) -> _sources.Source:
 
     table = {
         "digits": _sources.digits,
-        "pydoc_text": _sources.pydoc_text,
+        "pydoc_text": _text.pydoc_text,
         "synthetic_images": _sources.synthetic_images,
         "tfds_images": _tfds.tfds_images,
         "tfds_text": _tfds.tfds_text,

@@ -1,5 +1,5 @@
-"""Random-access data sources: in-memory arrays, and the offline datasets that ship with Python
-and scikit-learn.
+"""Random-access data sources: in-memory arrays, scikit-learn's bundled digits and synthetic
+images (the text that ships with Python: :mod:`jaxcomp.data._text`).
 
 A *source* is anything with ``len(source)`` and ``source.__getitems__(indices) -> dict`` of
 numpy arrays stacked along a leading axis (the protocol of ``tfds.data_source``). The loader
@@ -9,11 +9,8 @@ adds the sample ids.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import importlib.util
-import logging
 import pathlib
-import sys
 import warnings
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -24,9 +21,6 @@ import numpy as np
 
 from jaxcomp import _validate
 
-#: SHA-256 of the pydoc topics corpus (keys sorted, joined with "\n\n") on Python 3.11.7.
-#: The corpus differs between Python versions; :func:`pydoc_text` warns when it does not match.
-PYDOC_TOPICS_SHA256 = "71f2ff5d99bdc1f9c48c5c2353ad138201c5ca1c377e0226857ef8fa89b8bcee"
 SPLITS = ("train", "test")
 
 
@@ -47,7 +41,12 @@ class ArraySource:
       array([4, 0])
     """
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], num_classes: int | None = None):
+    def __init__(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        num_classes: int | None = None,
+        info: Mapping[str, Any] | None = None,
+    ):
         lengths = {k: len(v) for k, v in arrays.items()}
         if len(set(lengths.values())) != 1:
             raise ValueError(f"all arrays must have the same length; got {lengths}.")
@@ -55,6 +54,9 @@ class ArraySource:
         self._len = next(iter(lengths.values()))
         #: classes of ``label`` (the vocabulary for token labels); ``None`` if not declared
         self.num_classes = num_classes
+        #: what the data are (a text corpus's identity, its reference perplexity), JSON-able;
+        #: the trainer writes it into the run's summary
+        self.info = dict(info) if info is not None else None
 
     def __len__(self) -> int:
         return self._len
@@ -144,76 +146,6 @@ def digits(split: str = "train", *, flat: bool = True, test_fraction: float = 0.
     idx = order[n_test:] if split == "train" else order[:n_test]
     x = x[idx] if flat else x[idx].reshape(-1, 8, 8, 1)
     return ArraySource({"x": x, "label": y[idx]}, num_classes=10)
-
-
-def pydoc_corpus() -> tuple[bytes, str]:
-    """The English text of Python's bundled ``pydoc_data.topics`` as UTF-8 bytes, and its SHA-256.
-
-    Topics are joined in sorted key order with blank lines between them.
-    """
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
-    return text, hashlib.sha256(text).hexdigest()
-
-
-def token_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
-    """Non-overlapping windows of ``seq_len + 1`` tokens, ``[num_windows, seq_len + 1]``."""
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1; got {seq_len!r}.")
-    n = (len(tokens) - 1) // seq_len
-    if n < 1:
-        raise ValueError(f"{len(tokens)} tokens cannot fill one window of {seq_len + 1}.")
-    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
-    return np.asarray(tokens)[idx]
-
-
-def lm_source(windows: np.ndarray, vocab_size: int = 256) -> ArraySource:
-    """Next-token prediction pairs: ``x = w[:, :-1]``, ``label = w[:, 1:]`` (int32); the
-    vocabulary (``num_classes``) is ``vocab_size`` (256 byte values by default)."""
-    w = windows.astype(np.int32)
-    return ArraySource({"x": w[:, :-1], "label": w[:, 1:]}, num_classes=vocab_size)
-
-
-def pydoc_text(
-    split: str = "train",
-    *,
-    seq_len: int = 128,
-    test_fraction: float = 0.1,
-    expected_sha256: str | None = None,
-) -> ArraySource:
-    """Byte-level language-modelling windows of Python's bundled documentation text.
-
-    The corpus (465k characters on Python 3.11) is encoded as UTF-8 bytes (vocabulary 256),
-    cut into non-overlapping windows of ``seq_len + 1``; the last ``test_fraction`` of the
-    windows is the test split.
-
-    Args:
-      split: ``"train"`` or ``"test"``.
-      seq_len: tokens per example.
-      test_fraction: share of windows held out (the end of the corpus).
-      expected_sha256: if given, a different corpus raises ``ValueError``; if ``None``, a
-        corpus other than :data:`PYDOC_TOPICS_SHA256` (another Python version) logs a warning.
-
-    Returns:
-      An :class:`ArraySource` with ``x`` and ``label`` of shape ``[seq_len]`` (int32).
-    """
-    _validate.check_choice("split", split, SPLITS)
-    text, sha = pydoc_corpus()
-    if expected_sha256 is not None and sha != expected_sha256:
-        raise ValueError(
-            f"pydoc_text corpus has sha256 {sha}, expected {expected_sha256} "
-            f"(Python {sys.version.split()[0]} ships different documentation)."
-        )
-    if expected_sha256 is None and sha != PYDOC_TOPICS_SHA256:
-        logging.getLogger(__name__).warning(
-            "pydoc_text: corpus sha256 %s differs from the pinned Python 3.11.7 corpus; "
-            "results are not comparable across Python versions.",
-            sha[:12],
-        )
-    windows = token_windows(np.frombuffer(text, np.uint8), seq_len)
-    n_test = max(1, int(len(windows) * test_fraction))
-    return lm_source(windows[:-n_test] if split == "train" else windows[-n_test:])
 
 
 def describe(source: Any) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxcomp.data import _sources
+from jaxcomp.data import _text
 
 #: per-channel mean and std used to normalise CIFAR images (kuangliu/pytorch-cifar)
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -188,4 +189,4 @@ def tfds_text(
         t = row[text_key]
         parts.append(t if isinstance(t, bytes) else str(t).encode("utf-8"))
     tokens = np.frombuffer(b"\n".join(parts), np.uint8)
-    return _sources.lm_source(_sources.token_windows(tokens, seq_len))
+    return _text.lm_source(_text.token_windows(tokens, seq_len))

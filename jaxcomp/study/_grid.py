@@ -65,12 +65,13 @@ OPTIMIZERS = {
 }
 
 
-def optimizer_axis(*names: str) -> dict[str, dict[str, Any]]:
+def optimizer_axis(*names: str, lr: Mapping[str, float] | None = None) -> dict[str, dict[str, Any]]:
     """The optimizer axis of the paper studies: Adam (lr 1e-3) and SGD with momentum 0.9 (lr 0.05).
 
     Args:
       names: which optimizers of :data:`OPTIMIZERS`, in the order the study runs them
         (default: all, Adam first).
+      lr: learning rates other than the presets' for some of them, e.g. ``{"adam": 3e-3}``.
 
     Returns:
       ``{name: overrides}``, fresh dicts to use as ``AXES["optimizer"]``.
@@ -80,13 +81,16 @@ def optimizer_axis(*names: str) -> dict[str, dict[str, Any]]:
       ['sgdm', 'adam']
       >>> optimizer_axis("adam")["adam"]["lr"]
       0.001
+      >>> optimizer_axis("adam", "sgdm", lr={"sgdm": 0.1})["sgdm"]["lr"]
+      0.1
     """
-    unknown = [n for n in names if n not in OPTIMIZERS]
+    lr = dict(lr or {})
+    unknown = [n for n in [*names, *lr] if n not in OPTIMIZERS]
     if unknown:
         raise ValueError(
             f"optimizer_axis: unknown optimizer(s) {unknown}; known: {list(OPTIMIZERS)}"
         )
-    return {n: dict(OPTIMIZERS[n]) for n in (names or OPTIMIZERS)}
+    return {n: {**OPTIMIZERS[n], **({"lr": lr[n]} if n in lr else {})} for n in names or OPTIMIZERS}
 
 
 def direction_presets(codec: Any, other: Any = "identity") -> dict[str, dict[str, Any]]:

@@ -38,6 +38,8 @@ METRICS = (
     "best_acc_on",
     "best_acc_off",
     "final_loss",
+    "final_ppl_on",
+    "final_ppl_off",
     "wire_bytes",
     "dense_bytes",
     "wall_time_s",
@@ -141,6 +143,9 @@ def run_metrics(run: Run) -> dict[str, Any]:
         "best_acc_on": best(on_key),
         "best_acc_off": best(off_key),
         "final_loss": _finite(s.get("final_loss")),
+        # a language model's validation perplexity (exp of the loss), on and off as accuracy
+        "final_ppl_on": _finite(s.get("final_perplexity")) if compressed_eval else None,
+        "final_ppl_off": _finite(s.get("final_perplexity_uncompressed", s.get("final_perplexity"))),
         "wire_bytes": _finite(s.get("wire_bytes_per_step")),
         "dense_bytes": _finite(s.get("dense_bytes_per_step")),
         "wall_time_s": _finite(s.get("wall_time_s")),

@@ -37,6 +37,10 @@ def markdown_table(rows: list[dict[str, Any]], axes: list[str], gbits) -> str:
     head = ["variant", *axes, "seeds", "diverged", "final acc (on)", "final acc (off)",
             "best acc (on)", "best acc (off)", "final loss", "bytes/step", "axis",
             "vs dense", "vs baseline", "wall s", f"speedup at {speed} Gbit/s"]  # fmt: skip
+    ppl = any(r.get("final_ppl_off") is not None for r in rows)
+    if ppl:  # language models: the validation perplexity beside the loss
+        i = head.index("final loss")
+        head[i:i] = ["final ppl (on)", "final ppl (off)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         seeds = f"{r['seeds']}/{r['of_seeds']}" + (
@@ -51,6 +55,7 @@ def markdown_table(rows: list[dict[str, Any]], axes: list[str], gbits) -> str:
             _pm(r["final_acc_off"], r["final_acc_off_std"]),
             _pm(r["best_acc_on"], r["best_acc_on_std"]),
             _pm(r["best_acc_off"], r["best_acc_off_std"]),
+            *[_pm(r[k], r[k + "_std"]) for k in ("final_ppl_on", "final_ppl_off") if ppl],
             _pm(r["final_loss"], r["final_loss_std"], ".4f"),
             _bytes(r["wire_bytes"]),
             r["axis"] or "—",

@@ -180,6 +180,25 @@ def check_sub_config(section: str, given: Any, allowed: dict[str, Any]) -> dict[
     return {**allowed, **given}
 
 
+def interval_steps(section: str, sub: dict[str, Any], steps_per_epoch: int) -> int:
+    """A detector's interval in steps from ``sub["interval_epochs"]`` or ``sub["interval_steps"]``
+    (one of the two; neither: one epoch), e.g. ``section="config.data_parallel"``.
+
+    Raises:
+      ValueError: naming the section if both are given or the one given is not a positive int.
+    """
+    epochs, steps = sub.get("interval_epochs"), sub.get("interval_steps")
+    if epochs is not None and steps is not None:
+        raise ValueError(
+            f"{section}: give interval_epochs or interval_steps, not both; got "
+            f"interval_epochs={epochs!r}, interval_steps={steps!r}."
+        )
+    if steps is not None:
+        return _validate.check_int(f"{section}.interval_steps", steps, 1)
+    epochs = 1 if epochs is None else epochs  # a whole number of epochs, never rounded
+    return _validate.check_int(f"{section}.interval_epochs", epochs, 1) * steps_per_epoch
+
+
 CODECS = ("identity", "cast", "quantize", "sign", "top_k", "rand_k", "power_sgd")
 FEEDBACKS = (None, "ef", "ef21", "aq_sgd")
 

@@ -7,6 +7,7 @@
   high = {"name": "power_sgd", "rank": 1}    # accordion: otherwise
   codec = {"name": "top_k", "fraction": 0.01, "feedback": "ef"}  # compressed_mean
   interval_epochs = 1            # accordion: the norm-accumulation interval (the paper's epoch)
+  interval_steps = None          # ... or in steps (one of the two)
   check_every = 10               # accordion: T, in intervals
   eta = 0.5                      # accordion: the critical-regime threshold
   error_feedback = True          # accordion
@@ -81,7 +82,8 @@ DP_DEFAULTS = {
     "low": {"name": "power_sgd", "rank": 2},
     "high": {"name": "power_sgd", "rank": 1},
     "codec": {"name": "top_k", "fraction": 0.01, "feedback": "ef"},
-    "interval_epochs": 1,
+    "interval_epochs": None,  # 1 unless interval_steps is given
+    "interval_steps": None,
     "check_every": 10,
     "eta": 0.5,
     "error_feedback": True,
@@ -104,7 +106,7 @@ def _reducer(cfg: dict, schedule, steps_per_epoch: int, num_samples: int, axis=c
         tx = transforms.accordion(
             low,
             high,
-            interval_steps=int(cfg["interval_epochs"]) * steps_per_epoch,
+            interval_steps=_config.interval_steps("config.data_parallel", cfg, steps_per_epoch),
             check_every=int(cfg["check_every"]),
             eta=float(cfg["eta"]),
             learning_rate=schedule,
@@ -139,7 +141,7 @@ def _transform(cfg: dict, config, schedule, steps_per_epoch: int, num_samples: i
     small, large = int(cfg["small_steps"]), int(cfg["large_steps"])
     tx = transforms.accordion_batch_size(
         optax.chain(mean, opt),
-        interval_steps=int(cfg["interval_epochs"]) * steps_per_epoch,
+        interval_steps=_config.interval_steps("config.data_parallel", cfg, steps_per_epoch),
         small_steps=small,
         large_steps=large,
         check_every=int(cfg["check_every"]),

@@ -94,16 +94,7 @@ def detector_of(cfg: dict, links, config, steps_per_epoch: int):
             )
         return None
     sub = _config.check_sub_config("pipeline.detector", cfg["detector"], DETECTOR_DEFAULTS)
-    epochs, steps = sub["interval_epochs"], sub["interval_steps"]
-    if epochs is not None and steps is not None:
-        raise ValueError(
-            "config.pipeline.detector: give interval_epochs or interval_steps, not both; got "
-            f"interval_epochs={epochs!r}, interval_steps={steps!r}."
-        )
-    if steps is None:  # a whole number of epochs (1 by default), never rounded
-        epochs = 1 if epochs is None else epochs
-        _validate.check_int("config.pipeline.detector.interval_epochs", epochs, 1)
-        steps = epochs * steps_per_epoch
+    steps = _config.interval_steps("config.pipeline.detector", sub, steps_per_epoch)
     return pipeline.Detector(
         steps, sub["check_every"], sub["eta"], learning_rate=_config.learning_rate(config)
     )

@@ -142,6 +142,12 @@ def _scalars(tree: dict) -> dict[str, float]:
     return out
 
 
+def perplexity(loss: float) -> float:
+    """``exp(loss)`` of a mean per-token cross-entropy in nats (capped at ``exp(50)``; NaN stays
+    NaN)."""
+    return math.exp(min(loss, 50.0)) if loss == loss else math.nan
+
+
 def evaluate(s: Setup, state: RunState, compressed: bool) -> dict[str, float]:
     """Mean loss and accuracy over the whole test split."""
     totals: dict[str, float] = {"loss_sum": 0.0, "correct_sum": 0.0, "count": 0.0}
@@ -395,6 +401,11 @@ def _log_eval(s: Setup, state, step, writer, progress, write: bool = True) -> di
     else:
         out.update(loss=off["loss"], accuracy=off["accuracy"])
         progress.message(f"  eval @ {step}: accuracy {off['accuracy']:.4f}, loss {off['loss']:.4f}")
+    if s.model.task == "language_model":  # loss -> perplexity, loss_uncompressed -> ...
+        losses = {k: v for k, v in out.items() if k.startswith("loss")}
+        ppl = {k.replace("loss", "perplexity"): perplexity(v) for k, v in losses.items()}
+        out.update(ppl)
+        progress.message("    perplexity " + " / ".join(f"{v:.3f}" for v in ppl.values()))
     if write:
         writer.write(step, "eval", out)
     return out

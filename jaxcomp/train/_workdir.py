@@ -143,8 +143,15 @@ def summarize(
     if "accuracy_uncompressed" in final:
         out["final_accuracy_uncompressed"] = final["accuracy_uncompressed"]
         out["final_loss_uncompressed"] = final["loss_uncompressed"]
-    if setup.model.task == "language_model":
-        out["final_perplexity"] = math.exp(min(final["loss"], 50.0))
+    if "perplexity" in final:
+        out["final_perplexity"] = final["perplexity"]
+    if "perplexity_uncompressed" in final:
+        out["final_perplexity_uncompressed"] = final["perplexity_uncompressed"]
+    info = getattr(setup.eval_loader.source, "info", None) or {}
+    if "unigram_perplexity" in info:  # a language model's reference on the same split
+        out["unigram_perplexity"] = info["unigram_perplexity"]
+    if info:
+        out["dataset"] = info
     out.update(mode.extra or {})
     return out
 
@@ -161,6 +168,8 @@ def write_summary(workdir: str, summary: dict, title: str) -> None:
             v = f"{v:.1f}x"
         elif k == "collectives":  # the per-kind records, in short: bytes per kind/devices
             k, v = "collective_bytes_per_step", _collectives.describe(v)
+        elif k == "dataset" and isinstance(v, dict):  # in full in summary.json
+            v = f"{v.get('name')} {v.get('corpus_sha256', '')[:12]} (Python {v.get('python')})"
         rows.append((k, v))
     table = _metrics.summary_table(rows, title=title)
     print(table, flush=True)

@@ -81,18 +81,6 @@ def test_a_damaged_digits_file_is_an_error_naming_it(tmp_path, content, message)
         _sources._read_digits_csv(path)
 
 
-def test_pydoc_text_windows_are_next_token_pairs_and_pinned():
-    text, sha = data.pydoc_corpus()
-    src = data.pydoc_text("train", seq_len=32, expected_sha256=sha)
-    x, y = src.arrays["x"], src.arrays["label"]
-    assert x.shape[1:] == (32,) and x.dtype == np.int32 and x.max() < 256
-    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
-    np.testing.assert_array_equal(x[0], np.frombuffer(text[:32], np.uint8))
-    assert len(data.pydoc_text("test", seq_len=32)) == max(1, int((len(src) + 1) / 0.9 * 0.1))
-    with pytest.raises(ValueError, match="sha256"):
-        data.pydoc_text(expected_sha256="0" * 64)
-
-
 def test_loader_serves_every_example_once_per_epoch_with_ids(digits_train):
     loader = data.Loader(digits_train, 100, seed=3)
     state, seen = loader.initial_state(), []

@@ -10,6 +10,7 @@ import pytest
 
 from jaxcomp import study
 from jaxcomp.study import _report
+from jaxcomp.study import _write
 
 STUDY_FILE = '''
 r"""A tiny test study.
@@ -281,6 +282,24 @@ def test_report_writes_markdown_csv_and_plots(finished):
 
 def _run(summary):
     return _report.Run("cell", "variant", {}, 0, "done", summary, [], [], {})
+
+
+def test_a_language_models_perplexity_is_reported_on_and_off():
+    lm = {"final_loss": 2.0, "final_accuracy": 0.4, "final_accuracy_uncompressed": 0.3,
+          "final_perplexity": 7.389, "final_perplexity_uncompressed": 9.0}  # fmt: skip
+    m = _report.run_metrics(_run(lm))
+    assert (m["final_ppl_on"], m["final_ppl_off"]) == (7.389, 9.0)
+    dense = _report.run_metrics(_run({"final_loss": 2.0, "final_perplexity": 7.389}))
+    assert (dense["final_ppl_on"], dense["final_ppl_off"]) == (None, 7.389)
+    assert _report.run_metrics(_run({"final_loss": 0.1}))["final_ppl_off"] is None  # digits
+    row = {k: None for k in (*_report.METRICS, *(f"{k}_std" for k in _report.METRICS))}
+    row.update(variant="v", seeds=2, of_seeds=2, unfinished=0, diverged=0, axis="stage",
+               x_fewer_than_dense=None, x_fewer_than_baseline=None)  # fmt: skip
+    lm_row = {**row, "final_ppl_on": 7.389, "final_ppl_off": 9.0, "final_ppl_off_std": 0.5}
+    table = _write.markdown_table([lm_row], [], [1.0])
+    assert "| final ppl (on) | final ppl (off) | final loss |" in table
+    assert "| 7.389 | 9.000 ± 0.500 |" in table
+    assert "final ppl" not in _write.markdown_table([row], [], [1.0])
 
 
 def _record(kind, nbytes, executions, conditional):

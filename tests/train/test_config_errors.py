@@ -3,6 +3,7 @@
 import pytest
 
 from jaxcomp import train
+from jaxcomp.train import _config
 
 
 @pytest.mark.parametrize(
@@ -31,6 +32,10 @@ from jaxcomp import train
             {"data_parallel": {"codec": "top_k"}},
             r"unknown key\(s\) \['codec'\] in config.data_parallel",
         ),
+        (
+            {"mode": "data_parallel", "data_parallel": {"interval_epochs": 2, "interval_steps": 5}},
+            r"config.data_parallel: give interval_epochs or interval_steps, not both",
+        ),
     ],
 )
 def test_bad_config_is_a_clear_error_before_training(make_config, tmp_path, overrides, match):
@@ -57,3 +62,12 @@ def test_unknown_codec_and_feedback_names():
     assert train.build_channel(
         {"name": "top_k", "fraction": 0.1, "feedback": "ef"}
     ).name.startswith("error_feedback")
+
+
+def test_a_detector_interval_is_given_in_epochs_or_in_steps():
+    steps = _config.interval_steps
+    assert steps("config.data_parallel", {}, 11) == 11  # one epoch by default
+    assert steps("config.data_parallel", {"interval_epochs": 3}, 11) == 33
+    assert steps("config.data_parallel", {"interval_steps": 25, "interval_epochs": None}, 11) == 25
+    with pytest.raises(ValueError, match=r"config.data_parallel.interval_steps must be an integer"):
+        steps("config.data_parallel", {"interval_steps": 2.5}, 11)
