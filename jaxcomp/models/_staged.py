@@ -279,8 +279,10 @@ def make_staged(
     input_dtype: Any,
     num_outputs: int,
     task: str,
+    cls: type[FlaxStagedModel] | None = None,
 ) -> FlaxStagedModel:
-    """Validates ``cuts`` against the segment names and builds a :class:`FlaxStagedModel`."""
+    """Validates ``cuts`` against the segment names and builds a :class:`FlaxStagedModel`
+    (or ``cls``, a subclass such as the NNX one)."""
     segments = tuple(segments)
     names = [n for n, _ in segments]
     cuts = tuple(default_cuts if cuts is None else cuts)
@@ -293,4 +295,5 @@ def make_staged(
         raise ValueError(f"{name}: cut points must be distinct and in model order; got {cuts}.")
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}; got {task!r}.")
-    return FlaxStagedModel(name, segments, cuts, tuple(input_shape), input_dtype, num_outputs, task)
+    cls = FlaxStagedModel if cls is None else cls
+    return cls(name, segments, cuts, tuple(input_shape), input_dtype, num_outputs, task)
