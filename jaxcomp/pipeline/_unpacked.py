@@ -41,21 +41,25 @@ from jaxcomp.compressors import _protocol
 from jaxcomp.pipeline import _params
 
 
-def unpacked(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+def unpacked(
+    tx: optax.GradientTransformation, mesh: jax.sharding.Mesh | None = None
+) -> optax.GradientTransformation:
     """``tx`` applied to a pipeline's parameters stage by stage, by name, as on the unpipelined
     model.
 
     Each stage's parameters are unpacked from the :class:`~jaxcomp.pipeline.PackedParams`
     buffers into the stage's own tree, ``tx`` runs on the model's structure (one tree per
-    stage, the other stages' leaves empty), and the updates and state are packed back. On a
-    ``stage``-sharded mesh each device runs its own stage (a ``lax.switch`` over the stage
-    index inside ``shard_map``: nothing crosses stages); elsewhere (the single-device
-    simulation) the stages run one after another.
+    stage, the other stages' leaves empty), and the updates and state are packed back. With
+    the pipeline's ``mesh`` each device runs its own stage (a ``lax.switch`` over the stage
+    index inside ``shard_map``: nothing crosses stages) and the state is sharded over
+    ``stage``; without (the single-device simulation) the stages run one after another.
 
     Args:
       tx: any optax transformation whose update of one stage's leaves reads only that stage's
         leaves (masks and labels by name, per-leaf statistics and elementwise optimizers do;
         a global norm does not: chain it outside, on the packed buffers).
+      mesh: the mesh of :func:`~jaxcomp.pipeline.distribute` (its ``stage`` axis), or
+        ``None`` for :func:`~jaxcomp.pipeline.simulate`'s unsharded parameters.
 
     Returns:
       A transformation over :class:`~jaxcomp.pipeline.PackedParams`; its state is a
@@ -69,7 +73,7 @@ def unpacked(tx: optax.GradientTransformation) -> optax.GradientTransformation:
       >>> from jaxcomp import pipeline
       >>> kernels = lambda p: jax.tree_util.tree_map_with_path(
       ...     lambda path, _: path[-1].key == "kernel", p)
-      >>> tx = pipeline.unpacked(optax.chain(
+      >>> tx = pipeline.unpacked(optax.chain(  # mesh=: the pipeline's, when distributed
       ...     optax.masked(optax.add_decayed_weights(0.1), kernels), optax.sgd(1.0)))
       >>> params = pipeline.pack_params([{"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}] * 2)
       >>> updates, _ = tx.update(params, tx.init(params), params)
@@ -83,7 +87,12 @@ def unpacked(tx: optax.GradientTransformation) -> optax.GradientTransformation:
         rows = _rows(params, layout)
         states = [tx.init(_view(layout, s, layout.unpack_stage(s, rows[s]))) for s in
                   range(layout.num_stages)]  # fmt: skip
-        return _params.pack_params(states)
+        packed = _params.pack_params(states)
+        if mesh is None:
+            return packed
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(_mesh.STAGE))
+        buffers = lax.with_sharding_constraint(packed.buffers, sharding)
+        return _params.PackedParams(buffers, packed.layout)
 
     def update(updates, state, params=None):
         layout = _layout_of(updates)
@@ -100,7 +109,6 @@ def unpacked(tx: optax.GradientTransformation) -> optax.GradientTransformation:
             return layout.pack_stage(s, new_u[s]), state_layout.pack_stage(s, new_s)
 
         args = (updates.buffers, state.buffers, None if params is None else params.buffers)
-        mesh, axis = _stage_sharding(updates)
         if mesh is None:  # one stage after another (the simulation, an unsharded tree)
             outs = [
                 stage_update(s, *(None if a is None else {g: b[s] for g, b in a.items()}
@@ -110,7 +118,7 @@ def unpacked(tx: optax.GradientTransformation) -> optax.GradientTransformation:
             new_u = {g: jnp.stack([o[0][g] for o in outs]) for g in updates.buffers}
             new_s = {g: jnp.stack([o[1][g] for o in outs]) for g in state.buffers}
         else:
-            new_u, new_s = _per_device(stage_update, args, layout.num_stages, mesh, axis)
+            new_u, new_s = _per_device(stage_update, args, layout.num_stages, mesh, _mesh.STAGE)
         return (
             _params.PackedParams(new_u, layout),
             _params.PackedParams(new_s, state_layout),
@@ -146,19 +154,6 @@ def _view(layout: _params.ParamLayout, stage: int, tree: Any) -> tuple[Any, ...]
         tree if s == stage else jax.tree.map(_empty_like, structs[s])
         for s in range(layout.num_stages)
     )
-
-
-def _stage_sharding(packed: _params.PackedParams) -> tuple[Any, str | None]:
-    """``(mesh, axis)`` when the buffers are sharded over ``stage`` on an Explicit mesh (the
-    distributed pipeline), else ``(None, None)``."""
-    for b in packed.buffers.values():
-        sharding = getattr(jax.typeof(b), "sharding", None)
-        spec = getattr(sharding, "spec", None)
-        if spec and spec[0] is not None:
-            names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-            if _mesh.STAGE in names:
-                return sharding.mesh, _mesh.STAGE
-    return None, None
 
 
 def _per_device(stage_update, args, num_stages: int, mesh, axis: str):

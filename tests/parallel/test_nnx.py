@@ -20,6 +20,13 @@ from jaxcomp import transforms
 #: the Linen and NNX programs compare with each other, each compiled the same way
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
+
+def assert_close(got, want):
+    """Linen's Dense and NNX's Linear lower their dot and bias slightly differently: the
+    gradients differ in the last bit or two (3.7e-8 of 0.017 seen), and the steps after."""
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), got, want)
+
+
 W = 4
 BATCH = (
     np.random.default_rng(2).standard_normal((16, 8)).astype(np.float32),
@@ -98,7 +105,7 @@ def test_local_gradients_of_a_module_equal_linen_and_pass_compressed_mean(mesh):
     run_nnx = jax.jit(jax.shard_map(nnx_, mesh=mesh, in_specs=(model_specs, specs, P(comm.DATA)),
                                     out_specs=out_specs))  # fmt: skip
     want, got = run(state, batch), run_nnx(model, state, batch)
-    jax.tree.map(np.testing.assert_array_equal, got, want)
+    assert_close(got, want)
     grads = np.asarray(want[0]["fc1"]["kernel"])
     assert not np.allclose(grads[0], grads[1])  # per-worker gradients: no hidden all-reduce
     report = comm.measure_collectives(run_nnx, model, state, batch)
@@ -114,15 +121,13 @@ def test_data_parallel_from_a_module_equals_linen(mesh):
     for _ in range(2):
         a, metrics_a = linen.step(a, BATCH)
         b, metrics_b = nnx_dp.step(b, BATCH)
-        assert float(metrics_a["loss"]) == float(metrics_b["loss"])
+        assert float(metrics_a["loss"]) == pytest.approx(float(metrics_b["loss"]), rel=1e-6)
         np.testing.assert_array_equal(metrics_b["finite"], 1)
-    jax.tree.map(np.testing.assert_array_equal, (b.params, b.opt_state), (a.params, a.opt_state))
+    assert_close((b.params, b.opt_state), (a.params, a.opt_state))
     assert not np.array_equal(b.params["fc1"]["kernel"], PARAMS["fc1"]["kernel"])
     trained = b.module()  # merged back: a module with the new weights
     assert isinstance(trained, NNXMLP)
-    np.testing.assert_array_equal(
-        trained(BATCH[0]), LinenMLP().apply({"params": a.params}, BATCH[0])
-    )
+    assert_close(trained(BATCH[0]), LinenMLP().apply({"params": a.params}, BATCH[0]))
     np.testing.assert_array_equal(model.fc1.kernel[...], PARAMS["fc1"]["kernel"])  # untouched
     with pytest.raises(ValueError, match="not made from an NNX module"):
         a.module()
@@ -160,11 +165,10 @@ def test_ab_training_from_a_module_equals_linen():
     for _ in range(3):  # warm-up, re-factorisation, an AB step
         a, metrics_a = linen.step(a, BATCH)
         b, metrics_b = nnx_dp.step(b, BATCH)
-        assert float(metrics_a["loss"]) == float(metrics_b["loss"])
-    jax.tree.map(np.testing.assert_array_equal, (b.params, b.opt_state), (a.params, a.opt_state))
+        assert float(metrics_a["loss"]) == pytest.approx(float(metrics_b["loss"]), rel=1e-6)
+    assert_close((b.params, b.opt_state), (a.params, a.opt_state))
     assert int(transforms.ab_metrics(b.opt_state, b.params)["phase"]) == transforms.ABPhase.AB
     trained = b.module(worker=0)
-    np.testing.assert_array_equal(
-        trained(BATCH[0]),
-        LinenMLP().apply({"params": parallel.worker_entry(a.params)}, BATCH[0]),
+    assert_close(
+        trained(BATCH[0]), LinenMLP().apply({"params": parallel.worker_entry(a.params)}, BATCH[0])
     )

@@ -93,7 +93,10 @@ def test_nnx_stages_give_the_losses_and_gradients_of_the_same_linen_stages(mesh)
         for t in range(2):
             loss, grads, states, _ = step(packed, BATCH, states, jax.random.key(t))
         results.append((loss, grads.unpack()))
-    jax.tree.map(np.testing.assert_array_equal, results[1], results[0])
+    # Linen's Dense and NNX's Linear lower dot and bias slightly differently (last bits)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), *results[::-1]
+    )
     trained = stages.modules(results[1][1])  # merged back into modules
     np.testing.assert_array_equal(trained[0].fc.kernel[...], results[1][1][0]["fc"]["kernel"])
 
@@ -135,7 +138,7 @@ NAMED = optax.chain(
 
 @pytest.mark.parametrize("sharded", [True, False], ids=["distributed", "simulated"])
 def test_unpacked_optimizer_sees_names_as_on_the_unpipelined_model(mesh, sharded):
-    tx = pipeline.unpacked(NAMED)
+    tx = pipeline.unpacked(NAMED, mesh if sharded else None)
     sharding = NamedSharding(mesh, P("stage")) if sharded else None
     params = pipeline.pack_params(STAGE_PARAMS, sharding)
     grads = pipeline.pack_params(
