@@ -16,9 +16,9 @@ import ml_collections
 import optax
 
 from jaxcomp import _validate
+from jaxcomp.models import _staged
 from jaxcomp.train import _extras
 from jaxcomp.train import _writers
-from jaxcomp.models import _staged
 
 MODES = ("dense", "pipeline", "data_parallel", "ab")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "step")
