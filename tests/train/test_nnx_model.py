@@ -3,11 +3,13 @@ per-leaf trust ratios) on each stage's parameters by name."""
 
 import jax
 import numpy as np
+import pytest
 
 from jaxcomp import train
 from jaxcomp.train import _trainer
 
 
+@pytest.mark.slow  # a pipeline-mode setup (9 s); the NNX stages are in tests/pipeline
 def test_nnx_mlp_trains_in_pipeline_mode_with_a_per_leaf_optimizer(make_config):
     config = make_config(
         mode="pipeline",
