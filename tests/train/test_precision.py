@@ -1,5 +1,5 @@
 """The trainer's mixed-precision policy (``config.compute_dtype``): float32 parameters, 16-bit
-compute and pipeline boundaries (their wire bytes halved in the compiled program), float16's
+compute and pipeline boundaries (their wire bytes halved), float16's
 dynamic loss scale (an overflowing step skipped, the scale halved, then grown)."""
 
 import jax
@@ -63,12 +63,19 @@ def test_float16_dense_skips_an_overflowing_step_halves_the_scale_then_trains(ma
     s = train.setup(make_config(compute_dtype="float16"))
     state = s.mode.init(jax.random.key(0))
     assert float(state.loss_scale.scale) == _precision.INITIAL_SCALE
+    before = jax.tree.map(np.asarray, state.params)
     batch = _first_batch(s)
-    huge = state._replace(loss_scale=_precision.LossScale(jnp.float32(2.0**40), jnp.int32(0)))
-    new, metrics = s.mode.train_step(huge, batch, _key(s, 0), 0)
+    huge = _precision.LossScale(
+        _trainer._replicated(np.asarray(2.0**40, np.float32), s.mesh),
+        _trainer._replicated(np.asarray(0, np.int32), s.mesh),
+    )
+    # the step donates its state: a fresh one to overflow
+    new, metrics = s.mode.train_step(
+        s.mode.init(jax.random.key(0))._replace(loss_scale=huge), batch, _key(s, 0), 0
+    )
     assert int(metrics["finite"]) == 0  # float16 activation-gradients overflowed
     assert float(new.loss_scale.scale) == 2.0**39
-    jax.tree.map(np.testing.assert_array_equal, new.params, state.params)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, new.params), before)
     losses = []
     for step in range(3):
         state, metrics = s.mode.train_step(state, batch, _key(s, step), step)
@@ -79,6 +86,7 @@ def test_float16_dense_skips_an_overflowing_step_halves_the_scale_then_trains(ma
     assert {p.dtype for p in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.slow  # a pipeline-mode setup
 def test_bfloat16_pipeline_sends_16_bit_boundaries_and_keeps_float32_parameters(make_config):
     config = make_config(
         mode="pipeline",
@@ -90,9 +98,8 @@ def test_bfloat16_pipeline_sends_16_bit_boundaries_and_keeps_float32_parameters(
         pipeline={"num_microbatches": 4, "forward": "identity", "backward": "identity"},
     )
     s = train.setup(config)
-    extra = s.mode.extra
     # 3 boundaries x 2 directions x 32 rows x 16 features, 2 bytes each (float32: 12288)
-    assert extra["hlo_collective_bytes_per_step"] == extra["boundary_bytes_per_step"] == 6144
+    assert s.mode.extra["boundary_bytes_per_step"] == 6144
     state = s.mode.init(jax.random.key(0))
     batch = _first_batch(s)
     losses = []
