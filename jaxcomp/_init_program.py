@@ -182,12 +182,17 @@ def _groups(eqns: Sequence[Any]) -> list[list]:
     its own. XLA:CPU's compile grows faster than linearly with the number of hash kernels
     (128 ``fold_in``s 3.2 s at level 0, one ``vmap`` of them 0.12 s)."""
     depth: dict = {}
-    groups: list[list] = []
-    index: dict = {}
+    levels = []
     for eqn in eqns:
         d = 1 + max((depth.get(v, 0) for v in eqn.invars if not isinstance(v, jex_core.Literal)),
                     default=0)  # fmt: skip
         depth.update((v, d) for v in eqn.outvars)
+        levels.append(d)
+    groups: list[list] = []
+    index: dict = {}
+    # by depth (stable): a group runs where its first member stands, so every member's operands
+    # must come before it (NNX's RNG streams fold in counts computed between two hashes)
+    for d, eqn in sorted(zip(levels, eqns), key=lambda pair: pair[0]):
         if eqn.primitive.name not in BATCHED_PRIMITIVES:
             groups.append([eqn])
             continue

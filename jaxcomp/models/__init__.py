@@ -17,12 +17,18 @@ model          segments                                   default cuts (stages)
 ``resnet18``   ``stem layer1 layer2 layer3 layer4 head``   ``layer1 layer2 layer3`` (4)
 ``vgg16``      ``block1 ... block5 head``                  none (1)
 ``gpt``        ``embed block0 ... block11 head``           ``block2 block5 block8`` (4)
+``nnx_mlp``    ``fc1 fc2 fc3 head`` (Flax NNX)             every hidden layer (4)
 =============  =========================================  ==================================
+
+A Flax NNX model is an :class:`NNXStagedModel`: the same contract (one variables dict of
+nested dicts per stage, the same stage functions), its segments built as NNX modules.
 """
 
 from jaxcomp.models._gpt import gpt
 from jaxcomp.models._mlp import mlp
 from jaxcomp.models._mlp import small_cnn
+from jaxcomp.models._nnx import NNXStagedModel
+from jaxcomp.models._nnx import nnx_mlp
 from jaxcomp.models._registry import MODELS
 from jaxcomp.models._registry import get_model
 from jaxcomp.models._resnet import resnet18
@@ -37,12 +43,14 @@ __all__ = (
     "MODELS",
     "Chain",
     "FlaxStagedModel",
+    "NNXStagedModel",
     "StagedModel",
     "accuracy",
     "cross_entropy",
     "get_model",
     "gpt",
     "mlp",
+    "nnx_mlp",
     "resnet18",
     "small_cnn",
     "vgg16",

@@ -7,6 +7,7 @@ from typing import Any
 
 from jaxcomp.models import _gpt
 from jaxcomp.models import _mlp
+from jaxcomp.models import _nnx
 from jaxcomp.models import _resnet
 from jaxcomp.models import _staged
 from jaxcomp.models import _vgg
@@ -17,6 +18,7 @@ MODELS = {
     "resnet18": _resnet.resnet18,
     "vgg16": _vgg.vgg16,
     "gpt": _gpt.gpt,
+    "nnx_mlp": _nnx.nnx_mlp,
 }
 
 

@@ -32,6 +32,8 @@ from jaxcomp.pipeline import _config as _pipeline_config
 StagedModel = _pipeline_config.StagedModel
 
 TASKS = ("classification", "language_model")
+#: compute dtypes of a mixed-precision policy (parameters stay float32)
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class Chain(nn.Module):
@@ -58,6 +60,8 @@ class FlaxStagedModel(StagedModel):
       input_dtype: dtype of the input (``float32`` images, ``int32`` tokens).
       num_outputs: classes, or vocabulary size for a language model.
       task: ``"classification"`` or ``"language_model"``.
+      compute_dtype: the mixed-precision policy's compute dtype (:meth:`with_compute_dtype`):
+        ``None`` (float32), ``"bfloat16"`` or ``"float16"``.
 
     As a :class:`StagedModel`, ``stages`` are ``stage_fns(train=True)`` and ``loss_fn`` the
     mean cross-entropy.
@@ -70,6 +74,50 @@ class FlaxStagedModel(StagedModel):
     input_dtype: Any
     num_outputs: int
     task: str
+    compute_dtype: Any = None
+
+    def with_compute_dtype(self, dtype: Any) -> StagedModel:
+        """The same model under a mixed-precision policy: parameters kept (and initialised,
+        updated, averaged) in float32, computed in ``dtype``.
+
+        Every stage casts its floating parameters and its floating input to ``dtype`` (the
+        cast's transpose brings the gradients back to float32), so activations, and in a
+        pipeline the tensors crossing the stage boundaries in both directions, are ``dtype``;
+        the loss is computed in float32 (:func:`cross_entropy`) and normalisation statistics
+        in float32 (Flax's norms reduce in float32). A float16 policy needs loss scaling
+        against underflowing gradients (the trainer's ``compute_dtype="float16"`` scales
+        dynamically).
+
+        Args:
+          dtype: ``"float32"`` (or ``None``: no policy), ``"bfloat16"`` or ``"float16"``.
+
+        Returns:
+          A model of the same class with ``compute_dtype`` set.
+
+        Raises:
+          ValueError: for another dtype.
+
+        Example:
+          >>> from jaxcomp import models
+          >>> model = models.mlp(hidden=(8,)).with_compute_dtype("bfloat16")
+          >>> v = model.init(jax.random.key(0))
+          >>> y, _ = model.apply(v, jnp.ones((2, 64)))
+          >>> v[0]["params"]["fc1"]["Dense_0"]["kernel"].dtype, y.dtype
+          (dtype('float32'), dtype(bfloat16))
+        """
+        name = None if dtype is None else jnp.dtype(dtype).name
+        if name not in (None, *COMPUTE_DTYPES):
+            raise ValueError(f"compute dtype must be one of {COMPUTE_DTYPES}; got {dtype!r}.")
+        return dataclasses.replace(self, compute_dtype=None if name == "float32" else name)
+
+    def _compute(self, tree: Any) -> Any:
+        """``tree``'s floating leaves in the compute dtype (unchanged without a policy)."""
+        if self.compute_dtype is None:
+            return tree
+        dtype = jnp.dtype(self.compute_dtype)
+        return jax.tree.map(
+            lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
+        )
 
     @property
     def segment_names(self) -> tuple[str, ...]:
@@ -122,8 +170,12 @@ class FlaxStagedModel(StagedModel):
         variables = jax.eval_shape(lambda k: self.init(k, batch_size), jax.random.key(0))
         x = jax.ShapeDtypeStruct((batch_size, *self.input_shape), self.input_dtype)
         shapes = []
+
+        def forward(stage, v, x):
+            return stage.apply({**v, "params": self._compute(v["params"])}, self._compute(x))
+
         for stage, v in zip(self.stage_modules[:-1], variables[:-1]):
-            x = jax.eval_shape(lambda v, x, stage=stage: stage.apply(v, x, False), v, x)
+            x = jax.eval_shape(functools.partial(forward, stage), v, x)
             shapes.append(x)
         return tuple(shapes)
 
@@ -192,7 +244,7 @@ class FlaxStagedModel(StagedModel):
 
         def make(stage):
             def stage_fn(params, x):
-                return stage.apply({"params": params}, x, train)
+                return stage.apply({"params": self._compute(params)}, self._compute(x), train)
 
             return stage_fn
 
@@ -221,7 +273,8 @@ class FlaxStagedModel(StagedModel):
 
         def make(stage):
             def stage_fn(params, state, x):
-                variables = {"params": params, **state}
+                variables = {"params": self._compute(params), **state}
+                x = self._compute(x)
                 if not train:
                     return stage.apply(variables, x, False)
                 if "batch_stats" not in state:
@@ -243,12 +296,14 @@ class FlaxStagedModel(StagedModel):
           statistics when ``train`` (unchanged otherwise).
         """
         new = []
+        x = self._compute(x)
         for stage, v in zip(self.stage_modules, variables):
+            computed = {**v, "params": self._compute(v["params"])}
             if train and "batch_stats" in v:
-                x, updates = stage.apply(v, x, True, mutable=["batch_stats"])
+                x, updates = stage.apply(computed, x, True, mutable=["batch_stats"])
                 new.append({**v, **updates})
             else:
-                x = stage.apply(v, x, train)
+                x = stage.apply(computed, x, train)
                 new.append(v)
         return x, tuple(new)
 
@@ -279,8 +334,10 @@ def make_staged(
     input_dtype: Any,
     num_outputs: int,
     task: str,
+    cls: type[FlaxStagedModel] | None = None,
 ) -> FlaxStagedModel:
-    """Validates ``cuts`` against the segment names and builds a :class:`FlaxStagedModel`."""
+    """Validates ``cuts`` against the segment names and builds a :class:`FlaxStagedModel`
+    (or ``cls``, a subclass such as the NNX one)."""
     segments = tuple(segments)
     names = [n for n, _ in segments]
     cuts = tuple(default_cuts if cuts is None else cuts)
@@ -293,4 +350,5 @@ def make_staged(
         raise ValueError(f"{name}: cut points must be distinct and in model order; got {cuts}.")
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}; got {task!r}.")
-    return FlaxStagedModel(name, segments, cuts, tuple(input_shape), input_dtype, num_outputs, task)
+    cls = FlaxStagedModel if cls is None else cls
+    return cls(name, segments, cuts, tuple(input_shape), input_dtype, num_outputs, task)

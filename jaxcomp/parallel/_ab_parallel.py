@@ -166,9 +166,15 @@ def ab_data_parallel(
     nothing else runs. On a CPU mesh of several local devices, OpenBLAS is limited to one
     thread (:func:`single_thread_lapack`).
 
+    A Flax NNX model goes in whole, as in :func:`~jaxcomp.parallel.data_parallel`:
+    ``init(model)`` with an ``nnx.Module`` and ``loss_fn(model, batch)``; AB-Training factors
+    the matrices of its ``nnx.Param`` variables, and ``state.module(worker)`` merges a
+    worker's parameters back into a module.
+
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``), the
-        mean over this worker's shard of the batch.
+        mean over this worker's shard of the batch; ``loss_fn(model, batch)`` for an NNX
+        model.
       config: the :class:`~jaxcomp.transforms.ABConfig`.
       mesh: a mesh with ``config.axis_name`` (e.g. :func:`ab_mesh`); ``batch`` leaves are
         split over those axes along their first dimension.
@@ -223,9 +229,11 @@ def ab_data_parallel(
     init_opt = jax.jit(functools.partial(init_state, config))
 
     def init(params, model_state=()):
+        params, model_state = _driver.split_model(params, model_state)
         if jax.tree.leaves(model_state) and not has_state:
             raise ValueError("a model_state was given to an ab_data_parallel built without "
-                             "has_state.")  # fmt: skip
+                             "has_state (an NNX module with state besides its parameters, "
+                             "e.g. BatchNorm statistics, needs has_state=True too).")  # fmt: skip
         opt = init_opt(params)
         # from the host: a fresh buffer, and no eager op to compile (jnp.zeros and the copy
         # in _driver.replicate compiled three tiny programs)
@@ -257,6 +265,7 @@ def ab_data_parallel(
         return state, metrics
 
     def abstract_state(params, model_state=()):
+        params, model_state = _driver.split_model(params, model_state)
         return _ab_programs.abstract_train_state(config, params, mesh, model_state)
 
     def state_sharding(params, model_state=()):

@@ -4,6 +4,11 @@ A model with mutable state (BatchNorm running statistics) passes ``has_state=Tru
 travels in :attr:`TrainState.model_state`, per worker where declared
 :class:`~jaxcomp.compressors.PerWorker` (each worker's own statistics), replicated otherwise
 (statistics the model synchronises itself, e.g. a BatchNorm with ``axis_name``).
+
+A Flax NNX model goes in as the module itself, ``init(model)``, with ``loss_fn(model, batch)``:
+the state holds its ``nnx.Param`` variables as ``params`` (nested dicts keyed by attribute
+name) and the rest of the module as ``model_state`` (its graph, static, and its other state), and
+:meth:`TrainState.module` merges them back.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _nnx
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _placement
@@ -38,7 +44,8 @@ class TrainState(NamedTuple):
         the rest replicated.
       model_state: the model's mutable state (``has_state``; ``()`` otherwise), laid out the
         same way: :class:`~jaxcomp.compressors.PerWorker` parts ``[W, ...]`` sharded over
-        data, the rest replicated.
+        data, the rest replicated. For a Flax NNX model, the module without its parameters
+        (its graph as static data, its other state as arrays).
     """
 
     step: jax.Array
@@ -46,12 +53,32 @@ class TrainState(NamedTuple):
     opt_state: Any
     model_state: Any = ()
 
+    def module(self, worker: int | None = None) -> Any:
+        """The Flax NNX module with these parameters and state (a model given to ``init``
+        as an ``nnx.Module``). ``worker``: the entry of a per-worker state (AB-Training's
+        ``[N, ...]`` leaves) to take; ``None`` for replicated parameters.
+
+        Raises:
+          ValueError: if the state is not an NNX model's.
+
+        Example:
+          >>> # state = dp.init(model); state, _ = dp.step(state, batch)
+          >>> # nnx.update(model, nnx.state(state.module()))   # the trained weights back
+        """
+        if not isinstance(self.model_state, _nnx.Rest):
+            raise ValueError("this train state was not made from an NNX module.")
+        params, rest = self.params, self.model_state
+        if worker is not None:
+            params, rest = jax.tree.map(lambda x: x[worker], (params, rest))
+        return rest.merge(params)
+
 
 class DataParallel(NamedTuple):
     """What :func:`data_parallel` returns.
 
     Attributes:
-      init: ``init(params, model_state=()) -> TrainState``, placed on the mesh.
+      init: ``init(params, model_state=()) -> TrainState``, placed on the mesh; ``params``
+        may be a Flax ``nnx.Module`` instead (then ``loss_fn(model, batch)``).
       step: ``step(state, batch) -> (state, metrics)``, jitted; ``batch`` leaves are split
         over the data axis along their first dimension (a size the workers do not divide is
         a ``ValueError`` naming both); ``metrics["loss"]`` is the mean loss,
@@ -93,9 +120,19 @@ def data_parallel(
     ``tx.update`` averages and transforms it: ``tx`` must start with a reducing transform
     such as :func:`compressed_mean` or :func:`accordion` (the step raises otherwise).
 
+    A Flax NNX model goes in whole: ``init(model)`` with an ``nnx.Module``, ``loss_fn(model,
+    batch)``. The module is split into its ``nnx.Param`` variables (nested dicts keyed by
+    attribute name, as a Linen model's: what is differentiated, averaged and updated) and the
+    rest; inside the step the module is merged
+    from the parameters as each worker differentiates them (locally: ``nnx.value_and_grad``
+    of the replicated module would insert a dense all-reduce), and :meth:`TrainState.module`
+    merges it back. Its other state (BatchNorm statistics) is kept as ``loss_fn`` leaves it;
+    it must come out the same on every worker (``nnx.BatchNorm(..., axis_name=...)``).
+
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``); the
-        mean over this worker's shard of the batch.
+        mean over this worker's shard of the batch. ``loss_fn(model, batch)`` for an NNX
+        model.
       tx: the optimizer, e.g. ``optax.chain(accordion(...), optax.sgd(0.1, momentum=0.9))``.
       mesh: a mesh with an axis ``axis_name`` (both axes of a pair).
       axis_name: the data axis, or a ``(slow, fast)`` pair of axes of a hierarchical mesh
@@ -146,12 +183,14 @@ def data_parallel(
             return jax.jit(tx.init)(params)
 
     def init(params, model_state=()):
+        params, model_state = _driver.split_model(params, model_state)
         step0, params = _driver.replicate((jnp.zeros((), jnp.int32), params), mesh)
         opt_state = _placement.place_state(init_opt(params), mesh, slow)
         return TrainState(step0, params, opt_state, _place_model_state(model_state))
 
     def _place_model_state(model_state):
-        if jax.tree.leaves(model_state) and not has_state:
+        nnx = isinstance(model_state, _nnx.Rest)
+        if jax.tree.leaves(model_state) and not (has_state or nnx):
             raise ValueError("a model_state was given to a data_parallel built without has_state.")
         return _placement.place_state(model_state, mesh, slow)
 
@@ -194,6 +233,11 @@ def data_parallel(
             for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(new)[0], flags)
             if spec == P() and slow in _local.varying_axes(x)
         ]
+        if bad and isinstance(new, _nnx.Rest):
+            raise ValueError(
+                f"the NNX module's state {bad[:3]} differs per worker after loss_fn: "
+                f"synchronise it over {axis_name!r} (e.g. nnx.BatchNorm(..., axis_name=...))."
+            )
         if bad:
             raise ValueError(
                 f"model_state leaves {bad[:3]} differ per worker but are not declared PerWorker: "
@@ -239,6 +283,7 @@ def data_parallel(
     step.lower, step.trace, step.export = lower, trace, export
 
     def state_sharding(params, model_state=()):
+        params, model_state = _driver.split_model(params, model_state)
         with jax.set_mesh(mesh):
             abstract = jax.eval_shape(tx.init, params)
         shardings = [

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _compile
+from jaxcomp import _nnx
 from jaxcomp._finite import all_finite as all_finite
 
 
@@ -83,9 +84,15 @@ def stateful_loss(loss_fn: Callable[..., Any], has_aux: bool, has_state: bool) -
     ``has_state`` ``(params, model_state, batch) -> (loss, model_state)`` (``(loss, (aux,
     model_state))`` with ``has_aux``); ``aux`` is ``None`` without ``has_aux``, the model
     state passes through unchanged without ``has_state``.
+
+    A Flax NNX model's ``model_state`` is a :class:`jaxcomp._nnx.Rest` (:func:`split_model`):
+    ``loss_fn(model, batch)`` then gets the module rebuilt from ``params`` and it, and its
+    state comes back as ``loss_fn`` left it, whatever ``has_state`` says.
     """
 
     def fn(params, model_state, batch):
+        if isinstance(model_state, _nnx.Rest):
+            return _nnx.stateful_loss(loss_fn, has_aux)(params, model_state, batch)
         if has_state:
             loss, out = loss_fn(params, model_state, batch)
             return (loss, out) if has_aux else (loss, (None, out))
@@ -93,6 +100,21 @@ def stateful_loss(loss_fn: Callable[..., Any], has_aux: bool, has_state: bool) -
         return (out[0], (out[1], model_state)) if has_aux else (out, (None, model_state))
 
     return fn
+
+
+def split_model(params: Any, model_state: Any) -> tuple[Any, Any]:
+    """``(params, model_state)`` as a step builder's ``init`` was given them, or for a Flax
+    NNX module in place of ``params``, its parameters (nested dicts) and its
+    :class:`jaxcomp._nnx.Rest`.
+
+    Raises:
+      ValueError: if a module comes with a ``model_state`` of its own.
+    """
+    if not _nnx.is_module(params):
+        return params, model_state
+    if jax.tree.leaves(model_state):
+        raise ValueError("an NNX module carries its own state: give init the module alone.")
+    return _nnx.functional(params)
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:

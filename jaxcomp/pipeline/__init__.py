@@ -25,6 +25,11 @@ Contracts:
   state lives in the link states on the stage's device (``pipe.init(params, batch,
   model_state)``), updated by every real microbatch's forward in microbatch order (never by a
   bubble tick), and ``pipe.evaluate(..., states=link_states)`` normalises with it.
+* **Flax NNX**: :func:`nnx_stages` splits one ``nnx.Module`` per stage into the stage
+  functions, parameters and (BatchNorm) model state, and merges the trained ones back.
+* **Optimizers** apply to :class:`PackedParams` as to any pytree (elementwise updates and
+  global norms are exact); :func:`unpacked` gives one the parameters by name, stage by stage
+  (``optax.masked`` / ``multi_transform`` by name, per-leaf trust ratios).
 * **Batches** are dicts with inputs under ``"x"``/``"inputs"``, labels under
   ``"label"``/``"labels"``/``"targets"``/``"y"`` and sample ids under ``"ids"`` (required by
   per-sample channels such as AQ-SGD). The batch is cut into ``M`` equal microbatches.
@@ -62,6 +67,8 @@ from jaxcomp.pipeline._config import pipeline_mesh
 from jaxcomp.pipeline._link_state import LinkState
 from jaxcomp.pipeline._link_state import LinkStates
 from jaxcomp.pipeline._links import link_key
+from jaxcomp.pipeline._nnx import NNXStages
+from jaxcomp.pipeline._nnx import nnx_stages
 from jaxcomp.pipeline._params import PackedParams
 from jaxcomp.pipeline._params import ParamLayout
 from jaxcomp.pipeline._params import pack_params
@@ -71,6 +78,7 @@ from jaxcomp.pipeline._schedule import bubble_fraction
 from jaxcomp.pipeline._schedule import gpipe_segments
 from jaxcomp.pipeline._schedule import in_flight
 from jaxcomp.pipeline._schedule import ticks
+from jaxcomp.pipeline._unpacked import unpacked
 
 __all__ = (
     "HIGH_COMPRESSION",
@@ -82,6 +90,7 @@ __all__ = (
     "Link",
     "LinkState",
     "LinkStates",
+    "NNXStages",
     "PackedParams",
     "ParamLayout",
     "Pipeline",
@@ -95,9 +104,11 @@ __all__ = (
     "link",
     "link_key",
     "link_modes",
+    "nnx_stages",
     "pack_params",
     "param_layout",
     "pipeline_mesh",
     "simulate",
     "ticks",
+    "unpacked",
 )

@@ -76,6 +76,7 @@ from jaxcomp.train import _collectives
 from jaxcomp.train import _config
 from jaxcomp.train import _dense
 from jaxcomp.train import _mode
+from jaxcomp.train import _precision
 from jaxcomp.transforms._ab_config import num_a_groups
 from jaxcomp.transforms._ab_metrics import collectives_by_role
 
@@ -204,6 +205,7 @@ def build_ab(
     num_train_samples: int,
 ) -> _mode.Mode:
     """Builds the AB-Training mode (``config.mode = "ab"``) and compiles its programs."""
+    _precision.check_unscaled(config, "ab")
     del num_train_samples
     cfg = ab_config(config, mesh)
     if config.batch_size % mesh.size:

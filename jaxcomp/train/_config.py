@@ -16,6 +16,7 @@ import ml_collections
 import optax
 
 from jaxcomp import _validate
+from jaxcomp.models import _staged
 from jaxcomp.train import _extras
 from jaxcomp.train import _writers
 
@@ -51,10 +52,14 @@ DEFAULTS: dict[str, Any] = {
     "keep_checkpoints": 2,
     "max_nonfinite_in_a_row": 10,
     "writers": (),  # metric writers beside the files: "tensorboard", "wandb" (train/_writers.py)
+    "compute_dtype": "float32",
     "pipeline": {},
     "data_parallel": {},
     "ab": {},
 }
+#: keys added after workdirs were written: left out of the fingerprint at their default, so
+#: that such a workdir resumes (its experiment.json has no such key)
+LATER_KEYS = {"compute_dtype": "float32"}
 #: keys that do not change what is computed (a workdir may be resumed with other values)
 RUN_ONLY_KEYS = (
     "total_steps",
@@ -87,6 +92,7 @@ def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     _validate.check_choice("config.schedule", full["schedule"], SCHEDULES)
     full["writers"] = _writers.check(full["writers"])
     _extras.check_data(full["data_name"])
+    _validate.check_choice("config.compute_dtype", full["compute_dtype"], _staged.COMPUTE_DTYPES)
     if not isinstance(full["batch_size"], int) or full["batch_size"] < 1:
         raise ValueError(f"config.batch_size must be a positive int; got {full['batch_size']!r}.")
     if not isinstance(full["total_steps"], int) or full["total_steps"] < 1:
@@ -107,7 +113,10 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The part of the config that identifies an experiment (everything but run-length and
     logging keys), as plain JSON-able data."""
     d = json.loads(config.to_json_best_effort())
-    return {k: v for k, v in sorted(d.items()) if k not in RUN_ONLY_KEYS}
+    return {
+        k: v for k, v in sorted(d.items())
+        if k not in RUN_ONLY_KEYS and not (k in LATER_KEYS and v == LATER_KEYS[k])
+    }  # fmt: skip
 
 
 def fingerprint_hash(fp: dict[str, Any]) -> str:
@@ -144,8 +153,11 @@ def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
     return optax.piecewise_constant_schedule(lr, boundaries)
 
 
-def optimizer(config: ml_collections.ConfigDict, schedule=None) -> optax.GradientTransformation:
-    """``optax.<optax_name>(learning_rate, **optax)``, with optional clipping and weight decay.
+def optimizer(
+    config: ml_collections.ConfigDict, schedule=None, *, clip: bool = True
+) -> optax.GradientTransformation:
+    """``optax.<optax_name>(learning_rate, **optax)``, with optional clipping and weight decay
+    (``clip=False``: without ``grad_clip_norm``'s clipping, which the caller applies itself).
 
     Raises:
       ValueError: for an optimizer name that ``optax`` does not have, or bad keyword arguments.
@@ -162,7 +174,7 @@ def optimizer(config: ml_collections.ConfigDict, schedule=None) -> optax.Gradien
     except TypeError as e:
         raise ValueError(f"config.optax does not fit optax.{name}: {e}") from e
     parts = []
-    if config.grad_clip_norm:
+    if config.grad_clip_norm and clip:
         parts.append(optax.clip_by_global_norm(float(config.grad_clip_norm)))
     if config.weight_decay and name not in ("adamw", "lamb", "lion"):
         parts.append(optax.add_decayed_weights(float(config.weight_decay)))

@@ -23,6 +23,7 @@ from jaxcomp.models import _staged
 from jaxcomp.train import _collectives
 from jaxcomp.train import _config
 from jaxcomp.train import _mode
+from jaxcomp.train import _precision
 
 
 class DenseState(NamedTuple):
@@ -31,6 +32,7 @@ class DenseState(NamedTuple):
     params: tuple  # per stage
     model_state: tuple  # per stage: BatchNorm statistics, or {}
     opt_state: Any
+    loss_scale: Any = ()  # float16 compute (dense mode): _precision.LossScale
 
 
 def make_loss(model: _staged.StagedModel):
@@ -72,21 +74,32 @@ def build_dense(
 
     def init(key):
         params, model_state = _mode.split_variables(model.init(key))
-        return DenseState(params, model_state, opt.init(params))
+        return DenseState(params, model_state, opt.init(params), _precision.initial(config))
 
     loss_fn = make_loss(model)
     eval_fn = make_eval(model)
+    scaled = _precision.scaled(config)
 
     def train_step(state, batch, key):
         del key
-        (loss, (acc, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+
+        def objective(params, model_state, batch):  # float16: the loss times the scale
+            loss, aux = loss_fn(params, model_state, batch)
+            return (loss * state.loss_scale.scale if scaled else loss), (loss, aux)
+
+        (_, (loss, (acc, model_state))), grads = jax.value_and_grad(objective, has_aux=True)(
             state.params, state.model_state, batch
         )
+        if scaled:
+            grads = _precision.unscale(grads, state.loss_scale)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new, finite = _mode.commit_if_finite(
-            DenseState(params, model_state, opt_state), state, loss, grads, replicated=True
-        )
+            DenseState(params, model_state, opt_state, state.loss_scale), state, loss, grads,
+            replicated=True,
+        )  # fmt: skip
+        if scaled:
+            new = new._replace(loss_scale=_precision.adjust(state.loss_scale, finite))
         metrics = {
             "loss": loss,
             "accuracy": acc,

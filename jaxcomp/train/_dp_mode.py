@@ -76,6 +76,7 @@ from jaxcomp.train import _collectives
 from jaxcomp.train import _config
 from jaxcomp.train import _dense
 from jaxcomp.train import _mode
+from jaxcomp.train import _precision
 
 DP_DEFAULTS = {
     "transform": "accordion",
@@ -198,6 +199,7 @@ def build_data_parallel(
     num_train_samples: int,
 ) -> _mode.Mode:
     """Builds the compressed data-parallel mode (``config.mode = "data_parallel"``)."""
+    _precision.check_unscaled(config, "data_parallel")
     cfg = _config.check_sub_config("data_parallel", config.data_parallel, DP_DEFAULTS)
     axes = _config.data_axes(mesh, "data_parallel")
     if not axes:

@@ -76,6 +76,7 @@ from jaxcomp.train import _config
 from jaxcomp.train import _dense
 from jaxcomp.train import _mode
 from jaxcomp.train import _pipeline_config
+from jaxcomp.train import _precision
 
 
 class PipelineState(NamedTuple):
@@ -84,6 +85,7 @@ class PipelineState(NamedTuple):
     params: Any  # pipeline.PackedParams, sharded over ``stage``
     opt_state: Any
     link_states: Any  # one pipeline.LinkState per boundary
+    loss_scale: Any = ()  # float16 compute: _precision.LossScale
 
 
 def _adaptive_metrics(metrics: dict, mask) -> dict:
@@ -101,8 +103,25 @@ def _adaptive_metrics(metrics: dict, mask) -> dict:
     return out
 
 
+def optimizer(
+    config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None
+) -> optax.GradientTransformation:
+    """The config's optimizer on the packed parameters: ``grad_clip_norm`` on the packed
+    buffers (their global norm is the model's), the rest stage by stage on each stage's
+    parameters by name (:func:`jaxcomp.pipeline.unpacked`: per-leaf statistics, e.g. LAMB's
+    trust ratios, see the leaves, as in the unpipelined modes)."""
+    inner = pipeline.unpacked(_config.optimizer(config, clip=False), mesh)
+    if not config.grad_clip_norm:
+        return inner
+    return optax.chain(optax.clip_by_global_norm(float(config.grad_clip_norm)), inner)
+
+
 def _loss_fn(model: _staged.StagedModel):
     def loss_fn(y, labels):
+        if isinstance(labels, dict):  # float16: the loss scale rides along with the labels
+            scale, labels = labels["loss_scale"][0], labels["label"]
+            loss = model.loss_fn(y, labels)
+            return loss * scale, {"accuracy": _staged.accuracy(y, labels), "loss": loss}
         return model.loss_fn(y, labels), {"accuracy": _staged.accuracy(y, labels)}
 
     return loss_fn
@@ -179,7 +198,8 @@ def build_pipeline(
         if cfg["simulate"]
         else pipeline.distribute(pmodel, pconfig, mesh, **({"data_axis": data} if pair else {}))
     )
-    opt = _config.optimizer(config)
+    opt = optimizer(config, None if cfg["simulate"] else mesh)
+    scaled = _precision.scaled(config)
     warmup_steps = int(cfg["warmup_epochs"]) * steps_per_epoch
 
     replicated = NamedSharding(mesh, P())
@@ -200,6 +220,7 @@ def build_pipeline(
         jax.tree.map(lambda _: stage_sharding, params_abs),
         jax.tree.map(lambda _: stage_sharding if not cfg["simulate"] else replicated, opt_abs),
         jax.tree.map(lambda a: a.sharding if hasattr(a, "sharding") else replicated, link_abs),
+        jax.tree.map(lambda _: replicated, _precision.initial(config)),
     )
     # scalar optimizer leaves (counts) cannot be sharded over stage
     shardings = shardings._replace(
@@ -210,18 +231,26 @@ def build_pipeline(
 
     def full_init(key):
         packed, opt_state, model_state = init(key)
-        return PipelineState(packed, opt_state, pipe.init(packed, batch_abs, model_state))
+        link = pipe.init(packed, batch_abs, model_state)
+        return PipelineState(packed, opt_state, link, _precision.initial(config))
 
     def train_step(state, batch, key_data, compress, modes):
         key = jax.random.wrap_key_data(key_data)
+        if scaled:  # each microbatch's loss times the scale: the gradients come out scaled
+            scale = jnp.broadcast_to(state.loss_scale.scale, batch["label"].shape[:1])
+            batch = {**batch, "label": {"label": batch["label"], "loss_scale": scale}}
         loss, grads, link_states, metrics = pipe.step(
             state.params, batch, state.link_states, key, compress=compress, modes=modes
         )
+        if scaled:
+            loss, grads = metrics["loss"], _precision.unscale(grads, state.loss_scale)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new, finite = _mode.commit_if_finite(
-            PipelineState(params, opt_state, link_states), state, loss, grads
+            PipelineState(params, opt_state, link_states, state.loss_scale), state, loss, grads
         )
+        if scaled:
+            new = new._replace(loss_scale=_precision.adjust(state.loss_scale, finite))
         out = {
             "loss": loss,
             "accuracy": metrics["accuracy"],

@@ -29,6 +29,7 @@ from jaxcomp.train import _checkpoint
 from jaxcomp.train import _config
 from jaxcomp.train import _metrics
 from jaxcomp.train import _mode
+from jaxcomp.train import _precision
 from jaxcomp.train import _progress
 from jaxcomp.train import _signals
 from jaxcomp.train import _workdir
@@ -98,7 +99,7 @@ def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
             eval_src, config.eval_batch_size, seed=config.seed, shuffle=False, drop_last=False
         )
         # --- Model & mode ----------------------------------------------------------------
-        model = models.get_model(config.model_name, **dict(config.model))
+        model = _precision.policy(config, models.get_model(config.model_name, **dict(config.model)))
         check_outputs(model, config, train_src, eval_src)
         mode = build(config, model, mesh, len(train_src))
     return Setup(config, mesh, model, train_loader, eval_loader, mode)

@@ -9,7 +9,8 @@ Each transform (``compressed_mean`` on every collective path, ``accordion``,
 * built through ``optax.inject_hyperparams``: the reference's numbers;
 * inside ``optax.MultiSteps(k=2)``: nothing for a micro-step, then the reference's update of
   the two micro-batches' mean;
-* on bfloat16 parameters and gradients: bfloat16 updates close to the float32 reference;
+* on bfloat16 and float16 parameters and gradients: updates of that dtype close to the
+  float32 reference, and a compressed mean's ``bytes_sent`` equal to its compiled bytes;
 * under ``lax.cond``: the new state has exactly the old state's types (``jax.typeof``: shape,
   dtype, sharding and varying axes), so the transform can sit in a branch; ``True`` gives
   the reference and ``False`` leaves the state as it was.
@@ -279,24 +280,28 @@ def _exact_grads(seed):
     }
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", _params(BF16_CASES))
-def test_bfloat16_params(case, mesh):
-    """bfloat16 parameters and gradients: bfloat16 updates, state types kept step to step, and
-    the float32 run's numbers on the same (bfloat16-exact) gradients to bfloat16 precision."""
+def test_16_bit_params(case, dtype, mesh):
+    """bfloat16 / float16 parameters and gradients: updates of that dtype, state types kept
+    step to step, the float32 run's numbers on the same (16-bit-exact) gradients to bfloat16
+    precision, and a compressed mean's ``bytes_sent`` what crosses the compiled collectives."""
     exact = [_exact_grads(10 + i) for i in range(3)]
     want, _ = _run(case, case.build(), mesh, exact)
     assert _moved(want[:1])
-    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), PARAMS)
+    params = jax.tree.map(lambda p: p.astype(dtype), PARAMS)
     tx = case.build()
     state = comm.place_state(_init(case, tx, params, mesh), mesh, AXIS)
     types = jax.tree.map(jax.typeof, state)
     step = _runner(tx, state, mesh)
-    for grads, w in zip(exact, want):
-        updates, state = step(
-            state, _put(jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads), mesh)
-        )
+    for i, (grads, w) in enumerate(zip(exact, want)):
+        grads = _put(jax.tree.map(lambda g: g.astype(dtype), grads), mesh)
+        if i == 1 and hasattr(state, "bytes_sent"):  # after the warm-up step of the psum case
+            report = comm.measure_collectives(step, state, grads)
+            assert report.total_bytes == float(step(state, grads)[1].bytes_sent), report.table()
+        updates, state = step(state, grads)
         assert jax.tree.map(jax.typeof, state) == types
-        assert {u.dtype for u in jax.tree.leaves(updates)} == {jnp.dtype(jnp.bfloat16)}
+        assert {u.dtype for u in jax.tree.leaves(updates)} == {jnp.dtype(dtype)}
         scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(w))
         _assert_trees_equal(updates, w, rtol=2e-2, atol=1e-2 * scale)
 

@@ -1,0 +1,111 @@
+"""The trainer's mixed-precision policy (``config.compute_dtype``): float32 parameters, 16-bit
+compute and pipeline boundaries (their wire bytes halved), float16's
+dynamic loss scale (an overflowing step skipped, the scale halved, then grown)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcomp import models
+from jaxcomp import train
+from jaxcomp.train import _config
+from jaxcomp.train import _precision
+from jaxcomp.train import _trainer
+
+
+def _first_batch(s):
+    batch, _ = s.train_loader.next(s.train_loader.initial_state())
+    return _trainer.place(batch, s.mode.batch_sharding)
+
+
+def _key(s, i):
+    return _trainer._replicated(np.asarray(jax.random.key_data(jax.random.key(i))), s.mesh)
+
+
+def test_loss_scale_halves_on_a_non_finite_step_and_doubles_after_the_interval():
+    scale = _precision.LossScale(jnp.float32(8.0), jnp.int32(_precision.GROWTH_INTERVAL - 2))
+    scale = _precision.adjust(scale, jnp.bool_(True))
+    assert (float(scale.scale), int(scale.good_steps)) == (8.0, _precision.GROWTH_INTERVAL - 1)
+    scale = _precision.adjust(scale, jnp.bool_(True))
+    assert (float(scale.scale), int(scale.good_steps)) == (16.0, 0)
+    scale = _precision.adjust(scale, jnp.bool_(False))
+    assert (float(scale.scale), int(scale.good_steps)) == (8.0, 0)
+    floor = _precision.adjust(_precision.LossScale(jnp.float32(1.0), jnp.int32(3)), False)
+    assert float(floor.scale) == 1.0
+
+
+def test_compute_dtype_is_a_checked_key_that_leaves_float32_fingerprints_alone(make_config):
+    with pytest.raises(ValueError, match="compute_dtype"):
+        _config.with_defaults(make_config(compute_dtype="float64"))
+    plain = _config.fingerprint(_config.with_defaults(make_config()))
+    assert "compute_dtype" not in plain  # a workdir from before the key resumes
+    bf16 = _config.fingerprint(_config.with_defaults(make_config(compute_dtype="bfloat16")))
+    assert bf16["compute_dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="float16.*loss scaling"):
+        train.setup(make_config(mode="data_parallel", compute_dtype="float16"))
+
+
+def test_policy_computes_in_16_bits_and_differentiates_float32_parameters():
+    model = models.mlp(hidden=(8,)).with_compute_dtype("float16")
+    variables = model.init(jax.random.key(0))
+    x = jnp.ones((2, 64))
+    y, _ = model.apply(variables, x)
+    assert y.dtype == jnp.float16
+    params = [v["params"] for v in variables]
+    grads = jax.grad(lambda p: model.apply([{"params": q} for q in p], x)[0].sum())(params)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+    with pytest.raises(ValueError, match="compute dtype"):
+        model.with_compute_dtype("int8")
+
+
+def test_float16_dense_skips_an_overflowing_step_halves_the_scale_then_trains(make_config):
+    s = train.setup(make_config(compute_dtype="float16"))
+    state = s.mode.init(jax.random.key(0))
+    assert float(state.loss_scale.scale) == _precision.INITIAL_SCALE
+    before = jax.tree.map(np.asarray, state.params)
+    batch = _first_batch(s)
+    huge = _precision.LossScale(
+        _trainer._replicated(np.asarray(2.0**40, np.float32), s.mesh),
+        _trainer._replicated(np.asarray(0, np.int32), s.mesh),
+    )
+    # the step donates its state: a fresh one to overflow
+    new, metrics = s.mode.train_step(
+        s.mode.init(jax.random.key(0))._replace(loss_scale=huge), batch, _key(s, 0), 0
+    )
+    assert int(metrics["finite"]) == 0  # float16 activation-gradients overflowed
+    assert float(new.loss_scale.scale) == 2.0**39
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, new.params), before)
+    losses = []
+    for step in range(3):
+        state, metrics = s.mode.train_step(state, batch, _key(s, step), step)
+        assert int(metrics["finite"]) == 1
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    assert int(state.loss_scale.good_steps) == 3
+    assert {p.dtype for p in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.slow  # a pipeline-mode setup
+def test_bfloat16_pipeline_sends_16_bit_boundaries_and_keeps_float32_parameters(make_config):
+    config = make_config(
+        mode="pipeline",
+        mesh=[("stage", 4)],
+        model={"hidden": (16, 16, 16)},
+        batch_size=32,
+        eval_batch_size=32,
+        compute_dtype="bfloat16",
+        pipeline={"num_microbatches": 4, "forward": "identity", "backward": "identity"},
+    )
+    s = train.setup(config)
+    # 3 boundaries x 2 directions x 32 rows x 16 features, 2 bytes each (float32: 12288)
+    assert s.mode.extra["boundary_bytes_per_step"] == 6144
+    state = s.mode.init(jax.random.key(0))
+    batch = _first_batch(s)
+    losses = []
+    for step in range(3):
+        state, metrics = s.mode.train_step(state, batch, _key(s, step), step)
+        assert int(metrics["finite"]) == 1
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    assert {b.dtype for b in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
