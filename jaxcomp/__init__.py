@@ -11,8 +11,8 @@
 * :mod:`jaxcomp.parallel`: step builders that run them over a mesh — ``data_parallel``,
   ``ab_data_parallel`` and the AB ``(group, member)`` mesh helpers.
 
-Imports only go down: compressors → feedback → comm → pipeline / transforms → parallel →
-models, data, train → bench, study.
+Imports only go down: compressors → feedback → comm → ab (AB-Training, re-exported by
+transforms and parallel) → pipeline / transforms → parallel → models, data, train → bench, study.
 
 The training harness (:mod:`jaxcomp.models`, :mod:`jaxcomp.data`, :mod:`jaxcomp.train`,
 ``python -m jaxcomp.main``) and the studies (:mod:`jaxcomp.study`, ``python -m jaxcomp.study``)

@@ -10,7 +10,8 @@ import jaxcomp
 PACKAGES = ("compressors", "feedback", "comm", "pipeline", "transforms", "parallel", "models",
             "data", "train", "study")  # fmt: skip
 # imports only go down (CONTRIBUTING.md): a package may import the ones before it
-ORDER = {"compressors": 0, "feedback": 1, "comm": 2, "pipeline": 3, "transforms": 3,
+# (ab: AB-Training, re-exported by transforms and parallel, so below both)
+ORDER = {"compressors": 0, "feedback": 1, "comm": 2, "ab": 2.5, "pipeline": 3, "transforms": 3,
          "parallel": 4, "models": 5, "data": 5, "train": 6, "bench": 7, "study": 7}  # fmt: skip
 ROOT = pathlib.Path(jaxcomp.__file__).parent
 

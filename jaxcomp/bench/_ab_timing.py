@@ -29,8 +29,8 @@ from jaxcomp import comm  # noqa: E402
 from jaxcomp import models  # noqa: E402
 from jaxcomp import parallel  # noqa: E402
 from jaxcomp import transforms  # noqa: E402
-from jaxcomp.parallel import _ab_programs  # noqa: E402
-from jaxcomp.parallel._ab_parallel import kind_bytes  # noqa: E402
+from jaxcomp.ab import _programs  # noqa: E402
+from jaxcomp.ab._parallel import kind_bytes  # noqa: E402
 
 KIND_PHASE = {"dense": "full", "dense_then_refactor": "refactor", "ab": "ab",
               "ab_then_sync": "sync", "ab (lax.switch)": "ab_switch",
@@ -115,8 +115,8 @@ def time_kinds(repeats: int, rows_per_worker: int = 16) -> list[dict]:
     )  # fmt: skip
     dp = parallel.ab_data_parallel(loss_fn, config, mesh, donate=False)  # one-thread LAPACK
     # like the baseline, no finiteness check (one more row times the dense kind with it)
-    programs = _ab_programs.Programs(config, loss_fn, mesh, donate=False, check_finite=False)
-    guarded = _ab_programs.Programs(config, loss_fn, mesh, donate=False)
+    programs = _programs.Programs(config, loss_fn, mesh, donate=False, check_finite=False)
+    guarded = _programs.Programs(config, loss_fn, mesh, donate=False)
     state = dp.init(params)
     sharded = dp.shard_batch(batch)
     factored = programs.run("factorise", state)[0]  # AB steps start from exact factors

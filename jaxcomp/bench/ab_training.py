@@ -55,7 +55,7 @@ reassociated here (:math:`X^\top (\delta B^\top)` costs an eighth of
 :math:`(X^\top \delta) B^\top` at 16 rows) without the layer's inputs :math:`X` and output
 gradients :math:`\delta`, which a model-agnostic loss does not expose; at 128 rows the
 model's own work dominates and the kinds are ~1.18x. XLA:CPU runs :math:`A^\top G` on Eigen
-unless :math:`A^\top` is written out first (:func:`~jaxcomp.transforms._ab_factor.factor_grad`).
+unless :math:`A^\top` is written out first (:func:`~jaxcomp.ab._factor.factor_grad`).
 ``ab (lax.switch)`` also copies, in every branch, what that branch passes through (the dense
 moments at an AB step). ``refactor`` is an SVD per factorised layer, once per cycle.
 
@@ -85,10 +85,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxcomp import comm  # noqa: E402
 from jaxcomp import parallel  # noqa: E402
 from jaxcomp import transforms  # noqa: E402
+from jaxcomp.ab._layout import build_layout  # noqa: E402
+from jaxcomp.ab._schedule import STEP_KINDS  # noqa: E402
 from jaxcomp.bench._ab_timing import time_kinds  # noqa: E402
 from jaxcomp.bench._ab_timing import trainer_runs  # noqa: E402
-from jaxcomp.transforms._ab_layout import build_layout  # noqa: E402
-from jaxcomp.transforms._ab_schedule import STEP_KINDS  # noqa: E402
 
 VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
 EXCLUDE = ("features_0", "head")  # the reference's features.0.* and head.fc.*

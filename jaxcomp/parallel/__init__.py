@@ -13,15 +13,15 @@ Mesh axis names and :func:`jaxcomp.comm.make_mesh` stay in :mod:`jaxcomp.comm` (
 collectives run over); placing a transform's state is :func:`jaxcomp.comm.place_state`.
 """
 
-from jaxcomp.parallel._ab_parallel import ABDataParallel
-from jaxcomp.parallel._ab_parallel import ab_data_parallel
-from jaxcomp.parallel._ab_parallel import ab_mesh
-from jaxcomp.parallel._ab_parallel import fit_rank_capacity
-from jaxcomp.parallel._ab_parallel import per_worker as stack_per_worker
-from jaxcomp.parallel._ab_parallel import single_thread_lapack
-from jaxcomp.parallel._ab_parallel import worker_entry
+from jaxcomp._driver import TrainState
+from jaxcomp.ab._parallel import ABDataParallel
+from jaxcomp.ab._parallel import ab_data_parallel
+from jaxcomp.ab._parallel import ab_mesh
+from jaxcomp.ab._parallel import fit_rank_capacity
+from jaxcomp.ab._parallel import per_worker as stack_per_worker
+from jaxcomp.ab._parallel import single_thread_lapack
+from jaxcomp.ab._parallel import worker_entry
 from jaxcomp.parallel._data_parallel import DataParallel
-from jaxcomp.parallel._data_parallel import TrainState
 from jaxcomp.parallel._data_parallel import data_parallel
 
 __all__ = (

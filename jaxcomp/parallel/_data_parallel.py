@@ -19,32 +19,12 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _driver
+from jaxcomp._driver import TrainState
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _placement
-from jaxcomp.parallel import _driver
 from jaxcomp.transforms import _compressed_mean
-
-
-class TrainState(NamedTuple):
-    """Replicated parameters, the optimizer state and the model state (per-worker leaves sharded).
-
-    Attributes:
-      step: ``int32[]``, updates applied.
-      params: the parameters, replicated.
-      opt_state: the optimizer state as :func:`jaxcomp.comm.place_state` lays it out: leaves
-        owned by one worker (error-feedback residuals, Accordion accumulators, marked
-        :class:`~jaxcomp.compressors.PerWorker`) are ``[W, ...]`` sharded over the data axis,
-        the rest replicated.
-      model_state: the model's mutable state (``has_state``; ``()`` otherwise), laid out the
-        same way: :class:`~jaxcomp.compressors.PerWorker` parts ``[W, ...]`` sharded over
-        data, the rest replicated.
-    """
-
-    step: jax.Array
-    params: Any
-    opt_state: Any
-    model_state: Any = ()
 
 
 class DataParallel(NamedTuple):

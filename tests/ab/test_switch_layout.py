@@ -15,8 +15,8 @@ from jaxcomp import comm
 from jaxcomp import models
 from jaxcomp import parallel
 from jaxcomp import transforms
+from jaxcomp.ab import _factor as F
 from jaxcomp.train import _mode
-from jaxcomp.transforms import _ab_factor as F
 
 
 def _matrices():

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import parallel
 from jaxcomp import transforms
-from jaxcomp.parallel import _ab_programs
+from jaxcomp.ab import _programs
 
 PARAMS = {
     "l1": {"kernel": jax.ShapeDtypeStruct((6, 5), jnp.float32)},
@@ -55,13 +55,13 @@ def test_every_harness_program_exports(layout, platform):
     make_mesh, options = LAYOUTS[layout]
     mesh = make_mesh()
     config = _config(options)
-    programs = _ab_programs.Programs(config, loss_fn, mesh)
-    state = _ab_programs.abstract_train_state(config, PARAMS, mesh)
+    programs = _programs.Programs(config, loss_fn, mesh)
+    state = _programs.abstract_train_state(config, PARAMS, mesh)
     batch = jax.ShapeDtypeStruct((2 * mesh.size, 6), jnp.float32,
                                  sharding=NamedSharding(mesh, P(config.axis_name)))  # fmt: skip
     flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=NamedSharding(mesh, P()))
     texts = {}
-    for name in _ab_programs.PROGRAMS:
+    for name in _programs.PROGRAMS:
         args = {"dense": (state, batch), "ab": (state, batch, flag)}.get(name, (state, flag))
         texts[name] = _export(programs._sharded(name), args, mesh, platform)
     # the AB step's factor gradients travel as float32 of the factors' shapes, within the

@@ -2,15 +2,15 @@ r"""AB-Training (Coquelin et al., 2024) as an optax optimizer alias over grouped
 
 ``update`` runs inside ``shard_map`` over ``ABConfig.axis_name`` on per-worker dense gradients
 (:func:`jaxcomp.comm.local_value_and_grad`) and one worker's state. Every step is one of four
-kinds (:data:`~jaxcomp.transforms._ab_schedule.STEP_KINDS`), chosen from the step count with
+kinds (:data:`~jaxcomp.ab._schedule.STEP_KINDS`), chosen from the step count with
 ``lax.switch`` (the count is agreed over the workers first, so the predicate is uniform over
 every axis whose collectives the branches hold):
 
-* ``dense`` (warm-up and full-rank rebound): :func:`._ab_step.dense_update`;
-* ``dense_then_refactor``: the same, then :func:`._ab_sync.refactor`;
-* ``ab``: :func:`._ab_step.ab_update` (the first AB step after warm-up first runs
-  :func:`._ab_sync.factorise_exact`);
-* ``ab_then_sync``: the same, then :func:`._ab_sync.sync`.
+* ``dense`` (warm-up and full-rank rebound): :func:`._step.dense_update`;
+* ``dense_then_refactor``: the same, then :func:`._sync.refactor`;
+* ``ab``: :func:`._step.ab_update` (the first AB step after warm-up first runs
+  :func:`._sync.factorise_exact`);
+* ``ab_then_sync``: the same, then :func:`._sync.sync`.
 
 The model always sees dense weights: ``update`` returns ``W_new - W_old`` with ``W = A·B``.
 :func:`~jaxcomp.parallel.ab_data_parallel` runs the same functions as separate compiled
@@ -27,23 +27,23 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomp.ab._config import ABConfig
+from jaxcomp.ab._layout import ABLayout
+from jaxcomp.ab._layout import build_layout
+from jaxcomp.ab._schedule import STEP_KINDS
+from jaxcomp.ab._schedule import ABPhase
+from jaxcomp.ab._schedule import ABSchedule
+from jaxcomp.ab._step import ABTrainingState
+from jaxcomp.ab._step import Ctx
+from jaxcomp.ab._step import ab_update
+from jaxcomp.ab._step import dense_update
+from jaxcomp.ab._step import init_state
+from jaxcomp.ab._sync import factorise_exact
+from jaxcomp.ab._sync import refactor
+from jaxcomp.ab._sync import sync
+from jaxcomp.ab._topology import topology
 from jaxcomp.comm import to_varying
 from jaxcomp.comm import varying_axes
-from jaxcomp.transforms._ab_config import ABConfig
-from jaxcomp.transforms._ab_layout import ABLayout
-from jaxcomp.transforms._ab_layout import build_layout
-from jaxcomp.transforms._ab_schedule import STEP_KINDS
-from jaxcomp.transforms._ab_schedule import ABPhase
-from jaxcomp.transforms._ab_schedule import ABSchedule
-from jaxcomp.transforms._ab_step import ABTrainingState
-from jaxcomp.transforms._ab_step import Ctx
-from jaxcomp.transforms._ab_step import ab_update
-from jaxcomp.transforms._ab_step import dense_update
-from jaxcomp.transforms._ab_step import init_state
-from jaxcomp.transforms._ab_sync import factorise_exact
-from jaxcomp.transforms._ab_sync import refactor
-from jaxcomp.transforms._ab_sync import sync
-from jaxcomp.transforms._ab_topology import topology
 
 
 def kind_index(schedule: ABSchedule, count: jax.Array) -> jax.Array:
@@ -234,7 +234,7 @@ def ab_training(learning_rate: optax.ScalarOrSchedule, **options: Any):
       40 s). The step-kind ``switch`` branches on the step count, agreed over all workers;
       the A/B role ``cond`` (rectangular mesh) varies only over the group axis and its
       branches reduce only over the member axis; on a flat axis the role is never a branch
-      (:mod:`jaxcomp.transforms._ab_topology`).
+      (:mod:`jaxcomp.ab._topology`).
 
       Where the reference code is wrong this does the right thing (SPEC §3.8):
       ``warmup_steps=0`` works; an empty ``exclude`` excludes nothing; the rebound never drives

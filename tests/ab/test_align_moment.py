@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcomp.transforms import _ab_factor as F
+from jaxcomp.ab import _factor as F
 
 
 def _slice_gather(x, index, sign, axis, first_moment):

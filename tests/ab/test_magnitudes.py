@@ -12,10 +12,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import parallel
 from jaxcomp import transforms
+from jaxcomp.ab import _factor as F
+from jaxcomp.ab import _transform
 from jaxcomp.comm import GROUP
 from jaxcomp.comm import MEMBER
-from jaxcomp.transforms import _ab_factor as F
-from jaxcomp.transforms import _ab_training
 
 MAGNITUDES = [1e-30, 1e-10, 1.0, 1e6, 1e30, 3e38]
 CUTOFF = 0.15
@@ -141,8 +141,8 @@ def make_step(**options):
 def test_the_counts_used_are_a_refactorisation_and_a_sync():
     schedule = transforms.ABConfig(0.0, **OPTIONS).schedule
     for count, kind in ((REFACTOR, "dense_then_refactor"), (SYNC, "ab_then_sync")):
-        index = int(_ab_training.kind_index(schedule, jnp.asarray(count)))
-        assert _ab_training.STEP_KINDS[index] == kind
+        index = int(_transform.kind_index(schedule, jnp.asarray(count)))
+        assert _transform.STEP_KINDS[index] == kind
 
 
 @pytest.mark.parametrize("split_sigma", [True, False])

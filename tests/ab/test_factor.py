@@ -6,9 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from jaxcomp.transforms import _ab_factor as F
-from jaxcomp.transforms._ab_layout import build_layout
-from jaxcomp.transforms._ab_layout import name_matches
+from jaxcomp.ab import _factor as F
+from jaxcomp.ab._layout import build_layout
+from jaxcomp.ab._layout import name_matches
 
 SHAPES = [(12, 5), (5, 12), (3, 3, 4, 6), (3, 3, 2, 40)]
 

@@ -15,7 +15,7 @@ from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import parallel
 from jaxcomp import transforms
-from jaxcomp.transforms import _ab_factor as F
+from jaxcomp.ab import _factor as F
 
 #: group sizes, byte counts and branch counts of the compiled programs (XLA's HLO passes are
 #  the same with optimisations off: the compiled HLO text is identical), moments and learning
@@ -93,13 +93,13 @@ def test_flat_groups_reduce_in_rings_within_each_role_with_no_branch():
 
 
 def _ab_program_text(config, mesh):
-    from jaxcomp.parallel import _ab_programs
+    from jaxcomp.ab import _programs
 
     def loss_fn(p, x):
         return jnp.mean((x.reshape(-1, 36) @ p["conv"]["kernel"].reshape(36, 8)) ** 2)
 
-    programs = _ab_programs.Programs(config, loss_fn, mesh)
-    state = _ab_programs.abstract_train_state(config, PARAMS, mesh)
+    programs = _programs.Programs(config, loss_fn, mesh)
+    state = _programs.abstract_train_state(config, PARAMS, mesh)
     n = mesh.size
     batch = jax.ShapeDtypeStruct((n, 36), jnp.float32,
                                  sharding=jax.NamedSharding(mesh, P(config.axis_name)))  # fmt: skip

@@ -1,7 +1,10 @@
-"""The one driver under :mod:`jaxcomp.parallel`'s step builders.
+"""The one driver under the step builders, below both packages that hold one.
 
-:func:`~jaxcomp.parallel.data_parallel` and :func:`~jaxcomp.parallel.ab_data_parallel` differ
-in what a worker computes; how it runs is shared here:
+:func:`~jaxcomp.parallel.data_parallel` (:mod:`jaxcomp.parallel`) and
+:func:`~jaxcomp.parallel.ab_data_parallel` (AB-Training's grouped step, :mod:`jaxcomp.ab`)
+differ in what a worker computes; how it runs is shared here:
+
+* **state**: :class:`TrainState` (step, parameters, optimizer state, model state);
 
 * **placement**: fresh replicated copies (:func:`replicate`, so a step may donate them) and
   per-worker stacks ``[N, ...]`` sharded over the worker axes (:func:`stack_per_worker`),
@@ -18,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +31,30 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _compile
 from jaxcomp._finite import all_finite as all_finite
+
+
+class TrainState(NamedTuple):
+    """The state a step builder's ``step`` takes and returns: the step count, the parameters, the
+    optimizer state and the model state, each laid out on the mesh as the builder says.
+
+    Attributes:
+      step: ``int32[]``, updates applied.
+      params: the parameters (:func:`~jaxcomp.parallel.data_parallel`: replicated;
+        :func:`~jaxcomp.parallel.ab_data_parallel`: one entry per group or worker).
+      opt_state: the optimizer state; :func:`~jaxcomp.parallel.data_parallel` lays it out
+        with :func:`jaxcomp.comm.place_state`: leaves
+        owned by one worker (error-feedback residuals, Accordion accumulators, marked
+        :class:`~jaxcomp.compressors.PerWorker`) are ``[W, ...]`` sharded over the data axis,
+        the rest replicated.
+      model_state: the model's mutable state (``has_state``; ``()`` otherwise), laid out the
+        same way: :class:`~jaxcomp.compressors.PerWorker` parts ``[W, ...]`` sharded over
+        data, the rest replicated.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    model_state: Any = ()
 
 
 def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:

@@ -12,19 +12,19 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp.ab._config import ABConfig
+from jaxcomp.ab._config import num_a_groups
+from jaxcomp.ab._layout import build_layout
+from jaxcomp.ab._schedule import STEP_KINDS
+from jaxcomp.ab._schedule import ABPhase
+from jaxcomp.ab._step import ABTrainingState
+from jaxcomp.ab._step import Ctx
+from jaxcomp.ab._step import init_state
+from jaxcomp.ab._sync import SYNC_SCOPE
+from jaxcomp.ab._topology import topology
+from jaxcomp.ab._transform import update_kind
 from jaxcomp.comm import CollectiveReport
 from jaxcomp.comm import collective_report
-from jaxcomp.transforms._ab_config import ABConfig
-from jaxcomp.transforms._ab_config import num_a_groups
-from jaxcomp.transforms._ab_layout import build_layout
-from jaxcomp.transforms._ab_schedule import STEP_KINDS
-from jaxcomp.transforms._ab_schedule import ABPhase
-from jaxcomp.transforms._ab_step import ABTrainingState
-from jaxcomp.transforms._ab_step import Ctx
-from jaxcomp.transforms._ab_step import init_state
-from jaxcomp.transforms._ab_sync import SYNC_SCOPE
-from jaxcomp.transforms._ab_topology import topology
-from jaxcomp.transforms._ab_training import update_kind
 
 
 def ab_metrics(
@@ -95,7 +95,7 @@ def collectives_by_role(hlo_text: str) -> dict[str, CollectiveReport]:
     rings have it in no source-target pair.
 
     The sync the harness runs inside its AB program (only at a cycle's last AB step) runs
-    under ``jax.named_scope("ab_sync")`` (:func:`~._ab_sync.reconstruct_or_sync`): its
+    under ``jax.named_scope("ab_sync")`` (:func:`~._sync.reconstruct_or_sync`): its
     collectives are the ``"sync"`` report, in no other.
 
     Returns:

@@ -11,7 +11,7 @@ import pytest
 
 from jaxcomp import parallel
 from jaxcomp import transforms
-from jaxcomp.parallel import _ab_programs
+from jaxcomp.ab import _programs
 
 # phases: steps 0-1 warm-up, 2 factorise + AB, 3 AB + sync, 4 full rank + re-factorisation,
 # 5-6 AB, 7 AB + sync, 8 full rank + re-factorisation, 9 AB
@@ -75,7 +75,7 @@ def mesh():
 
 def _ab_hlo(mesh, name):
     config = transforms.ABConfig(1e-2, **CONFIG)
-    programs = _ab_programs.Programs(config, loss_fn, mesh, has_aux=True, donate=False)
+    programs = _programs.Programs(config, loss_fn, mesh, has_aux=True, donate=False)
     dp = parallel.ab_data_parallel(loss_fn, config, mesh, has_aux=True, donate=False)
     state, batch = dp.init(init_params()), dp.shard_batch(batches(1)[0])
     args = programs._args(name, state, batch)[: 3 if name == "ab" else 2]
@@ -95,7 +95,7 @@ def test_the_loss_mean_is_the_ab_programs_last_collective(mesh, monkeypatch):
     assert not means and len(others) == 1, dense
     assert "f32[]" in dense[others[0]].split(" all-reduce(")[0], dense
     # where XLA put it without the data dependency: not last (this test can fail)
-    monkeypatch.setattr(_ab_programs, "_after_update", lambda metrics, params: metrics)
+    monkeypatch.setattr(_programs, "_after_update", lambda metrics, params: metrics)
     early = _ab_hlo(mesh, "ab")
     means, others = _loss_positions(early)
     assert means and len(others) == 3 and min(means) < max(others), early
@@ -118,7 +118,7 @@ def test_every_state_and_metric_leaf_is_bit_identical_to_the_loss_mean_after_the
     config = transforms.ABConfig(1e-2, **CONFIG, **options)
     data = batches(10)
     late = _run(config, mesh, data)
-    monkeypatch.setattr(_ab_programs, "_after_update", lambda metrics, params: metrics)
+    monkeypatch.setattr(_programs, "_after_update", lambda metrics, params: metrics)
     early = _run(config, mesh, data)
     for step, (got, want) in enumerate(zip(late, early, strict=True)):
         for x, y in zip(got, want, strict=True):

@@ -1,6 +1,6 @@
 r"""Factorisation W = A·B by SVD, factor gradients, and rank-capacity surgery.
 
-For a tall 2-D view :math:`W \in \mathbb{R}^{m \times n}` (:mod:`._ab_layout`) with SVD
+For a tall 2-D view :math:`W \in \mathbb{R}^{m \times n}` (:mod:`._layout`) with SVD
 :math:`W = U \Sigma V^\top`, AB-Training keeps
 
 .. math::
@@ -32,9 +32,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jax.sharding import get_abstract_mesh
 
+from jaxcomp.ab._layout import FactorSpec
 from jaxcomp.comm import to_varying
 from jaxcomp.comm import varying_axes
-from jaxcomp.transforms._ab_layout import FactorSpec
 
 
 def to_matrix(x: jax.Array, spec: FactorSpec) -> jax.Array:

@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp.ab import _factor as F
+from jaxcomp.ab._step import ABTrainingState
+from jaxcomp.ab._step import Ctx
 from jaxcomp.comm import to_varying
-from jaxcomp.transforms import _ab_factor as F
-from jaxcomp.transforms._ab_step import ABTrainingState
-from jaxcomp.transforms._ab_step import Ctx
 
 
 def _svds(ctx: Ctx, weights, in_branch: bool = False):
@@ -45,7 +45,7 @@ def _svds(ctx: Ctx, weights, in_branch: bool = False):
 
 
 def _factorise(ctx: Ctx, usv, state: ABTrainingState, rank: jax.Array) -> ABTrainingState:
-    """Factors of rank ``rank`` (``int32[L]``) from the SVDs ``usv`` (of :func:`._ab_factor.
+    """Factors of rank ``rank`` (``int32[L]``) from the SVDs ``usv`` (of :func:`._factor.
     scaled_svd`), at current capacity."""
     a, b = [], []
     for i, ((u, s, vh, k), x) in enumerate(zip(usv, state.a)):
@@ -96,7 +96,7 @@ def refactor(
     With ``exact`` (a Python bool, or a traced one that the harness passes so that one
     compiled program serves both transitions) this is :func:`factorise_exact` instead: rank =
     capacity and the parameters are returned unchanged. ``in_branch``: it runs in a branch of
-    the transform's step-kind ``switch`` (see :func:`._ab_factor.svd`).
+    the transform's step-kind ``switch`` (see :func:`._factor.svd`).
     """
     pf, po = ctx.layout.split(params)
     if not pf:

@@ -9,7 +9,7 @@ the step index (:func:`schedule_programs`):
 * ``ab`` and ``ab_then_sync`` (the last AB step of a cycle): one compiled program with a
   ``sync`` flag: the group's factor and the non-factorised parameters updated, then ``W = A
   B``, or the groups' sync, which rebuilds ``W`` from the synced factors
-  (:func:`~jaxcomp.transforms._ab_sync.reconstruct_or_sync`: ``W`` is computed once, and a
+  (:func:`~jaxcomp.ab._sync.reconstruct_or_sync`: ``W`` is computed once, and a
   sync costs no program of its own);
 * ``factorise`` (before the first AB step) and ``refactor`` (after the last full-rank step of
   a cycle): one compiled program with an ``exact`` flag, without the model.
@@ -32,22 +32,22 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _compile
+from jaxcomp import _driver
 from jaxcomp import _finite
 from jaxcomp import _order
+from jaxcomp._driver import TrainState
+from jaxcomp.ab import _step
+from jaxcomp.ab import _sync
+from jaxcomp.ab._config import ABConfig
+from jaxcomp.ab._layout import build_layout
+from jaxcomp.ab._metrics import ab_metrics
+from jaxcomp.ab._step import Ctx
+from jaxcomp.ab._topology import topology
+from jaxcomp.ab._transform import advance
+from jaxcomp.ab._transform import check_shapes
 from jaxcomp.comm import local_value_and_grad
 from jaxcomp.comm import to_varying
 from jaxcomp.comm import varying_axes
-from jaxcomp.parallel import _driver
-from jaxcomp.parallel._data_parallel import TrainState
-from jaxcomp.transforms import _ab_step
-from jaxcomp.transforms import _ab_sync
-from jaxcomp.transforms._ab_config import ABConfig
-from jaxcomp.transforms._ab_layout import build_layout
-from jaxcomp.transforms._ab_metrics import ab_metrics
-from jaxcomp.transforms._ab_step import Ctx
-from jaxcomp.transforms._ab_topology import topology
-from jaxcomp.transforms._ab_training import advance
-from jaxcomp.transforms._ab_training import check_shapes
 
 #: The compiled programs; in a schedule, ``"factorise"`` is ``"refactor"`` with ``exact`` and
 #: ``"ab_then_sync"`` is ``"ab"`` with ``sync``.
@@ -125,11 +125,11 @@ class Programs:
             check_shapes(ctx.layout, opt, grads, params)
             lr = jnp.asarray(self.config.lr_schedule()(opt.count), jnp.float32)
             if kind == "dense":
-                params, opt = _ab_step.dense_update(ctx, grads, opt, params, lr)
+                params, opt = _step.dense_update(ctx, grads, opt, params, lr)
                 changed = (params, opt.dense_state, opt.other_state)
             else:  # W = A B, or the sync (``sync``: a replicated flag, so uniform)
-                params, opt = _ab_step.ab_update(ctx, grads, opt, params, lr, reconstruct=False)
-                params, opt, model_state = _ab_sync.reconstruct_or_sync(
+                params, opt = _step.ab_update(ctx, grads, opt, params, lr, reconstruct=False)
+                params, opt, model_state = _sync.reconstruct_or_sync(
                     ctx, opt, params, model_state, sync[0]
                 )
                 changed = (params, opt.a, opt.b, opt.a_state, opt.b_state, opt.other_state,
@@ -154,7 +154,7 @@ class Programs:
             params, opt, model_state = read
             ctx = self._ctx(params)
             # factorise and refactor: one program, the flag is an input (replicated: uniform)
-            params, opt = _ab_sync.refactor(ctx, opt, params, exact=exact)
+            params, opt = _sync.refactor(ctx, opt, params, exact=exact)
             changed = (params, opt.a, opt.b, opt.a_state, opt.b_state, model_state)
             workers = _stack(_state_metrics(self.check_finite, changed, params, opt))
             new = self._written(name, state, read, state.step, (params, opt, model_state))
@@ -329,7 +329,7 @@ def _state_metrics(check: bool, changed, params, opt, loss=None) -> dict[str, ja
 
 
 def _finite_as_written(tree, scalars: tuple) -> jax.Array:
-    """:func:`jaxcomp.parallel._driver.all_finite` of ``tree`` and ``scalars``, read from the
+    """:func:`jaxcomp._driver.all_finite` of ``tree`` and ``scalars``, read from the
     values as the program writes them.
 
     XLA:CPU fuses a cheap elementwise producer into each of its readers: a written leaf (an
@@ -356,7 +356,7 @@ def abstract_train_state(
 ) -> TrainState:
     """``ShapeDtypeStruct``s (with shardings) of the harness's train state for ``params`` (and
     a model state, per worker over all of ``config.axis_name``)."""
-    opt = jax.eval_shape(lambda p: _ab_step.init_state(config, p), params)
+    opt = jax.eval_shape(lambda p: _step.init_state(config, p), params)
     params, model_state = jax.eval_shape(lambda t: t, (params, model_state))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     placed = _driver.stack_per_worker((params, opt), mesh, config.state_axes(mesh))

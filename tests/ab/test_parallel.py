@@ -10,12 +10,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _driver
 from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import parallel
 from jaxcomp import transforms
-from jaxcomp.parallel import _driver
-from jaxcomp.transforms._ab_schedule import STEP_KINDS
+from jaxcomp.ab._schedule import STEP_KINDS
 
 SPECTRUM = np.array([2.0, 1.0, 0.1, 0.05, 0.02, 0.01], np.float32)  # cutoff 0.15 keeps 2
 
@@ -365,12 +365,12 @@ def test_the_refactorisation_compiles_fast_wherever_it_compiles_with_the_default
     steps at the default: the options travel with the program (``compile_all`` and a compile
     on first use alike), and the refactored state is the default level's bit for bit."""
     from jaxcomp import _compile
-    from jaxcomp.parallel import _ab_programs
+    from jaxcomp.ab import _programs
 
     config, dp = grouped
     state = dp.init(init_params())
     batch = dp.shard_batch(batches(1)[0])
-    programs = _ab_programs.Programs(config, loss_fn, dp.mesh, donate=False)
+    programs = _programs.Programs(config, loss_fn, dp.mesh, donate=False)
     state = programs.run("dense", state, batch)[0]
     args = programs._args("refactor", state)
     assert programs._program("dense").compiler_options is None
@@ -421,13 +421,13 @@ def test_the_finiteness_check_reads_what_a_program_writes_without_computing_it_a
     # check in a cond reads them once; it adds its own few kernels (the flag, the sum, the
     # finiteness). Not the transition program yet: XLA moves the stacking reshape into the
     # cond there and computes the aligned moments twice again (21 -> 33).
-    from jaxcomp.parallel import _ab_programs
+    from jaxcomp.ab import _programs
 
     config, dp = grouped
     state, batch = dp.init(init_params()), dp.shard_batch(batches(1)[0])
     count = {
         check: _fusions(
-            _ab_programs.Programs(config, loss_fn, dp.mesh, donate=False, check_finite=check),
+            _programs.Programs(config, loss_fn, dp.mesh, donate=False, check_finite=check),
             name, state, batch,
         )
         for check in (False, True)

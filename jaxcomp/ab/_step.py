@@ -8,10 +8,10 @@ r"""AB-Training's two kinds of training step, as module-level functions of one w
   (``"individual"``); the non-factorised parameters' gradients are averaged within the group.
   The model's weights become :math:`W = A B`.
 
-The phase transitions (first factorisation, re-factorisation, sync) are in :mod:`._ab_sync`;
-:mod:`._ab_training` strings both into the optax transform. All functions run inside
+The phase transitions (first factorisation, re-factorisation, sync) are in :mod:`._sync`;
+:mod:`._transform` strings both into the optax transform. All functions run inside
 ``shard_map`` over ``ABConfig.axis_name`` on one worker's slice of the state
-(:class:`~._ab_topology.Topology` holds the collectives and the rule for branches that hold
+(:class:`~._topology.Topology` holds the collectives and the rule for branches that hold
 them).
 """
 
@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomp.ab import _factor as F
+from jaxcomp.ab._config import ABConfig
+from jaxcomp.ab._layout import ABLayout
+from jaxcomp.ab._layout import build_layout
+from jaxcomp.ab._topology import Topology
 from jaxcomp.comm import to_varying
-from jaxcomp.transforms import _ab_factor as F
-from jaxcomp.transforms._ab_config import ABConfig
-from jaxcomp.transforms._ab_layout import ABLayout
-from jaxcomp.transforms._ab_layout import build_layout
-from jaxcomp.transforms._ab_topology import Topology
 
 
 class ABTrainingState(NamedTuple):
@@ -147,7 +147,7 @@ def _train_factors(ctx: Ctx, gm, go_sq, lr, state: ABTrainingState):
     * ``only-b``: every group trains ``B`` (no branch);
     * ``individual``: no factor collective, the role is a ``cond``;
     * ``groups`` on a rectangular mesh: a ``cond`` on the role whose branches reduce over the
-      member axis (the predicate varies only over the group axis: see :mod:`._ab_topology`);
+      member axis (the predicate varies only over the group axis: see :mod:`._topology`);
     * ``groups`` on a flat axis: no branch; both factors' gradients are reduced, each by
       rings among its own role's workers only, and each worker keeps its role's result.
     """
@@ -195,7 +195,7 @@ def ab_update(ctx: Ctx, grads, state: ABTrainingState, params, lr, *, reconstruc
     """An AB step: the group's factor and the non-factorised parameters train; ``W = A B``.
 
     With ``reconstruct=False`` the factorised weights are returned as they came (the caller
-    rebuilds them: :func:`~._ab_sync.reconstruct_or_sync`).
+    rebuilds them: :func:`~._sync.reconstruct_or_sync`).
     """
     cfg, topo, specs = ctx.cfg, ctx.topo, ctx.layout.specs
     pf, po = ctx.layout.split(params)

@@ -3,7 +3,7 @@
 During AB phases the workers hold different factors and weights, so every AB-Training array
 carries a leading axis of one entry per worker, sharded over ``ABConfig.axis_name``
 (:func:`per_worker`); inside ``shard_map`` each worker sees its own entry. The train step runs
-the compiled programs of :mod:`._ab_programs` in the order the step index asks for.
+the compiled programs of :mod:`._programs` in the order the step index asks for.
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _compile
+from jaxcomp import _driver
+from jaxcomp._driver import TrainState
+from jaxcomp.ab import _factor as F
+from jaxcomp.ab import _programs
+from jaxcomp.ab._config import ABConfig
+from jaxcomp.ab._config import num_a_groups
+from jaxcomp.ab._metrics import collectives_by_role
+from jaxcomp.ab._step import ABTrainingState
+from jaxcomp.ab._step import init_state
 from jaxcomp.comm import GROUP
 from jaxcomp.comm import MEMBER
 from jaxcomp.comm import make_mesh
-from jaxcomp.parallel import _ab_programs
-from jaxcomp.parallel import _driver
-from jaxcomp.parallel._data_parallel import TrainState
-from jaxcomp.transforms import _ab_factor as F
-from jaxcomp.transforms._ab_config import ABConfig
-from jaxcomp.transforms._ab_config import num_a_groups
-from jaxcomp.transforms._ab_metrics import collectives_by_role
-from jaxcomp.transforms._ab_step import ABTrainingState
-from jaxcomp.transforms._ab_step import init_state
 
 
 def ab_mesh(num_groups: int, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
@@ -161,7 +161,7 @@ def ab_data_parallel(
     Each worker takes the gradient of its shard of ``batch`` with
     :func:`jaxcomp.comm.local_value_and_grad` (no hidden all-reduce); the AB-Training steps do
     all the communication. The step kinds run as separately compiled programs chosen on the
-    host (:mod:`jaxcomp.parallel._ab_programs`), each compiled before it first runs while
+    host (:mod:`jaxcomp.ab._programs`), each compiled before it first runs while
     nothing else runs. On a CPU mesh of several local devices, OpenBLAS is limited to one
     thread (:func:`single_thread_lapack`).
 
@@ -180,7 +180,7 @@ def ab_data_parallel(
         group, e.g. BatchNorm with ``batch_axis``, makes a group's workers agree). At a
         sync it follows the non-factorised parameters' rule
         (:attr:`~jaxcomp.transforms.ABConfig.effective_dense_sync`,
-        :func:`jaxcomp.transforms._ab_sync.sync_model_state`).
+        :func:`jaxcomp.ab._sync.sync_model_state`).
       donate: donate the old state's buffers to the new one.
       check_finite: report in ``metrics["finite"]`` whether the loss and each worker's new
         state are finite (a pass over what each program writes; on CPU about as long as a
@@ -213,7 +213,7 @@ def ab_data_parallel(
     sizes = config.group_sizes([mesh.shape[a] for a in axes])  # raises for impossible groups
     if _many_local_cpu_devices(mesh):
         single_thread_lapack()
-    programs = _ab_programs.Programs(
+    programs = _programs.Programs(
         config, loss_fn, mesh, has_aux, donate, check_finite, has_state=has_state
     )
     split = NamedSharding(mesh, P(axes))
@@ -241,7 +241,7 @@ def ab_data_parallel(
         t = int(state.step)  # the step kind picks the programs: read on the host
         batch = shard_batch(batch)
         metrics, finite = {}, []
-        for name in _ab_programs.schedule_programs(config, t):
+        for name in _programs.schedule_programs(config, t):
             if name in ("dense", "ab", "ab_then_sync"):
                 state, out = programs.run(name, state, batch)
                 metrics = {k: v for k, v in out.items() if k != "workers"}
@@ -255,7 +255,7 @@ def ab_data_parallel(
         return state, metrics
 
     def abstract_state(params, model_state=()):
-        return _ab_programs.abstract_train_state(config, params, mesh, model_state)
+        return _programs.abstract_train_state(config, params, mesh, model_state)
 
     def state_sharding(params, model_state=()):
         return jax.tree.map(lambda x: x.sharding, abstract_state(params, model_state))
@@ -284,7 +284,7 @@ def kind_bytes(
     config: ABConfig, sizes: Sequence[int], hlo: dict[str, Any]
 ) -> dict[str, dict[str, float]]:
     """Collective bytes per worker of each step kind from the programs' compiled HLO texts
-    (or their :func:`~jaxcomp.transforms._ab_metrics.collectives_by_role` reports, parsed
+    (or their :func:`~jaxcomp.ab._metrics.collectives_by_role` reports, parsed
     once for several uses)."""
     num_a = num_a_groups(config.sync_mode, len(sizes))
     n_a, n = sum(sizes[:num_a]), sum(sizes)

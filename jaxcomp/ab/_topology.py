@@ -1,7 +1,7 @@
 r"""Where AB-Training's workers sit, and the collectives over their groups (inside ``shard_map``).
 
-Workers are numbered along the flattened ``axis_name`` axes of :class:`~._ab_config.ABConfig`
-(``lax.axis_index(axis_name)``) and form consecutive groups (:func:`._ab_config.group_sizes`).
+Workers are numbered along the flattened ``axis_name`` axes of :class:`~._config.ABConfig`
+(``lax.axis_index(axis_name)``) and form consecutive groups (:func:`._config.group_sizes`).
 Two layouts:
 
 * **rectangular**: ``axis_name = (group_axis, member_axis)`` and every group is one row of
@@ -36,8 +36,8 @@ import numpy as np
 from jax import lax
 
 from jaxcomp._bits import move_as_bits
-from jaxcomp.transforms._ab_config import ABConfig
-from jaxcomp.transforms._ab_config import num_a_groups
+from jaxcomp.ab._config import ABConfig
+from jaxcomp.ab._config import num_a_groups
 
 
 def _axis_sizes(axes: tuple[str, ...]) -> tuple[int, ...]:

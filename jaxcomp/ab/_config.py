@@ -23,9 +23,9 @@ import numpy as np
 import optax
 
 from jaxcomp import _validate
+from jaxcomp.ab._schedule import ABSchedule
 from jaxcomp.comm import GROUP
 from jaxcomp.comm import MEMBER
-from jaxcomp.transforms._ab_schedule import ABSchedule
 
 SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
 COMM_SETUPS = ("groups", "individual")
@@ -51,7 +51,7 @@ class ABConfig:
         ``optax.scale_by_adam()``; the reference's AdamW is ``optax.chain(optax.scale_by_adam(),
         optax.add_decayed_weights(wd))``). It sees tuples of arrays, so use element-wise ones.
       sync_mode: ``"with-stale"``, ``"only-learned"``, ``"full"`` or ``"only-b"`` (every group
-        trains ``B``; ``A = U`` stays fixed and ``split_sigma`` is off), see :mod:`._ab_sync`.
+        trains ``B``; ``A = U`` stays fixed and ``split_sigma`` is off), see :mod:`._sync`.
       comm_setup: the reference's ``train_comm_setup``: ``"groups"`` (the trained factor's
         gradient is averaged within the group) or ``"individual"`` (factors train on each
         worker's own gradient: no factor traffic between syncs).
