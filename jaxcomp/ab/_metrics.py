@@ -32,7 +32,7 @@ def ab_metrics(
 ) -> dict[str, Any]:
     """Phase, step, per-layer rank and parameter-level compression of an AB-Training state.
 
-    Works on a per-worker state (:func:`~jaxcomp.parallel.per_worker`; all workers share these
+    Works on a per-worker state (:func:`~jaxcomp.parallel.stack_per_worker`; all workers share these
     values) and inside the train step on a worker's state; it only reads shapes, ``count``,
     ``phase`` and ``rank``.
 

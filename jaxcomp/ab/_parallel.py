@@ -2,7 +2,7 @@
 
 During AB phases the workers hold different factors and weights, so every AB-Training array
 carries a leading axis of one entry per worker, sharded over ``ABConfig.axis_name``
-(:func:`per_worker`); inside ``shard_map`` each worker sees its own entry. The train step runs
+(:func:`stack_per_worker`); inside ``shard_map`` each worker sees its own entry. The train step runs
 the compiled programs of :mod:`._programs` in the order the step index asks for.
 """
 
@@ -68,7 +68,7 @@ def ab_mesh(num_groups: int, devices: Sequence[jax.Device] | None = None) -> jax
     return make_mesh([(GROUP, num_groups), (MEMBER, len(devices) // num_groups)], devices)
 
 
-def per_worker(
+def stack_per_worker(
     tree: Any, mesh: jax.sharding.Mesh, axis_name: str | Sequence[str] = (GROUP, MEMBER)
 ) -> Any:
     """Copies every leaf once per entry of ``axis_name``: ``[N, ...]``, sharded over it.

@@ -180,7 +180,7 @@ def ab_training(learning_rate: optax.ScalarOrSchedule, **options: Any):
 
     ``update`` runs inside ``jax.shard_map`` over ``axis_name`` on *per-worker* gradients
     (:func:`jaxcomp.comm.local_value_and_grad`) and that worker's state (the harness lays
-    states out with a leading worker axis, :func:`~jaxcomp.parallel.per_worker`).
+    states out with a leading worker axis, :func:`~jaxcomp.parallel.stack_per_worker`).
     ``init`` works anywhere (it has no collectives). :func:`~jaxcomp.parallel.ab_data_parallel`
     does all of this, faster on CPU. On a multi-device CPU process, limit OpenBLAS to one
     thread (:func:`~jaxcomp.parallel.single_thread_lapack`; the harness does): every device

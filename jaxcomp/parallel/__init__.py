@@ -18,8 +18,8 @@ from jaxcomp.ab._parallel import ABDataParallel
 from jaxcomp.ab._parallel import ab_data_parallel
 from jaxcomp.ab._parallel import ab_mesh
 from jaxcomp.ab._parallel import fit_rank_capacity
-from jaxcomp.ab._parallel import per_worker as stack_per_worker
 from jaxcomp.ab._parallel import single_thread_lapack
+from jaxcomp.ab._parallel import stack_per_worker
 from jaxcomp.ab._parallel import worker_entry
 from jaxcomp.parallel._data_parallel import DataParallel
 from jaxcomp.parallel._data_parallel import data_parallel
