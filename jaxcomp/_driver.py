@@ -144,7 +144,7 @@ class Program:
         e.g. read from their shardings with :func:`layout_of`, or fixed.
       donate: donate the first argument's buffers to the result.
       compiler_options: XLA options every compile of this program passes (e.g.
-        :data:`jaxcomp._compile.RARELY_RUN_OPTIONS`), so that each executable of it is the
+        :func:`jaxcomp._cpu.rarely_run_options`), so that each executable of it is the
         same wherever it is compiled; ``None``: JAX's defaults.
 
     The compile cache is a cache, not training state: it maps an argument layout (tree

@@ -28,10 +28,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import PartitionSpec as P
 from jax.sharding import get_abstract_mesh
 
+from jaxcomp import _cpu
+from jaxcomp._cpu import _layouts
 from jaxcomp.ab._layout import FactorSpec
 from jaxcomp.comm import to_varying
 from jaxcomp.comm import varying_axes
@@ -66,13 +67,6 @@ def _thin_svd(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return jnp.linalg.svd(w, full_matrices=False)
 
 
-def _thin_svd_own_layout(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    # ``w @ I`` equals ``w`` (each entry is ``w_ij * 1`` plus zeros; a -0 may come out +0), but
-    # XLA:CPU lays out a dot's result row-major, so LAPACK's column-major operand becomes a
-    # copy of that result instead of the layout of whatever computed ``w``
-    return _thin_svd(w @ jnp.eye(w.shape[-1], dtype=w.dtype))
-
-
 def svd(w: jax.Array, *, in_branch: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Thin SVD in ``float32`` (as the reference), ``(u [m, n], s [n], vh [n, n])``.
 
@@ -84,21 +78,16 @@ def svd(w: jax.Array, *, in_branch: bool = False) -> tuple[jax.Array, jax.Array,
     inputs (``tests/upstream/test_tpu_svd_varying.py``). Nothing is communicated either way.
 
     ``in_branch``: the SVD sits in a branch of a ``lax.cond``/``lax.switch`` that also returns
-    other state (the optax transform's step-kind ``switch``). XLA gives a conditional's results
-    the layout of its branch with the most instructions, the re-factorisation's, where
-    LAPACK's column-major operand spreads to everything computed with it (the dense moments):
-    every other branch then copied the state it passes through into column-major, and the
-    results back, on every step (measured: about a third of that program's own work on
-    XLA:CPU). On CPU the operand is then taken from ``w @ I``
-    (:func:`jax.lax.platform_dependent`; one ``m n^2`` product more per re-factorisation);
-    elsewhere nothing changes.
+    other state (the optax transform's step-kind ``switch``): on CPU its operand is then a
+    copy of its own (:func:`jaxcomp._cpu._layouts.own_layout`, through the door's hook: one
+    ``m n^2`` product more per re-factorisation, and no state copied into LAPACK's layout by
+    the other branches); elsewhere nothing changes.
     """
     w = w.astype(jnp.float32)
     fn = _thin_svd
     if in_branch:
-        fn = lambda x: jax.lax.platform_dependent(  # noqa: E731
-            x, cpu=_thin_svd_own_layout, default=_thin_svd
-        )
+        own = lambda x: _thin_svd(_layouts.own_layout(x))  # noqa: E731
+        fn = lambda x: _cpu.kernel(x, cpu=own, default=_thin_svd)  # noqa: E731
     axes = tuple(sorted(varying_axes(w)))
     if not axes:
         return fn(w)
@@ -177,17 +166,14 @@ def factors_from_svd(
 def factor_grad(role: str, g: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     """``dL/dA = G Bᵀ`` (``role="a"``) or ``dL/dB = Aᵀ G`` (``"b"``), ``G`` the tall gradient.
 
-    ``Aᵀ`` is written out first (a copy of the small factor, behind an
-    ``optimization_barrier`` so that XLA does not fold the transpose back into the
-    product): XLA:CPU hands a product that contracts its left operand's first axis to Eigen
-    instead of its faster YNNPACK kernels (a 256 x 256 gradient times a 256 x 64 factor: ~280
-    -> ~185 us on one device; the digits AB step at 16 rows per worker, 8 workers on 2 cores,
-    in one process alternated: 24.3 -> 23.3 and 21.9 -> 19.8 ms, 2026-12-02). The sums run
-    in another order: equal up to rounding.
+    On CPU ``Aᵀ`` is written out first (:func:`jaxcomp._cpu._layouts.written_transpose`,
+    through the door's hook: the product then runs on a faster kernel; the sums run in
+    another order, equal up to rounding).
     """
     if role == "a":
         return g @ b.T
-    return lax.optimization_barrier(a.T) @ g
+    at = _cpu.kernel(a, cpu=_layouts.written_transpose, default=lambda a: a.T)
+    return at @ g
 
 
 def reconstruct(a: jax.Array, b: jax.Array, spec: FactorSpec) -> jax.Array:
@@ -303,10 +289,10 @@ def align_moment(
     First moments take the sign; others (second moments) only ``|sign|`` (0 or 1).
 
     The entries are gathered one by one (``take_along_axis``), not as whole slices along
-    ``axis`` (``take``): the same values, but XLA:CPU lays a gather of columns out
+    ``axis`` (``take``): the same values, but the CPU backend lays a gather of columns out
     column-major, and in the optax transform's step-kind ``switch`` (where this runs in the
     re-factorisation branch) every other branch then copied the A factors' moments it passes
-    through into that layout at every step (20 copies of ``f32[256,64]`` for the digits MLP).
+    through into that layout at every step (``jaxcomp._cpu._layouts.own_layout`` says why).
     """
     shape = [1] * x.ndim
     shape[axis] = -1

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _compile
+from jaxcomp import _cpu
 from jaxcomp import _driver
 from jaxcomp._driver import TrainState
 from jaxcomp.ab import _factor as F
@@ -87,26 +88,6 @@ def worker_entry(tree: Any, worker: int = 0) -> Any:
     return jax.tree.map(lambda x: np.asarray(x)[worker], tree)
 
 
-def single_thread_lapack() -> None:
-    """Limits the BLAS libraries loaded in this process (OpenBLAS) to one thread each.
-
-    JAX's CPU LAPACK kernels (``svd``, ``qr``, ``eigh``) call SciPy's OpenBLAS. With several
-    CPU devices in one process every device thread calls it at once and each call starts its
-    own worker threads, which spin: measured on 2 cores with 8 devices, one 256x256 SVD per
-    device took 150-380 ms instead of 28 ms, an AB re-factorisation step 0.7-1.5 s instead of
-    65 ms, and beside a CPU-busy process 64-107 s (XLA aborts a collective that waits 40 s).
-    """
-    import scipy.linalg.cython_lapack  # noqa: F401  (loads the library the kernels use)
-    import threadpoolctl
-
-    threadpoolctl.threadpool_limits(limits=1, user_api="blas")
-
-
-def _many_local_cpu_devices(mesh: jax.sharding.Mesh) -> bool:
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    return len(local) > 1 and all(d.platform == "cpu" for d in local)
-
-
 class ABDataParallel(NamedTuple):
     """What :func:`ab_data_parallel` returns.
 
@@ -162,8 +143,8 @@ def ab_data_parallel(
     :func:`jaxcomp.comm.local_value_and_grad` (no hidden all-reduce); the AB-Training steps do
     all the communication. The step kinds run as separately compiled programs chosen on the
     host (:mod:`jaxcomp.ab._programs`), each compiled before it first runs while
-    nothing else runs. On a CPU mesh of several local devices, OpenBLAS is limited to one
-    thread (:func:`single_thread_lapack`).
+    nothing else runs. On a CPU mesh it switches the CPU door on for the mesh
+    (:func:`jaxcomp._cpu.for_mesh`: one-thread BLAS with several local devices).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``), the
@@ -211,8 +192,7 @@ def ab_data_parallel(
         raise ValueError(f"the mesh {dict(mesh.shape)} has no axis {missing} of "
                          f"ABConfig.axis_name={axes}.")  # fmt: skip
     sizes = config.group_sizes([mesh.shape[a] for a in axes])  # raises for impossible groups
-    if _many_local_cpu_devices(mesh):
-        single_thread_lapack()
+    _cpu.for_mesh(mesh)  # on CPU: one-thread BLAS for the re-factorisation's SVDs
     programs = _programs.Programs(
         config, loss_fn, mesh, has_aux, donate, check_finite, has_state=has_state
     )

@@ -1,9 +1,9 @@
 """The compiled programs of grouped AB-Training data parallelism, and when each one runs.
 
-A step of :func:`~jaxcomp.transforms.ab_training` is one of four kinds; instead of one
-program that picks the kind with ``lax.switch`` (which on the XLA CPU backend costs as much as
-the step itself), the harness compiles three programs and the host strings them together by
-the step index (:func:`schedule_programs`):
+A step of :func:`~jaxcomp.transforms.ab_training` is one of four kinds; instead of one program that
+picks the kind with ``lax.switch`` (which on the CPU backend costs as much as the step itself:
+``jaxcomp._cpu`` [slow-ops]), the harness compiles three programs and the host strings them together
+by the step index (:func:`schedule_programs`):
 
 * ``dense``: gradients averaged over all workers, every parameter updated;
 * ``ab`` and ``ab_then_sync`` (the last AB step of a cycle): one compiled program with a
@@ -32,9 +32,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _compile
+from jaxcomp import _cpu
 from jaxcomp import _driver
 from jaxcomp import _finite
-from jaxcomp import _order
 from jaxcomp._driver import TrainState
 from jaxcomp.ab import _step
 from jaxcomp.ab import _sync
@@ -217,8 +217,8 @@ class Programs:
             else:
                 in_out = ((specs, P()), (specs, workers))
                 body = self._transition_body(name)
-            # the re-factorisation runs a few times a run: compiled fast, not optimised
-            options = None if name in _STEPS else _compile.RARELY_RUN_OPTIONS
+            # the re-factorisation runs a few times a run: on CPU compiled fast, not optimised
+            options = None if name in _STEPS else _cpu.rarely_run_options(self.mesh)
             self._programs[name] = _driver.Program(
                 body, self.mesh, lambda *_: in_out, donate=self.donate, compiler_options=options
             )
@@ -295,14 +295,13 @@ def _after_update(metrics, params):
     every device thread waited there for the last one launched (the group means of the
     gradients and the sync come after the backward pass). A data dependency on the new
     parameters moves it to the end of the step, beside the others: a select on a flag that
-    is always true, read from them (:func:`jaxcomp._order.after`), so
-    every value passes bit for bit (NaN, -0.0 too). A leaf that does not vary over every
-    axis the flag varies over (an aux metric that is a constant, or read from the
-    parameters only) is left where XLA puts it: the select would change its type. The
-    dense program needs none of this: XLA combines its loss mean with the gradients'
-    all-reduce.
+    is always true, read from them (:func:`jaxcomp._cpu.after`, on CPU), so every value
+    passes bit for bit (NaN, -0.0 too). A leaf that does not vary over every axis the flag
+    varies over (an aux metric that is a constant, or read from the parameters only) is left
+    where XLA puts it: the select would change its type. The dense program needs none of
+    this: XLA combines its loss mean with the gradients' all-reduce.
     """
-    true = _order.after(jnp.ones((), jnp.float32), jax.tree.leaves(params)) == 1
+    true = _cpu.after(jnp.ones((), jnp.float32), jax.tree.leaves(params)) == 1
     needs = varying_axes(true)
 
     def late(x):
@@ -330,25 +329,18 @@ def _state_metrics(check: bool, changed, params, opt, loss=None) -> dict[str, ja
 
 def _finite_as_written(tree, scalars: tuple) -> jax.Array:
     """:func:`jaxcomp._driver.all_finite` of ``tree`` and ``scalars``, read from the
-    values as the program writes them.
-
-    XLA:CPU fuses a cheap elementwise producer into each of its readers: a written leaf (an
-    optimizer update) was computed twice, once into the state and once into the check's
-    concatenation, a kernel more per leaf (the digits AB programs: 86 -> 70 fusion kernels
-    in the dense program, 103 -> 99 and 68 -> 63 in the AB and transition programs; 1.1 s
-    less compile on one core). In the branch of a ``cond`` on a flag read from the data
-    (always true, so not folded; no collective inside, so the flag may vary over the
-    workers), the check reads the leaves as operands, computed once: what the state holds.
+    values as the program writes them (:func:`jaxcomp._cpu.as_written`: on CPU a written leaf
+    is otherwise computed a second time inside the check; no collective inside, so the flag
+    may vary over the workers).
     """
     inexact = _finite.inexact_leaves((tree, scalars))
     first = [x for x in inexact if x.size][:1]
     if not first or not jax.tree.leaves(tree):  # nothing written to read twice
         return _driver.all_finite(tree, *scalars)
-    take = _order.after(jnp.ones((), jnp.int32), first) == 1
-    # the flag varies where the leaves it reads do
+    # the result varies where the leaves it reads do
     never = to_varying(jnp.zeros((), jnp.int32), sorted(set().union(*map(varying_axes, inexact))))
     check = lambda tree, scalars: _driver.all_finite(tree, *scalars)  # noqa: E731
-    return lax.cond(take, check, lambda *_: never, tree, scalars)  # never takes the second
+    return _cpu.as_written(check, never, (tree, scalars), first)
 
 
 def abstract_train_state(

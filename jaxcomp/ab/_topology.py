@@ -17,8 +17,8 @@ Two layouts:
 **Collectives and control flow.** A ``lax.cond``/``lax.switch`` whose branches hold a
 collective over axis ``a`` must have a predicate that is uniform over ``a``: every device of
 each of the collective's groups must take the same branch, or the devices that reach it wait
-for ones that never come (a hang on NCCL/TPU; on the XLA CPU backend a "rendezvous" stall
-and a SIGABRT after 40 s). The A/B role differs between groups, so AB-Training branches on it
+for ones that never come (a hang on NCCL/TPU; on the CPU backend a "rendezvous" stall and
+a SIGABRT after 40 s). The A/B role differs between groups, so AB-Training branches on it
 only where that holds: on the rectangular layout its predicate varies over the group axis
 and the branches' collectives run over the member axis; on the flat layout the role is never
 a branch (both factors' rings run, each among its own role's workers).

@@ -182,9 +182,9 @@ def ab_training(learning_rate: optax.ScalarOrSchedule, **options: Any):
     (:func:`jaxcomp.comm.local_value_and_grad`) and that worker's state (the harness lays
     states out with a leading worker axis, :func:`~jaxcomp.parallel.stack_per_worker`).
     ``init`` works anywhere (it has no collectives). :func:`~jaxcomp.parallel.ab_data_parallel`
-    does all of this, faster on CPU. On a multi-device CPU process, limit OpenBLAS to one
-    thread (:func:`~jaxcomp.parallel.single_thread_lapack`; the harness does): every device
-    runs its SVDs through it at once, and its spinning threads stall the others' collectives.
+    does all of this, faster on CPU; on a multi-device CPU process it also limits OpenBLAS to
+    one thread (every device runs its SVDs through it at once, and its spinning threads stall
+    the others' collectives; :func:`jaxcomp._cpu.for_mesh`).
 
     Args:
       learning_rate: :math:`\eta`, a float or an optax schedule of the step count.

@@ -1,7 +1,7 @@
 """The timed half of ``python -m jaxcomp.bench ab_training``: step time per AB step kind vs a
 dense data-parallel step (the digits MLP of ``configs/digits_ab.py``), and the trainer's
 digits_ab / digits_dense wall times (``--trainer-runs``). What is timed and why the AB kinds
-cost more than a dense step: :mod:`jaxcomp.bench.ab_training`'s docstring.
+cost more than a dense step: ``docs/performance.md``.
 """
 
 from __future__ import annotations

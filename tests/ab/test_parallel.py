@@ -364,7 +364,7 @@ def test_the_refactorisation_compiles_fast_wherever_it_compiles_with_the_default
     """The re-factorisation (a few calls a run) compiles at XLA:CPU's backend level 0, the
     steps at the default: the options travel with the program (``compile_all`` and a compile
     on first use alike), and the refactored state is the default level's bit for bit."""
-    from jaxcomp import _compile
+    from jaxcomp import _cpu
     from jaxcomp.ab import _programs
 
     config, dp = grouped
@@ -376,7 +376,7 @@ def test_the_refactorisation_compiles_fast_wherever_it_compiles_with_the_default
     assert programs._program("dense").compiler_options is None
     assert programs._program("ab").compiler_options is None
     lowered = programs._program("refactor").lower(*args)
-    assert lowered.options == _compile.RARELY_RUN_OPTIONS
+    assert lowered.options == _cpu.RARELY_RUN_OPTIONS
     fast = programs.compiled("refactor", *args)  # compiled on first use
     default = lowered.lowered.compile()
     got, want = fast(*args), default(*args)

@@ -4,9 +4,8 @@ XLA's CPU backend allocates a compiled program's temporaries and outputs from th
 on every call and frees them afterwards. glibc serves blocks above its mmap threshold (dynamic,
 128 KiB up to 32 MiB) with a fresh ``mmap`` and gives freed memory at the top of a heap back to
 the kernel past its trim threshold; either way the next call touches new pages, one minor page
-fault per 4 KiB. A data-parallel step with error feedback around TopK on a 4.2M-parameter MLP
-took 11,000-25,000 faults per step (43-96 MiB) and 1.8-2.5x its plain step for that reason
-alone, not for its arithmetic.
+fault per 4 KiB: error feedback around TopK once cost a data-parallel step more for that
+reason than for its arithmetic (``docs/performance.md``).
 
 :func:`tune_host_malloc` asks glibc to serve every block from one heap and never to return
 freed memory to the kernel, so the pages stay mapped and the next call reuses them:
@@ -20,7 +19,7 @@ freed memory to the kernel, so the pages stay mapped and the next call reuses th
 
 The cost: the process's resident memory stays at its high-water mark, and with one arena
 XLA:CPU's device threads share one lock: the digits trainer (8 device threads on 2 cores) ran
-5-24% slower with it (process wall, digits_ab and digits_dense, 4 pairs, idle). Since the
+slower with it. Since the
 temporaries of the TopK error-feedback programs were brought under 32 MiB they fault little
 without it, so the entry points (``python -m jaxcomp.main``, ``python -m jaxcomp.bench``,
 ``python -m jaxcomp.study``) keep glibc's defaults unless asked (``--host_malloc=keep`` or
@@ -36,10 +35,8 @@ The same, set from outside the process (before it starts)::
   MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647 python ...
 
 Without ``M_ARENA_MAX = 1`` (the other two settings only, so no shared lock) the faults come
-back (measured 2026-12-02, glibc 2.36): a thread's 32-60 MiB blocks were reused, but the
-error-feedback table of ``bench data_parallel`` faulted more than with the defaults (TopK
-blockwise + EF 1,830 faults per step vs 1,156; ``keep``: 343), likely because a thread
-arena's extra heap is unmapped once it is empty, whatever the trim threshold.
+back, likely because a thread arena's extra heap is unmapped once it is empty, whatever the
+trim threshold (``docs/performance.md``).
 """
 
 from __future__ import annotations

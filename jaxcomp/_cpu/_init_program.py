@@ -19,19 +19,14 @@ two programs:
   ``custom_jvp_call``, any primitive not allowlisted) whole.
 
 B's float math is the fused program's, from the same bits: the results are ``jax.jit(fn)``'s
-bit for bit (``tests/test_init_program.py``: every registered model, typed and raw keys,
+bit for bit (``tests/_cpu/test_init_program.py``: every registered model, typed and raw keys,
 ``out_shardings`` on a mesh; ``tests/train/test_modes.py``: each mode's state init). B is
 compiled first, so that XLA places A's outputs where B wants them, as inside the fused
 program; A is then compiled to produce them there. The executables are kept by the returned
 object, by argument signature: a call after ``.lower(...).compile()`` (e.g. by
 :func:`jaxcomp._compile.compile_all`) compiles nothing.
 
-Compile (trace, lower, compile) of ``jax.jit(init)`` -> this, 2 cores shared with other jobs,
-2026-12-02, medians of 2-4 alternated rounds in one process: digits MLP 1.35 -> 0.55 s,
-small CNN 2.34 -> 0.83 s, ResNet-18 (11.2M parameters) 8.4 -> 2.9 s, VGG-16 (14.7M) 7.0 ->
-2.1 s, GPT smoke 2.4 -> 2.0 s. A's run at level 0 costs ResNet-18 / VGG-16 0.5-0.65 s
-(the fused program's whole run: 0.14 s); at level 1 it runs in 0.11 s but compiles 0.8 s
-longer.
+What it saves per model, and what A's run at level 0 costs: ``docs/performance.md``.
 """
 
 from __future__ import annotations

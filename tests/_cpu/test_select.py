@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcomp.compressors import _select
+from jaxcomp._cpu import _select
 
 
 def _stable_top(x2d: np.ndarray, k: int) -> np.ndarray:

@@ -39,18 +39,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.compressors._protocol import to_varying
-from jaxcomp.compressors._protocol import varying_axes
-from jaxcomp.compressors._topk_words import _NO_KEY
-from jaxcomp.compressors._topk_words import _WORD
-from jaxcomp.compressors._topk_words import _compact
-from jaxcomp.compressors._topk_words import _count_small
-from jaxcomp.compressors._topk_words import _count_words
-from jaxcomp.compressors._topk_words import _kth_key
-from jaxcomp.compressors._topk_words import _nth_set
-from jaxcomp.compressors._topk_words import _padded
-from jaxcomp.compressors._topk_words import _words
-from jaxcomp.compressors._topk_words import _words_many
+from jaxcomp._cpu._topk_words import _NO_KEY
+from jaxcomp._cpu._topk_words import _WORD
+from jaxcomp._cpu._topk_words import _compact
+from jaxcomp._cpu._topk_words import _count_small
+from jaxcomp._cpu._topk_words import _count_words
+from jaxcomp._cpu._topk_words import _kth_key
+from jaxcomp._cpu._topk_words import _nth_set
+from jaxcomp._cpu._topk_words import _padded
+from jaxcomp._cpu._topk_words import _words
+from jaxcomp._cpu._topk_words import _words_many
+from jaxcomp._vma import to_varying
+from jaxcomp._vma import varying_axes
 
 _SMALL = 1 << 14  # inputs of at most this many entries use lax.top_k directly (same result)
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcomp import _order
+from jaxcomp._cpu import _order
 
 EDGES = np.array([0.0, -0.0, np.nan, -np.nan, np.inf, -np.inf, 1e-10, -1e6, 3.5], np.float32)
 

@@ -9,9 +9,9 @@ from flax import linen as nn
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp import _init_program
 from jaxcomp import models
 from jaxcomp._compile import compile_all
+from jaxcomp._cpu import _init_program
 from jaxcomp.train import _mode
 
 #: every registered model, small (the digits MLP at the trainer tests' size), BatchNorm where

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcomp.compressors import _select
+from jaxcomp._cpu import _select
 
 D = (1 << 19) + 77  # sample stride 4, not a multiple of 32 (padded words)
 STRIDE = D // 131072
@@ -74,7 +74,7 @@ def _select_fn(k: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [D // 100, D // 10])
 def test_long_row_select_is_the_stable_top_k_for_every_kind(k, load_test_module):
-    stable_top = load_test_module("compressors/test_select.py")._stable_top  # numpy reference
+    stable_top = load_test_module("_cpu/test_select.py")._stable_top  # numpy reference
     ok_of = {}
     for kind in KINDS:
         x = _row(kind)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp import _order
 from jaxcomp import comm
+from jaxcomp._cpu import _order
 
 EDGES = np.array([np.nan, -0.0, 0.0, np.inf, -np.inf, 1e-10, -1e6, 3.5], np.float32)
 

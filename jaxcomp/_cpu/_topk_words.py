@@ -1,4 +1,4 @@
-"""Packed bit sets for the sort-free top-K (:mod:`jaxcomp.compressors._select`).
+"""Packed bit sets for the sort-free top-K (:mod:`jaxcomp._cpu._select`).
 
 Masks are packed 32 entries per ``uint32`` word (entry ``32 j + i`` in bit ``i`` of word ``j``):
 a count is a population count of the words, and :func:`_compact` lists the set positions of

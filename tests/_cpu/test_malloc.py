@@ -1,4 +1,5 @@
-"""tune_host_malloc: freed host memory stays mapped for reuse (glibc), bad choices are named."""
+"""The CPU door's tune_host_malloc: freed host memory stays mapped for reuse (glibc), bad
+choices are named."""
 
 import json
 import platform
@@ -8,8 +9,8 @@ import textwrap
 
 import pytest
 
-import jaxcomp
-from jaxcomp import _host_malloc
+from jaxcomp import _cpu
+from jaxcomp._cpu import _malloc
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 
@@ -18,8 +19,8 @@ GLIBC = platform.libc_ver()[0] == "glibc"
 _FAULTS = textwrap.dedent(
     """
     import ctypes, json, resource, sys
-    import jaxcomp
-    result = jaxcomp.tune_host_malloc(sys.argv[1])
+    from jaxcomp import _cpu
+    result = _cpu.tune_host_malloc(sys.argv[1])
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
     libc.free.argtypes = (ctypes.c_void_p,)
@@ -59,51 +60,51 @@ def test_keep_reuses_freed_large_blocks_without_page_faults():
 
 
 def test_default_changes_nothing():
-    got = jaxcomp.tune_host_malloc("default")
-    assert got == jaxcomp.HostMalloc(False, "choice=default: glibc's defaults kept")
+    got = _cpu.tune_host_malloc("default")
+    assert got == _cpu.HostMalloc(False, "choice=default: glibc's defaults kept")
 
 
 @pytest.mark.parametrize("bad", ["on", "", "KEEP", None])
 def test_bad_choice_is_named(bad, monkeypatch):
     if bad is None:  # the environment variable's value
-        monkeypatch.setenv(_host_malloc.ENV, "yes")
+        monkeypatch.setenv(_malloc.ENV, "yes")
         with pytest.raises(ValueError, match=r"\$JAXCOMP_HOST_MALLOC must be one of .*'yes'"):
-            jaxcomp.tune_host_malloc(None)
+            _cpu.tune_host_malloc(None)
     else:
         with pytest.raises(ValueError, match=rf"choice must be one of .*{bad!r}"):
-            jaxcomp.tune_host_malloc(bad)
+            _cpu.tune_host_malloc(bad)
 
 
 def test_environment_is_read_for_none_and_unset_means_glibc_defaults(monkeypatch):
-    monkeypatch.delenv(_host_malloc.ENV, raising=False)
-    got = jaxcomp.tune_host_malloc(None)
-    assert got == jaxcomp.HostMalloc(False, "$JAXCOMP_HOST_MALLOC=default: glibc's defaults kept")
-    monkeypatch.setenv(_host_malloc.ENV, "default")
-    assert not jaxcomp.tune_host_malloc(None).applied
+    monkeypatch.delenv(_malloc.ENV, raising=False)
+    got = _cpu.tune_host_malloc(None)
+    assert got == _cpu.HostMalloc(False, "$JAXCOMP_HOST_MALLOC=default: glibc's defaults kept")
+    monkeypatch.setenv(_malloc.ENV, "default")
+    assert not _cpu.tune_host_malloc(None).applied
 
 
 def test_not_glibc_reports_it(monkeypatch):
-    monkeypatch.setattr(_host_malloc.platform, "libc_ver", lambda: ("", ""))
-    got = jaxcomp.tune_host_malloc("keep")
-    assert got == jaxcomp.HostMalloc(False, "the C library is not glibc (unknown)")
+    monkeypatch.setattr(_malloc.platform, "libc_ver", lambda: ("", ""))
+    got = _cpu.tune_host_malloc("keep")
+    assert got == _cpu.HostMalloc(False, "the C library is not glibc (unknown)")
 
 
 def test_refused_setting_is_named(monkeypatch):
     class FakeLibc:
         @staticmethod
         def mallopt(param, value):
-            return 0 if param == _host_malloc.M_MMAP_MAX else 1
+            return 0 if param == _malloc.M_MMAP_MAX else 1
 
-    monkeypatch.setattr(_host_malloc.platform, "libc_ver", lambda: ("glibc", "2.99"))
-    monkeypatch.setattr(_host_malloc.ctypes, "CDLL", lambda name: FakeLibc())
-    got = jaxcomp.tune_host_malloc("keep")
-    assert got == jaxcomp.HostMalloc(False, "glibc 2.99 refused M_MMAP_MAX")
+    monkeypatch.setattr(_malloc.platform, "libc_ver", lambda: ("glibc", "2.99"))
+    monkeypatch.setattr(_malloc.ctypes, "CDLL", lambda name: FakeLibc())
+    got = _cpu.tune_host_malloc("keep")
+    assert got == _cpu.HostMalloc(False, "glibc 2.99 refused M_MMAP_MAX")
 
 
 def test_main_job_takes_the_flag(monkeypatch):
     from jaxcomp import main
 
-    monkeypatch.delenv(_host_malloc.ENV, raising=False)
+    monkeypatch.delenv(_malloc.ENV, raising=False)
     base = ["--config", "configs/x.py", "--workdir", "w"]
     assert main.parse_args(base).host_malloc is None  # the environment, else glibc's defaults
     assert main.parse_args([*base, "--host_malloc", "default"]).host_malloc == "default"

@@ -57,7 +57,7 @@ def after(x: jax.Array, deps: Any) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxcomp import _order
+      >>> from jaxcomp._cpu import _order
       >>> _order.after(jnp.array([-0.0, jnp.nan]), {"idx": jnp.array([3], jnp.int32)})
       Array([-0., nan], dtype=float32)
     """
@@ -97,7 +97,7 @@ def computed_once(fn: Callable[..., jax.Array], carry: jax.Array, *operands: Any
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxcomp import _order
+      >>> from jaxcomp._cpu import _order
       >>> _order.computed_once(lambda e, x: x + e, jnp.array([1.0, -0.0]), jnp.array([2.0, -0.0]))
       Array([ 3., -0.], dtype=float32)
     """
