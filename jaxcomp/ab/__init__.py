@@ -11,6 +11,8 @@ the grouped data-parallel step by :mod:`jaxcomp.parallel` (``ab_data_parallel``,
 * :mod:`._topology`: groups and their collectives;
 * :mod:`._step`, :mod:`._sync`: the dense and AB steps, the phase transitions;
 * :mod:`._transform`: the optax transform (one program, the step kind a ``lax.switch``);
+* :mod:`._forward`: the factorised forward, ``(x A) B`` instead of ``x W`` in the grouped
+  step's AB programs (:func:`jaxcomp.models.factored_dense` for Flax ``nn.Dense``);
 * :mod:`._metrics`: metrics and collective bytes per step kind;
 * :mod:`._programs`, :mod:`._parallel`: the grouped step, as compiled programs the host strings
   together by the step index.

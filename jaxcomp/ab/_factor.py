@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -161,6 +162,14 @@ def factors_from_svd(
         a = jnp.where(sigma_on_a, u * s, u)
         b = jnp.where(sigma_on_a, vh, s[:, None] * vh)
     return a.astype(dtype), b.astype(dtype)
+
+
+class FactorGrads(NamedTuple):
+    """Both factors' gradients of one factorised parameter, ``[m, c]`` and ``[c, n]``, where the
+    factorised forward (:mod:`._forward`) gives them instead of the dense gradient."""
+
+    a: jax.Array
+    b: jax.Array
 
 
 def factor_grad(role: str, g: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:

@@ -27,6 +27,7 @@ from jaxcomp.ab import _factor as F
 from jaxcomp.ab import _programs
 from jaxcomp.ab._config import ABConfig
 from jaxcomp.ab._config import num_a_groups
+from jaxcomp.ab._forward import ForwardHook
 from jaxcomp.ab._metrics import collectives_by_role
 from jaxcomp.ab._step import ABTrainingState
 from jaxcomp.ab._step import init_state
@@ -136,6 +137,7 @@ def ab_data_parallel(
     has_state: bool = False,
     donate: bool = True,
     check_finite: bool = True,
+    factored_forward: ForwardHook | None = None,
 ) -> ABDataParallel:
     """A grouped data-parallel trainer for :func:`~jaxcomp.transforms.ab_training`.
 
@@ -166,6 +168,11 @@ def ab_data_parallel(
       check_finite: report in ``metrics["finite"]`` whether the loss and each worker's new
         state are finite (a pass over what each program writes; on CPU about as long as a
         third of the digits MLP's dense step).
+      factored_forward: the factorised forward's hook, e.g. :func:`jaxcomp.models.factored_dense`
+        for Flax ``nn.Dense`` layers: in AB steps a layer it computes from the factors runs as
+        :math:`(x A) B` instead of :math:`x W` where that is cheaper, its factor's gradient
+        from the backward pass instead of from the dense gradient (:mod:`jaxcomp.ab._forward`;
+        the same numbers up to float summation order). ``None``: the dense weights.
 
     Returns:
       An :class:`ABDataParallel`. Its ``metrics``: ``loss`` (averaged over all workers) and
@@ -194,7 +201,7 @@ def ab_data_parallel(
     sizes = config.group_sizes([mesh.shape[a] for a in axes])  # raises for impossible groups
     _cpu.for_mesh(mesh)  # on CPU: one-thread BLAS for the re-factorisation's SVDs
     programs = _programs.Programs(
-        config, loss_fn, mesh, has_aux, donate, check_finite, has_state=has_state
+        config, loss_fn, mesh, has_aux, donate, check_finite, has_state, factored_forward
     )
     split = NamedSharding(mesh, P(axes))
     state_axes = config.state_axes(mesh)

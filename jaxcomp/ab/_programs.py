@@ -36,6 +36,7 @@ from jaxcomp import _cpu
 from jaxcomp import _driver
 from jaxcomp import _finite
 from jaxcomp._driver import TrainState
+from jaxcomp.ab import _forward
 from jaxcomp.ab import _step
 from jaxcomp.ab import _sync
 from jaxcomp.ab._config import ABConfig
@@ -89,6 +90,9 @@ class Programs:
         returns only the leaves it writes and :meth:`run` reuses the others (no copies).
       check_finite: report whether each worker's loss and new state are finite (one pass
         over what a program writes); if False, ``finite`` is always 1.
+      factored_forward: a forward hook (:mod:`._forward`): the AB program runs the model on
+        the factors where the hook computes a layer from them (``(x A) B``); ``None``: on
+        the dense weights, the factors' gradients from the dense one.
     """
 
     config: ABConfig
@@ -98,6 +102,7 @@ class Programs:
     donate: bool = True
     check_finite: bool = True
     has_state: bool = False
+    factored_forward: _forward.ForwardHook | None = None
 
     def __post_init__(self):
         self._programs: dict[str, _driver.Program] = {}  # compile caches, not training state
@@ -118,11 +123,19 @@ class Programs:
             read = _unstack((state.params, state.opt_state, state.model_state))
             params, opt, model_state = read
             loss_fn = _driver.stateful_loss(self.loss_fn, self.has_aux, self.has_state)
-            (loss, (aux, model_state)), grads = local_value_and_grad(
-                loss_fn, self.axes, has_aux=True
-            )(params, model_state, batch)
             ctx = self._ctx(params)
-            check_shapes(ctx.layout, opt, grads, params)
+            if kind == "dense" or self.factored_forward is None:
+                (loss, (aux, model_state)), grads = local_value_and_grad(
+                    loss_fn, self.axes, has_aux=True
+                )(params, model_state, batch)
+                check_shapes(ctx.layout, opt, grads, params)
+            else:  # the factorised forward: the factors' gradients, no dense one
+                check_shapes(ctx.layout, opt, params, params)
+                (loss, (aux, model_state)), g_other, g_factors = _forward.value_and_grads(
+                    self.factored_forward, loss_fn, self.axes, ctx.layout, params, opt.a, opt.b,
+                    model_state, batch,
+                )  # fmt: skip
+                grads = ctx.layout.merge(g_factors, g_other)
             lr = jnp.asarray(self.config.lr_schedule()(opt.count), jnp.float32)
             if kind == "dense":
                 params, opt = _step.dense_update(ctx, grads, opt, params, lr)

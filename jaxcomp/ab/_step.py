@@ -126,7 +126,10 @@ def dense_update(ctx: Ctx, grads, state: ABTrainingState, params, lr):
 def _factor_step(ctx: Ctx, role: str, gm, go_sq, lr, state: ABTrainingState, reduce):
     """One inner step on the factor ``role`` trains, its gradient reduced by ``reduce``."""
     with jax.named_scope(f"ab_role_{role}"):
-        grads = tuple(F.factor_grad(role, g, x, y) for g, x, y in zip(gm, state.a, state.b))
+        grads = tuple(
+            getattr(g, role) if isinstance(g, F.FactorGrads) else F.factor_grad(role, g, x, y)
+            for g, x, y in zip(gm, state.a, state.b)
+        )
         grads = reduce(grads)
         scale = clip_scale(ctx.cfg, sq_norm(grads) + go_sq)
         masks = [F.rank_mask(state.rank[i], x.shape[-1]) for i, x in enumerate(state.a)]
@@ -194,14 +197,17 @@ def _with(state: ABTrainingState, factors: tuple) -> ABTrainingState:
 def ab_update(ctx: Ctx, grads, state: ABTrainingState, params, lr, *, reconstruct: bool = True):
     """An AB step: the group's factor and the non-factorised parameters train; ``W = A B``.
 
-    With ``reconstruct=False`` the factorised weights are returned as they came (the caller
-    rebuilds them: :func:`~._sync.reconstruct_or_sync`).
+    ``grads`` is the dense gradient (a tree like ``params``), or, from the factorised forward
+    (:func:`._forward.value_and_grads`), the same tree with a :class:`~._factor.FactorGrads`
+    in place of each factorised leaf's gradient. With ``reconstruct=False`` the factorised
+    weights are returned as they came (the caller rebuilds them:
+    :func:`~._sync.reconstruct_or_sync`).
     """
     cfg, topo, specs = ctx.cfg, ctx.topo, ctx.layout.specs
     pf, po = ctx.layout.split(params)
     gf, go = ctx.layout.split(grads)
     go = topo.all_mean(go) if cfg.reduce_dense_globally else topo.group_mean(go)
-    gm = tuple(F.to_matrix(g, s) for g, s in zip(gf, specs))
+    gm = tuple(g if isinstance(g, F.FactorGrads) else F.to_matrix(g, s) for g, s in zip(gf, specs))
     state, scale = _train_factors(ctx, gm, sq_norm(go), lr, state)
     po, other_state = inner_step(cfg, go, state.other_state, po, lr, scale)
     state = state._replace(other_state=other_state)

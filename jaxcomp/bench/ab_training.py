@@ -39,9 +39,14 @@ medians, with their quartiles (``*_q25_s``, ``*_q75_s``); ``time_ratio_to_dense`
 median of the per-round ratios, with its quartiles. The machine's load average is recorded
 before and after.
 
-``ab (lax.switch)`` also copies, in every branch, what that branch passes through (the dense
-moments at an AB step). ``refactor`` is an SVD per factorised layer, once per cycle. Where the
-time of each kind goes, and the measurements: ``docs/performance.md``.
+The AB kinds run with the factorised forward (:mod:`jaxcomp.ab._forward`,
+``factored_forward=models.factored_dense``: the factored layers as :math:`(x A) B`, the factor's
+gradient from the backward pass), as the trainer runs them; ``ab (dense forward)`` (phase
+``ab_dense_forward``) is the ``ab`` kind through the dense weights and the factor gradient
+:math:`G B^\top` or :math:`A^\top G`, for comparison in the same run. ``ab (lax.switch)`` also
+copies, in every branch, what that branch passes through (the dense moments at an AB step).
+``refactor`` is an SVD per factorised layer, once per cycle. Where the time of each kind goes,
+and the measurements: ``docs/performance.md``.
 
 ``--trainer-runs N`` also runs ``configs/digits_dense.py`` and ``configs/digits_ab.py`` through
 the trainer N times each, alternating, with the same steps, evaluation and checkpoint settings,

@@ -18,8 +18,12 @@ model          segments                                   default cuts (stages)
 ``vgg16``      ``block1 ... block5 head``                  none (1)
 ``gpt``        ``embed block0 ... block11 head``           ``block2 block5 block8`` (4)
 =============  =========================================  ==================================
+
+:func:`factored_dense` is AB-Training's factorised forward for any Flax model's ``nn.Dense``
+layers (``parallel.ab_data_parallel(..., factored_forward=models.factored_dense)``).
 """
 
+from jaxcomp.models._factored import factored_dense
 from jaxcomp.models._gpt import gpt
 from jaxcomp.models._mlp import mlp
 from jaxcomp.models._mlp import small_cnn
@@ -40,6 +44,7 @@ __all__ = (
     "StagedModel",
     "accuracy",
     "cross_entropy",
+    "factored_dense",
     "get_model",
     "gpt",
     "mlp",

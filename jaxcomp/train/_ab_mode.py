@@ -64,6 +64,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import compressors
+from jaxcomp import models
 from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp._compile import lower_later
@@ -215,7 +216,8 @@ def build_ab(
         loss = model.loss_fn(logits, batch["label"])
         return loss, (_staged.accuracy(logits, batch["label"]), _mode.split_variables(new)[1])
 
-    dp = parallel.ab_data_parallel(loss_fn, cfg, mesh, has_aux=True, has_state=True, donate=False)
+    dp = parallel.ab_data_parallel(loss_fn, cfg, mesh, has_aux=True, has_state=True, donate=False,
+                                   factored_forward=models.factored_dense)  # fmt: skip
     batch_sharding = NamedSharding(mesh, P(cfg.axis_name))
     key_abs = jax.eval_shape(jax.random.key, 0)  # as the trainer's key, never placed
     params_abs, model_state_abs = _mode.split_variables(jax.eval_shape(model.init, key_abs))
