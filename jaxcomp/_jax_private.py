@@ -1,7 +1,7 @@
 """What jaxcomp reads of JAX's private modules (``jax._src``), in this one place.
 
 Each use has a fallback, so a JAX release that moves one of them costs a feature, not a
-crash; ``tests/test_jax_private.py`` checks that every one is still where it is read from,
+crash; ``tests/_cpu/test_door.py`` checks that every one is still where it is read from,
 so the fallback is never taken unnoticed:
 
 * :func:`config_states`: the configuration's states and the value meaning "not set in a

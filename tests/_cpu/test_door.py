@@ -14,6 +14,7 @@ import jaxcomp
 from jaxcomp import _cpu
 from jaxcomp import _jax_private
 from jaxcomp import comm
+from jaxcomp._vma import to_varying
 
 ROOT = pathlib.Path(jaxcomp.__file__).parent
 POINTER = "jaxcomp._cpu"
@@ -75,7 +76,8 @@ def test_the_door_wrappers_give_the_plain_values_and_types_under_shard_map():
         ones = jnp.ones((), jnp.float32)  # invariant: after() types it as its deps vary
         flag = _cpu.after(ones, x) == 1
         c = _cpu.computed_once(lambda e, x: x + e, jnp.full_like(x, -0.0), x)  # x + -0 is x
-        total = _cpu.as_written(lambda c: jnp.sum(c * 0), jnp.zeros(()), (c,), [c])
+        never = to_varying(jnp.zeros(()), ["data"])  # fn's types, varying axes included
+        total = _cpu.as_written(lambda c: jnp.sum(c * 0), never, (c,), [c])
         return jnp.where(flag, c, 0.0), total[None]
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))

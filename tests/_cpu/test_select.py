@@ -1,4 +1,4 @@
-"""The sort-free exact selection (``compressors._select``) against ``lax.top_k`` and numpy.
+"""The sort-free exact selection (``jaxcomp._cpu._select``) against ``lax.top_k`` and numpy.
 
 The bracket may fail on some rows (then ``lax.top_k`` decides every row): a test through
 ``top_k_indices`` alone would not see a wrong fast-path answer on a matrix holding one row that
