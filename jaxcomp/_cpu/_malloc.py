@@ -83,8 +83,8 @@ def tune_host_malloc(choice: str | None = "keep") -> HostMalloc:
       ValueError: for a ``choice`` (or environment value) other than ``"keep"``/``"default"``.
 
     Example:
-      >>> import jaxcomp
-      >>> jaxcomp.tune_host_malloc("default").applied
+      >>> from jaxcomp import _cpu
+      >>> _cpu.tune_host_malloc("default").applied
       False
     """
     source = "choice"
