@@ -1,15 +1,15 @@
 """Collectives that only move data carry 8- and 16-bit floats as their bit patterns.
 
-XLA:CPU widens the ``bfloat16`` and 8-bit float operands of collectives (a ``bfloat16``
+The CPU backend widens the ``bfloat16`` and 8-bit float operands of collectives (a ``bfloat16``
 ``all_gather`` or ``ppermute`` runs in ``float32``, a ``float8`` one in ``float16``;
-JAX-NOTES §2): a payload then crosses with twice (or four times) its bytes, and NaNs come back
-canonicalised (``bfloat16`` ``0x7f81`` arrives as ``0x7fc0``), so what a worker receives is
-not bit for bit what its peer sent. A collective that only moves data (``ppermute``,
-``all_gather``, ``all_to_all``) does the same on the bit pattern, so :func:`move_as_bits`
-hands it such leaves as unsigned integers of their width and views what arrives as floats
-again: the bytes on the wire are the payload's on every backend, and the values are the
-sent ones bit for bit. Reductions (``psum``) add values and cannot go through it. The module
-imports only JAX: every package (codecs to trainer) may use it.
+``jaxcomp._cpu`` [widened-collectives]): a payload then crosses with twice (or four times) its
+bytes, and NaNs come back canonicalised (``bfloat16`` ``0x7f81`` arrives as ``0x7fc0``), so what a
+worker receives is not bit for bit what its peer sent. A collective that only moves data
+(``ppermute``, ``all_gather``, ``all_to_all``) does the same on the bit pattern, so
+:func:`move_as_bits` hands it such leaves as unsigned integers of their width and views what arrives
+as floats again: the bytes on the wire are the payload's on every backend, and the values are the
+sent ones bit for bit. Reductions (``psum``) add values and cannot go through it. The module imports
+only JAX: every package (codecs to trainer) may use it.
 """
 
 from __future__ import annotations

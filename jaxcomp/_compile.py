@@ -1,12 +1,8 @@
 """Compiling several lowered programs at once, before anything runs.
 
 Lowering (tracing a function to a module) holds Python's GIL, XLA's compilation does not: so
-programs lowered one after another compile side by side in threads. XLA:CPU already spreads
-one compile over part of a second core (1.6 of 2 cores on average for the trainer's
-programs); side by side they fill the cores: on 2 idle cores the digits AB mode's setup (three
-step programs, init, evaluation) took 6.97 s instead of 7.77 s, the dense mode's 4.41 s
-instead of 4.72 s (medians of 6 alternated rounds in one process, 2026-12-02). More cores
-should gain more (not measured here).
+programs lowered one after another compile side by side in threads, filling cores one
+compile leaves partly idle (the trainer's setups: ``docs/performance.md``).
 
 The executables are the ones ``lowered.compile()`` returns one by one (the same module and
 options): JAX reads some compile options from its configuration at compile time, and a value
@@ -26,6 +22,8 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from jaxcomp import _jax_private
+
 #: logs each program's name (INFO) as :func:`compile_all` starts lowering and compiling it;
 #: the trainer prints these lines during its setup
 log = logging.getLogger(__name__)
@@ -34,12 +32,11 @@ log = logging.getLogger(__name__)
 def callers_config() -> Callable[[], contextlib.AbstractContextManager] | None:
     """A context that re-enters, in another thread, the JAX configuration values the calling
     thread holds in ``with`` blocks; ``None`` when JAX's configuration cannot be read so
-    (its ``config_states`` registry is private: the caller then compiles in its own thread)."""
+    (its ``config_states`` registry is private, :func:`jaxcomp._jax_private.config_states`: the
+    caller then compiles in its own thread)."""
     try:
-        from jax._src import config as jax_config
-
-        unset = jax_config.config_ext.unset
-        local = [(s, s.get_local()) for s in jax_config.config_states.values()]
+        states, unset = _jax_private.config_states()
+        local = [(s, s.get_local()) for s in states]
     except (ImportError, AttributeError):
         return None
     local = [(state, value) for state, value in local if value is not unset]
@@ -80,8 +77,7 @@ def compile_all(lowered: Mapping[str, Any]) -> dict[str, Any]:
     (``lambda: jax.jit(f).lower(x)``): those are lowered here, in order, in the calling
     thread, and each compile starts as soon as its program is lowered, so lowering the next
     program (Python, holding the GIL) runs beside the compiles of those before it (XLA, not
-    holding it). On 2 idle cores the digits AB mode's setup (three step programs lowered in
-    0.7 s, each compile 0.6-0.8 s) took 0.3 s less so (3 alternated rounds).
+    holding it).
 
     Args:
       lowered: ``jax.stages.Lowered`` programs (``jax.jit(f).lower(...)``), or functions
@@ -149,19 +145,15 @@ def compile_all(lowered: Mapping[str, Any]) -> dict[str, Any]:
     return {name: compiled for name, (compiled, _) in zip(names, results)}
 
 
-#: XLA options for a program a run calls a few times: XLA:CPU's backend (LLVM) at level 0
-#: compiles the AB re-factorisation (SVDs in LAPACK, a few matrix products) in 0.6 s of CPU
-#: instead of 1.1 s, and it runs in 78 ms instead of 71 ms (digits MLP, 2 idle cores).
-RARELY_RUN_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
-
-
 class WithOptions:
     """A ``jax.stages.Lowered`` program whose ``compile()`` passes XLA ``options``
-    (e.g. :data:`RARELY_RUN_OPTIONS`); every other attribute is the lowered program's.
+    (e.g. :data:`jaxcomp._cpu.RARELY_RUN_OPTIONS`); every other attribute is the lowered
+    program's.
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> low = WithOptions(jax.jit(jnp.sin).lower(jnp.zeros(3)), RARELY_RUN_OPTIONS)
+      >>> options = {"xla_backend_optimization_level": 0}
+      >>> low = WithOptions(jax.jit(jnp.sin).lower(jnp.zeros(3)), options)
       >>> low.compile()(jnp.zeros(3)).tolist()
       [0.0, 0.0, 0.0]
     """

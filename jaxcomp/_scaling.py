@@ -22,7 +22,8 @@ def pow2_inverse(amax: jax.Array) -> jax.Array:
 
 def sum_exponent(n: int) -> int:
     """The least ``k >= 0`` with ``2**k >= n``: ``n`` terms each times ``2**-k`` sum without
-    overflow (exact for terms above ``2**(k - 126)``; XLA:CPU flushes subnormals)."""
+    overflow (exact for terms above ``2**(k - 126)``: the CPU backend flushes subnormals,
+    ``jaxcomp._cpu`` [subnormals])."""
     return max(n - 1, 0).bit_length()
 
 

@@ -10,7 +10,7 @@ and calls :func:`jaxcomp.train.train_and_evaluate`.
 On CPU it gives JAX ``--cpu_devices`` (default 8) fake devices *before* JAX starts its backend,
 so the default 4-stage pipeline runs on one machine. ``--host_malloc=keep`` (or
 ``JAXCOMP_HOST_MALLOC=keep``) sets glibc to keep freed host memory for reuse
-(:func:`jaxcomp.tune_host_malloc`; off by default: it slowed the digits trainer). Several
+(the CPU door, ``jaxcomp._cpu``; off by default: it slowed the digits trainer). Several
 processes (hosts) are joined with
 ``jax.distributed.initialize`` (:func:`distributed_plan`): explicit ``--coordinator_address``,
 ``--num_processes`` and ``--process_id`` (or ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
@@ -267,9 +267,9 @@ def enable_compile_cache(path: str) -> str:
 def setup_devices(args) -> None:
     """Host allocator, fake CPU devices and multi-process initialisation, before JAX's backend
     starts."""
-    from jaxcomp import _host_malloc
+    from jaxcomp import _cpu
 
-    _host_malloc.tune_host_malloc(args.host_malloc)  # None: the environment
+    _cpu.tune_host_malloc(args.host_malloc)  # None: the environment
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = (

@@ -274,7 +274,7 @@ ALSO_UNDER_SET_MESH = (
     "tests/parallel/test_data_parallel_pair.py::test_per_worker_state_belongs_to_a_slow_worker",
     "tests/transforms/test_accordion.py::"
     "test_low_compression_mode_equals_compressed_mean_with_power_sgd",
-    "tests/parallel/test_ab_parallel.py::test_truncation_cuts_the_rank_and_capacity_can_follow",
+    "tests/ab/test_parallel.py::test_truncation_cuts_the_rank_and_capacity_can_follow",
     "tests/comm/test_uniformity.py::test_the_set_mesh_option_wraps_tests_taking_a_mesh",
 )
 

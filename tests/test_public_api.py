@@ -3,14 +3,18 @@
 import ast
 import importlib
 import pathlib
+import re
 import types
+
+import pytest
 
 import jaxcomp
 
 PACKAGES = ("compressors", "feedback", "comm", "pipeline", "transforms", "parallel", "models",
             "data", "train", "study", "lab")  # fmt: skip
 # imports only go down (CONTRIBUTING.md): a package may import the ones before it
-ORDER = {"compressors": 0, "feedback": 1, "comm": 2, "pipeline": 3, "transforms": 3,
+# (ab: AB-Training, re-exported by transforms and parallel, so below both)
+ORDER = {"compressors": 0, "feedback": 1, "comm": 2, "ab": 2.5, "pipeline": 3, "transforms": 3,
          "parallel": 4, "models": 5, "data": 5, "train": 6, "bench": 7, "study": 7,
          "lab": 8}  # fmt: skip
 ROOT = pathlib.Path(jaxcomp.__file__).parent
@@ -63,6 +67,52 @@ def test_the_check_finds_the_pairs_it_is_for():
         "perworker": ["comm.per_worker", "parallel.PerWorker"],
     }
     assert alike_pairs(names[:2]) == {}  # a type and its constructor in one package
+
+
+# what only XLA:CPU needs stays behind the private door (jaxcomp._cpu)
+CPU_KNOB = re.compile(r"malloc|lapack|blas|thread|xla|cpu", re.IGNORECASE)
+
+
+def cpu_knobs(names) -> list[str]:
+    """Public names that are CPU tuning: defined in the CPU door, or named for a CPU knob."""
+    return sorted(
+        f"{package}.{name}"
+        for package, name, obj in names
+        if CPU_KNOB.search(name) or getattr(obj, "__module__", "").startswith("jaxcomp._cpu")
+    )
+
+
+def test_no_cpu_knob_is_public():
+    modules = [("jaxcomp", jaxcomp)]
+    modules += [(name, importlib.import_module(f"jaxcomp.{name}")) for name in PACKAGES]
+    assert not cpu_knobs(public_names(modules))
+
+
+def test_the_cpu_knob_check_finds_what_was_public_before_the_door():
+    from jaxcomp import _cpu
+
+    names = [("jaxcomp", "tune_host_malloc", _cpu.tune_host_malloc),
+             ("jaxcomp", "HostMalloc", _cpu.HostMalloc),
+             ("parallel", "single_thread_lapack", _cpu._lapack.single_thread_lapack),
+             ("parallel", "ab_mesh", object())]  # fmt: skip
+    assert cpu_knobs(names) == ["jaxcomp.HostMalloc", "jaxcomp.tune_host_malloc",
+                                "parallel.single_thread_lapack"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "module, name", [("jaxcomp", "tune_host_malloc"), ("jaxcomp", "HostMalloc"),
+                     ("jaxcomp.parallel", "single_thread_lapack")]
+)  # fmt: skip
+def test_the_cpu_knobs_that_were_public_are_deprecated_aliases(module, name):
+    from jaxcomp import _cpu
+
+    with pytest.warns(DeprecationWarning, match=f"{name} is deprecated"):
+        got = getattr(importlib.import_module(module), name)
+    want = (
+        _cpu._lapack.single_thread_lapack if name == "single_thread_lapack" else getattr(_cpu, name)
+    )
+    assert got is want
+    assert name not in importlib.import_module(module).__all__
 
 
 def test_transforms_exports_only_transformations_and_their_types():

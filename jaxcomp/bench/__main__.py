@@ -4,7 +4,7 @@
 ``python -m jaxcomp.bench NAME --help`` shows one benchmark's.
 
 With ``JAXCOMP_HOST_MALLOC=keep`` the host allocator keeps freed memory for reuse before a
-benchmark starts JAX's backend (:func:`jaxcomp.tune_host_malloc`; unset: glibc's defaults, as
+benchmark starts JAX's backend (:func:`jaxcomp._cpu.tune_host_malloc`; unset: glibc's defaults, as
 the main job); every JSON file records which under ``env.host_malloc``.
 """
 
@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         got = f"unknown benchmark {argv[0]!r}; " if argv else ""
         print(f"{got}{USAGE}\n(--help lists every benchmark's flags)", file=sys.stderr)
         return 2
-    from jaxcomp import _host_malloc
+    from jaxcomp import _cpu
 
     try:
-        host_malloc = _host_malloc.tune_host_malloc(None)
+        host_malloc = _cpu.tune_host_malloc(None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """The timed half of ``python -m jaxcomp.bench ab_training``: step time per AB step kind vs a
 dense data-parallel step (the digits MLP of ``configs/digits_ab.py``), and the trainer's
 digits_ab / digits_dense wall times (``--trainer-runs``). What is timed and why the AB kinds
-cost more than a dense step: :mod:`jaxcomp.bench.ab_training`'s docstring.
+cost more than a dense step: ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ from jaxcomp import comm  # noqa: E402
 from jaxcomp import models  # noqa: E402
 from jaxcomp import parallel  # noqa: E402
 from jaxcomp import transforms  # noqa: E402
-from jaxcomp.parallel import _ab_programs  # noqa: E402
-from jaxcomp.parallel._ab_parallel import kind_bytes  # noqa: E402
+from jaxcomp.ab import _programs  # noqa: E402
+from jaxcomp.ab._parallel import kind_bytes  # noqa: E402
 
 KIND_PHASE = {"dense": "full", "dense_then_refactor": "refactor", "ab": "ab",
               "ab_then_sync": "sync", "ab (lax.switch)": "ab_switch",
-              "dense (finite check)": "full_checked"}  # fmt: skip
+              "dense (finite check)": "full_checked",
+              "ab (dense forward)": "ab_dense_forward"}  # fmt: skip
 
 
 def _digits(rows: int = 128):
@@ -114,18 +115,23 @@ def time_kinds(repeats: int, rows_per_worker: int = 16) -> list[dict]:
         max_rank_fraction=0.25,
     )  # fmt: skip
     dp = parallel.ab_data_parallel(loss_fn, config, mesh, donate=False)  # one-thread LAPACK
-    # like the baseline, no finiteness check (one more row times the dense kind with it)
-    programs = _ab_programs.Programs(config, loss_fn, mesh, donate=False, check_finite=False)
-    guarded = _ab_programs.Programs(config, loss_fn, mesh, donate=False)
+    # like the baseline, no finiteness check (one more row times the dense kind with it); the
+    # AB kinds with the factorised forward, as the trainer runs them (one more row without)
+    factored = dict(factored_forward=models.factored_dense)
+    programs = _programs.Programs(config, loss_fn, mesh, donate=False, check_finite=False,
+                                  **factored)  # fmt: skip
+    guarded = _programs.Programs(config, loss_fn, mesh, donate=False, **factored)
+    dense_forward = _programs.Programs(config, loss_fn, mesh, donate=False, check_finite=False)
     state = dp.init(params)
     sharded = dp.shard_batch(batch)
-    factored = programs.run("factorise", state)[0]  # AB steps start from exact factors
+    start = programs.run("factorise", state)[0]  # AB steps start from exact factors
     run = programs.run
     calls = {
         "dense": lambda: run("dense", state, sharded),
         "dense_then_refactor": lambda: run("refactor", run("dense", state, sharded)[0]),
-        "ab": lambda: run("ab", factored, sharded),
-        "ab_then_sync": lambda: run("ab_then_sync", factored, sharded),
+        "ab": lambda: run("ab", start, sharded),
+        "ab_then_sync": lambda: run("ab_then_sync", start, sharded),
+        "ab (dense forward)": lambda: dense_forward.run("ab", start, sharded),
         "ab (lax.switch)": _switch_step(config, loss_fn, params, batch, mesh, count=61),
         "dense (finite check)": lambda: guarded.run("dense", state, sharded),
     }
@@ -149,7 +155,8 @@ def time_kinds(repeats: int, rows_per_worker: int = 16) -> list[dict]:
     dense = _quartiles(times["dense_dp"])
     rows = []
     for kind in calls:
-        key = {"ab (lax.switch)": "ab", "dense (finite check)": "dense"}.get(kind, kind)
+        key = {"ab (lax.switch)": "ab", "dense (finite check)": "dense",
+               "ab (dense forward)": "ab"}.get(kind, kind)  # fmt: skip
         t = _quartiles(times[kind])
         ratio = _quartiles(np.asarray(times[kind]) / np.asarray(times["dense_dp"]))
         b = by_kind[key]

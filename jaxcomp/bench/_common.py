@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
-from jaxcomp._host_malloc import HostMalloc
+from jaxcomp._cpu import HostMalloc
 
 
 def request_cpu_devices(n: int = 8) -> None:
@@ -223,7 +223,7 @@ def env_info(host_malloc: HostMalloc | None = None) -> dict[str, Any]:
 
     Args:
       host_malloc: what ``python -m jaxcomp.bench`` did with the host allocator
-        (:func:`jaxcomp.tune_host_malloc`); ``None`` when a benchmark's ``main`` was called
+        (:func:`jaxcomp._cpu.tune_host_malloc`); ``None`` when a benchmark's ``main`` was called
         in-process, which leaves the allocator as the caller set it.
     """
     import jax

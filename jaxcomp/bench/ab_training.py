@@ -39,25 +39,14 @@ medians, with their quartiles (``*_q25_s``, ``*_q75_s``); ``time_ratio_to_dense`
 median of the per-round ratios, with its quartiles. The machine's load average is recorded
 before and after.
 
-**Why the AB kinds cost more than a dense step**: the algorithm's own two products per
-factorised layer, not the collectives (2026-12-02, 16 rows per worker). An AB step computes
-the factor gradient :math:`G B^\top` or :math:`A^\top G` and :math:`W = A B`, ``m n c``
-multiply-adds each (256 x 256 x 64 here: 4.2M each, where the model's forward and backward
-through the same layer at 16 rows are 3 x 1.0M). The step uses about one core's CPU time per
-wall second (CPU per call ~ wall), and a ``perf`` profile puts the matrix kernels at 28% of
-an AB step's samples against 14% of the dense DP step's (~6 vs ~3 ms of CPU per step over
-the 8 devices). In one process, round-robin: the ``ab`` kind 24.5 ms (1.20x), without the
-factor gradient 20.6 ms (1.00x), without ``W = A B`` 21.5 ms (1.06x), without both 18.7 ms
-(0.89x, the harness's dense kind: 0.92x). Fewer collective points did not measure: the
-factor's and the other gradients' group means in one all-reduce (1.19 vs 1.20x) and no
-all-worker loss mean (1.18-1.20x) are within the noise. The products cannot be
-reassociated here (:math:`X^\top (\delta B^\top)` costs an eighth of
-:math:`(X^\top \delta) B^\top` at 16 rows) without the layer's inputs :math:`X` and output
-gradients :math:`\delta`, which a model-agnostic loss does not expose; at 128 rows the
-model's own work dominates and the kinds are ~1.18x. XLA:CPU runs :math:`A^\top G` on Eigen
-unless :math:`A^\top` is written out first (:func:`~jaxcomp.transforms._ab_factor.factor_grad`).
-``ab (lax.switch)`` also copies, in every branch, what that branch passes through (the dense
-moments at an AB step). ``refactor`` is an SVD per factorised layer, once per cycle.
+The AB kinds run with the factorised forward (:mod:`jaxcomp.ab._forward`,
+``factored_forward=models.factored_dense``: the factored layers as :math:`(x A) B`, the factor's
+gradient from the backward pass), as the trainer runs them; ``ab (dense forward)`` (phase
+``ab_dense_forward``) is the ``ab`` kind through the dense weights and the factor gradient
+:math:`G B^\top` or :math:`A^\top G`, for comparison in the same run. ``ab (lax.switch)`` also
+copies, in every branch, what that branch passes through (the dense moments at an AB step).
+``refactor`` is an SVD per factorised layer, once per cycle. Where the time of each kind goes,
+and the measurements: ``docs/performance.md``.
 
 ``--trainer-runs N`` also runs ``configs/digits_dense.py`` and ``configs/digits_ab.py`` through
 the trainer N times each, alternating, with the same steps, evaluation and checkpoint settings,
@@ -69,7 +58,7 @@ from __future__ import annotations
 import math
 import os
 
-from jaxcomp._host_malloc import HostMalloc
+from jaxcomp._cpu import HostMalloc
 from jaxcomp.bench import _common
 
 _common.request_cpu_devices(8)
@@ -85,10 +74,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxcomp import comm  # noqa: E402
 from jaxcomp import parallel  # noqa: E402
 from jaxcomp import transforms  # noqa: E402
+from jaxcomp.ab._layout import build_layout  # noqa: E402
+from jaxcomp.ab._schedule import STEP_KINDS  # noqa: E402
 from jaxcomp.bench._ab_timing import time_kinds  # noqa: E402
 from jaxcomp.bench._ab_timing import trainer_runs  # noqa: E402
-from jaxcomp.transforms._ab_layout import build_layout  # noqa: E402
-from jaxcomp.transforms._ab_schedule import STEP_KINDS  # noqa: E402
 
 VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
 EXCLUDE = ("features_0", "head")  # the reference's features.0.* and head.fc.*

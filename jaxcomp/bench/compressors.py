@@ -20,8 +20,8 @@ before and after is in the JSON.
 The harness checks itself: the baseline's own two calls also run as one more candidate, and
 ``self_ratio`` (with ``self_ratio_q1``/``self_ratio_q3``) is their median over the baseline's
 -- 1.0 up to the harness's noise. The identity codec sits above it (1.2-1.35x on the idle
-2-core test machine, issue 13's run): its encode and decode compile to XLA:CPU's ``copy``
-instruction, which on 16 MiB is slower and has a longer tail than the fused multiply of the
+2-core test machine, issue 13's run): its encode and decode compile to the CPU backend's
+``copy`` instruction, which on 16 MiB is slower and has a longer tail than the fused multiply of the
 baseline (measured there: 1.6 vs 1.4 ms cold, quartile 3.8 vs 1.5 ms); a pure-``copy``
 baseline was tried and rejected, its tail made identity swing between 0.87x and 2.28x in two
 runs. ``hlo_bytes`` is read from the compiled HLO of a ``ppermute``
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from jaxcomp._host_malloc import HostMalloc
+from jaxcomp._cpu import HostMalloc
 from jaxcomp.bench import _common
 
 _common.request_cpu_devices(8)

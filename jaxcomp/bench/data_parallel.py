@@ -27,14 +27,14 @@ Two tables:
    two-phase stays flat.
 
 3. ``feedback``: what error feedback costs. An MLP of 4,197,376 parameters (1024-2048-1024,
-   two weight matrices and their biases), 2 workers; each row times the reducer alone
-   (``tx.update`` of ``compressed_mean`` inside ``shard_map``, state donated as in a training
-   step), every row round-robin in one run; ``step_time_s`` is the median and
-   ``step_time_q1_s``/``step_time_q3_s`` the interquartile range. ``ratio_to_plain`` is a
-   ``+ef``/``+ef21`` row's median over the same codec's without feedback.
-   ``minor_faults_per_step`` counts the process's minor page faults per timed call
-   (``getrusage``): XLA:CPU takes a program's temporaries from the host ``malloc`` on every
-   call, and glibc may hand back fresh pages each time (a fault per 4 KiB touched).
+   two weight matrices and their biases), 2 workers; each row times the reducer alone (``tx.update``
+   of ``compressed_mean`` inside ``shard_map``, state donated as in a training step), every row
+   round-robin in one run; ``step_time_s`` is the median and ``step_time_q1_s``/``step_time_q3_s``
+   the interquartile range. ``ratio_to_plain`` is a ``+ef``/``+ef21`` row's median over the same
+   codec's without feedback. ``minor_faults_per_step`` counts the process's minor page faults per
+   timed call (``getrusage``): the CPU backend takes a program's temporaries from the host
+   ``malloc`` on every call (``jaxcomp._cpu`` [malloc]), and glibc may hand back fresh pages each
+   time (a fault per 4 KiB touched).
 
 On the CPU backend a 16-bit ``psum`` travels as ``float32`` (JAX-NOTES §2): the ``cast``
 row on the ``psum`` path shows twice its payload; its ``two_phase`` row keeps ``u16``.
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 
-from jaxcomp._host_malloc import HostMalloc
+from jaxcomp._cpu import HostMalloc
 from jaxcomp.bench import _common
 
 _common.request_cpu_devices(8)

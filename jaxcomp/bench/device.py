@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from jaxcomp._host_malloc import HostMalloc
+from jaxcomp._cpu import HostMalloc
 from jaxcomp.bench import _common
 
 _common.request_cpu_devices(8)  # before JAX starts; only CPU-only machines (and --tiny) use them

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from jaxcomp._host_malloc import HostMalloc
+from jaxcomp._cpu import HostMalloc
 from jaxcomp.bench import _common
 
 _common.request_cpu_devices(8)

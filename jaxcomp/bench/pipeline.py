@@ -31,7 +31,7 @@ compression buys.
 
 from __future__ import annotations
 
-from jaxcomp._host_malloc import HostMalloc
+from jaxcomp._cpu import HostMalloc
 from jaxcomp.bench import _common
 
 _common.request_cpu_devices(8)

@@ -222,12 +222,12 @@ def gather_protocol(codec: compressors.Codec) -> _protocol.ReduceProtocol:
             )
             gathered = _protocol.all_gather(payload, axis_name)
         else:
-            # the echo decoded from this worker's payload as gathered: the collective stops
-            # XLA:CPU from fusing the selection into the decode (an optimization barrier
-            # does not), where it would be redone per decoded entry (blockwise TopK: a block's
-            # arg-max per entry, 8x the step). The in-place sum takes the local payload (a
-            # scatter, not fused with the selection): taken from the gathered one, it held the
-            # compressed array live across the collective in a buffer of its own (blockwise
+            # the echo decoded from this worker's payload as gathered: the collective stops the CPU
+            # backend fusing the selection into the decode (CPU: jaxcomp._cpu [fusion]; an
+            # optimization barrier does not), where it would be redone per decoded entry (blockwise
+            # TopK: a block's arg-max per entry, 8x the step). The in-place sum takes the local
+            # payload (a scatter, not fused with the selection): taken from the gathered one, it
+            # held the compressed array live across the collective in a buffer of its own (blockwise
             # TopK + EF: 8 MiB more temporaries per leaf, one-process A/B in the commit)
             payload, codec_state = codec.compress(x, codec_state, key)
             into = compressors.add_decoded(codec, base, payload, direction)

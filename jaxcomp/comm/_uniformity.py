@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-from jax._src import source_info_util
 from jax.extend import core
+
+from jaxcomp import _jax_private
 
 #: Primitives that communicate over the mesh axes named in their parameters.
 COLLECTIVES = frozenset(
@@ -132,7 +133,7 @@ def _vma(atom: Any) -> frozenset[str]:
 
 def _where(eqn: core.JaxprEqn) -> str:
     try:
-        return source_info_util.summarize(eqn.source_info)
+        return _jax_private.summarize_source(eqn.source_info)
     except Exception:  # noqa: BLE001 - a location is a courtesy; never fail the check on it
         return "<unknown location>"
 

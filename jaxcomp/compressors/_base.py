@@ -156,7 +156,7 @@ def compress_into(
     What error feedback (``base = x, sign = -1``: the new residual) and EF21 (``base = g,
     sign = 1``: the new estimate) keep. With ``Codec.add_decoded`` (TopK) the sum is a scatter
     into ``base`` in place, and ``decoded`` is computed only if the caller uses it: a ``base``
-    that is ``x`` itself should be made by :func:`jaxcomp._order.computed_once` (error
+    that is ``x`` itself should be made by :func:`jaxcomp._cpu._order.computed_once` (error
     feedback's ``c = x + e``), so that XLA writes it once and scatters into it after the
     compression's reads instead of copying it. Without ``add_decoded``: the codec's fused
     round trip, and the dense sum (one fused pass where decoding is elementwise).

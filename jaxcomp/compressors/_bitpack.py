@@ -76,8 +76,8 @@ def _unpack_eighths(packed: jax.Array, n: int, bits: int) -> jax.Array:
     With ``m = n / 8``, a part of width ``w`` holds ``8 / w`` planes of ``w m`` entries, i.e.
     byte ``h m + j`` (``h < w``) of it holds entries ``(p w + h) m + j`` for the planes ``p``:
     every part decodes straight into the ``[8, m]`` layout of the codes, whose row-major order
-    is the entries' order. XLA:CPU runs a fusion through concatenates (the general path) ~3x
-    slower than a copy; this one fuses into a single pass.
+    is the entries' order. On the CPU backend a fusion through concatenates (the general path)
+    runs ~3x slower than a copy (``jaxcomp._cpu`` [slow-ops]); this one fuses into one pass.
     """
     m = n // 8
     codes = None
@@ -120,7 +120,7 @@ def unpack_planes(packed: jax.Array, bits: int) -> jax.Array:
     ``unpack(p, n, bits) == unpack_planes(p, bits).reshape(-1)[:n]``; leading axes of
     ``packed`` (several payloads) are kept. A broadcast shift instead of :func:`unpack`'s
     concatenate: a fusion that decodes several payloads at once through concatenates runs
-    ~5x slower on XLA:CPU, through planes at memory speed.
+    ~5x slower on the CPU backend (``jaxcomp._cpu`` [slow-ops]), through planes at memory speed.
     """
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"unpack_planes needs bits in (1, 2, 4, 8); got {bits}.")

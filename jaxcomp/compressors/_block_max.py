@@ -19,7 +19,8 @@ def magnitude(x: jax.Array) -> jax.Array:
 def block_max(blocks: jax.Array) -> jax.Array:
     """Index of the largest magnitude of each block ``[..., nb, blk]`` (lowest index on ties).
 
-    XLA:CPU runs ``argmax`` over a short minor axis ~4x slower than a copy of the input; for
+    The CPU backend runs ``argmax`` over a short minor axis ~4x slower than a copy of the input
+    (``jaxcomp._cpu`` [slow-ops]); for
     blocks up to ``UNROLLED_BLOCK`` long it is written as ``blk`` elementwise steps over the
     block columns, which fuse into one vectorised pass.
     """
@@ -51,8 +52,8 @@ def max_per_block_short_tail(flat: jax.Array, nb: int, blk: int):
     ``blk`` entries of the rows ``flat`` (``[b, d]``, ``(nb - 1) * blk < d < nb * blk``).
 
     The full blocks are read where they lie (column j is a strided slice of ``flat``) and
-    their values gathered at the found positions afterwards: XLA:CPU made the value a second
-    fusion that redid the whole selection pass (no multi-output fusion there). Only the last
+    their values gathered at the found positions afterwards: on the CPU backend the value was
+    a second fusion that redid the whole selection pass (``jaxcomp._cpu`` [fusion]). Only the last
     block is padded (with zeros, which never win: the strict comparison keeps its first real
     entry). Padding the whole input was a full copy (a pass and a temporary the size of the
     input), and so was a reshaped slice of it or a second reader of one.

@@ -54,8 +54,9 @@ def cast(dtype="bfloat16") -> _base.Codec:
     """Rounds to a 16-bit float and sends the 16-bit words.
 
     The payload is the ``uint16`` bit pattern of the rounded value
-    (``lax.bitcast_convert_type``): the XLA CPU backend widens ``bfloat16`` collectives to
-    ``float32`` (JAX-NOTES §2), while ``uint16`` travels as two bytes on every backend.
+    (``lax.bitcast_convert_type``): the CPU backend widens ``bfloat16`` collectives to
+    ``float32`` (``jaxcomp._cpu`` [widened-collectives]), while ``uint16`` travels as two
+    bytes on every backend.
     Rounding is round-to-nearest-even; NaN stays NaN and ``+-inf`` stays ``+-inf``.
 
     The relative error is at most ``2**-8`` (``bfloat16``) or ``2**-11`` (``float16``) over

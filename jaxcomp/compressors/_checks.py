@@ -38,19 +38,21 @@ def check_fits(name: str, like: Any, fields: Sequence[tuple[str, Any, tuple, Any
 def nan_as_inf(a: jax.Array) -> jax.Array:
     """``a`` with NaN replaced by ``+inf``.
 
-    XLA:CPU's vectorised ``max``/``min`` reductions drop NaN on arrays above a few thousand
-    elements (``jnp.max`` of a ``(16, 256)`` array holding one NaN returns a finite value, of a
-    ``(4,)`` one NaN), so a scale taken with them makes a NaN input finite depending on its size.
+    The CPU backend's vectorised ``max``/``min`` reductions drop NaN on arrays above a few
+    thousand elements (``jaxcomp._cpu`` [nan-max]: ``jnp.max`` of a ``(16, 256)`` array holding
+    one NaN returns a finite value, of a ``(4,)`` one NaN), so a scale taken with them makes a
+    NaN input finite depending on its size.
     Mapping NaN to ``+inf`` first makes every reduction see a non-finite value.
     """
     return jnp.where(jnp.isnan(a), jnp.inf, a)
 
 
 def has_nan(x: jax.Array) -> jax.Array:
-    """Whether ``x`` holds a NaN, from ``isnan(sum(x))``: a sum keeps NaN, unlike XLA:CPU's max.
+    """Whether ``x`` holds a NaN, from ``isnan(sum(x))``: a sum keeps NaN, unlike the CPU
+    backend's vectorised max (``jaxcomp._cpu`` [nan-max]).
 
-    Cheaper than :func:`nan_as_inf` inside a max: XLA:CPU runs a reduction of the raw input
-    in one vectorised kernel, while a select in front of it is materialised first (timings:
+    Cheaper than :func:`nan_as_inf` inside a max: on the CPU backend a reduction of the raw input
+    is one vectorised kernel, while a select in front of it is materialised first (timings:
     ``docs/performance.md``). Also true for +inf and
     -inf together, and for a finite ``x`` whose float32 sum overflows both ways (magnitudes
     near 1e38 / size); never false for a NaN. ``has_nan(abs(x))`` is exact (a sum of
@@ -66,8 +68,9 @@ def leading_absmax(a: jax.Array) -> jax.Array:
     """``max(a, axis=0)`` of a non-negative ``[R, F]`` array as halving folds, NaN kept.
 
     ``a[:h]`` and ``a[h:2h]`` are combined by an elementwise ``maximum`` until one row is
-    left (an odd row is folded into every row of the half). XLA:CPU's ``max`` reduction over
-    the major axis runs strided: 1.4x a copy for ``[1024, 4096]`` and 10x for ``[64, 65536]``,
+    left (an odd row is folded into every row of the half). On the CPU backend a ``max``
+    reduction over the major axis runs strided (``jaxcomp._cpu`` [slow-ops]): 1.4x a copy for
+    ``[1024, 4096]`` and 10x for ``[64, 65536]``,
     against 0.85x and 0.7x for the folds, which fuse into one vectorised pass. The elementwise
     ``maximum`` propagates NaN (unlike the vectorised reduction), so a NaN entry leaves a NaN
     in its column. Slower than the reduction for short rows (``F < FOLD_MIN_FEATURES``).
@@ -79,7 +82,7 @@ def leading_absmax(a: jax.Array) -> jax.Array:
     return a[0]
 
 
-TENSOR_FOLD_ROWS = 8  # tensor_absmax's rows: XLA:CPU fuses 3 folds into one pass, 4 do not
+TENSOR_FOLD_ROWS = 8  # tensor_absmax's rows (CPU: jaxcomp._cpu [fusion]: 3 folds fuse, 4 do not)
 
 
 def tensor_absmax(x: jax.Array) -> jax.Array:

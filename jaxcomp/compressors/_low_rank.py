@@ -8,9 +8,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
+from jaxcomp import _cpu
 from jaxcomp import _scaling
+from jaxcomp._cpu import _layouts
 from jaxcomp.compressors import _checks
 
 
@@ -56,27 +57,11 @@ def effective_rank(shape: tuple[int, ...], rank: int) -> int:
     return min(rows, cols, rank)
 
 
-def _transposed_matmul_cpu(m: jax.Array, p: jax.Array) -> jax.Array:
-    if p.shape[1] == 1:
-        return (p.T @ m).T
-    return jnp.sum(m[:, :, None] * p[:, None, :], axis=0)
-
-
-def _transposed_matmul_dot(m: jax.Array, p: jax.Array) -> jax.Array:
-    return m.T @ p
-
-
 def transposed_matmul(m: jax.Array, p: jax.Array) -> jax.Array:
-    """``m.T @ p`` for a large ``m`` and a skinny ``p`` (``[rows, r]``, small r).
-
-    The XLA CPU backend runs this dot (contraction over the rows of ``m``) about 10x slower
-    than ``m @ q``; as a fused multiply-and-reduce it runs at memory speed, except for r = 1
-    where that reduce is slow too and ``(pᵀ m)ᵀ``, a matrix-vector product, is ~20x faster.
-    Other backends use the dot. The choice is made when the program is lowered
-    (``lax.platform_dependent``), so a program exported or cross-compiled for GPU or TPU on a
-    CPU machine takes the dot.
-    """
-    return lax.platform_dependent(m, p, cpu=_transposed_matmul_cpu, default=_transposed_matmul_dot)
+    """``m.T @ p`` for a large ``m`` and a skinny ``p`` (``[rows, r]``, small r); on the CPU a
+    fused multiply-and-reduce (:func:`jaxcomp._cpu._layouts.transposed_matmul`, through the
+    door's hook: chosen when the program is lowered)."""
+    return _cpu.kernel(m, p, cpu=_layouts.transposed_matmul, default=lambda m, p: m.T @ p)
 
 
 def _pow2_normalized(q: jax.Array) -> jax.Array:

@@ -144,7 +144,8 @@ def power_sgd(
     (the warm-start Q is rescaled by powers of two before it multiplies :math:`M`, so nothing scales
     with :math:`|M|^2`; where :math:`MQ` or :math:`M^\top P` overflows, :math:`M` is rescaled by a
     power of two too, see :func:`jaxcomp.compressors._low_rank.unscaled`; 1e-30 to 3.1e38 are
-    tested, with and without error feedback; entries below ``2**-126`` are read as zero on XLA:CPU).
+    tested, with and without error feedback; entries below ``2**-126`` are read as zero on the
+    CPU backend, ``jaxcomp._cpu`` [subnormals]).
 
     ``Q'`` is kept as the next step's Q (warm start), which makes repeated compression of
     slowly changing tensors a power iteration. A column of :math:`P` that is zero (its column

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
@@ -35,6 +34,8 @@ from jax import lax
 
 from jaxcomp import _scaling
 from jaxcomp._bits import move_as_bits
+from jaxcomp._vma import to_varying as to_varying
+from jaxcomp._vma import varying_axes as varying_axes
 
 Array = jax.Array
 Like = Any  # an array or a jax.ShapeDtypeStruct
@@ -113,26 +114,6 @@ def all_reduce_into(
 
 # ----------------------------------------------------------------------------------------------
 # Helpers for protocol writers
-
-
-def varying_axes(x: Any) -> frozenset[str]:
-    """Mesh axes over which ``x`` varies, inside ``shard_map`` (empty outside)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def to_varying(tree: Any, axes: str | Sequence[str]) -> Any:
-    """Marks every leaf of ``tree`` as varying over ``axes`` (leaves already varying are kept)."""
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-
-    def cast(x):
-        missing = tuple(a for a in axes if a not in varying_axes(x))
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
 
 
 def manual_axes() -> tuple[str, ...]:
@@ -254,7 +235,7 @@ def pmean(x: Array, axis_name: str | None) -> Array:
     is inf, never a finite wrong value (tests/comm/test_reduce_magnitudes.py). Scaling the
     terms by ``2**-k`` before the ``psum`` would make it exact there, but it costs the dense
     mean a pass over the array (``docs/performance.md``) and reads terms below ``2**(k - 126)``
-    as zero (XLA:CPU flushes subnormals): not taken.
+    as zero (the CPU backend flushes subnormals, ``jaxcomp._cpu`` [subnormals]): not taken.
     """
     return x if axis_name is None else lax.pmean(x, axis_name)
 

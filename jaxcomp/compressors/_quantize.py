@@ -25,26 +25,28 @@ with error at most ``(hi - lo) / (2L)``. A constant tensor (``hi == lo``) decode
 Stochastic rounding replaces ``round(v)`` by ``floor(v + u)``, ``u ~ U[0, 1)``, which is unbiased
 inside the range; the error is then below one step.
 
-Scales travel in ``scale_dtype``, rounded *outwards* (an absmax or ``hi`` up, ``lo`` down) so
-that no entry falls outside the range the receiver decodes. Feature scales travel as
-``bfloat16`` by default (as the ``uint16`` bit pattern, because the XLA CPU backend widens
-``bfloat16`` collectives): two bytes like AC-SGD's ``float16``, but with ``float32``'s range,
-at the cost of a scale up to ``2**-7`` (relative) coarser. ``scale_dtype=jnp.float16``
-reproduces AC-SGD's wire format and its limits: a group whose max exceeds 65504 gets an
-infinite scale and decodes to non-finite values; below 6.1e-5 the scale is subnormal, rounded
-up to a multiple of ``2**-24`` (6e-8), so the error is up to ``6e-8 / h`` *absolute* and a group
-whose max is far below that decodes with relative errors of 1 or more.
+Scales travel in ``scale_dtype``, rounded *outwards* (an absmax or ``hi`` up, ``lo`` down) so that
+no entry falls outside the range the receiver decodes. Feature scales travel as ``bfloat16`` by
+default (as the ``uint16`` bit pattern, because the CPU backend widens ``bfloat16`` collectives,
+``jaxcomp._cpu`` [widened-collectives]): two bytes like AC-SGD's ``float16``, but with ``float32``'s
+range, at the cost of a scale up to ``2**-7`` (relative) coarser. ``scale_dtype=jnp.float16``
+reproduces AC-SGD's wire format and its limits: a group whose max exceeds 65504 gets an infinite
+scale and decodes to non-finite values; below 6.1e-5 the scale is subnormal, rounded up to a
+multiple of ``2**-24`` (6e-8), so the error is up to ``6e-8 / h`` *absolute* and a group whose max
+is far below that decodes with relative errors of 1 or more.
 
 Non-finite inputs are never made finite, for every size, jitted or not: an Inf makes its scale
 group's scale ``+inf`` (min-max: ``hi = +inf`` or ``lo = -inf``) and a NaN *anywhere* makes
 every scale ``+inf`` (min-max: ``hi``), so every entry of those groups decodes to NaN or +-Inf.
-XLA:CPU's vectorised ``max`` drops NaN on large arrays, so NaN is detected from the tensor's
+The CPU backend's vectorised ``max`` drops NaN on large arrays (``jaxcomp._cpu`` [nan-max]), so
+NaN is detected from the tensor's
 sum, which keeps it; every scale mode tests the sum of magnitudes (or of the elementwise folds
 that take the maxima over leading axes), which overflows to ``+inf`` at worst, so a finite
 tensor is never taken for a NaN, however large (a signed sum, overflowing both ways, would be).
 Up to float32's largest (3.4e38) the error stays
-within its bound: a scale above ``2**64`` divides ``x * 2**-64`` by ``s * 2**-64`` (XLA:CPU's
-``x / s`` is ``x * (1 / s)``, whose subnormal reciprocal it flushes to 0), and a min-max span past
+within its bound: a scale above ``2**64`` divides ``x * 2**-64`` by ``s * 2**-64`` (on the CPU
+backend ``x / s`` is ``x * (1 / s)``, whose subnormal reciprocal is flushed to 0:
+``jaxcomp._cpu`` [subnormals]), and a min-max span past
 the float32 range decodes as the interpolation ``t hi + (1 - t) lo``. A zero-size input gives
 an empty payload (all-zero scales) and decodes to an empty array.
 """
@@ -106,7 +108,8 @@ _SHRINK_ABOVE = 2.0**64
 def _shrink(s: jax.Array) -> jax.Array:
     """``2**-64`` if the largest scale exceeds ``2**64``, else 1: ``x k / (s k)`` is ``x / s``.
 
-    XLA:CPU computes ``x / s`` as ``x * (1 / s)`` and flushes subnormals to zero, so for a scale
+    The CPU backend computes ``x / s`` as ``x * (1 / s)`` and flushes subnormals to zero
+    (``jaxcomp._cpu`` [subnormals]), so for a scale
     above ``2**126`` (inputs near ``1e38``) the reciprocal is 0 and every code the midpoint.
     Scaling both by a power of two is exact (an ``x`` that underflows is below the code's
     resolution by ``2**60`` and more); at ``s <= 2**64`` it multiplies by 1, bit-identically.

@@ -38,7 +38,8 @@ def _mean_abs(xf: jax.Array) -> jax.Array:
     The float32 sum of ``|x|`` overflows for entries near ``3e38 / size`` while the mean is
     finite; only then (an infinite or NaN sum) is it recomputed from ``|x| * 2**-e``, ``e`` the
     exponent of max|x| (exact: a second pass over ``x``). NaN and Inf give a non-finite result
-    either way. A mean below ``2**-126`` (inputs near ``1e-38``) is flushed to zero by XLA:CPU.
+    either way. A mean below ``2**-126`` (inputs near ``1e-38``) is flushed to zero on the CPU
+    backend (``jaxcomp._cpu`` [subnormals]).
     The ``lax.cond`` costs nothing measurable; one pass with a second, scaled sum instead is not
     fused into one reduction and doubles the encode (timings: ``docs/performance.md``).
     """
@@ -58,14 +59,14 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
       \hat x = s \cdot \mathrm{sign}(x), \quad s = \tfrac{1}{n}\|x\|_1 \ \text{(``mean_abs``)}
       \ \text{or}\ s = \|x\|_2 / \sqrt{n} \ \text{(``rms``)}
 
-    A 1-bit code cannot encode zero: zero entries decode to ``+s`` (an all-zero tensor has
-    ``s = 0`` and decodes to exact zeros). Use with error feedback (EF-SignSGD). The error
-    relative to :math:`\|x\|` does not depend on the input's magnitude (1e-30 to 3.1e38 are
-    tested, with and without error feedback; where ``"rms"``'s squares would under/overflow or
-    ``"mean_abs"``'s sum overflow, a second pass reads ``x`` rescaled by a power of two). A
-    scale below ``2**-126`` (inputs near 1e-38 and below; XLA:CPU reads and writes subnormals
-    as zero) decodes to zeros. A NaN entry makes every entry decode to NaN, an Inf entry every
-    entry to +-Inf (or NaN); a zero-size input decodes to an empty array.
+    A 1-bit code cannot encode zero: zero entries decode to ``+s`` (an all-zero tensor has ``s = 0``
+    and decodes to exact zeros). Use with error feedback (EF-SignSGD). The error relative to
+    :math:`\|x\|` does not depend on the input's magnitude (1e-30 to 3.1e38 are tested, with and
+    without error feedback; where ``"rms"``'s squares would under/overflow or ``"mean_abs"``'s sum
+    overflow, a second pass reads ``x`` rescaled by a power of two). A scale below ``2**-126``
+    (inputs near 1e-38 and below; the CPU backend reads and writes subnormals as zero,
+    ``jaxcomp._cpu`` [subnormals]) decodes to zeros. A NaN entry makes every entry decode to NaN, an
+    Inf entry every entry to +-Inf (or NaN); a zero-size input decodes to an empty array.
 
     Args:
       scale: ``"mean_abs"`` (EF-SignSGD's :math:`\|x\|_1/n`, the MSE-optimal scale) or ``"rms"``.
@@ -104,7 +105,7 @@ def sign(*, scale: str = "mean_abs") -> _base.Codec:
             s = _mean_abs(xf)
         else:
             s = _rms(xf)
-        # a sum keeps NaN and Inf (unlike XLA:CPU's vectorised max), so a non-finite entry
+        # a sum keeps NaN and Inf (CPU: jaxcomp._cpu [nan-max]), so a non-finite entry
         # makes the scale non-finite and every entry decodes non-finite, never finite garbage
         return (xf >= 0).astype(jnp.uint8), s
 

@@ -9,12 +9,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomp import _order
+from jaxcomp import _cpu
 from jaxcomp import _validate
+from jaxcomp._cpu import _select
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _block_max
 from jaxcomp.compressors import _checks
-from jaxcomp.compressors import _select
 
 TOPK_METHODS = ("exact", "blockwise", "approx")
 
@@ -69,15 +69,16 @@ def _flat_positions(idx: jax.Array, b: int, d: int, nb: int, blk: int):
 
 @functools.partial(jax.jit, static_argnums=1)
 def _exact_indices(rows: jax.Array, k: int) -> jax.Array:
-    """Exact top-K indices of each row (increasing): the sort-free select on the CPU.
+    """Exact top-K indices of each row (increasing): ``lax.top_k``'s; on the CPU the sort-free
+    select (:mod:`jaxcomp._cpu._select`, the same set).
 
     Jitted: called eagerly (a notebook), the select's ~550 small ops were each compiled on
     their own, ~13 s for a new shape; under an outer ``jit`` this is inlined as before.
     """
-    return jax.lax.platform_dependent(
+    return _cpu.kernel(
         rows,
         cpu=lambda r: _select.top_k_indices(r, k),
-        default=lambda r: _select.reference_indices(_select.magnitude_keys(r), k),
+        default=lambda r: jnp.sort(jax.lax.top_k(_block_max.magnitude(r), k)[1], axis=-1),
     )
 
 
@@ -107,7 +108,7 @@ def top_k(
 
     ``method="exact"`` keeps exactly the K largest magnitudes of the selection range, the same set
     as ``lax.top_k`` bit for bit, with indices sent in increasing order. On the CPU it is found
-    without a sort (``jaxcomp.compressors._select``: a sampled bracket around the K-th largest
+    without a sort (``jaxcomp._cpu._select``: a sampled bracket around the K-th largest
     magnitude's bit pattern, one counting pass, a compaction of the candidates, one selecting pass),
     with ``lax.top_k`` as the fallback when the bracket misses; elsewhere ``lax.top_k`` (chosen with
     ``lax.platform_dependent``). ``method="approx"`` uses ``lax.approx_max_k`` (``recall_target``)
@@ -255,8 +256,8 @@ def top_k(
             dense = jnp.where(pos == idx, vals, jnp.zeros((), like.dtype))
             return dense.reshape(like.shape)
         # a scatter at flat positions of the unpadded output: with a padded tail the mask above
-        # is sliced to d entries, which XLA:CPU runs ~4x slower than a copy (3.4-4.6 ms vs 1.2
-        # for the scatter on the bench's 4M entries); an index past its block or past the end
+        # is sliced to d entries (CPU: jaxcomp._cpu [slow-ops], ~4x a copy; the scatter ~1x);
+        # an index past its block or past the end
         # (a damaged payload) is dropped, never written into the next block
         size = b * d
         flat, valid = _flat_positions(idx, b, d, nb, blk)
@@ -277,9 +278,9 @@ def top_k(
         idx = stacked.indices.reshape(num, b, nb, kb).astype(jnp.int32)
         flat, valid = _flat_positions(idx, b, d, nb, blk)
         flat = jnp.where(valid, flat, b * d).reshape(-1)  # as decompress: damaged ones dropped
-        # zeros of its own, read from the payloads: XLA:CPU copies a broadcast that several
-        # scatters share once per scatter (an 8 MiB pass and temporary each on the bench)
-        zero = _order.after(jnp.zeros((), acc), stacked)
+        # zeros of its own, read from the payloads (CPU: jaxcomp._cpu [fusion]: a broadcast
+        # that several scatters share is copied once per scatter)
+        zero = _cpu.after(jnp.zeros((), acc), stacked)
         dense = jnp.broadcast_to(zero, (b * d,)).at[flat]
         dense = dense.add(vals.reshape(-1), mode="drop")  # flat positions: ~2x faster than 3-D
         return dense.reshape(like.shape)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomp import _order
+from jaxcomp import _cpu
 from jaxcomp import _validate
 from jaxcomp.compressors import _base
 from jaxcomp.compressors import _protocol
@@ -90,24 +90,18 @@ def error_feedback_reduction(decay: float = 1.0, residual_dtype=None) -> _compen
         if in_place:
             # c - echo made by the protocol: TopK subtracts its kept values from c in place.
             # c is written once, into the residual's buffer, and read there by the compression
-            # (computed_once): fused into the compression's passes instead, XLA:CPU kept c in a
-            # buffer of its own and copied the result into the residual (or, ordered with
-            # _order.after, spent a select over every entry; one-process A/B in the commit)
-            c = _order.computed_once(lambda e, x: x[None] + e, residual, x)[0]
+            # (CPU: jaxcomp._cpu [fusion], computed_once)
+            c = _cpu.computed_once(lambda e, x: x[None] + e, residual, x)[0]
             mean, echo, kept, aux = run(c, into=(c, -1))
             e_new = decayed(kept[None], decay).astype(e.dtype)
         else:
-            # c - echo in one pass fused with the echo's decoding, in the [1, ...] layout (PowerSGD:
-            # c - echo formed on c's [...] view made XLA:CPU copy the residual and redo x + e).
-            # c is written once, into the residual's buffer (computed_once), and c - echo over it
-            # in place: fused into its readers, c took a buffer of its own (PowerSGD + EF: an 8
-            # MiB temporary per leaf of the bench, freshly faulted each call). The pass is ordered
-            # after the mean (a select on a flag read from it, fused into the pass), which follows
-            # every reader of c (the payload crossed the reduction): unordered, XLA:CPU copied the
-            # residual at entry rather than overwrite c under a reader (quantize's encode)
-            c = _order.computed_once(lambda e, x: x[None] + e, residual, x)
+            # c - echo in one pass fused with the echo's decoding, in the [1, ...] layout; c is
+            # written once, into the residual's buffer, and c - echo over it in place, after the
+            # mean, which follows every reader of c (CPU: jaxcomp._cpu [fusion], computed_once
+            # and after; what each avoids: docs/performance.md)
+            c = _cpu.computed_once(lambda e, x: x[None] + e, residual, x)
             mean, echo, aux = run(c[0])
-            e_new = _order.after(new_residual(c, echo[None], decay), mean).astype(e.dtype)
+            e_new = _cpu.after(new_residual(c, echo[None], decay), mean).astype(e.dtype)
         memory = ErrorFeedbackMemory(_protocol.per_worker(e_new, axis_name, stacked=True))
         return mean, echo, memory, aux
 

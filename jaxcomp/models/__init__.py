@@ -22,8 +22,12 @@ model          segments                                   default cuts (stages)
 
 A Flax NNX model is an :class:`NNXStagedModel`: the same contract (one variables dict of
 nested dicts per stage, the same stage functions), its segments built as NNX modules.
+
+:func:`factored_dense` is AB-Training's factorised forward for any Flax model's ``nn.Dense``
+layers (``parallel.ab_data_parallel(..., factored_forward=models.factored_dense)``).
 """
 
+from jaxcomp.models._factored import factored_dense
 from jaxcomp.models._gpt import gpt
 from jaxcomp.models._mlp import mlp
 from jaxcomp.models._mlp import small_cnn
@@ -47,6 +51,7 @@ __all__ = (
     "StagedModel",
     "accuracy",
     "cross_entropy",
+    "factored_dense",
     "get_model",
     "gpt",
     "mlp",

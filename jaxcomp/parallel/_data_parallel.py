@@ -24,53 +24,13 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _driver
 from jaxcomp import _nnx
+from jaxcomp._driver import TrainState
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _placement
-from jaxcomp.parallel import _driver
 from jaxcomp.transforms import _compressed_mean
-
-
-class TrainState(NamedTuple):
-    """Replicated parameters, the optimizer state and the model state (per-worker leaves sharded).
-
-    Attributes:
-      step: ``int32[]``, updates applied.
-      params: the parameters, replicated.
-      opt_state: the optimizer state as :func:`jaxcomp.comm.place_state` lays it out: leaves
-        owned by one worker (error-feedback residuals, Accordion accumulators, marked
-        :class:`~jaxcomp.compressors.PerWorker`) are ``[W, ...]`` sharded over the data axis,
-        the rest replicated.
-      model_state: the model's mutable state (``has_state``; ``()`` otherwise), laid out the
-        same way: :class:`~jaxcomp.compressors.PerWorker` parts ``[W, ...]`` sharded over
-        data, the rest replicated. For a Flax NNX model, the module without its parameters
-        (its graph as static data, its other state as arrays).
-    """
-
-    step: jax.Array
-    params: Any
-    opt_state: Any
-    model_state: Any = ()
-
-    def module(self, worker: int | None = None) -> Any:
-        """The Flax NNX module with these parameters and state (a model given to ``init``
-        as an ``nnx.Module``). ``worker``: the entry of a per-worker state (AB-Training's
-        ``[N, ...]`` leaves) to take; ``None`` for replicated parameters.
-
-        Raises:
-          ValueError: if the state is not an NNX model's.
-
-        Example:
-          >>> # state = dp.init(model); state, _ = dp.step(state, batch)
-          >>> # nnx.update(model, nnx.state(state.module()))   # the trained weights back
-        """
-        if not isinstance(self.model_state, _nnx.Rest):
-            raise ValueError("this train state was not made from an NNX module.")
-        params, rest = self.params, self.model_state
-        if worker is not None:
-            params, rest = jax.tree.map(lambda x: x[worker], (params, rest))
-        return rest.merge(params)
 
 
 class DataParallel(NamedTuple):

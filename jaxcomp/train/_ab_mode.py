@@ -42,7 +42,7 @@ with one group; unequal flat groups are refused), so a group's workers agree, as
 parameters do. At an AB sync the statistics follow the non-factorised parameters (BatchNorm's
 scale and shift): averaged over all workers by default, worker 0's with ``dense_sync="first"``
 (the default in ``individual`` and ``only-b``), kept with ``"keep"``
-(:func:`jaxcomp.transforms._ab_sync.sync_model_state` gives the reasoning). Evaluation uses
+(:func:`jaxcomp.ab._sync.sync_model_state` gives the reasoning). Evaluation uses
 worker 0's parameters with worker 0's statistics (``eval_batch_stats="mean"``: the mean of
 the workers' running means and variances, :class:`jaxcomp.train._batch_stats.BatchStats`).
 Their all-reduces (synchronised) are in the programs' HLO, so in ``wire_bytes``.
@@ -65,20 +65,21 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _fetch
 from jaxcomp import compressors
+from jaxcomp import models
 from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp._compile import lower_later
+from jaxcomp.ab._config import num_a_groups
+from jaxcomp.ab._metrics import collectives_by_role
+from jaxcomp.ab._parallel import kind_bytes as parallel_kind_bytes
+from jaxcomp.ab._programs import PROGRAMS
 from jaxcomp.models import _staged
-from jaxcomp.parallel._ab_parallel import kind_bytes as parallel_kind_bytes
-from jaxcomp.parallel._ab_programs import PROGRAMS
 from jaxcomp.train import _batch_stats
 from jaxcomp.train import _collectives
 from jaxcomp.train import _config
 from jaxcomp.train import _dense
 from jaxcomp.train import _mode
 from jaxcomp.train import _precision
-from jaxcomp.transforms._ab_config import num_a_groups
-from jaxcomp.transforms._ab_metrics import collectives_by_role
 
 AB_DEFAULTS = {
     "warmup_steps": 100,
@@ -218,7 +219,8 @@ def build_ab(
         loss = model.loss_fn(logits, batch["label"])
         return loss, (_staged.accuracy(logits, batch["label"]), _mode.split_variables(new)[1])
 
-    dp = parallel.ab_data_parallel(loss_fn, cfg, mesh, has_aux=True, has_state=True, donate=False)
+    dp = parallel.ab_data_parallel(loss_fn, cfg, mesh, has_aux=True, has_state=True, donate=False,
+                                   factored_forward=models.factored_dense)  # fmt: skip
     batch_sharding = NamedSharding(mesh, P(cfg.axis_name))
     key_abs = jax.eval_shape(jax.random.key, 0)  # as the trainer's key, never placed
     params_abs, model_state_abs = _mode.split_variables(jax.eval_shape(model.init, key_abs))

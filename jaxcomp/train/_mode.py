@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxcomp import _cpu
 from jaxcomp import _finite
-from jaxcomp import _init_program
 from jaxcomp.models import _staged
 
 
@@ -62,20 +62,20 @@ class Mode(NamedTuple):
 
 
 def jit_init(fn: Callable, **jit_kwargs: Any) -> Callable:
-    """``jax.jit(fn, **jit_kwargs)`` for a state init (run once, random initializers): the same
-    bits, compiled several times faster (:func:`jaxcomp._init_program.jit_split_init`: the
-    threefry key part at a low backend level, where integers are exact, the float math as XLA's
-    default compiles it).
+    """``jax.jit(fn, **jit_kwargs)`` for a state init (run once, random initializers); on the CPU
+    the same bits compiled several times faster (:func:`jaxcomp._cpu.jit_init`: the threefry
+    key part at a low backend level, where integers are exact, the float math as XLA's default
+    compiles it).
 
     Float math is never compiled at another backend level here: float bits follow the level
     (compiling the whole init at level 1 was tried and withdrawn; ``docs/performance.md``).
-    ``tests/test_init_program.py`` pins the bits for every model.
+    ``tests/_cpu/test_init_program.py`` pins the bits for every model.
 
     Example:
       >>> init = jit_init(model.init)  # doctest: +SKIP
       >>> variables = init(jax.random.key(0))  # doctest: +SKIP
     """
-    return _init_program.jit_split_init(fn, **jit_kwargs)
+    return _cpu.jit_init(fn, **jit_kwargs)
 
 
 def all_finite(*trees: Any, replicated: bool = False) -> jax.Array:

@@ -14,15 +14,15 @@ are in :mod:`jaxcomp.parallel`.
 """
 
 from jaxcomp._regime import critical_regime
-from jaxcomp.transforms._ab_config import ABConfig
-from jaxcomp.transforms._ab_config import group_sizes
-from jaxcomp.transforms._ab_metrics import ab_metrics
-from jaxcomp.transforms._ab_metrics import ab_step_bytes
-from jaxcomp.transforms._ab_schedule import ABPhase
-from jaxcomp.transforms._ab_schedule import ABSchedule
-from jaxcomp.transforms._ab_step import ABTrainingState
-from jaxcomp.transforms._ab_training import ab_training
-from jaxcomp.transforms._ab_training import ab_transform
+from jaxcomp.ab._config import ABConfig
+from jaxcomp.ab._config import group_sizes
+from jaxcomp.ab._metrics import ab_metrics
+from jaxcomp.ab._metrics import ab_step_bytes
+from jaxcomp.ab._schedule import ABPhase
+from jaxcomp.ab._schedule import ABSchedule
+from jaxcomp.ab._step import ABTrainingState
+from jaxcomp.ab._transform import ab_training
+from jaxcomp.ab._transform import ab_transform
 from jaxcomp.transforms._accordion import HIGH_COMPRESSION
 from jaxcomp.transforms._accordion import LOW_COMPRESSION
 from jaxcomp.transforms._accordion import UNCOMPRESSED

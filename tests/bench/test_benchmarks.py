@@ -111,7 +111,7 @@ def test_ab_training_benchmark_times_each_rows_per_worker_and_keeps_its_keys(tmp
     argv = ["--no-bytes", "--repeats", "1", "--rows-per-worker", "1", "4", "--json", str(path)]
     assert ab_training.main(argv) == 0
     results = json.loads(path.read_text())["results"]
-    phases = ["full", "refactor", "ab", "sync", "ab_switch", "full_checked"]
+    phases = ["full", "refactor", "ab", "sync", "ab_dense_forward", "ab_switch", "full_checked"]
     assert [(r["rows_per_worker"], r["phase"]) for r in results] == [
         (rows, phase) for rows in (1, 4) for phase in phases
     ]

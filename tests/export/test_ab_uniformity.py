@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import parallel
 from jaxcomp import transforms
-from jaxcomp.parallel import _ab_programs
+from jaxcomp.ab import _programs
 
 PARAMS = {
     "l1": {"kernel": jax.ShapeDtypeStruct((6, 5), jnp.float32)},
@@ -41,13 +41,13 @@ def test_every_harness_program_is_uniform(layout):
     make_mesh, options = LAYOUTS[layout]
     mesh = make_mesh()
     config = _config(options)
-    programs = _ab_programs.Programs(config, _loss, mesh)
-    state = _ab_programs.abstract_train_state(config, PARAMS, mesh)
+    programs = _programs.Programs(config, _loss, mesh)
+    state = _programs.abstract_train_state(config, PARAMS, mesh)
     batch = jax.ShapeDtypeStruct((2 * mesh.size, 6), jnp.float32,
                                  sharding=NamedSharding(mesh, P(config.axis_name)))  # fmt: skip
     flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=NamedSharding(mesh, P()))
     collectives = 0
-    for name in _ab_programs.PROGRAMS:
+    for name in _programs.PROGRAMS:
         args = {"dense": (state, batch), "ab": (state, batch, flag)}.get(name, (state, flag))
         with jax.set_mesh(mesh):
             report = comm.check_collective_uniformity(programs._sharded(name), *args)

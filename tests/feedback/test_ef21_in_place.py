@@ -3,8 +3,8 @@
 EF21's estimate ``g' = g + D(C(x - g))`` is TopK's scatter of the kept values into ``g``. The
 compressed array is ``x - g``, not ``g``: the scatter needs nothing to order it after the
 compression. Error feedback scatters into the array it compressed, ``c = x + e``, which it makes
-with ``jaxcomp._order.computed_once`` (written once, into the donated residual). An ordering
-select (``jaxcomp._order.after``) on EF21's estimate, whose output XLA:CPU could not place in
+with ``jaxcomp._cpu._order.computed_once`` (written once, into the donated residual). An ordering
+select (``jaxcomp._cpu._order.after``) on EF21's estimate, whose output XLA:CPU could not place in
 the donated buffer, made the scatter write a fresh buffer copied into the state at the end of
 every step (the data-parallel bench: 8 MiB per leaf). The programs here are a training step's:
 the state in, the new state out, donated; the reduced mean is also returned (the updates), as

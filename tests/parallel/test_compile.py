@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxcomp import _compile
+from jaxcomp import _cpu
 
 
 def _lowered():
@@ -126,10 +127,10 @@ def test_with_options_compiles_with_them_every_time(monkeypatch):
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
     x = np.arange(4, dtype=np.float32)
-    low = _compile.WithOptions(jax.jit(lambda v: v * 2.0).lower(x), _compile.RARELY_RUN_OPTIONS)
+    low = _compile.WithOptions(jax.jit(lambda v: v * 2.0).lower(x), _cpu.RARELY_RUN_OPTIONS)
     assert "func.func" in low.as_text()  # the lowered program's own attributes
     out = _compile.compile_all({"a": low, "b": lambda: low})
-    assert seen == [_compile.RARELY_RUN_OPTIONS] * 2
+    assert seen == [_cpu.RARELY_RUN_OPTIONS] * 2
     np.testing.assert_array_equal(out["a"](x), x * 2.0)
 
 

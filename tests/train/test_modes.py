@@ -54,7 +54,7 @@ def test_compressed_mean_data_parallel_sends_less_than_dense(make_config, tmp_pa
 def test_the_modes_state_init_has_the_bits_of_jax_jit(make_mode_config, mode, monkeypatch):
     """The mode's state init (``_mode.jit_init``, split in two programs) gives the bits of
     ``jax.jit`` of the same function with the same ``out_shardings`` (the AB mode's
-    ``jit_init(model.init)`` is the digits MLP's of tests/test_init_program.py). The configs:
+    ``jit_init(model.init)`` is the digits MLP's of tests/_cpu/test_init_program.py). The configs:
     test_nonfinite.py's (the same programs)."""
     from jaxcomp.train import _mode
 

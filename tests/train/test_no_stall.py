@@ -164,7 +164,7 @@ def test_dense_setup_compiles_only_the_training_step_init_and_evaluation(make_co
         _trainer.setup(make_config())
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    # the init's key part (jaxcomp._init_program) is lowered as B's compile ends
+    # the init's key part (jaxcomp._cpu._init_program) is lowered as B's compile ends
     expected = ["jit(train_step)", "jit(init)", "jit(eval_step)", "jit(init_key_part)"]
     assert lowered == expected, lowered
 

@@ -5,7 +5,7 @@ axis fails to lower for TPU: the TPU SVD (QDWH) starts its loop carry with an un
 ``True`` and the body returns a varying one, so tracing the loop raises "scan body function
 carry input and carry output must have equal types ... bool[] ... bool[]{V:axis}". The raw
 case is a strict xfail: when JAX fixes it the test fails, and jaxcomp's workaround
-(``jaxcomp.transforms._ab_factor.svd``: the SVD in a nested ``shard_map`` with
+(``jaxcomp.ab._factor.svd``: the SVD in a nested ``shard_map`` with
 ``check_vma=False``, its results cast back to varying) can go.
 """
 
