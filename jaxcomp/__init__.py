@@ -22,6 +22,10 @@ light (no Flax model zoo, scikit-learn, orbax or matplotlib); benchmarks run wit
 reuse (glibc; the command-line entry points call it; a CPU training script may too).
 """
 
+# first: under `python -m jaxcomp.main` it records Ctrl-C from here on (importing JAX drops
+# KeyboardInterrupt); otherwise it changes nothing
+from jaxcomp import _early_signals  # noqa: F401, I001
+
 import importlib
 
 from jaxcomp import comm

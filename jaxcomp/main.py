@@ -58,7 +58,8 @@ import importlib.util
 import os
 import signal
 import sys
-import threading
+
+from jaxcomp import _early_signals
 
 EXIT_SETUP = 2
 EXIT_NONFINITE = 3
@@ -356,36 +357,6 @@ def _error(e: BaseException) -> int:
     return EXIT_SETUP
 
 
-class EarlySignals:
-    """Records SIGINT/SIGTERM from the first line of :func:`main` until the trainer's own
-    handler (:class:`jaxcomp.train.StopOnSignal`) takes over and reads :attr:`signum`.
-
-    Python's default SIGINT handler raises ``KeyboardInterrupt`` wherever the main thread is:
-    inside an import's or a finalizer's ``except``, it was swallowed (a Ctrl-C in a run's first
-    second was ignored in 3 of 7 tries, the run trained to its end). A recorded signal cannot
-    be lost; a second one stops at once.
-    """
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._previous[s] = signal.signal(s, self)
-
-    def __call__(self, signum: int, frame) -> None:
-        del frame
-        if self.signum is None:
-            self.signum = signum
-            return
-        raise KeyboardInterrupt
-
-    def restore(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
-        self._previous = {}
-
-
 def _interrupted_early(signum: int) -> int:
     name = signal.Signals(signum).name
     print(f"jaxcomp: interrupted by {name} before training started.", file=sys.stderr, flush=True)
@@ -393,14 +364,16 @@ def _interrupted_early(signum: int) -> int:
 
 
 def main(argv=None) -> int:
-    early = EarlySignals()
+    # a signal is recorded, never lost (_early_signals: JAX's import drops KeyboardInterrupt);
+    # `python -m jaxcomp.main` recorded it from the package's first line
+    early = _early_signals.current() or _early_signals.EarlySignals().install()
     try:
         return _main(argv, early)
     finally:
         early.restore()
 
 
-def _main(argv, early: EarlySignals) -> int:
+def _main(argv, early: _early_signals.EarlySignals) -> int:
     args = parse_args(argv)
     try:
         setup_devices(args)

@@ -84,6 +84,21 @@ def _disk_bytes(path: str) -> int:
     return total
 
 
+class _QuietWriteErrors(logging.Filter):
+    """Drops orbax's own error records (each with a traceback, ~30 of them) of a write that
+    failed for lack of space or permission: the :class:`Checkpointer` says it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            text += f" {error} {error.__cause__ or ''} {error.__context__ or ''}"
+        text = text.lower()
+        return not any(k in text for k in ("resource_exhausted", "no space left", "permission"))
+
+
 def _why(e: BaseException) -> str:
     """A short cause of a failed write: ``no space left on the device``, ``permission
     denied``, or the error's first line."""
@@ -219,6 +234,9 @@ class Checkpointer:
         self._target: Any = None  # abstract state, for reading checkpoints back
         self._closed = False
         self._pending: tuple[int, int] | None = None  # (step, bytes) of a save under way
+        self.processes = jax.process_count()  #: the run's processes (a read-back's peers)
+        self._quiet = _QuietWriteErrors()
+        logging.getLogger("absl").addFilter(self._quiet)
 
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -314,7 +332,8 @@ class Checkpointer:
             return None
         step, need = self._pending
         self._pending = None
-        try:
+        try:  # finished: neither waits; the writer's error is re-raised by one or the other
+            self.manager.wait_until_finished()
             self.manager.check_for_errors()
         except Exception as e:  # noqa: BLE001 - reported as one line
             self._remove_partial()
@@ -432,7 +451,7 @@ class Checkpointer:
         except _errors.CheckpointError:
             raise
         except Exception as e:  # orbax raises many kinds for damaged files
-            if _processes.is_peer_failure(e):
+            if _processes.is_peer_failure(e, self.processes):
                 raise _errors.PeerLost(
                     f"reading checkpoint step {step} back failed because another process is "
                     f"gone ({_reason(e)}); the checkpoint was left in place."
@@ -445,7 +464,7 @@ class Checkpointer:
         try:
             flags = _processes.gather_ints([error is not None])[:, 0]
         except Exception as e:
-            if _processes.is_peer_failure(e):
+            if _processes.is_peer_failure(e, self.processes):
                 raise _errors.PeerLost(
                     f"agreeing on checkpoint step {step} failed because another process is "
                     f"gone ({_reason(e)}); the checkpoint was left in place."
@@ -553,6 +572,7 @@ class Checkpointer:
         self._prune(room=0)
         self.manager.close()
         self._closed = True
+        logging.getLogger("absl").removeFilter(self._quiet)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -563,6 +583,7 @@ class Checkpointer:
         if self._closed or kind is None or not issubclass(kind, Exception):
             return
         self._closed = True
+        logging.getLogger("absl").removeFilter(self._quiet)
         if issubclass(kind, _errors.PeerLost):
             return  # a save under way waits on the lost process: do not wait with it
         try:  # the error that ends the run is the one to report, not a save's after it

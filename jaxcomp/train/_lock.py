@@ -31,9 +31,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 from jaxcomp.train import _errors
@@ -164,6 +166,8 @@ class RunLock:
         self.taken_over: str | None = None  #: the dead run whose lock was taken, if any
         self._identity: tuple[int, int] | None = None
         self._inode: int | None = None
+        self._mtime_ns = 0  # the lock's mtime as this run last set it
+        self._touch = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -186,8 +190,8 @@ class RunLock:
                 continue
             with os.fdopen(fd, "w") as f:
                 json.dump(record, f)
-                f.flush()
-                self._inode = os.fstat(f.fileno()).st_ino
+            self._inode = os.stat(self.path).st_ino
+            self._beat_once()
             self._thread = threading.Thread(target=self._beat, name="jaxcomp-lock", daemon=True)
             self._thread.start()
             return self
@@ -217,10 +221,16 @@ class RunLock:
         os.remove(aside)
         self.taken_over = f"{describe(record)}; {why}" if record else f"unreadable ({why})"
 
+    def _beat_once(self) -> None:
+        with self._touch:
+            now = time.time_ns()
+            os.utime(self.path, ns=(now, now))
+            self._mtime_ns = os.stat(self.path).st_mtime_ns  # as the file system keeps it
+
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                os.utime(self.path)
+                self._beat_once()
             except OSError:
                 pass  # check() reports a lost lock
 
@@ -237,9 +247,11 @@ class RunLock:
             return f"the workdir {self.workdir} was replaced by another directory during the run"
         if not self.hold:
             return None
-        try:
-            if os.stat(self.path).st_ino == self._inode:
-                return None
+        try:  # a file replacing the lock may reuse its inode, not its mtime
+            with self._touch:
+                st = os.stat(self.path)
+                if (st.st_ino, st.st_mtime_ns) == (self._inode, self._mtime_ns):
+                    return None
         except FileNotFoundError:
             pass
         seen = _read(self.path)
@@ -253,12 +265,33 @@ class RunLock:
             self._thread.join()
             self._thread = None
         if self.hold and self._inode is not None:
-            try:
-                if os.stat(self.path).st_ino == self._inode:
-                    os.remove(self.path)
-            except FileNotFoundError:
-                pass
+            if self.check() is None:
+                os.remove(self.path)
             self._inode = None
+
+    def remove_recreated(self) -> bool:
+        """After the workdir was deleted during the run: removes what the run's own writes
+        still under way (orbax's half-written checkpoint folders) recreated there, so that a
+        deleted workdir stays deleted. Anything else found there is left alone.
+
+        Returns:
+          Whether a recreated workdir was removed.
+        """
+        if self._identity is None or not os.path.isdir(self.workdir):
+            return False
+        st = os.stat(self.workdir)
+        if (st.st_dev, st.st_ino) == self._identity:
+            return False
+        for root, dirs, files in os.walk(self.workdir):
+            rel = os.path.relpath(root, self.workdir)
+            if files and ".orbax-checkpoint-tmp" not in rel:
+                return False
+            if rel == "." and set(dirs) - {"checkpoints"}:
+                return False
+            if rel == "checkpoints" and any(".orbax-checkpoint-tmp" not in d for d in dirs):
+                return False
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        return True
 
     def __enter__(self) -> RunLock:
         return self.acquire()

@@ -71,11 +71,17 @@ _PEER_FAILURE = (
 )
 
 
-def is_peer_failure(error: BaseException) -> bool:
+def is_peer_failure(error: BaseException, processes: int | None = None) -> bool:
     """Whether ``error`` (or an error it was raised from) is a failed collective or
     coordination call of a multi-process run, i.e. another process is gone, not a fault of
-    the data at hand (a checkpoint read back through such a call is not damaged)."""
-    if jax.process_count() == 1:
+    the data at hand (a checkpoint read back through such a call is not damaged).
+
+    Args:
+      error: the error.
+      processes: the run's process count (default ``jax.process_count()``); with one
+        process nothing is a peer's failure.
+    """
+    if (jax.process_count() if processes is None else processes) == 1:
         return False
     seen = set()
     while error is not None and id(error) not in seen:
@@ -103,8 +109,10 @@ def peer_failures_as_lost(name_lost: Callable[[], str] | None = None):
     """
     try:
         yield
-    except _errors.PeerLost:
-        raise
+    except _errors.PeerLost as e:  # raised where the failure was met: name the process too
+        if name_lost is None:
+            raise
+        raise _errors.PeerLost(f"{name_lost()}: {e}") from e
     except Exception as e:
         if not is_peer_failure(e):
             raise

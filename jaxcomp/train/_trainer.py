@@ -149,13 +149,16 @@ def _scalars(tree: dict) -> dict[str, float]:
     return out
 
 
-def evaluate(s: Setup, state: RunState, compressed: bool) -> dict[str, float]:
-    """Mean loss and accuracy over the whole test split."""
+def evaluate(s: Setup, state: RunState, compressed: bool, beat=None) -> dict[str, float]:
+    """Mean loss and accuracy over the whole test split (``beat()`` after each batch: the
+    watchdog of a multi-process run sees progress)."""
     totals: dict[str, float] = {"loss_sum": 0.0, "correct_sum": 0.0, "count": 0.0}
     for batch in s.eval_loader.epoch(0):
         sums = s.mode.eval_step(state.mode_state, place(batch, s.mode.batch_sharding), compressed)
         for k, v in _scalars(sums).items():
             totals[k] += v
+        if beat is not None:
+            beat()
     n = max(totals["count"], 1.0)
     return {"loss": totals["loss_sum"] / n, "accuracy": totals["correct_sum"] / n}
 
@@ -254,11 +257,12 @@ def train_and_evaluate(
         _describe(s, say)
         dog = None
         if jax.process_count() > 1:
-            dog = _watchdog.Watchdog(peer_timeout_s, PeerLost.exit_code, _watchdog.peers())
+            team = _watchdog.peers()
+            dog = _watchdog.Watchdog(peer_timeout_s, PeerLost.exit_code, team, on_exit=lock.release)
         lost = (lambda: dog.lost(wait_s=3 * dog.interval_s)) if dog else None
         # on an error, pending saves finish before it propagates (not when a peer is lost)
         with _checkpoint.Checkpointer(workdir, config.keep_checkpoints) as ckpt:
-            with _processes.peer_failures_as_lost(lost):
+            with _processes.peer_failures_as_lost(lost), _workdir.writing(workdir):
                 run = (s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say)
                 return _train(*run)
 
@@ -287,13 +291,14 @@ def _holding(workdir: str, say):
         yield lock
     finally:
         lock.release()
+        lock.remove_recreated()  # a deleted workdir stays deleted
 
 
 #: what a process tells the others when it cannot go on (agreed after every step)
 FAULT_WORKDIR, FAULT_SAVE = 1, 2
 _FAULTS = {
     FAULT_WORKDIR: "lost its workdir (deleted, replaced or taken over)",
-    FAULT_SAVE: "could not write a checkpoint",
+    FAULT_SAVE: "could not write its workdir or a checkpoint",
 }
 
 
@@ -314,9 +319,10 @@ def _describe(s: Setup, say) -> None:
     say(f"  wire bytes/step {wire0} (dense {_metrics.format_bytes(mode.dense_bytes)})")
 
 
-def _health(lock, ckpt, stop, step: int) -> None:
-    """Stops every process at once when one lost its workdir or a checkpoint failed to be
-    written; agrees on signals on the way (one collective per step).
+def _health(lock, ckpt, held, stop, step: int) -> None:
+    """Stops every process at once when one lost its workdir, could not write to it
+    (``held``: metrics) or a checkpoint failed to be written; agrees on signals on the way
+    (one collective per step).
 
     Raises:
       StorageError: the local problem, or which process stopped the run.
@@ -326,6 +332,8 @@ def _health(lock, ckpt, stop, step: int) -> None:
     if problem:
         problem += f" (found after step {step}); nothing more is written (a checkpoint would " \
             "recreate it), the run stops"  # fmt: skip
+    elif held.problem:
+        problem, code = held.problem, FAULT_SAVE
     else:
         problem = ckpt.failed_save()
         code = FAULT_SAVE if problem else 0
@@ -357,6 +365,7 @@ def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> di
     writer = _metrics.MetricWriter(
         workdir, lead, cfg.writers, json.loads(cfg.to_json_best_effort())
     )
+    held = _workdir.HeldWriteError(workdir)  # a failed metrics write stops every process
     # modes place their own state; no ambient mesh (shard_map bodies may seed PRNGs)
     state = RunState(
         mode.init(jax.random.key(cfg.seed)),
@@ -419,7 +428,7 @@ def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> di
         step_seconds += time.perf_counter() - t_step
         if dog is not None:
             dog.beat(step)
-        _health(lock, ckpt, stop, step)
+        _health(lock, ckpt, held, stop, step)
         if m.get("finite", 1.0) < 1.0:
             run["nonfinite_total"] += 1
             run["nonfinite_streak"] += 1
@@ -444,12 +453,16 @@ def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> di
             avg.setdefault("wire_bytes", mode.wire_bytes)  # a mode may report it per step
             avg.update(nonfinite_steps=run["nonfinite_total"], epoch=data_state.epoch)
             seconds = step_seconds / (step - logged)
-            writer.write(step, "train", {k: v for k, v in avg.items() if k != "finite"}, seconds)
+            with held.catching():
+                writer.write(
+                    step, "train", {k: v for k, v in avg.items() if k != "finite"}, seconds
+                )
             logged, step_seconds = step, 0.0
             progress.update(step, avg, final=step == cfg.total_steps)
             run["window"] = []
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.total_steps:
-            _log_eval(s, state, step, writer, progress)
+            with held.catching():
+                _log_eval(s, state, step, writer, progress, dog=dog)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             save(step)
         if stop.signum is not None and step < cfg.total_steps:  # agreed by _health
@@ -467,8 +480,10 @@ def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> di
     # restored at the last step (a run stopped before writing its summary): the final eval
     # may be on record already; every process evaluates, only a missing record is written
     write = not (restored is not None and saved[0] == step and writer.find(step, "eval"))
-    final = _log_eval(s, state, step, writer, progress, write=write)
-    _health(lock, ckpt, stop, step)
+    final = {}  # a failed write of its record stops the run at the _health below
+    with held.catching():
+        final = _log_eval(s, state, step, writer, progress, write=write, dog=dog)
+    _health(lock, ckpt, held, stop, step)
     save(step)
     ckpt.close()
     wire = run["wire_sum"] / run["wire_count"] if run["wire_count"] else mode.wire_bytes
@@ -495,11 +510,12 @@ def _compile_ahead(s: Setup, state: RunState, ckpt: _checkpoint.Checkpointer) ->
         jax.block_until_ready(s.mode.eval_step(state.mode_state, batch, compressed))
 
 
-def _log_eval(s: Setup, state, step, writer, progress, write: bool = True) -> dict:
+def _log_eval(s: Setup, state, step, writer, progress, write: bool = True, dog=None) -> dict:
     out = {}
-    off = evaluate(s, state, compressed=False)
+    beat = None if dog is None else (lambda: dog.beat(step))
+    off = evaluate(s, state, compressed=False, beat=beat)
     if s.mode.has_compressed_eval:
-        on = evaluate(s, state, compressed=True)
+        on = evaluate(s, state, compressed=True, beat=beat)
         out.update(loss=on["loss"], accuracy=on["accuracy"])
         out.update(loss_uncompressed=off["loss"], accuracy_uncompressed=off["accuracy"])
         progress.message(

@@ -58,7 +58,7 @@ def peers() -> list[Peer]:
       [0]
     """
     host = socket.gethostname().encode()[:64]
-    row = np.zeros(65, np.int64)
+    row = np.zeros(65, np.int32)
     row[0] = os.getpid()
     row[1 : 1 + len(host)] = np.frombuffer(host, np.uint8)
     if jax.process_count() == 1:
@@ -102,6 +102,7 @@ class Watchdog:
       exit_code: the process's exit status then.
       team: every process of the run (:func:`peers`).
       interval_s: how often it checks and publishes its heartbeat.
+      on_exit: called (errors ignored) just before the process exits.
 
     Example:
       >>> with Watchdog(90.0, 69, peers()) as dog:  # doctest: +SKIP
@@ -109,8 +110,11 @@ class Watchdog:
       ...         dog.beat(step)
     """
 
-    def __init__(self, timeout_s: float, exit_code: int, team: list[Peer], interval_s=None):
+    def __init__(
+        self, timeout_s: float, exit_code: int, team: list[Peer], interval_s=None, on_exit=None
+    ):
         self.timeout_s, self.exit_code, self.team = float(timeout_s), exit_code, team
+        self.on_exit = on_exit  # e.g. releasing the workdir's lock, before the process exits
         self.me = team[jax.process_index()]
         self.interval_s = interval_s or min(INTERVAL_S, self.timeout_s / 10)
         self._client = _client()
@@ -118,6 +122,7 @@ class Watchdog:
         self._step = 0
         self._seen: dict[int, tuple[str, float]] = {}  # peer -> (its beat, when it changed)
         self._answered = time.monotonic()  # the coordinator's last answer
+        self._tick = time.monotonic()  # the watching thread's last turn
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -160,28 +165,31 @@ class Watchdog:
                     self._seen[k] = (value, now)
 
     def _watch(self) -> None:
-        tick = time.monotonic()
+        self._tick = time.monotonic()
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
-            paused, tick = now - tick, now  # this process itself did not run meanwhile
+            away = now - self._tick  # this process itself did not run meanwhile
             idle = now - self._last
-            if idle < self.timeout_s or self._stop.is_set():
-                continue
-            me = ""
-            if paused > self.timeout_s / 2:
-                me = f"this process did not run for {paused:.0f} s (stopped or starved); "
-            self._exit(
-                f"no progress for {idle:.0f} s after step {self._step} (the bound, "
-                f"--peer_timeout, is {self.timeout_s:.0f} s): {me}{self.lost()}"
-            )
+            if idle >= self.timeout_s and not self._stop.is_set():
+                self._exit(
+                    f"no progress for {idle:.0f} s after step {self._step} (the bound, "
+                    f"--peer_timeout, is {self.timeout_s:.0f} s): {self.lost(away=away)}"
+                )
+            self._tick = now
 
-    def lost(self, wait_s: float = 0.0) -> str:
+    def lost(self, wait_s: float = 0.0, away: float | None = None) -> str:
         """Who is lost and how, as far as this process can tell (one clause).
 
         Args:
           wait_s: wait up to this long for a peer on another host to miss heartbeats (after
             a failed collective its last beat may still be fresh).
+          away: how long this process itself did not run (default: since the watching
+            thread last ran); said when it is a good part of the bound (``SIGSTOP``).
         """
+        away = time.monotonic() - self._tick if away is None else away
+        me = ""
+        if away > max(self.timeout_s / 2, 3 * self.interval_s):
+            me = f"this process did not run for {away:.0f} s (stopped or starved); "
         deadline = time.monotonic() + wait_s
         while True:
             found = self._judge()
@@ -189,8 +197,8 @@ class Watchdog:
                 break
             time.sleep(self.interval_s / 2)
         if found:
-            return "; ".join(found)
-        return "another process of the run stopped answering (which one cannot be told here)"
+            return me + "; ".join(found)
+        return me + "another process of the run stopped answering (which one cannot be told)"
 
     def _judge(self) -> list[str]:
         now, stale = time.monotonic(), 3 * self.interval_s
@@ -221,9 +229,11 @@ class Watchdog:
             f"error: {text}. The last good checkpoint stays: run the same command on every "
             "host to resume.\n"
         )
-        try:
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001
-            pass
+        for cleanup in (sys.stdout.flush, self.on_exit):
+            try:
+                if cleanup is not None:
+                    cleanup()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
         os.write(2, line.encode())
         os._exit(self.exit_code)

@@ -8,9 +8,12 @@ final step and whose ``summary.json`` is written is finished: running it again c
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import shutil
 from typing import Any
 
 from jaxcomp.train import _collectives
@@ -38,6 +41,71 @@ def prepare(workdir: str) -> None:
         raise _errors.SetupError(f"cannot create workdir {workdir!r}: {e.strerror}.") from e
     if not os.access(workdir, os.W_OK | os.X_OK):
         raise _errors.SetupError(f"workdir {workdir!r} is not writable.")
+
+
+#: errors of a write that fail for the disk, not the program (``open(..., "a")`` reports a full
+#: disk at ``write``/``close``, without a file name)
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+
+
+def write_failure(workdir: str, error: OSError) -> str | None:
+    """The line for an ``OSError`` writing ``workdir`` (``None`` when it is about another
+    path: the data, the compile cache)."""
+    root = os.path.abspath(workdir)
+    path = os.path.abspath(str(error.filename)) if error.filename else ""
+    if not (path == root or path.startswith(root + os.sep)):
+        if path or error.errno not in _DISK_ERRNOS:
+            return None
+        path = root
+    try:
+        free = f" ({_metrics.format_bytes(shutil.disk_usage(root).free)} free)"
+    except OSError:
+        free = ""
+    return (
+        f"cannot write {path}: {error.strerror or error}{free}; the run stops, its last good "
+        "checkpoint stays. Fix that and run the same command to resume."
+    )
+
+
+@contextlib.contextmanager
+def writing(workdir: str):
+    """Turns an ``OSError`` writing ``workdir`` (metrics, summary, records on a full,
+    read-only or vanished disk) into one line: :class:`~jaxcomp.train.StorageError`.
+
+    Errors on other paths (the data, the compile cache) pass as they are.
+    """
+    try:
+        yield
+    except OSError as e:
+        problem = write_failure(workdir, e)
+        if problem is None:
+            raise
+        raise _errors.StorageError(problem) from e
+
+
+class HeldWriteError:
+    """Holds an ``OSError`` writing the workdir (process 0's metrics) until every process
+    agrees to stop after the next step, so that no process is left in a collective.
+
+    Example:
+      >>> held = HeldWriteError(workdir)  # doctest: +SKIP
+      >>> with held.catching():  # doctest: +SKIP
+      ...     writer.write(step, "train", scalars)
+      >>> held.problem  # None, or the line for the error
+    """
+
+    def __init__(self, workdir: str):
+        self.workdir, self.problem = workdir, None
+
+    @contextlib.contextmanager
+    def catching(self):
+        try:
+            yield
+        except OSError as e:
+            problem = write_failure(self.workdir, e)
+            if problem is None:
+                raise
+            self.problem = self.problem or problem
 
 
 def has_checkpoints(workdir: str) -> bool:

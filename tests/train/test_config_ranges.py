@@ -42,7 +42,7 @@ def no_compiling(monkeypatch):
         ({"weight_decay": -1e-4}, r"config.weight_decay must be a finite number >= 0"),
         ({"log_every": 0}, r"config.log_every must be an integer >= 1; got 0\."),
         ({"eval_every": -1}, r"config.eval_every must be an integer >= 0; got -1\."),
-        ({"checkpoint_every": 2.5}, r"config.checkpoint_every must be an integer >= 0"),
+        ({"checkpoint_every": -5}, r"config.checkpoint_every must be an integer >= 0; got -5"),
         ({"keep_checkpoints": 0}, r"config.keep_checkpoints must be an integer >= 1"),
         ({"max_nonfinite_in_a_row": 0}, r"config.max_nonfinite_in_a_row must be an integer >= 1"),
         ({"seed": -1}, r"config.seed must be an integer >= 0 and <= 4294967295; got -1\."),
