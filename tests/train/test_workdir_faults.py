@@ -206,14 +206,23 @@ def test_a_save_failing_in_the_background_stops_the_run_at_the_next_step(
 
 
 def test_a_disk_turned_read_only_mid_run_stops_it_in_one_line(small_disk, monkeypatch):
+    """The disk turns read-only after step 6, once step 4's checkpoint is committed: the
+    next write (step 8's metrics or checkpoint, whichever comes first) stops the run."""
     work = small_disk / "run"
-    remount = ["mount", "-o", "remount,ro", str(small_disk)]
-    _at_step(monkeypatch, 6, lambda: subprocess.run(remount, check=True))
+
+    def remount():
+        deadline = time.monotonic() + 60  # the background save of step 4 commits first
+        while not (work / "checkpoints" / "4").is_dir():
+            assert time.monotonic() < deadline, "checkpoint 4 was never committed"
+            time.sleep(0.02)
+        subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+
+    _at_step(monkeypatch, 6, remount)
     code, err = _run_main(_argv(work, total_steps=40, checkpoint_every=4, log_every=4))
     subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
     assert code == main.EXIT_STORAGE, err
-    assert err.count("\n") == 1 and err.startswith(f"error: cannot write {work}"), err
-    assert "Read-only file system" in err
+    assert err.count("\n") == 1 and err.startswith("error: ") and str(work) in err, err
+    assert "read-only" in err.lower(), err
     assert sorted(os.listdir(work / "checkpoints")) == ["4"]
 
 
