@@ -25,6 +25,8 @@ import pytest
 
 from jaxcomp import main
 
+pytestmark = pytest.mark.slow  # 2-process CLI runs
+
 ROOT = pathlib.Path(__file__).parents[1]
 CONFIG = str(ROOT / "configs" / "digits_dense.py") + ":smoke"
 BOUND = 8  #: --peer_timeout of these runs (s)

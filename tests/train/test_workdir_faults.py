@@ -241,6 +241,7 @@ def test_resuming_with_another_mesh_mode_codec_or_model_is_refused_by_name(two_c
     assert sorted(os.listdir(base / "checkpoints"), key=int) == ["4", "8"]
 
 
+@pytest.mark.slow  # 4 CLI subprocesses
 def test_a_signal_at_any_moment_of_startup_stops_the_run():
     """SIGINT sent 0.3-2.5 s after the start: never ignored (the run stops before training
     or after its first steps with a checkpoint), a clear line, no traceback."""
