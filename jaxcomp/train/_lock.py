@@ -266,7 +266,10 @@ class RunLock:
             self._thread = None
         if self.hold and self._inode is not None:
             if self.check() is None:
-                os.remove(self.path)
+                try:
+                    os.remove(self.path)
+                except OSError:  # a read-only disk: the lock stays, stale once this pid is gone
+                    pass
             self._inode = None
 
     def remove_recreated(self) -> bool:
