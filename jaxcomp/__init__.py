@@ -25,6 +25,10 @@ BLAS threads, compile options, CPU-only kernel forms) is private, behind one doo
 (``jaxcomp._cpu``), switched on by the entry points.
 """
 
+# first: under `python -m jaxcomp.main` it records Ctrl-C from here on (importing JAX drops
+# KeyboardInterrupt); otherwise it changes nothing
+from jaxcomp import _early_signals  # noqa: F401, I001
+
 import importlib
 import warnings
 

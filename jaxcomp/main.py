@@ -37,9 +37,17 @@ Exit codes:
   0: finished (or already finished: nothing to do).
   1: a bug: an uncaught exception, with its traceback.
   2: a setup problem (config, ``--set``, mesh, workdir), one ``error:`` line before training.
+  2 is also the exit of a run refused because another live run holds the workdir (its line
+     names that run: pid, host, start time).
   3: too many non-finite steps in a row (the last finite state is saved).
+  69: another process of a multi-process run died, stopped answering or could not be reached
+      (``EX_UNAVAILABLE``); the line names it. The last good checkpoint stays: run the same
+      command on every host to resume.
+  74: a checkpoint or the workdir could not be written (disk full, read-only, deleted during
+      the run; ``EX_IOERR``); the line names the folder and the bytes needed. The last good
+      checkpoint stays.
   75: stopped by SIGTERM/SIGINT after finishing a step and saving a checkpoint (``EX_TEMPFAIL``:
-      run the same command again to resume).
+      run the same command again to resume); also a signal during startup, before training.
   128 + N: aborted by a second signal N, without saving (the last finished checkpoint stays).
 """
 
@@ -48,10 +56,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 import sys
+
+from jaxcomp import _early_signals
 
 EXIT_SETUP = 2
 EXIT_NONFINITE = 3
+EXIT_PEER_LOST = 69  #: = jaxcomp.train.PeerLost.exit_code
+EXIT_STORAGE = 74
 EXIT_INTERRUPTED = 75
 DISTRIBUTED = ("auto", "on", "off")
 
@@ -98,6 +111,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--coordinator_address/--num_processes/--process_id win",
     )
     p.add_argument(
+        "--peer_timeout",
+        type=float,
+        default=_env_float("JAXCOMP_PEER_TIMEOUT", 90.0),
+        metavar="SECONDS",
+        help="with several processes: exit (status 69, naming the process) when the training "
+        "loop makes no progress for this long because another process died, stopped or is "
+        "cut off; a process back sooner does not stop the run. JAX's own heartbeat gives up "
+        "30 s later. Default: $JAXCOMP_PEER_TIMEOUT, else 90",
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -112,6 +135,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _env_int(name: str) -> int | None:
     v = os.environ.get(name)
     return int(v) if v else None
+
+
+def _env_float(name: str, default: float) -> float:
+    v = os.environ.get(name)
+    return float(v) if v else default
 
 
 def load_config(spec: str):
@@ -228,6 +256,31 @@ def distributed_plan(args, environ=None) -> dict | None:
     return None
 
 
+#: seconds JAX's heartbeat waits beyond ``--peer_timeout``: the trainer's own bound fires
+#: first (one line, exit 69), JAX's abort (exit 134) stays the last resort
+HEARTBEAT_MARGIN_S = 30
+
+
+def distributed_timeouts(args) -> dict[str, int]:
+    """``jax.distributed.initialize``'s heartbeat and shutdown timeouts from
+    ``--peer_timeout``: a process that stops sending heartbeats is declared dead
+    ``HEARTBEAT_MARGIN_S`` after the trainer's bound, and a process ending waits at most the
+    bound for the others at shutdown (JAX's defaults: 100 s and 300 s).
+
+    Raises:
+      UsageError: for a bound that is not a positive number of seconds.
+    """
+    bound = getattr(args, "peer_timeout", None)  # jaxcomp.study's Namespace has none
+    if bound is None:
+        return {}
+    if not bound > 0:
+        raise UsageError(f"--peer_timeout must be a positive number of seconds; got {bound}.")
+    return {
+        "heartbeat_timeout_seconds": int(bound) + HEARTBEAT_MARGIN_S,
+        "shutdown_timeout_seconds": max(int(bound), 10),
+    }
+
+
 def enable_compile_cache(path: str) -> str:
     """Turns on JAX's persistent compilation cache in ``path`` for every program.
 
@@ -287,8 +340,9 @@ def setup_devices(args) -> None:
     plan = distributed_plan(args)
     if plan is not None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU only
+        timeouts = distributed_timeouts(args)
         try:
-            jax.distributed.initialize(**plan)
+            jax.distributed.initialize(**plan, **timeouts)
         except (ValueError, RuntimeError) as e:
             where = detected_cluster() or "no cluster environment detected"
             raise UsageError(f"jax.distributed.initialize failed ({where}): {e}") from e
@@ -303,7 +357,23 @@ def _error(e: BaseException) -> int:
     return EXIT_SETUP
 
 
+def _interrupted_early(signum: int) -> int:
+    name = signal.Signals(signum).name
+    print(f"jaxcomp: interrupted by {name} before training started.", file=sys.stderr, flush=True)
+    return 128 + signum
+
+
 def main(argv=None) -> int:
+    # a signal is recorded, never lost (_early_signals: JAX's import drops KeyboardInterrupt);
+    # `python -m jaxcomp.main` recorded it from the package's first line
+    early = _early_signals.current() or _early_signals.EarlySignals().install()
+    try:
+        return _main(argv, early)
+    finally:
+        early.restore()
+
+
+def _main(argv, early: _early_signals.EarlySignals) -> int:
     args = parse_args(argv)
     try:
         setup_devices(args)
@@ -311,8 +381,9 @@ def main(argv=None) -> int:
     except UsageError as e:
         return _error(e)
     except KeyboardInterrupt:
-        print("jaxcomp: interrupted before training started.", file=sys.stderr, flush=True)
-        return 128 + 2
+        return _interrupted_early(early.signum or signal.SIGINT)
+    if early.signum is not None:
+        return _interrupted_early(early.signum)
     from jaxcomp import train
 
     try:
@@ -320,12 +391,21 @@ def main(argv=None) -> int:
             config = train.apply_overrides(config, train.parse_overrides(args.set))
         except ValueError as e:
             raise train.SetupError(str(e)) from e
-        train.train_and_evaluate(config, args.workdir, stop_after=args.stop_after)
+        train.train_and_evaluate(
+            config, args.workdir, stop_after=args.stop_after, peer_timeout_s=args.peer_timeout
+        )
     except train.SetupError as e:
         return _error(e)
     except train.NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_NONFINITE
+    except train.StorageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_STORAGE
+    except train.PeerLost as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_PEER_LOST)  # JAX's exit would wait for the lost process
     except train.Interrupted as e:
         print(f"jaxcomp: {e}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
@@ -334,8 +414,7 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         os._exit(128 + e.signum)  # do not wait for background save threads
     except KeyboardInterrupt:
-        print("jaxcomp: interrupted before training started.", file=sys.stderr, flush=True)
-        return 128 + 2
+        return _interrupted_early(early.signum or signal.SIGINT)
     return 0
 
 

@@ -11,13 +11,18 @@ from jaxcomp.train._config import DEFAULTS
 from jaxcomp.train._config import MODES
 from jaxcomp.train._config import build_channel
 from jaxcomp.train._config import build_codec
+from jaxcomp.train._config import learning_rate
 from jaxcomp.train._config import optimizer
 from jaxcomp.train._config import with_defaults
 from jaxcomp.train._errors import Aborted
 from jaxcomp.train._errors import CheckpointError
 from jaxcomp.train._errors import Interrupted
 from jaxcomp.train._errors import NonFiniteError
+from jaxcomp.train._errors import PeerLost
 from jaxcomp.train._errors import SetupError
+from jaxcomp.train._errors import StorageError
+from jaxcomp.train._errors import WorkdirInUse
+from jaxcomp.train._lock import RunLock
 from jaxcomp.train._metrics import MetricWriter
 from jaxcomp.train._metrics import plot_metrics
 from jaxcomp.train._metrics import read_metrics
@@ -44,16 +49,20 @@ __all__ = (
     "MetricWriter",
     "Mode",
     "NonFiniteError",
+    "PeerLost",
     "Progress",
     "Setup",
     "SetupError",
+    "StorageError",
     "StopOnSignal",
+    "RunLock",
     "RunState",
     "apply_overrides",
     "build_channel",
     "build_codec",
     "commit_if_finite",
     "evaluate",
+    "learning_rate",
     "optimizer",
     "parse_overrides",
     "plot_metrics",
@@ -62,4 +71,5 @@ __all__ = (
     "summary_table",
     "train_and_evaluate",
     "with_defaults",
+    "WorkdirInUse",
 )

@@ -209,8 +209,7 @@ def build_ab(
     _precision.check_unscaled(config, "ab")
     del num_train_samples
     cfg = ab_config(config, mesh)
-    if config.batch_size % mesh.size:
-        raise ValueError(f"batch_size {config.batch_size} is not divisible by {mesh.size} workers.")
+    _config.check_batch_divisible(config, mesh.size, f"{mesh.size} workers")
     sizes = cfg.group_sizes([mesh.shape[a] for a in cfg.axis_name])
     model, stats = _batch_stats_of(config.ab, model, cfg, mesh, sizes)
 

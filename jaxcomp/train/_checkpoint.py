@@ -18,6 +18,16 @@ What the :class:`Checkpointer` guarantees:
   deleted).
 * A save left half-written by a crash or an abort (orbax's ``*.orbax-checkpoint-tmp*``
   folders) is removed when the workdir is opened again.
+* A checkpoint's step is read from its own ``meta`` (covered by its checksum) and must match
+  its folder's name: renamed or swapped step folders are refused, never restored under the
+  wrong step (and retention, which runs only after a restore, never deletes the real state).
+* A save that cannot be written stops the run: before it starts, when the disk has less room
+  than the newest checkpoint took (or the folder is not writable); after it started, at the
+  next step (:meth:`Checkpointer.failed_save`), the half-written folder removed. Either way
+  one line names the folder and the bytes needed, and the last good checkpoint stays.
+* With several processes every verdict is agreed: a read-back that fails because another
+  process is gone (a failed collective) raises :class:`~jaxcomp.train.PeerLost`; it never
+  sets a good checkpoint aside as damaged.
 """
 
 from __future__ import annotations
@@ -33,16 +43,75 @@ import orbax.checkpoint as ocp
 
 from jaxcomp.train import _errors
 from jaxcomp.train import _integrity
+from jaxcomp.train import _metrics
+from jaxcomp.train import _processes
 
 log = logging.getLogger(__name__)
 
 CHECKSUM = "checksum"  #: the meta key holding the checksums
+LAYOUT = "layout"  #: the meta key listing every leaf's path, shape and dtype
 DAMAGED = "checkpoints.damaged"  #: where damaged checkpoints are moved (beside ``checkpoints``)
 _PARTIAL = ".orbax-checkpoint-tmp"
 
 
 class DamagedCheckpoint(Exception):
     """A checkpoint whose files do not match its checksums."""
+
+
+def _check_step(step: int, meta: dict, directory: str) -> None:
+    """Refuses a checkpoint whose own (verified) step is not its folder's.
+
+    Raises:
+      CheckpointError: naming the folder and the step it holds.
+    """
+    held = meta.get("step")
+    if held is not None and held != step:
+        raise _errors.CheckpointError(
+            f"checkpoint folder {os.path.join(directory, str(step))} holds step {held} (its "
+            "own verified record): step folders were renamed or swapped. Move each back to "
+            "the folder named for its step, or move them away to start over."
+        )
+
+
+def _disk_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+class _QuietWriteErrors(logging.Filter):
+    """Drops orbax's own error records (each with a traceback, ~30 of them) of a write that
+    failed for lack of space or permission: the :class:`Checkpointer` says it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            text += f" {error} {error.__cause__ or ''} {error.__context__ or ''}"
+        text = text.lower()
+        return not any(k in text for k in ("resource_exhausted", "no space left", "permission"))
+
+
+def _why(e: BaseException) -> str:
+    """A short cause of a failed write: ``no space left on the device``, ``permission
+    denied``, or the error's first line."""
+    text = str(e)
+    low = text.lower()
+    if "resource_exhausted" in low or "no space left" in low:
+        return "no space left on the device"
+    if "permission denied" in low or "read-only" in low or isinstance(e, PermissionError):
+        return "permission denied (read-only)"
+    if isinstance(e, FileNotFoundError) or "no such file" in low:
+        return "its folder vanished"
+    first = text.strip().splitlines()[0][:200] if text.strip() else ""
+    return f"{type(e).__name__}: {first}"
 
 
 def _warn(message: str) -> None:
@@ -55,10 +124,30 @@ def _abstract(state: Any) -> Any:
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
 
 
-def _layout(state: Any) -> str:
+def _layout_list(state: Any) -> list[list]:
+    """``[path, shape, dtype]`` of every leaf (arrays or abstract ``ShapeDtypeStruct`` s)."""
     leaves = jax.tree.leaves(state)
     paths = _integrity.leaf_paths(state)
-    return _integrity.json_digest([[p, list(x.shape), str(x.dtype)] for p, x in zip(paths, leaves)])
+    return [[p, list(x.shape), str(x.dtype)] for p, x in zip(paths, leaves)]
+
+
+def _layout(state: Any) -> str:
+    return _integrity.json_digest(_layout_list(state))
+
+
+def _layout_difference(saved: list | None, wanted: list) -> str:
+    """The first leaf that differs between a saved layout and the one wanted, in words."""
+    if not isinstance(saved, list):
+        return "its arrays' paths, shapes or dtypes differ (saved before layouts were recorded)"
+    have = {p: f"{d}{s}" for p, s, d in saved}
+    want = {p: f"{d}{s}" for p, s, d in wanted}
+    for path in [p for p, _, _ in wanted] + [p for p, _, _ in saved]:
+        if have.get(path) != want.get(path):
+            return (
+                f"{path} is {have.get(path, 'absent')} in the checkpoint and "
+                f"{want.get(path, 'absent')} in this run"
+            )
+    return "its leaves are in another order"
 
 
 def _for_saving(state: Any) -> Any:
@@ -144,6 +233,10 @@ class Checkpointer:
         self._good: set[int] = set()  # steps read back and verified
         self._target: Any = None  # abstract state, for reading checkpoints back
         self._closed = False
+        self._pending: tuple[int, int] | None = None  # (step, bytes) of a save under way
+        self.processes = jax.process_count()  #: the run's processes (a read-back's peers)
+        self._quiet = _QuietWriteErrors()
+        logging.getLogger("absl").addFilter(self._quiet)
 
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -165,9 +258,14 @@ class Checkpointer:
             return False
         if self._target is None:
             self._target = _abstract(state)
-        self.manager.wait_until_finished()
+        self.wait()
         self._prune(room=1)
-        rest = json.loads(json.dumps({k: v for k, v in meta.items() if k != CHECKSUM}))
+        need = self._expected_bytes(to_write)
+        problem = self._room_for(step, need)
+        if (_processes.gather_ints([problem is not None])[:, 0]).any():  # one verdict for all
+            raise _errors.StorageError(problem or self._elsewhere(step))
+        rest = {k: v for k, v in meta.items() if k != CHECKSUM}
+        rest = json.loads(json.dumps({**rest, LAYOUT: _layout_list(state)}))
         check = {"state": sums, "layout": _layout(state), "meta": _integrity.json_digest(rest)}
         self.manager.save(
             step,
@@ -177,7 +275,76 @@ class Checkpointer:
             ),
             force=True,
         )
+        self._pending = (step, need)
         return True
+
+    def _expected_bytes(self, state: Any) -> int:
+        """What the next checkpoint will take on disk: the newest one's size, or (for a
+        first save) twice the state's bytes (orbax's files add little to large arrays)."""
+        steps = self.all_steps()
+        if steps:
+            size = _disk_bytes(os.path.join(self.directory, str(steps[-1])))
+            if size:
+                return size
+        return 2 * sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state)) + 2**16
+
+    def _room_for(self, step: int, need: int) -> str | None:
+        """Why checkpoint ``step`` cannot be written here (``None`` if it can)."""
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            fs = os.statvfs(self.directory)
+        except OSError as e:
+            return self._write_failure(step, need, _why(e))
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            return self._write_failure(step, need, "permission denied (read-only)")
+        if fs.f_bavail * fs.f_frsize < need:
+            return self._write_failure(step, need, "no space left on the device")
+        return None
+
+    def _write_failure(self, step: int, need: int, why: str) -> str:
+        try:
+            fs = os.statvfs(self.directory)
+            free = f", {_metrics.format_bytes(fs.f_bavail * fs.f_frsize)} free"
+        except OSError:
+            free = ""
+        good = [s for s in self.all_steps() if s != step]
+        kept = (
+            f"the last good checkpoint (step {good[-1]}) is intact"
+            if good
+            else "no earlier checkpoint exists"
+        )
+        return (
+            f"checkpoint step {step} cannot be written to {self.directory}: {why} (it needs "
+            f"about {_metrics.format_bytes(need)}{free}); {kept}. Fix that and run the same "
+            "command to resume."
+        )
+
+    def _elsewhere(self, step: int) -> str:
+        return (
+            f"checkpoint step {step} cannot be written by another process of this run (see "
+            "its output); this process stops with it. The last good checkpoint is intact."
+        )
+
+    def failed_save(self) -> str | None:
+        """``None`` unless the last save failed in the background (then the line that says
+        so, once its half-written folder is removed); never waits for a save under way."""
+        if self._pending is None or self.manager.is_saving_in_progress():
+            return None
+        step, need = self._pending
+        self._pending = None
+        try:  # finished: neither waits; the writer's error is re-raised by one or the other
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001 - reported as one line
+            self._remove_partial()
+            return self._write_failure(step, need, _why(e))
+        return None
+
+    def _remove_partial(self) -> None:
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            for name in os.listdir(self.directory):
+                if _PARTIAL in name:
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def prepare(self, state: Any) -> None:
         """Runs the checksum pass once on ``state``, compiling what it needs.
@@ -193,7 +360,23 @@ class Checkpointer:
         _integrity.inspect_state(state)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits for a save under way.
+
+        Raises:
+          StorageError: if it failed (one line; its half-written folder removed).
+        """
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - orbax re-raises the writer's error
+            if self._pending is None:
+                raise
+            step, need = self._pending
+            self._pending = None
+            self._remove_partial()
+            raise _errors.StorageError(self._write_failure(step, need, _why(e))) from e
+        problem = self.failed_save()
+        if problem:
+            raise _errors.StorageError(problem)
 
     def read_meta(self, step: int) -> dict:
         """The verified ``meta`` of ``step``.
@@ -204,6 +387,7 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         meta = dict(out["meta"])
         _verify(step, None, meta)
+        _check_step(step, meta, self.directory)
         return meta
 
     def latest_meta(self) -> tuple[int, dict] | None:
@@ -211,6 +395,8 @@ class Checkpointer:
         for step in reversed(self.all_steps()):
             try:
                 return step, self.read_meta(step)
+            except _errors.CheckpointError:
+                raise
             except Exception:  # damage is reported when the state is restored
                 continue
         return None
@@ -224,7 +410,70 @@ class Checkpointer:
         )
         meta = dict(out["meta"])
         _verify(step, out["state"], meta)
+        _check_step(step, meta, self.directory)
         return out["state"], meta
+
+    def _check_layout(self, step: int) -> None:
+        """Refuses a checkpoint whose verified record says it holds another state layout
+        (the model, mode, codec or jaxcomp changed what a state holds): that is not damage,
+        and it is not set aside.
+
+        Raises:
+          CheckpointError: naming the first leaf that differs.
+        """
+        try:
+            meta = self.read_meta(step)
+        except _errors.CheckpointError:
+            raise
+        except Exception:  # noqa: BLE001 - damage: reported when the state is read
+            return
+        check = meta.get(CHECKSUM)
+        if not isinstance(check, dict) or check.get("layout") in (None, _layout(self._target)):
+            return
+        wanted = _layout_list(self._target)
+        raise _errors.CheckpointError(
+            f"checkpoint step {step} in {self.directory} holds a state of another layout: "
+            f"{_layout_difference(meta.get(LAYOUT), wanted)}. The model, mode, codec or "
+            "jaxcomp version changed what a run saves; resume it with what wrote it, or use a "
+            "new --workdir."
+        )
+
+    def _verdict(self, step: int) -> tuple[Any, dict] | Exception:
+        """Reads ``step`` back: ``(state, meta)``, or the error that says it is damaged.
+
+        Raises:
+          CheckpointError: for a step folder holding another step, or another layout.
+          PeerLost: when the read failed because another process is gone (not damage).
+        """
+        self._check_layout(step)
+        try:
+            return self._restore(step, self._target)
+        except _errors.CheckpointError:
+            raise
+        except Exception as e:  # orbax raises many kinds for damaged files
+            if _processes.is_peer_failure(e, self.processes):
+                raise _errors.PeerLost(
+                    f"reading checkpoint step {step} back failed because another process is "
+                    f"gone ({_reason(e)}); the checkpoint was left in place."
+                ) from e
+            return e
+
+    def _agreed_damage(self, step: int, error: Exception | None) -> Exception | None:
+        """Whether every process finds ``step`` good: one process's damage is everyone's
+        (the folder is shared); a failed agreement (a process gone) raises ``PeerLost``."""
+        try:
+            flags = _processes.gather_ints([error is not None])[:, 0]
+        except Exception as e:
+            if _processes.is_peer_failure(e, self.processes):
+                raise _errors.PeerLost(
+                    f"agreeing on checkpoint step {step} failed because another process is "
+                    f"gone ({_reason(e)}); the checkpoint was left in place."
+                ) from e
+            raise
+        if error is None and flags.any():
+            bad = [int(i) for i in flags.nonzero()[0]]
+            return DamagedCheckpoint(f"process(es) {bad} read it back damaged")
+        return error
 
     def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
         """Restores the newest checkpoint that verifies; ``None`` if there is none.
@@ -241,15 +490,16 @@ class Checkpointer:
         self._target = _abstract(abstract_state)
         damaged = []
         for step in reversed(steps):
-            try:
-                state, meta = self._restore(step, self._target)
-            except Exception as e:  # orbax raises many kinds for damaged files
+            got = self._verdict(step)
+            e = self._agreed_damage(step, got if isinstance(got, Exception) else None)
+            if e is not None:
                 damaged.append((step, _reason(e)))
                 _warn(
                     f"checkpoint step {step} in {self.directory} is damaged ({_reason(e)}); "
                     "falling back to an older one."
                 )
                 continue
+            state, meta = got
             self._good.add(step)
             if damaged:
                 self._set_aside([s for s, _ in damaged])
@@ -288,9 +538,9 @@ class Checkpointer:
             if step in self._good:
                 good = step
                 break
-            try:
-                self._restore(step, self._target)
-            except Exception as e:
+            got = self._verdict(step)
+            e = self._agreed_damage(step, got if isinstance(got, Exception) else None)
+            if e is not None:
                 _warn(f"checkpoint step {step} reads back damaged ({_reason(e)}); moving it away.")
                 damaged.append(step)
                 continue
@@ -318,10 +568,11 @@ class Checkpointer:
         """Waits for pending saves, applies retention and closes the manager (once)."""
         if self._closed:
             return
-        self.manager.wait_until_finished()
+        self.wait()
         self._prune(room=0)
         self.manager.close()
         self._closed = True
+        logging.getLogger("absl").removeFilter(self._quiet)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -331,6 +582,13 @@ class Checkpointer:
         abort (``KeyboardInterrupt``, :class:`~jaxcomp.train.Aborted`): leaves at once."""
         if self._closed or kind is None or not issubclass(kind, Exception):
             return
-        self.manager.wait_until_finished()
-        self.manager.close()
         self._closed = True
+        logging.getLogger("absl").removeFilter(self._quiet)
+        if issubclass(kind, _errors.PeerLost):
+            return  # a save under way waits on the lost process: do not wait with it
+        try:  # the error that ends the run is the one to report, not a save's after it
+            self.manager.wait_until_finished()
+            self.manager.close()
+        except Exception as e:  # noqa: BLE001
+            log.warning("while closing checkpoints after an error: %s", _reason(e))
+            self._remove_partial()

@@ -38,6 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "batch_size": REQUIRED,
     "eval_batch_size": None,
     "total_steps": REQUIRED,
+    "schedule_steps": None,
     "optax_name": "sgd",
     "optax": {},
     "lr": 0.1,
@@ -60,7 +61,10 @@ DEFAULTS: dict[str, Any] = {
 #: keys added after workdirs were written: left out of the fingerprint at their default, so
 #: that such a workdir resumes (its experiment.json has no such key)
 LATER_KEYS = {"compute_dtype": "float32"}
-#: keys that do not change what is computed (a workdir may be resumed with other values)
+#: schedules whose shape depends on a horizon (``schedule_steps``, default ``total_steps``)
+HORIZON_SCHEDULES = ("cosine", "warmup_cosine")
+#: keys that do not change what is computed (a workdir may be resumed with other values);
+#: ``total_steps`` shapes a cosine schedule through ``schedule_steps``, which is recorded
 RUN_ONLY_KEYS = (
     "total_steps",
     "log_every",
@@ -77,8 +81,12 @@ RUN_ONLY_KEYS = (
 def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Validates the keys of ``config`` and fills in defaults (returns a new, unlocked copy).
 
+    Every numeric key is checked by type, sign and range (:data:`NUMBERS`) here, before
+    anything is built or compiled.
+
     Raises:
-      ValueError: for an unknown key, a missing required key, or an unknown mode or schedule.
+      ValueError: for an unknown key, a missing required key, an unknown mode or schedule, or
+        a number out of its range (naming the key and the range).
     """
     given = dict(config.to_dict() if hasattr(config, "to_dict") else config)
     unknown = sorted(set(given) - set(DEFAULTS))
@@ -97,8 +105,14 @@ def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
         raise ValueError(f"config.batch_size must be a positive int; got {full['batch_size']!r}.")
     if not isinstance(full["total_steps"], int) or full["total_steps"] < 1:
         raise ValueError(f"config.total_steps must be a positive int; got {full['total_steps']!r}.")
+    check_numbers(full)
     if full["eval_batch_size"] is None:
         full["eval_batch_size"] = full["batch_size"]
+    if full["schedule_steps"] is not None and full["schedule"] not in HORIZON_SCHEDULES:
+        raise ValueError(
+            f"config.schedule_steps is the horizon of the cosine schedules "
+            f"{list(HORIZON_SCHEDULES)}; config.schedule is {full['schedule']!r}: leave it None."
+        )
     try:
         mesh = [(str(n), int(s)) for n, s in full["mesh"]]
     except (TypeError, ValueError) as e:
@@ -109,14 +123,82 @@ def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     return ml_collections.ConfigDict(full)
 
 
+#: the other top-level numeric keys: ``(kind, lower bound, upper bound or None, None allowed)``;
+#: ``"int"`` keys take integers, ``"real"`` keys finite numbers, ``"positive"`` finite numbers
+#: strictly above the bound
+NUMBERS: dict[str, tuple[str, float, float | None, bool]] = {
+    "seed": ("int", 0, 2**32 - 1, False),  # numpy's generators take no negative seed
+    "eval_batch_size": ("int", 1, None, True),
+    "schedule_steps": ("int", 1, None, True),
+    "lr": ("positive", 0, None, False),
+    "warmup_steps": ("int", 0, None, False),
+    "grad_clip_norm": ("positive", 0, None, True),
+    "weight_decay": ("real", 0, None, False),
+    "log_every": ("int", 1, None, False),
+    "eval_every": ("int", 0, None, False),
+    "checkpoint_every": ("int", 0, None, False),
+    "keep_checkpoints": ("int", 1, None, False),
+    "max_nonfinite_in_a_row": ("int", 1, None, False),
+}
+
+
+def check_numbers(full: dict[str, Any]) -> None:
+    """Checks every key of :data:`NUMBERS` (and ``lr_decay_steps``' entries) in ``full``.
+
+    Raises:
+      ValueError: ``"config.KEY must be ... ; got VALUE."`` for the first key out of range.
+    """
+    for key, (kind, lo, hi, optional) in NUMBERS.items():
+        name, value = f"config.{key}", full[key]
+        if kind == "int":
+            _validate.check_int(name, value, int(lo), hi, optional=optional)
+        elif kind == "positive":
+            _validate.check_number(name, value, gt=lo, finite=True, optional=optional)
+        else:
+            _validate.check_number(name, value, ge=lo, finite=True, optional=optional)
+    steps = full["lr_decay_steps"]
+    if not isinstance(steps, (list, tuple)):
+        raise ValueError(f"config.lr_decay_steps must be a list of steps; got {steps!r}.")
+    for i, step in enumerate(steps):
+        _validate.check_int(f"config.lr_decay_steps[{i}]", step, 1)
+
+
+def check_batch_divisible(config: ml_collections.ConfigDict, divisor: int, what: str) -> None:
+    """``config.batch_size`` and ``config.eval_batch_size`` must split over ``divisor`` shards
+    (``what`` names them: ``"the 8 devices"``, ``"4 workers"``).
+
+    Raises:
+      ValueError: naming the key, its value and the divisor.
+    """
+    for key in ("batch_size", "eval_batch_size"):
+        if config[key] % divisor:
+            raise ValueError(f"config.{key} ({config[key]}) is not divisible by {what}.")
+
+
 def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The part of the config that identifies an experiment (everything but run-length and
-    logging keys), as plain JSON-able data."""
+    logging keys), as plain JSON-able data.
+
+    A cosine schedule's horizon is recorded as ``schedule_steps`` (resolved: ``total_steps``
+    unless given), so that another ``total_steps`` that would reshape every step's learning
+    rate is refused by name; other schedules record no horizon and may run longer.
+    """
     d = json.loads(config.to_json_best_effort())
-    return {
+    out = {
         k: v for k, v in sorted(d.items())
         if k not in RUN_ONLY_KEYS and not (k in LATER_KEYS and v == LATER_KEYS[k])
     }  # fmt: skip
+    out.pop("schedule_steps", None)
+    if config.schedule in HORIZON_SCHEDULES:
+        out["schedule_steps"] = schedule_horizon(config)
+    return dict(sorted(out.items()))
+
+
+def schedule_horizon(config: ml_collections.ConfigDict) -> int:
+    """The step a cosine schedule reaches its end value: ``schedule_steps``, else
+    ``total_steps``."""
+    given = config.get("schedule_steps")
+    return int(config.total_steps if given is None else given)
 
 
 def fingerprint_hash(fp: dict[str, Any]) -> str:
@@ -138,10 +220,12 @@ def diff_keys(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[st
 def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
     """The schedule named by ``config.schedule`` with peak ``config.lr``.
 
-    ``constant``; ``cosine`` (to 0 over ``total_steps``); ``warmup_cosine`` (linear warm-up for
-    ``warmup_steps``, then cosine); ``step`` (divided by 10 at each of ``lr_decay_steps``).
+    ``constant``; ``cosine`` (to 0 at step :func:`schedule_horizon`: ``schedule_steps``, by
+    default ``total_steps``; 0 after it); ``warmup_cosine`` (linear warm-up for
+    ``warmup_steps``, then cosine to the same horizon); ``step`` (divided by 10 at each of
+    ``lr_decay_steps``).
     """
-    lr, total = float(config.lr), int(config.total_steps)
+    lr, total = float(config.lr), schedule_horizon(config)
     if config.schedule == "constant":
         return optax.constant_schedule(lr)
     if config.schedule == "cosine":

@@ -69,8 +69,7 @@ def build_dense(
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
     n_dev = mesh.size
-    if config.batch_size % n_dev:
-        raise ValueError(f"batch_size {config.batch_size} is not divisible by the {n_dev} devices.")
+    _config.check_batch_divisible(config, n_dev, f"the {n_dev} devices")
 
     def init(key):
         params, model_state = _mode.split_variables(model.init(key))

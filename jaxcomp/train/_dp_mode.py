@@ -226,8 +226,7 @@ def build_data_parallel(
     if sync and has_state:
         model = model.with_batch_axis(comm.DATA)
     workers = math.prod(mesh.shape[a] for a in axes)
-    if config.batch_size % workers:
-        raise ValueError(f"batch_size {config.batch_size} is not divisible by {workers} workers.")
+    _config.check_batch_divisible(config, workers, f"{workers} workers")
     steps_per_epoch = max(1, num_train_samples // config.batch_size)
     schedule = _config.learning_rate(config)
     tx, name = _transform(cfg, config, schedule, steps_per_epoch, num_train_samples, axis)

@@ -2,7 +2,9 @@
 
 ``SetupError`` is a problem with the input (config, mesh, workdir) found before the first
 training step: the CLI prints it as one line. ``NonFiniteError`` and ``Interrupted`` end a run
-that has saved its state. Anything else is a bug and keeps its traceback.
+that has saved its state; ``StorageError`` (a checkpoint or the workdir could not be written)
+and ``PeerLost`` (another process is gone) end a run at once, keeping its last good checkpoint.
+Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +19,27 @@ class SetupError(ValueError):
 
 class CheckpointError(SetupError):
     """A workdir whose checkpoints exist but none can be restored."""
+
+
+class WorkdirInUse(SetupError):
+    """The workdir is held by another live run (its lock names it)."""
+
+
+class StorageError(RuntimeError):
+    """The workdir or a checkpoint could not be written, or the workdir vanished, during the
+    run: the run stops at once, the last good checkpoint kept (one-line message)."""
+
+
+class PeerLost(RuntimeError):
+    """Another process of a multi-process run died, stopped answering or could not be
+    reached: this process stops (one-line message naming the process and what happened).
+
+    Attributes:
+      exit_code: the CLI's exit status for it (69, ``EX_UNAVAILABLE``); the training loop's
+        watchdog, which cannot raise in a thread blocked in a collective, exits with it too.
+    """
+
+    exit_code = 69
 
 
 class NonFiniteError(RuntimeError):

@@ -66,6 +66,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _validate
 from jaxcomp import comm
 from jaxcomp import pipeline
 from jaxcomp._compile import compile_all
@@ -166,7 +167,8 @@ def build_pipeline(
             )
         model = model.with_batch_axis(comm.DATA)
     eval_stats = "mean" if eval_with == "mean" else "replica0"
-    m = int(cfg["num_microbatches"])
+    m = _validate.check_int("config.pipeline.num_microbatches", cfg["num_microbatches"], 1)
+    _validate.check_int("config.pipeline.warmup_epochs", cfg["warmup_epochs"], 0)
     for name, bs in (
         ("batch_size", config.batch_size),
         ("eval_batch_size", config.eval_batch_size),

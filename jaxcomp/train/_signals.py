@@ -12,9 +12,9 @@ from __future__ import annotations
 import signal
 import threading
 
-import jax
 import numpy as np
 
+from jaxcomp.train import _processes
 from jaxcomp.train._errors import Aborted
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -43,6 +43,11 @@ class StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
+                # a signal that a handler of the caller recorded (the CLI's, from its first
+                # line) counts as received here
+                early = getattr(self._previous[s], "signum", None)
+                if self.signum is None and early is not None:
+                    self.signum = early
         return self
 
     def __exit__(self, *exc) -> None:
@@ -67,10 +72,24 @@ class StopOnSignal:
 
     def should_stop(self) -> bool:
         """Whether a signal asked this process (or, with several processes, any) to stop."""
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            signums = np.asarray(multihost_utils.process_allgather(np.int32(self.signum or 0)))
-            if self.signum is None and signums.max() > 0:  # another process was signalled
-                self.signum = int(signums[signums > 0][0])
+        self.agree()
         return self.signum is not None
+
+    def agree(self, fault: int = 0) -> np.ndarray:
+        """Agrees on a stop over all processes, with each process's ``fault`` code.
+
+        One collective carries both: a signal received by any process stops every process
+        after the same step (:attr:`signum` is set from another process's signal), and the
+        codes let every process stop together when one of them cannot go on.
+
+        Args:
+          fault: this process's code (0: nothing wrong).
+
+        Returns:
+          Every process's fault code, by process index.
+        """
+        codes = _processes.gather_ints([self.signum or 0, fault])
+        signums = codes[:, 0]
+        if self.signum is None and signums.max() > 0:  # another process was signalled
+            self.signum = int(signums[signums > 0][0])
+        return codes[:, 1]

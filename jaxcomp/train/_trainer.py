@@ -8,6 +8,7 @@ mesh, the workdir) is checked before the first step runs and raised as a one-lin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import json
@@ -27,15 +28,21 @@ from jaxcomp import data
 from jaxcomp import models
 from jaxcomp.train import _checkpoint
 from jaxcomp.train import _config
+from jaxcomp.train import _lock
 from jaxcomp.train import _metrics
 from jaxcomp.train import _mode
 from jaxcomp.train import _precision
+from jaxcomp.train import _processes
 from jaxcomp.train import _progress
 from jaxcomp.train import _signals
+from jaxcomp.train import _watchdog
 from jaxcomp.train import _workdir
 from jaxcomp.train._errors import Interrupted
 from jaxcomp.train._errors import NonFiniteError
+from jaxcomp.train._errors import PeerLost
 from jaxcomp.train._errors import SetupError
+from jaxcomp.train._errors import StorageError
+from jaxcomp.train._errors import WorkdirInUse
 from jaxcomp.train._errors import setup_phase
 
 log = logging.getLogger(__name__)
@@ -149,13 +156,16 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0)) if loss == loss else math.nan
 
 
-def evaluate(s: Setup, state: RunState, compressed: bool) -> dict[str, float]:
-    """Mean loss and accuracy over the whole test split."""
+def evaluate(s: Setup, state: RunState, compressed: bool, beat=None) -> dict[str, float]:
+    """Mean loss and accuracy over the whole test split (``beat()`` after each batch: the
+    watchdog of a multi-process run sees progress)."""
     totals: dict[str, float] = {"loss_sum": 0.0, "correct_sum": 0.0, "count": 0.0}
     for batch in s.eval_loader.epoch(0):
         sums = s.mode.eval_step(state.mode_state, place(batch, s.mode.batch_sharding), compressed)
         for k, v in _scalars(sums).items():
             totals[k] += v
+        if beat is not None:
+            beat()
     n = max(totals["count"], 1.0)
     return {"loss": totals["loss_sum"] / n, "accuracy": totals["correct_sum"] / n}
 
@@ -174,8 +184,18 @@ FRESH_META = {
 }
 
 
+#: seconds without progress after which a process of a multi-process run gives up on the
+#: others (the CLI's ``--peer_timeout``)
+PEER_TIMEOUT_S = 90.0
+
+
 def train_and_evaluate(
-    config: ml_collections.ConfigDict, workdir: str, *, devices=None, stop_after: int | None = None
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    devices=None,
+    stop_after: int | None = None,
+    peer_timeout_s: float = PEER_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Trains and evaluates ``config`` in ``workdir``, resuming from its latest checkpoint.
 
@@ -191,6 +211,11 @@ def train_and_evaluate(
       devices: devices for the mesh (default: all).
       stop_after: stop (after checkpointing) once this many steps have run in this call; used
         to test resumption.
+      peer_timeout_s: with several processes, the bound: a process whose training loop makes
+        no progress for this long (another process stopped, hung or cut off) exits with
+        ``PeerLost.exit_code`` and a line naming the process (:mod:`._watchdog`); a process
+        that comes back sooner does not stop the run. It must exceed the longest step,
+        evaluation or checkpoint wait.
 
     Returns:
       The summary: final metrics, bytes per step, wall time (the finished run's summary if
@@ -200,6 +225,10 @@ def train_and_evaluate(
       SetupError: a bad config, mesh or workdir (one line), before any step.
       NonFiniteError: after ``max_nonfinite_in_a_row`` skipped steps (the last good state saved).
       Interrupted: on the first SIGTERM/SIGINT, with the step's checkpoint saved.
+      WorkdirInUse: (a ``SetupError``) another live run holds the workdir; its line names it.
+      StorageError: a checkpoint or the workdir could not be written, or the workdir vanished
+        (one line; the last good checkpoint kept).
+      PeerLost: another process of the run is gone (a failed collective; one line naming it).
     """
     t_start = time.perf_counter()
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
@@ -208,21 +237,24 @@ def train_and_evaluate(
         config = _config.with_defaults(config)
         fp = _config.fingerprint(config)
         _workdir.prepare(workdir)
-        latest = None
-        if _workdir.has_checkpoints(workdir):
-            probe = _checkpoint.Checkpointer(workdir, config.keep_checkpoints)
-            latest = probe.latest_meta()
-            probe.close()
-        _workdir.check_experiment(workdir, fp, latest)
-        done = _workdir.finished_summary(workdir, config.total_steps, latest)
-    if done is not None:
-        say(
-            f"jaxcomp: the run in {workdir} is finished ({done['steps']} of "
-            f"{config.total_steps} steps); nothing to do. Raise total_steps to continue it; "
-            "its summary is summary.txt."
-        )
-        return done
-    with _signals.StopOnSignal() as stop:
+    with _signals.StopOnSignal() as stop, _holding(workdir, say) as lock:
+        with setup_phase():
+            latest = None
+            if _workdir.has_checkpoints(workdir):
+                probe = _checkpoint.Checkpointer(workdir, config.keep_checkpoints)
+                latest = probe.latest_meta()
+                probe.close()
+            _workdir.check_experiment(workdir, fp, latest)
+            done = _workdir.finished_summary(workdir, config.total_steps, latest)
+        if done is not None:
+            say(_workdir.finished_message(workdir, config, done["steps"]))
+            return done
+        if stop.should_stop():  # a signal during startup: before compiling anything
+            at = latest[0] if latest else 0
+            raise Interrupted(
+                stop.signum, at, f"interrupted by {stop.name} before step {at + 1}; nothing "
+                "new to save."
+            )  # fmt: skip
         say(
             f"jaxcomp: {config.mode} | model {config.model_name}, data {config.data_name}, "
             f"batch {config.batch_size}, {config.total_steps} steps, mesh {dict(config.mesh)}"
@@ -230,9 +262,51 @@ def train_and_evaluate(
         with _progress.compiles_announced(say):
             s = setup(config, devices=devices)
         _describe(s, say)
-        # on an error, pending saves finish before it propagates
+        dog = None
+        if jax.process_count() > 1:
+            team = _watchdog.peers()
+            dog = _watchdog.Watchdog(peer_timeout_s, PeerLost.exit_code, team, on_exit=lock.release)
+        lost = (lambda: dog.lost(wait_s=3 * dog.interval_s)) if dog else None
+        # on an error, pending saves finish before it propagates (not when a peer is lost)
         with _checkpoint.Checkpointer(workdir, config.keep_checkpoints) as ckpt:
-            return _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say)
+            with _processes.peer_failures_as_lost(lost), _workdir.writing(workdir):
+                run = (s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say)
+                return _train(*run)
+
+
+@contextlib.contextmanager
+def _holding(workdir: str, say):
+    """Holds the workdir's lock for the run (process 0 takes it, every process learns the
+    outcome); refuses a workdir that a live run holds.
+
+    Raises:
+      WorkdirInUse: naming the other run (on every process).
+    """
+    lock = _lock.RunLock(workdir, hold=jax.process_index() == 0)
+    try:
+        lock.acquire()
+        refused = ""
+    except WorkdirInUse as e:
+        refused = str(e)
+    refused = _processes.text_of_process_0(refused)
+    if refused:
+        lock.release()
+        raise WorkdirInUse(refused)
+    if lock.taken_over:
+        say(f"jaxcomp: took over the lock of a run that is gone: {lock.taken_over}.")
+    try:
+        yield lock
+    finally:
+        lock.release()
+        lock.remove_recreated()  # a deleted workdir stays deleted
+
+
+#: what a process tells the others when it cannot go on (agreed after every step)
+FAULT_WORKDIR, FAULT_SAVE = 1, 2
+_FAULTS = {
+    FAULT_WORKDIR: "lost its workdir (deleted, replaced or taken over)",
+    FAULT_SAVE: "could not write its workdir or a checkpoint",
+}
 
 
 def _describe(s: Setup, say) -> None:
@@ -252,25 +326,69 @@ def _describe(s: Setup, say) -> None:
     say(f"  wire bytes/step {wire0} (dense {_metrics.format_bytes(mode.dense_bytes)})")
 
 
-def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, Any]:
-    """Restores, runs the loop, evaluates and writes the summary."""
+def _health(lock, ckpt, held, stop, step: int) -> None:
+    """Stops every process at once when one lost its workdir, could not write to it
+    (``held``: metrics) or a checkpoint failed to be written; agrees on signals on the way
+    (one collective per step).
+
+    Raises:
+      StorageError: the local problem, or which process stopped the run.
+    """
+    problem = lock.check()
+    code = FAULT_WORKDIR if problem else 0
+    if problem:
+        problem += f" (found after step {step}); nothing more is written (a checkpoint would " \
+            "recreate it), the run stops"  # fmt: skip
+    elif held.problem:
+        problem, code = held.problem, FAULT_SAVE
+    else:
+        problem = ckpt.failed_save()
+        code = FAULT_SAVE if problem else 0
+    codes = stop.agree(code)
+    if not codes.any():
+        return
+    if not problem:
+        k = int(codes.nonzero()[0][0])
+        problem = (
+            f"process {k} {_FAULTS[int(codes[k])]} after step {step} (see its output); this "
+            "process stops with it"
+        )
+    raise StorageError(problem)
+
+
+def _train(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> dict[str, Any]:
+    """Restores, runs the loop (watched by ``dog`` with several processes), evaluates and
+    writes the summary."""
+    try:
+        return _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say)
+    finally:
+        if dog is not None:
+            dog.stop()
+
+
+def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> dict[str, Any]:
     lead = jax.process_index() == 0
     mode, cfg = s.mode, s.config
     writer = _metrics.MetricWriter(
         workdir, lead, cfg.writers, json.loads(cfg.to_json_best_effort())
     )
+    held = _workdir.HeldWriteError(workdir)  # a failed metrics write stops every process
     # modes place their own state; no ambient mesh (shard_map bodies may seed PRNGs)
     state = RunState(
         mode.init(jax.random.key(cfg.seed)),
         _replicated(np.asarray(jax.random.key_data(jax.random.key(cfg.seed))), s.mesh),
     )
     meta = copy.deepcopy(FRESH_META)
+    topology = _workdir.topology(s.mesh)
     with setup_phase():
         restored = ckpt.restore_latest(state)
         if restored is not None:
             _, state, saved_meta = restored
             meta.update(saved_meta)  # its step <= total_steps: checked from its meta before
             say(f"  resumed from step {meta['step']}")
+            change = _workdir.topology_change(saved_meta.get("topology"), topology)
+            if change:
+                say(f"  {change}")
         writer.truncate_after(int(meta["step"]))  # a fresh start clears an old run's rows
     if lead:
         _workdir.write_experiment(workdir, fp)
@@ -286,7 +404,8 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
         if saved[0] == at_step:
             return
         m = {"step": at_step, "epoch": data_state.epoch, "index": data_state.index, **run}
-        m.update(fingerprint=fp, wall_time_s=wall0 + time.perf_counter() - t_start)
+        m.update(fingerprint=fp, topology=topology)
+        m.update(wall_time_s=wall0 + time.perf_counter() - t_start)
         if ckpt.save(at_step, state, m):
             saved[0] = at_step
 
@@ -298,6 +417,8 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
     if stop.should_stop():
         interrupt(f"before step {step + 1}; nothing new to save.")
     _compile_ahead(s, state, ckpt)
+    if dog is not None:  # from here on, every step is bounded
+        dog.start()
     progress = _progress.Progress(cfg.total_steps, step, enabled=lead)
     logged, step_seconds = step, 0.0  # the writers' step time since the last train record
     # --- Loop ----------------------------------------------------------------------------
@@ -314,6 +435,9 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
         now = time.perf_counter()
         step_seconds += now - t_step
         writer.write_time(step, now - t_step, wall0 + now - t_start)
+        if dog is not None:
+            dog.beat(step)
+        _health(lock, ckpt, held, stop, step)
         if m.get("finite", 1.0) < 1.0:
             run["nonfinite_total"] += 1
             run["nonfinite_streak"] += 1
@@ -338,15 +462,19 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
             avg.setdefault("wire_bytes", mode.wire_bytes)  # a mode may report it per step
             avg.update(nonfinite_steps=run["nonfinite_total"], epoch=data_state.epoch)
             seconds = step_seconds / (step - logged)
-            writer.write(step, "train", {k: v for k, v in avg.items() if k != "finite"}, seconds)
+            with held.catching():
+                writer.write(
+                    step, "train", {k: v for k, v in avg.items() if k != "finite"}, seconds
+                )
             logged, step_seconds = step, 0.0
             progress.update(step, avg, final=step == cfg.total_steps)
             run["window"] = []
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.total_steps:
-            _log_eval(s, state, step, writer, progress)
+            with held.catching():
+                _log_eval(s, state, step, writer, progress, dog=dog)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             save(step)
-        if stop.should_stop() and step < cfg.total_steps:
+        if stop.signum is not None and step < cfg.total_steps:  # agreed by _health
             save(step)
             interrupt(
                 f"after step {step} of {cfg.total_steps}; checkpoint saved in "
@@ -361,7 +489,10 @@ def _train(s, ckpt, fp, workdir, stop_after, stop, t_start, say) -> dict[str, An
     # restored at the last step (a run stopped before writing its summary): the final eval
     # may be on record already; every process evaluates, only a missing record is written
     write = not (restored is not None and saved[0] == step and writer.find(step, "eval"))
-    final = _log_eval(s, state, step, writer, progress, write=write)
+    final = {}  # a failed write of its record stops the run at the _health below
+    with held.catching():
+        final = _log_eval(s, state, step, writer, progress, write=write, dog=dog)
+    _health(lock, ckpt, held, stop, step)
     save(step)
     ckpt.close()
     wire = run["wire_sum"] / run["wire_count"] if run["wire_count"] else mode.wire_bytes
@@ -388,11 +519,12 @@ def _compile_ahead(s: Setup, state: RunState, ckpt: _checkpoint.Checkpointer) ->
         jax.block_until_ready(s.mode.eval_step(state.mode_state, batch, compressed))
 
 
-def _log_eval(s: Setup, state, step, writer, progress, write: bool = True) -> dict:
+def _log_eval(s: Setup, state, step, writer, progress, write: bool = True, dog=None) -> dict:
     out = {}
-    off = evaluate(s, state, compressed=False)
+    beat = None if dog is None else (lambda: dog.beat(step))
+    off = evaluate(s, state, compressed=False, beat=beat)
     if s.mode.has_compressed_eval:
-        on = evaluate(s, state, compressed=True)
+        on = evaluate(s, state, compressed=True, beat=beat)
         out.update(loss=on["loss"], accuracy=on["accuracy"])
         out.update(loss_uncompressed=off["loss"], accuracy_uncompressed=off["accuracy"])
         progress.message(

@@ -8,9 +8,12 @@ final step and whose ``summary.json`` is written is finished: running it again c
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import shutil
 from typing import Any
 
 from jaxcomp.train import _collectives
@@ -38,6 +41,71 @@ def prepare(workdir: str) -> None:
         raise _errors.SetupError(f"cannot create workdir {workdir!r}: {e.strerror}.") from e
     if not os.access(workdir, os.W_OK | os.X_OK):
         raise _errors.SetupError(f"workdir {workdir!r} is not writable.")
+
+
+#: errors of a write that fail for the disk, not the program (``open(..., "a")`` reports a full
+#: disk at ``write``/``close``, without a file name)
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+
+
+def write_failure(workdir: str, error: OSError) -> str | None:
+    """The line for an ``OSError`` writing ``workdir`` (``None`` when it is about another
+    path: the data, the compile cache)."""
+    root = os.path.abspath(workdir)
+    path = os.path.abspath(str(error.filename)) if error.filename else ""
+    if not (path == root or path.startswith(root + os.sep)):
+        if path or error.errno not in _DISK_ERRNOS:
+            return None
+        path = root
+    try:
+        free = f" ({_metrics.format_bytes(shutil.disk_usage(root).free)} free)"
+    except OSError:
+        free = ""
+    return (
+        f"cannot write {path}: {error.strerror or error}{free}; the run stops, its last good "
+        "checkpoint stays. Fix that and run the same command to resume."
+    )
+
+
+@contextlib.contextmanager
+def writing(workdir: str):
+    """Turns an ``OSError`` writing ``workdir`` (metrics, summary, records on a full,
+    read-only or vanished disk) into one line: :class:`~jaxcomp.train.StorageError`.
+
+    Errors on other paths (the data, the compile cache) pass as they are.
+    """
+    try:
+        yield
+    except OSError as e:
+        problem = write_failure(workdir, e)
+        if problem is None:
+            raise
+        raise _errors.StorageError(problem) from e
+
+
+class HeldWriteError:
+    """Holds an ``OSError`` writing the workdir (process 0's metrics) until every process
+    agrees to stop after the next step, so that no process is left in a collective.
+
+    Example:
+      >>> held = HeldWriteError(workdir)  # doctest: +SKIP
+      >>> with held.catching():  # doctest: +SKIP
+      ...     writer.write(step, "train", scalars)
+      >>> held.problem  # None, or the line for the error
+    """
+
+    def __init__(self, workdir: str):
+        self.workdir, self.problem = workdir, None
+
+    @contextlib.contextmanager
+    def catching(self):
+        try:
+            yield
+        except OSError as e:
+            problem = write_failure(self.workdir, e)
+            if problem is None:
+                raise
+            self.problem = self.problem or problem
 
 
 def has_checkpoints(workdir: str) -> bool:
@@ -68,6 +136,7 @@ def check_experiment(workdir: str, fp: dict[str, Any], latest: tuple[int, dict] 
             ) from e
         if old != fp:
             keys = _config.diff_keys(old, fp)
+            _refuse_horizon(workdir, keys, old, fp)
             raise _errors.SetupError(
                 f"workdir {workdir!r} holds a checkpoint of another experiment "
                 f"(config differs in {keys[:6]}); use a new --workdir."
@@ -79,6 +148,7 @@ def check_experiment(workdir: str, fp: dict[str, Any], latest: tuple[int, dict] 
     missing = "" if os.path.exists(path) else f" (its {EXPERIMENT} is missing)"
     if isinstance(saved, dict) and saved != fp:
         keys = _config.diff_keys(saved, fp)
+        _refuse_horizon(workdir, keys, saved, fp)
         raise _errors.SetupError(
             f"workdir {workdir!r} holds a checkpoint (step {step}) of another experiment"
             f"{missing}: the config differs in {keys[:6]}; use a new --workdir."
@@ -88,6 +158,83 @@ def check_experiment(workdir: str, fp: dict[str, Any], latest: tuple[int, dict] 
             f"workdir {workdir!r} holds a checkpoint (step {step}) of another experiment"
             f"{missing}: its config fingerprint differs from this config's; use a new --workdir."
         )
+
+
+def _refuse_horizon(workdir: str, keys: list[str], old: dict, fp: dict) -> None:
+    """The line for a resume that would move a cosine schedule's horizon (and nothing else).
+
+    Raises:
+      SetupError: when ``keys`` (the differing keys) is ``["schedule_steps"]``.
+    """
+    if keys != ["schedule_steps"]:
+        return
+    was, now = old.get("schedule_steps"), fp.get("schedule_steps")
+    if was is None:  # recorded before the horizon was: its total_steps is unknown
+        raise _errors.SetupError(
+            f"workdir {workdir!r} holds a {fp['schedule']} run whose schedule horizon was not "
+            f"recorded; this config's ends at step {now}: set config.schedule_steps to the "
+            "total_steps it was started with, or use a new --workdir."
+        )
+    what = "a schedule ending" if now is None else f"its {fp['schedule']} schedule ends"
+    raise _errors.SetupError(
+        f"workdir {workdir!r} holds a run whose {old['schedule']} schedule ends at step {was} "
+        f"(config.schedule_steps, by default total_steps); with this config {what} at step "
+        f"{now}, which changes every step's learning rate. To run on with the saved schedule "
+        f"(past step {was} its learning rate stays at its end value), add --set "
+        f"schedule_steps={was}; for another schedule use a new --workdir."
+    )
+
+
+def finished_message(workdir: str, config: Any, steps: int) -> str:
+    """What a rerun of a finished workdir prints: how to continue it, if it can be."""
+    head = (
+        f"jaxcomp: the run in {workdir} is finished ({steps} of {config.total_steps} steps); "
+        "nothing to do."
+    )
+    if config.schedule in _config.HORIZON_SCHEDULES:
+        horizon = _config.schedule_horizon(config)
+        return (
+            f"{head} Its {config.schedule} schedule ends at step {horizon}: a longer run with "
+            f"another horizon is a new --workdir (raising total_steps alone is refused); its "
+            "summary is summary.txt."
+        )
+    return f"{head} Raise total_steps to continue it; its summary is summary.txt."
+
+
+def topology(mesh: Any) -> dict[str, Any]:
+    """Where a run computes: processes, devices per process, platform (saved with every
+    checkpoint; not part of the experiment's identity)."""
+    import jax
+
+    return {
+        "processes": jax.process_count(),
+        "devices_per_process": jax.local_device_count(),
+        "platform": mesh.devices.flat[0].platform,
+    }
+
+
+def topology_change(saved: dict | None, now: dict) -> str | None:
+    """The line a resume on other processes, devices or platform prints, or ``None``.
+
+    Supported exactly: the state is restored bit for bit (its checksums verified) and laid
+    out on this run's devices by its mesh, whose axes and sizes the experiment fixes; the
+    steps after it compute the same values as an uninterrupted run up to float rounding,
+    since collectives spread over other processes reduce in another order.
+    """
+    if not isinstance(saved, dict) or saved == now:
+        return None
+
+    def where(t):
+        return (
+            f"{t.get('processes')} process(es) x {t.get('devices_per_process')} "
+            f"{t.get('platform')} device(s)"
+        )
+
+    return (
+        f"the checkpoint was saved by {where(saved)}, this run has {where(now)}: its state is "
+        "restored exactly; later steps match an uninterrupted run up to float rounding "
+        "(collectives reduce in another order)."
+    )
 
 
 def write_experiment(workdir: str, fp: dict[str, Any]) -> None:

@@ -1,0 +1,67 @@
+"""Checkpoint verdicts that must not be mistaken for damage (issue 37, items 2 and 4).
+
+A read-back whose collective fails because another process is gone made the survivor move a
+good checkpoint to ``checkpoints.damaged/`` ("Connection reset by peer", 2 of 2 tries); a
+checkpoint of another state layout (the model, mode, codec or jaxcomp changed what a state
+holds) was reported as damaged, without saying what differs.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxcomp import train
+
+
+def _saved(tmp_path, steps=(4, 8)):
+    ckpt = train.Checkpointer(str(tmp_path), keep=2)
+    for s in steps:
+        assert ckpt.save(s, {"w": jnp.full((16,), float(s))}, {"step": s})
+        ckpt.wait()
+    return ckpt
+
+
+def test_a_read_back_failing_for_a_lost_peer_keeps_the_checkpoint(tmp_path, monkeypatch):
+    ckpt = _saved(tmp_path)
+    ckpt._good.clear()  # as after a restart: step 8 is read back before 4 may be deleted
+    ckpt.processes = 2  # a 2-process run whose other process was just killed
+
+    real = ckpt._restore
+
+    def restore(step, target):
+        if step != 8:
+            return real(step, target)
+        raise jax.errors.JaxRuntimeError(
+            "UNKNOWN: Gloo all-gather failed: [gloo/transport/tcp/pair.cc:538] Read error "
+            "[127.0.0.1]:49366: Connection reset by peer"
+        )
+
+    monkeypatch.setattr(ckpt, "_restore", restore)
+    with pytest.raises(train.PeerLost, match="another process is gone.*left in place"):
+        ckpt.save(12, {"w": jnp.full((16,), 12.0)}, {"step": 12})
+    assert sorted(os.listdir(tmp_path / "checkpoints"), key=int) == ["4", "8"]
+    assert not (tmp_path / "checkpoints.damaged").exists()
+    # the same error in a single process is a damaged checkpoint, as before
+    ckpt.processes = 1
+    assert ckpt.save(12, {"w": jnp.full((16,), 12.0)}, {"step": 12})
+    ckpt.close()
+    assert os.listdir(tmp_path / "checkpoints.damaged") == ["8"]
+    assert sorted(os.listdir(tmp_path / "checkpoints"), key=int) == ["4", "12"]
+
+
+def test_a_checkpoint_of_another_layout_is_refused_by_name_not_set_aside(tmp_path):
+    _saved(tmp_path).close()
+    wider = {"w": jnp.zeros((16,)), "extra": jnp.zeros((2, 3), jnp.int32)}
+    with pytest.raises(train.CheckpointError) as info:
+        train.Checkpointer(str(tmp_path)).restore_latest(wider)
+    text = str(info.value)
+    assert "checkpoint step 8" in text and "holds a state of another layout" in text, text
+    assert "['extra'] is absent in the checkpoint and int32[2, 3] in this run" in text, text
+    assert "damaged" not in text
+    assert sorted(os.listdir(tmp_path / "checkpoints"), key=int) == ["4", "8"]
+    assert not (tmp_path / "checkpoints.damaged").exists()
+    # the same layout still restores
+    step, state, _ = train.Checkpointer(str(tmp_path)).restore_latest({"w": jnp.zeros((16,))})
+    assert step == 8 and float(state["w"][0]) == 8.0

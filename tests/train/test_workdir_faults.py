@@ -1,0 +1,265 @@
+"""Faults of the workdir during a single-host run (issue 37, item 5): a workdir deleted
+mid-run, swapped step folders, a full disk, a signal during startup.
+
+Each used to be silent or unhelpful: a deleted workdir was recreated (exit 0, metrics starting
+mid-run, ``experiment.json`` gone); swapped folders resumed "from step 15" out of folder 20,
+then retention deleted the real step-20 state; a full disk was noticed one checkpoint late in
+592 lines and 31 tracebacks; a SIGINT in the first second was ignored in 3 of 7 tries.
+"""
+
+import contextlib
+import io
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+from jaxcomp import main
+from jaxcomp import train
+from jaxcomp.train import _checkpoint
+from jaxcomp.train import _trainer
+
+ROOT = pathlib.Path(__file__).parents[2]
+CONFIG = str(ROOT / "configs" / "digits_dense.py") + ":smoke"
+TINY = {"model.hidden": (32, 32, 32), "batch_size": 64, "eval_batch_size": 120, "lr": 3e-3}
+
+
+def _argv(workdir, **overrides):
+    sets = [["--set", f"{k}={v!r}"] for k, v in {**TINY, **overrides}.items()]
+    return ["--config", CONFIG, "--workdir", str(workdir), *sum(sets, [])]
+
+
+def _run_main(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main.main(argv)
+    return code, err.getvalue()
+
+
+#: keys that change neither the compiled programs nor the data (the run's length and logging)
+RUN_LENGTH = ("total_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_setup():
+    """One compiled setup per experiment for the module (setup is pure), whatever the run's
+    length: its config is the one given."""
+    real, cache = _trainer.setup, {}
+
+    def cached(config, devices=None):
+        full = train.with_defaults(config)
+        key = json.dumps({k: v for k, v in json.loads(full.to_json_best_effort()).items()
+                          if k not in RUN_LENGTH}, sort_keys=True)  # fmt: skip
+        if (key, devices) not in cache:
+            cache[key, devices] = real(config, devices=devices)
+        return cache[key, devices]._replace(config=full)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_trainer, "setup", cached)
+        yield
+
+
+def _at_step(monkeypatch, step, action):
+    """Runs ``action()`` right after training step ``step`` (as a fault from outside)."""
+    cached = _trainer.setup
+
+    def setup(config, devices=None):
+        s = cached(config, devices=devices)
+
+        def train_step(state, batch, key, i):
+            out = s.mode.train_step(state, batch, key, i)
+            if i + 1 == step:
+                action()
+            return out
+
+        return s._replace(mode=s.mode._replace(train_step=train_step))
+
+    monkeypatch.setattr(_trainer, "setup", setup)
+
+
+def _delete(path):
+    """``rm -rf`` while a save may be writing into it: gone at once, emptied after."""
+    trash = path.with_name(path.name + ".trash")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def test_a_workdir_deleted_mid_run_stops_the_run_and_is_not_recreated(
+    make_config, tmp_path, monkeypatch
+):
+    work = tmp_path / "run"
+    _at_step(monkeypatch, 6, lambda: _delete(work))
+    with pytest.raises(train.StorageError, match=r"the workdir .*run was deleted during the run"):
+        train.train_and_evaluate(make_config(total_steps=12), str(work))
+    assert not work.exists(), sorted(str(p.relative_to(work)) for p in work.rglob("*"))
+
+
+def test_a_deleted_workdir_exits_74_with_one_line(tmp_path, monkeypatch):
+    work = tmp_path / "run"
+    _at_step(monkeypatch, 3, lambda: _delete(work))
+    code, err = _run_main(_argv(work, total_steps=8, checkpoint_every=2))
+    assert code == main.EXIT_STORAGE, err
+    assert err.count("\n") == 1 and err.startswith("error: the workdir"), err
+    assert not work.exists()
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory, make_config):
+    """A stopped run with checkpoints at steps 4 and 8 (of 12)."""
+    work = tmp_path_factory.mktemp("two") / "run"
+    config = make_config(total_steps=12)
+    assert train.train_and_evaluate(config, str(work), stop_after=8) == {"stopped_at": 8}
+    assert sorted(os.listdir(work / "checkpoints"), key=int) == ["4", "8"]
+    return work, config
+
+
+def test_swapped_step_folders_are_refused_before_compiling_and_kept(
+    two_checkpoints, tmp_path, monkeypatch
+):
+    base, config = two_checkpoints
+    work = tmp_path / "w"
+    shutil.copytree(base, work)
+    ckpts = work / "checkpoints"
+    os.rename(ckpts / "8", ckpts / "x")
+    os.rename(ckpts / "4", ckpts / "8")
+    os.rename(ckpts / "x", ckpts / "4")
+    before = {p: p.stat().st_mtime_ns for p in ckpts.rglob("*")}
+
+    def compile(self, *a, **k):
+        raise AssertionError("compiled before refusing the swapped folders")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile)
+    with pytest.raises(train.CheckpointError) as info:
+        train.train_and_evaluate(config, str(work))
+    text = str(info.value)
+    assert f"checkpoint folder {ckpts / '8'} holds step 4" in text and "swapped" in text, text
+    assert {p: p.stat().st_mtime_ns for p in ckpts.rglob("*")} == before  # nothing deleted
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 200 KiB tmpfs: room for one checkpoint of the tiny MLP (~128 KiB), not two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(disk)],
+                       check=True, capture_output=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {e}")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_full_disk_stops_the_run_at_once_in_one_line(small_disk, tmp_path, capfd):
+    work = small_disk / "run"
+    code, err = _run_main(_argv(work, total_steps=40, checkpoint_every=4, log_every=4))
+    out = capfd.readouterr()
+    assert code == main.EXIT_STORAGE, err
+    assert err.count("\n") == 1, err
+    assert "Traceback" not in out.out + out.err + err
+    assert f"checkpoint step 8 cannot be written to {work / 'checkpoints'}: no space left" in err
+    assert "it needs about" in err and "free" in err
+    assert "the last good checkpoint (step 4) is intact" in err
+    assert sorted(os.listdir(work / "checkpoints")) == ["4"]
+    # the last good checkpoint resumes elsewhere
+    shutil.copytree(work, tmp_path / "moved")
+    code, err = _run_main(_argv(tmp_path / "moved", total_steps=6, checkpoint_every=4))
+    assert code == 0, err
+
+
+def test_a_save_failing_in_the_background_stops_the_run_at_the_next_step(
+    small_disk, monkeypatch, make_config
+):
+    """A disk that fills after the room was checked: the write fails in orbax's thread."""
+    monkeypatch.setattr(_checkpoint.Checkpointer, "_room_for", lambda self, step, need: None)
+    work = small_disk / "run"
+    steps = []
+    cached = _trainer.setup
+
+    def setup(config, devices=None):
+        s = cached(config, devices=devices)
+
+        def train_step(state, batch, key, i):
+            steps.append(i + 1)
+            if i >= 8:
+                time.sleep(0.1)  # steps slower than the save: its failure lands mid-interval
+            return s.mode.train_step(state, batch, key, i)
+
+        return s._replace(mode=s.mode._replace(train_step=train_step))
+
+    monkeypatch.setattr(_trainer, "setup", setup)
+    config = make_config(total_steps=40, checkpoint_every=4, log_every=4)
+    with pytest.raises(train.StorageError) as info:
+        train.train_and_evaluate(config, str(work))
+    text = str(info.value)
+    assert "checkpoint step 8 cannot be written" in text and "no space left" in text, text
+    assert "the last good checkpoint (step 4) is intact" in text
+    assert max(steps) < 12  # noticed by polling, not by the next save
+    assert sorted(os.listdir(work / "checkpoints")) == ["4"]  # no half-written folder
+
+
+def test_a_disk_turned_read_only_mid_run_stops_it_in_one_line(small_disk, monkeypatch):
+    """The disk turns read-only after step 6, once step 4's checkpoint is committed: the
+    next write (step 8's metrics or checkpoint, whichever comes first) stops the run."""
+    work = small_disk / "run"
+
+    def remount():
+        deadline = time.monotonic() + 60  # the background save of step 4 commits first
+        while not (work / "checkpoints" / "4").is_dir():
+            assert time.monotonic() < deadline, "checkpoint 4 was never committed"
+            time.sleep(0.02)
+        subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+
+    _at_step(monkeypatch, 6, remount)
+    code, err = _run_main(_argv(work, total_steps=40, checkpoint_every=4, log_every=4))
+    subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
+    assert code == main.EXIT_STORAGE, err
+    assert err.count("\n") == 1 and err.startswith("error: ") and str(work) in err, err
+    assert "read-only" in err.lower(), err
+    assert sorted(os.listdir(work / "checkpoints")) == ["4"]
+
+
+def test_resuming_with_another_mesh_mode_codec_or_model_is_refused_by_name(two_checkpoints):
+    base, config = two_checkpoints
+    for key, value in [
+        ("mesh", [("data", 4)]),
+        ("mode", "data_parallel"),
+        ("data_parallel", {"codec": {"name": "top_k", "fraction": 0.1}}),
+        ("model", {"hidden": (32, 32, 64)}),
+    ]:
+        other = config.copy_and_resolve_references()
+        other[key] = value
+        with pytest.raises(train.SetupError, match=rf"config differs in \[.*'{key}"):
+            train.train_and_evaluate(other, str(base))
+    assert sorted(os.listdir(base / "checkpoints"), key=int) == ["4", "8"]
+
+
+@pytest.mark.slow  # 4 CLI subprocesses
+def test_a_signal_at_any_moment_of_startup_stops_the_run():
+    """SIGINT sent 0.3-2.5 s after the start: never ignored (the run stops before training
+    or after its first steps with a checkpoint), a clear line, no traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    results = []
+    for delay in (0.3, 0.8, 1.5, 2.5):
+        work = pathlib.Path(f"/tmp/jaxcomp-sigstart-{os.getpid()}-{delay}")
+        shutil.rmtree(work, ignore_errors=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxcomp.main", *_argv(work, total_steps=3000)],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=120)[0]
+        shutil.rmtree(work, ignore_errors=True)
+        results.append((delay, proc.returncode, out[-600:]))
+    for delay, code, out in results:
+        assert code in (main.EXIT_INTERRUPTED, 128 + signal.SIGINT), (delay, code, out)
+        assert "interrupted by SIGINT" in out and "Traceback" not in out, (delay, out)
