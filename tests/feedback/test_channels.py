@@ -150,9 +150,11 @@ def test_aq_sgd_warm_up_fills_both_caches_then_deltas_travel():
     send, recv = channel.init(data[:batch])
     assert send.estimate.dtype == jnp.float16 and send.estimate.shape == (num_samples, 3, 5)
     ids = jnp.arange(num_samples).reshape(-1, 2)  # warm-up "epoch" in micro-batches of 2
+    dense = jax.jit(
+        lambda x, s, r, i: (channel.dense_send(x, s, i), channel.dense_receive(x, r, i))
+    )
     for i in ids:
-        send = channel.dense_send(data[i], send, i)
-        recv = channel.dense_receive(data[i], recv, i)
+        send, recv = dense(data[i], send, recv, i)
     np.testing.assert_array_equal(send.estimate, data.astype(jnp.float16))
     np.testing.assert_array_equal(recv.estimate, send.estimate)
 
@@ -186,8 +188,14 @@ def test_plain_channel_and_as_channel():
     assert feedback.as_channel(channel) is channel
     x = jnp.outer(jnp.arange(3.0), jnp.arange(4.0))
     send, recv = channel.init(x)
-    payload, send = channel.send(x, send)
-    x_hat, recv = channel.receive(payload, recv, x)
+
+    @jax.jit  # one program: eager PowerSGD compiles each of its ops (~3 s)
+    def round_trip(x, send, recv):
+        payload, send = channel.send(x, send)
+        x_hat, recv = channel.receive(payload, recv, x)
+        return x_hat, send
+
+    x_hat, send = round_trip(x, send, recv)
     np.testing.assert_allclose(x_hat, x, atol=1e-5)
     assert isinstance(send, compressors.PowerSGDState)
 
