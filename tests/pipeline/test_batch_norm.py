@@ -170,11 +170,10 @@ def test_data_replicas_keep_their_own_statistics_equal_to_the_simulation(resnet)
     assert states.model["float32"].shape[:2] == (S, 2)
     loss, grads, new, _ = jax.jit(pipe.step)(packed, batch, states)
     sim = pipeline.simulate(model, config)
-    sim_step = jax.jit(sim.step)  # one program for both replicas
     want_loss, want_grads = 0.0, []
     for r in range(2):
         half = _replica_batch(x, labels, r)
-        l_r, g_r, s_r, _ = sim_step(params, half, sim.init(params, half, state))
+        l_r, g_r, s_r, _ = jax.jit(sim.step)(params, half, sim.init(params, half, state))
         _close(_stats(new, r), _stats(s_r))
         _close(new.ends(r), s_r.ends(), rtol=1e-5, atol=1e-6)
         want_loss += float(l_r) / 2
@@ -183,12 +182,12 @@ def test_data_replicas_keep_their_own_statistics_equal_to_the_simulation(resnet)
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
     _close(grads.unpack(), jax.tree.map(lambda a, b: (a + b) / 2, *want_grads), 2e-4, 2e-6)
     # evaluation: replica 0's statistics, or the mean over replicas, for every replica
-    evaluate = jax.jit(pipe.evaluate, static_argnames=("compress", "stats"))
-    apply = jax.jit(model.apply)
     for how, pick in (("replica0", lambda a, b: a), ("mean", lambda a, b: (a + b) / 2)):
         stats = jax.tree.map(pick, _stats(new, 0), _stats(new, 1))
-        _, _, logits = evaluate(packed, batch, states=new, stats=how)
-        want, _ = apply(_mode.join_variables(params, stats), x)
+        _, _, logits = jax.jit(pipe.evaluate, static_argnames=("compress", "stats"))(
+            packed, batch, states=new, stats=how
+        )
+        want, _ = jax.jit(model.apply)(_mode.join_variables(params, stats), x)
         np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
