@@ -153,11 +153,9 @@ def test_aq_sgd_warm_up_fills_both_caches_then_deltas_travel():
     send, recv = channel.init(data[:batch])
     assert send.estimate.dtype == jnp.float16 and send.estimate.shape == (num_samples, 3, 5)
     ids = jnp.arange(num_samples).reshape(-1, 2)  # warm-up "epoch" in micro-batches of 2
-    dense = jax.jit(
-        lambda x, s, r, i: (channel.dense_send(x, s, i), channel.dense_receive(x, r, i))
-    )
     for i in ids:
-        send, recv = dense(data[i], send, recv, i)
+        send = channel.dense_send(data[i], send, i)
+        recv = channel.dense_receive(data[i], recv, i)
     np.testing.assert_array_equal(send.estimate, data.astype(jnp.float16))
     np.testing.assert_array_equal(recv.estimate, send.estimate)
 
