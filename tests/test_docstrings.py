@@ -24,8 +24,9 @@ def test_the_library_has_examples():
 
 
 #: the modules whose examples compile a pipeline or a factorisation (seconds each): the slow tier
-SLOW = {"jaxcomp.models._staged", "jaxcomp.pipeline._gpipe", "jaxcomp.compressors._low_rank",
-        "jaxcomp.ab._transform", "jaxcomp.comm._reduce_plan"}  # fmt: skip
+SLOW = {"jaxcomp.models._staged", "jaxcomp.pipeline._gpipe", "jaxcomp.pipeline._build",
+        "jaxcomp.compressors._low_rank", "jaxcomp.ab._transform",
+        "jaxcomp.comm._reduce_plan"}  # fmt: skip
 
 
 @pytest.mark.parametrize(

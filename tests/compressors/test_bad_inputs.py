@@ -195,8 +195,9 @@ CASES = {
         lambda: jax.jit(lambda x: roundtrip(q2mm, x))(BIG.at[3, 7].set(jnp.nan)),
         expect=non_finite_everywhere,
     ),
-    "inf_power_sgd": Case(
-        lambda: roundtrip(psgd, BIG.at[3, 7].set(jnp.inf)), expect=non_finite_everywhere
+    "inf_power_sgd_jit": Case(  # eager: tests/compressors/test_nonfinite.py's codec table
+        lambda: jax.jit(lambda x: roundtrip(psgd, x))(BIG.at[3, 7].set(jnp.inf)),
+        expect=non_finite_everywhere,
     ),
     # --- item 3: magnitudes the old float16 scale / +1e-6 got wrong
     "quantize_feature_above_65504": Case(

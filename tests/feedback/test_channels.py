@@ -129,13 +129,16 @@ def _mirror_run(codec, num_samples):
 MIRRORS = {(c, n): _mirror_run(MIRROR_CODECS[c], n) for c in MIRROR_CODECS for n in (None, 6)}
 
 
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    codec=st.sampled_from(sorted(MIRROR_CODECS)),
-    num_samples=st.sampled_from([None, 6]),
-    scale=st.floats(1e-3, 1e3),
-)
-def test_ef21_and_aq_sgd_mirrors_stay_equal_over_many_steps(seed, codec, num_samples, scale):
+#: one program per (codec, per-sample buffers): the fast tier runs the stochastic per-sample one
+MIRROR_PARAMS = [
+    pytest.param(c, n, marks=() if (c, n) == ("q4_minmax_stochastic", 6) else pytest.mark.slow)
+    for c, n in MIRRORS
+]
+
+
+@pytest.mark.parametrize("codec, num_samples", MIRROR_PARAMS)
+@given(seed=st.integers(0, 2**31 - 1), scale=st.floats(1e-3, 1e3))
+def test_ef21_and_aq_sgd_mirrors_stay_equal_over_many_steps(codec, num_samples, seed, scale):
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     xs = scale * jnp.cumsum(jax.random.normal(k1, (40, 3, 8)), axis=0)
     ids = jax.random.randint(k2, (40, 3), 0, 6)
@@ -186,8 +189,14 @@ def test_plain_channel_and_as_channel():
     assert feedback.as_channel(channel) is channel
     x = jnp.outer(jnp.arange(3.0), jnp.arange(4.0))
     send, recv = channel.init(x)
-    payload, send = channel.send(x, send)
-    x_hat, recv = channel.receive(payload, recv, x)
+
+    @jax.jit  # one program: eager PowerSGD compiles each of its ops (~3 s)
+    def round_trip(x, send, recv):
+        payload, send = channel.send(x, send)
+        x_hat, recv = channel.receive(payload, recv, x)
+        return x_hat, send
+
+    x_hat, send = round_trip(x, send, recv)
     np.testing.assert_allclose(x_hat, x, atol=1e-5)
     assert isinstance(send, compressors.PowerSGDState)
 

@@ -211,9 +211,9 @@ def test_synchronised_statistics_are_those_of_the_microbatch_concatenated_over_r
     _close(grads.unpack(), want_grads, rtol=2e-4, atol=2e-6)
 
 
-def test_stateful_pipelines_name_a_missing_or_mismatched_state(resnet, reference):
-    model, params, state, _, _ = resnet
-    batch = reference[0]
+def test_stateful_pipelines_name_a_missing_or_mismatched_state(resnet):
+    model, params, state, x, labels = resnet
+    batch = {"x": x[: M * MB], "label": labels[: M * MB]}  # no `reference`: its compile, ~2 s
     sim = pipeline.simulate(model, pipeline.PipelineConfig(M))
     with pytest.raises(ValueError, match="model is stateful"):
         sim.init(params, batch)

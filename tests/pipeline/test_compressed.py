@@ -143,6 +143,7 @@ def test_aq_sgd_warmup_fills_both_caches(mlp, stage_mesh, pack):
         np.testing.assert_allclose(sent, np.asarray(h, np.float16), rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.slow  # the fast tier: identity links with a data axis (test_gpipe.py)
 def test_data_replicas_equal_per_replica_simulations(tools):
     """With a data axis, replica r runs the simulation of its half batch with key
     fold_in(key, r); gradients are their mean, link states are per replica."""

@@ -131,6 +131,7 @@ def test_a_resumed_run_compiles_nothing_after_its_first_step(make_config, tmp_pa
     assert not late, late
 
 
+@pytest.mark.slow  # a setup of AB's step programs; the fast tier: the dense resumed run above
 def test_ab_mode_compiles_nothing_after_the_first_step(tmp_path, monkeypatch):
     """The smoke AB config (warm-up 1, S = 2, D = 1): every step kind runs by step 4; its step
     programs are compiled at setup, evaluation and checkpoints before step 1."""
