@@ -80,8 +80,8 @@ def _start_lab(tmp_path):
     assert lab_id.startswith(_net.PREFIX), lab_id
     deadline = time.monotonic() + 30
     hosts = []
-    while len(hosts) < 2 and time.monotonic() < deadline:  # both hosts started
-        hosts = [p for n in _ours(lab_id) for p in _net._pids(n)]
+    while len(hosts) != 2 and time.monotonic() < deadline:  # both hosts started (a host's
+        hosts = [p for n in _ours(lab_id) for p in _net._pids(n)]  # launcher may still show)
         time.sleep(0.1)
     assert len(hosts) == 2, hosts
     return proc, lab_id, hosts
