@@ -8,7 +8,9 @@ so the fallback is never taken unnoticed:
   ``with`` block" (:func:`jaxcomp._compile.callers_config` re-enters the caller's values in a
   compile thread; fallback: compile in the caller's thread);
 * :func:`summarize_source`: an equation's source line for an error message
-  (:mod:`jaxcomp.comm._uniformity`; fallback: ``"<unknown location>"``).
+  (:mod:`jaxcomp.comm._uniformity`; fallback: ``"<unknown location>"``);
+* :func:`distributed_client`: the coordination service's client of a multi-process run
+  (:mod:`jaxcomp.train._watchdog` names a lost peer with it; fallback: the peer unnamed).
 """
 
 from __future__ import annotations
@@ -38,3 +40,15 @@ def summarize_source(source_info: Any) -> str:
     from jax._src import source_info_util
 
     return source_info_util.summarize(source_info)
+
+
+def distributed_client() -> Any:
+    """JAX's coordination-service client of this process (``None`` before
+    ``jax.distributed.initialize``).
+
+    Raises:
+      ImportError or AttributeError: where this JAX keeps it elsewhere.
+    """
+    from jax._src import distributed
+
+    return distributed.global_state.client

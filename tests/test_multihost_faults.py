@@ -164,7 +164,8 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
     assert f"process 1 (pid {pid1} on host {socket.gethostname()}) exited or was killed" in line
     assert not (work / "checkpoints.damaged").exists()  # the checkpoint under way: not damaged
     last = _checkpoints(work)[-1]
-    assert last >= 40 and at >= last
+    assert last >= 20 and at >= last  # saves every 20 steps; under load the save of 40 may
+    # still be in flight when the peer dies at 60 (seen once in a full suite run)
 
     # --- the resume; then process 0 (the coordinator) stopped for good ---------------------
     run = Run(work, logs)

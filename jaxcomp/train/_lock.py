@@ -165,6 +165,7 @@ class RunLock:
         self.hold, self.heartbeat_s, self.stale_after_s = hold, heartbeat_s, stale_after_s
         self.taken_over: str | None = None  #: the dead run whose lock was taken, if any
         self._identity: tuple[int, int] | None = None
+        self._lost = False  # check() found the workdir or its lock gone during the run
         self._inode: int | None = None
         self._mtime_ns = 0  # the lock's mtime as this run last set it
         self._touch = threading.Lock()
@@ -237,6 +238,11 @@ class RunLock:
     def check(self) -> str | None:
         """``None`` while the workdir is the one the run started in and the lock is its own;
         else what happened (one sentence)."""
+        problem = self._check()
+        self._lost = self._lost or problem is not None
+        return problem
+
+    def _check(self) -> str | None:
         if self._identity is None:
             return None
         try:
@@ -283,8 +289,8 @@ class RunLock:
         if self._identity is None or not os.path.isdir(self.workdir):
             return False
         st = os.stat(self.workdir)
-        if (st.st_dev, st.st_ino) == self._identity:
-            return False
+        if (st.st_dev, st.st_ino) == self._identity and not self._lost:
+            return False  # (a recreated directory may reuse the deleted one's inode)
         for root, dirs, files in os.walk(self.workdir):
             rel = os.path.relpath(root, self.workdir)
             if files and ".orbax-checkpoint-tmp" not in rel:

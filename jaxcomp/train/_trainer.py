@@ -434,10 +434,11 @@ def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> di
         m = _scalars(metrics)  # waits for the step
         now = time.perf_counter()
         step_seconds += now - t_step
-        writer.write_time(step, now - t_step, wall0 + now - t_start)
         if dog is not None:
             dog.beat(step)
-        _health(lock, ckpt, held, stop, step)
+        _health(lock, ckpt, held, stop, step)  # before any write: never into a recreated workdir
+        with held.catching():
+            writer.write_time(step, now - t_step, wall0 + now - t_start)
         if m.get("finite", 1.0) < 1.0:
             run["nonfinite_total"] += 1
             run["nonfinite_streak"] += 1

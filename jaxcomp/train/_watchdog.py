@@ -35,6 +35,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from jaxcomp import _jax_private
+
 INTERVAL_S = 1.0  #: how often a process publishes its heartbeat and checks its progress
 _KEY = "jaxcomp/beat/"
 
@@ -86,9 +88,7 @@ def _local_state(pid: int) -> str:
 def _client():
     """JAX's coordination-service client (private API), or ``None``."""
     try:
-        from jax._src import distributed
-
-        return distributed.global_state.client
+        return _jax_private.distributed_client()
     except (ImportError, AttributeError):
         return None
 

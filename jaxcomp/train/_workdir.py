@@ -91,7 +91,7 @@ class HeldWriteError:
       >>> held = HeldWriteError(workdir)  # doctest: +SKIP
       >>> with held.catching():  # doctest: +SKIP
       ...     writer.write(step, "train", scalars)
-      >>> held.problem  # None, or the line for the error
+      >>> held.problem  # None, or the line for the error  # doctest: +SKIP
     """
 
     def __init__(self, workdir: str):

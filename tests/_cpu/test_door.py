@@ -55,6 +55,7 @@ def test_what_jaxcomp_reads_of_jax_private_is_still_there():
     assert any(v is unset for v in local.values())
     closed = jax.make_jaxpr(lambda x: jnp.sin(x))(1.0)
     assert "test_door.py" in _jax_private.summarize_source(closed.jaxpr.eqns[0].source_info)
+    assert _jax_private.distributed_client() is None  # this process never initialised one
 
 
 def test_the_hook_lowers_each_platform_its_own_branch():

@@ -43,10 +43,18 @@ def test_hlo_bytes_equal_wire_bytes(codec_case, mesh):
         assert "f32" not in report.dtypes() or expected < compressors.dense_bytes(like) / 2
 
 
-def test_16_bit_inputs_decode_to_their_dtype_with_their_payloads_bytes(codec_case, mesh):
+#: known bug this test found (open, issue 36): RandK's 16-bit payloads cross 8 bytes fewer than
+#: ``wire_bytes(payload_shape(...))`` says (420 vs 428); strict: passes once fixed
+RAND_K_16_BIT_BUGS = {"rand_k", "rand_k_unbiased", "rand_k+quantize4_stochastic"}
+
+
+def test_16_bit_inputs_decode_to_their_dtype_with_their_payloads_bytes(codec_case, mesh, request):
     """bfloat16 and float16 inputs (float32: the tests above), sent as the library sends a
     payload (``_bits.move_as_bits``: XLA:CPU widens a bfloat16 ``ppermute`` to float32),
     decode to their own dtype, zeros to zeros, and cross with their payload's bytes."""
+    if codec_case.name in RAND_K_16_BIT_BUGS:
+        reason = "RandK 16-bit: payload_shape's wire bytes differ from what crosses"
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     codec, dtypes = codec_case.codec, (jnp.bfloat16, jnp.float16)
 
     def send(x):

@@ -292,7 +292,7 @@ def test_bad_batch_stats_options_and_models_are_named(make_config):
         _trainer.setup(_pipeline_config(make_config, eval_batch_stats="worker1"))
     unequal = _config(make_config, "ab", sync_batch_stats=True)
     unequal.ab = dict(unequal.ab.to_dict(), group_size=2)  # 5 workers: groups [3, 2]
-    unequal.mesh, unequal.batch_size = [("data", 5)], 20
+    unequal.mesh, unequal.batch_size, unequal.eval_batch_size = [("data", 5)], 20, 20
     with pytest.raises(ValueError, match=r"groups \[3, 2\] are not the rows of a"):
         _trainer.setup(unequal)
     model = _staged.make_staged(

