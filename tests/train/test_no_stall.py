@@ -165,9 +165,10 @@ def test_dense_setup_compiles_only_the_training_step_init_and_evaluation(make_co
         _trainer.setup(make_config())
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    # the init's key part (jaxcomp._cpu._init_program) is lowered as B's compile ends
+    # the init's key part (jaxcomp._cpu._init_program) is lowered as B's compile ends, in a
+    # compile thread: its place among the others is a race (seen once in a full suite)
     expected = ["jit(train_step)", "jit(init)", "jit(eval_step)", "jit(init_key_part)"]
-    assert lowered == expected, lowered
+    assert sorted(lowered) == sorted(expected), lowered
 
 
 def test_a_state_saved_from_host_copies_restores_every_dtype_and_sharding(tmp_path):
