@@ -10,7 +10,7 @@ sensitive than activations. Evaluation reports accuracy with boundary compressio
   python -m jaxcomp.main --config configs/digits_pipeline.py:smoke --workdir runs/smoke
 
 Expected: ~1 min on 2 CPU cores (58 s measured from a fresh virtualenv, 600 steps); test
-accuracy 97.49% with boundary compression on and 98.33% with it off; boundary traffic 4.9x
+accuracy 97.77% with boundary compression on and 98.33% with it off; boundary traffic 4.9x
 smaller than dense float32 (78 KiB instead of 384 KiB per step and pipeline replica).
 The uncompressed baseline:
   python -m jaxcomp.main --config configs/digits_pipeline.py --workdir runs/digits_id \
