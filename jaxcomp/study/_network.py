@@ -125,21 +125,11 @@ def accuracy_curve(workdir: str) -> list[tuple[float, float]]:
     return out
 
 
-def _load(path: str, default=None):
-    if not os.path.isfile(path):
-        return default
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}).") from e
-
-
 def collectives(workdir: str) -> tuple[list[_cost.Collective] | None, str]:
     """The collectives of the run's mean step, as the study report prices them
     (:func:`jaxcomp.study._report.collectives_of`)."""
-    summary = _load(os.path.join(workdir, "summary.json"), {})
-    experiment = _load(os.path.join(workdir, "experiment.json"), {})
+    summary = _report._load_json(os.path.join(workdir, "summary.json"), {})
+    experiment = _report._load_json(os.path.join(workdir, "experiment.json"), {})
     run = _report.Run(os.path.basename(workdir), "", {}, 0, "done", summary, [], [], experiment)
     return _report.collectives_of(run)
 
@@ -204,7 +194,7 @@ def measure(
 ) -> dict[str, Any]:
     """What a lab run measured, from its workdir: step times, time to each target accuracy,
     bytes and collectives per step (and how many collectives a step issues)."""
-    summary = _load(os.path.join(workdir, "summary.json"), {})
+    summary = _report._load_json(os.path.join(workdir, "summary.json"), {})
     colls, how = collectives(workdir)
     return {
         "step_time": step_times(workdir, checkpoint_every),
@@ -224,7 +214,7 @@ def measure(
 
 def read_lab_run(workdir: str) -> dict[str, Any] | None:
     """A lab run's ``lab.json`` with its measurement (``None`` if the run was not in a lab)."""
-    record = _load(os.path.join(workdir, LAB_FILE))
+    record = _report._load_json(os.path.join(workdir, LAB_FILE), None)
     if record is None:
         return None
     record = dict(record)
