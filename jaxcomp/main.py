@@ -22,11 +22,12 @@ talk over gloo.
 
 ``--compile_cache DIR`` (or ``JAXCOMP_COMPILE_CACHE=DIR``) keeps every compiled program in
 ``DIR`` (JAX's persistent compilation cache, :func:`enable_compile_cache`), so a later run of
-the same programs loads them instead of compiling: setup before step 1 is mostly compilation
-(``configs/digits_ab.py`` on 2 cores: step 1 at 5.5-8.0 s cold, 2.6-3.4 s warm), and a rerun,
-a resumed run or a sweep over seeds skips it. A damaged entry is compiled again (JAX warns),
-never loaded. The cache's keys include its directory's path, so a moved or copied cache
-compiles afresh.
+the same programs loads them instead of compiling: a rerun, a resumed run or a sweep over seeds
+skips the setup's compiles. A damaged entry is compiled again (JAX warns), never loaded. The
+cache's keys include its directory's path, so a moved or copied cache compiles afresh. **On
+CPU the cache is turned off** with a ``warning:`` line (``$JAX_COMPILATION_CACHE_DIR`` too): a
+cached multi-device XLA:CPU program was found to compute differently from a fresh compile
+(``docs/results/accbug``); ``JAXCOMP_UNSAFE_CPU_COMPILE_CACHE=1`` keeps it on.
 
 The config file is loaded as ml_collections' ``config_flags`` does (``path.py:arg`` calls
 ``get_config(arg)``); ``arg`` must be one the file accepts: its ``ARGS`` tuple, by default
@@ -95,8 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=os.environ.get("JAXCOMP_COMPILE_CACHE") or None,
         metavar="DIR",
         help="keep the compiled programs in DIR and load them in later runs instead of "
-        "compiling (JAX's persistent compilation cache); default: $JAXCOMP_COMPILE_CACHE, "
-        "else off",
+        "compiling (JAX's persistent compilation cache; off on CPU, see "
+        "docs/results/accbug); default: $JAXCOMP_COMPILE_CACHE, else off",
     )
     p.add_argument("--coordinator_address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))
     p.add_argument("--num_processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
@@ -346,6 +347,21 @@ def setup_devices(args) -> None:
         except (ValueError, RuntimeError) as e:
             where = detected_cluster() or "no cluster environment detected"
             raise UsageError(f"jax.distributed.initialize failed ({where}): {e}") from e
+    refuse_cpu_compile_cache()
+
+
+def refuse_cpu_compile_cache() -> None:
+    """Turns a configured persistent compilation cache (``--compile_cache`` or
+    ``$JAX_COMPILATION_CACHE_DIR``) off on XLA:CPU, with one ``warning:`` line on stderr
+    (:func:`jaxcomp._cpu.refuse_compile_cache`). Starts the backend if a cache is configured."""
+    import jax
+
+    from jaxcomp import _cpu
+
+    if jax.config.jax_compilation_cache_dir:
+        line = _cpu.refuse_compile_cache(jax.default_backend())
+        if line:
+            print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
 def _error(e: BaseException) -> int:

@@ -5,8 +5,6 @@ import functools
 import importlib.util
 import os
 import pathlib
-import shutil
-import tempfile
 
 import hypothesis
 import pytest
@@ -32,70 +30,12 @@ hypothesis.settings.register_profile("explore", derandomize=False, max_examples=
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def _compilation_cache_dir() -> tuple[str | None, bool]:
-    """``(directory, owned)``: one persistent XLA compilation cache per test run, shared by the
-    run's pytest-xdist workers and the subprocesses a test launches (through the environment);
-    ``owned``: this process created it and removes it at the end.
-
-    Many tests compile a program another test (or an earlier step of the same test) already
-    compiled: a resumed run recompiles the original run's step, the CLI tests launch one config
-    several times, the smoke configs share models. A cache hit loads the same executable XLA
-    built, so results are unchanged. Every program is cached, however short its compile (as
-    ``python -m jaxcomp.study`` does): the trainer's 0.1-0.5 s programs are compiled again by
-    each setup of a resumed or repeated run (the 0.5 s threshold before: tests/train
-    ab_batch_norm + batch_stats 151 -> 132 s, test_faults + train/test_trainer + test_modes
-    124 -> 117 s, -n 1 under load 5). The xdist workers share one directory (it was one per
-    worker: a program the other worker compiled was compiled again); the controller names it
-    in ``JAXCOMP_TEST_CACHE_RUN`` before it starts the workers, and the cache writes each entry
-    atomically (:func:`_atomic_cache_writes`). ``JAXCOMP_TEST_COMPILATION_CACHE=0`` turns it
-    off; ``JAXCOMP_TEST_COMPILATION_CACHE=DIR`` keeps it in ``DIR`` from one run to the next
-    (while working: a rerun loads what an earlier one compiled; an entry's key holds the
-    program, the compile options and the JAX version, so a change compiles what it changed).
-    CI runs cold."""
-    setting = os.environ.get("JAXCOMP_TEST_COMPILATION_CACHE", "1")
-    if setting == "0":
-        return None, False
-    if setting != "1":
-        os.makedirs(setting, exist_ok=True)
-        return os.path.abspath(setting), False
-    owned = "JAXCOMP_TEST_CACHE_RUN" not in os.environ
-    run = os.environ.setdefault("JAXCOMP_TEST_CACHE_RUN", f"{os.getpid()}-{os.urandom(4).hex()}")
-    return os.path.join(tempfile.gettempdir(), f"jaxcomp-tests-xla-cache-{run}"), owned
-
-
-def _atomic_cache_writes():
-    """Makes the persistent cache write each entry to a temporary file and rename it into
-    place, so that a process reading the shared directory never sees a partly written entry
-    (JAX's file cache writes in place, and takes a lock only with ``filelock`` installed and a
-    size limit set). Programs compiled in two processes at once: the last rename wins, both
-    entries are complete executables of the same key."""
-    from jax._src import lru_cache
-
-    suffix = lru_cache._CACHE_SUFFIX
-    put = lru_cache.LRUCache.put
-
-    def atomic_put(self, key: str, value: bytes) -> None:
-        if self.eviction_enabled or not key:  # JAX's own locked path, or its error
-            return put(self, key, value)
-        path = self.path / f"{key}{suffix}"
-        if path.exists():
-            return
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(value)
-        os.replace(tmp, path)
-
-    lru_cache.LRUCache.put = atomic_put
-
-
-# a developer's own `--compile_cache` default must not leak into the CLI calls of the tests
-os.environ.pop("JAXCOMP_COMPILE_CACHE", None)
-_CACHE_DIR, _OWNS_CACHE = _compilation_cache_dir()
-if _CACHE_DIR and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    _atomic_cache_writes()
-else:
-    _CACHE_DIR = None  # a cache the caller chose is theirs to keep
+# No persistent compilation cache in the suite (it shared one between its workers before): a
+# cached multi-device XLA:CPU program was found to compute differently from a fresh compile
+# (docs/results/accbug), so a test could pass or fail by whether its program was a hit. A
+# developer's own cache settings must not leak into the tests or their CLI subprocesses.
+for _name in ("JAXCOMP_COMPILE_CACHE", "JAX_COMPILATION_CACHE_DIR"):
+    os.environ.pop(_name, None)
 
 import jax  # noqa: E402
 
@@ -336,10 +276,3 @@ def pytest_pyfunc_call(pyfuncitem):
     ctx = jax.set_mesh(meshes[0]) if meshes else contextlib.nullcontext()
     with ctx:
         yield
-
-
-def pytest_sessionfinish(session, exitstatus):
-    """Removes the run's compilation cache (see :func:`_compilation_cache_dir`): the process
-    that named it does, after its workers have finished."""
-    if _CACHE_DIR and _OWNS_CACHE:
-        shutil.rmtree(_CACHE_DIR, ignore_errors=True)

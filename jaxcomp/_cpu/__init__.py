@@ -9,6 +9,9 @@ backend, and what they would do differently on XLA:CPU they ask for here, throug
 * the host allocator: :func:`tune_host_malloc` (glibc ``mallopt``; :mod:`._malloc`), called by
   ``python -m jaxcomp.main``, ``jaxcomp.bench`` and ``jaxcomp.study`` first thing, off unless
   asked (``--host_malloc=keep`` or ``JAXCOMP_HOST_MALLOC=keep``);
+* JAX's persistent compilation cache: :func:`refuse_compile_cache` turns it off on XLA:CPU
+  (:mod:`._compile_cache`), called by ``python -m jaxcomp.main`` and ``jaxcomp.study`` once the
+  backend is known;
 * per mesh: :func:`for_mesh` (one BLAS thread when several CPU devices share the process;
   :mod:`._lapack`), called by the step builders (AB-Training's grouped step);
 * compile options: :func:`rarely_run_options` (a program run a few times a run compiled at
@@ -60,6 +63,8 @@ from jax import lax
 from jaxcomp._cpu import _init_program
 from jaxcomp._cpu import _lapack
 from jaxcomp._cpu import _order
+from jaxcomp._cpu._compile_cache import UNSAFE_CPU_COMPILE_CACHE as UNSAFE_CPU_COMPILE_CACHE
+from jaxcomp._cpu._compile_cache import refuse_compile_cache as refuse_compile_cache
 from jaxcomp._cpu._malloc import HostMalloc as HostMalloc
 from jaxcomp._cpu._malloc import tune_host_malloc as tune_host_malloc
 from jaxcomp._vma import to_varying

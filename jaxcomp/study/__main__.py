@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--compile_cache",
         default=None,
         help="JAX's persistent compilation cache, shared by the runs (seeds and variants "
-        "compile the same programs): default WORKDIR/.jax_cache; 'none' to turn it off",
+        "compile the same programs): default WORKDIR/.jax_cache, none on CPU (off there: "
+        "docs/results/accbug); 'none' to turn it off",
     )
     report = sub.add_parser("report", help="tables, CSVs and plots of a study's runs")
     report.add_argument("workdir", help="the folder of a `run` (its --workdir)")
@@ -74,15 +75,23 @@ def _summary(doc: str) -> str:
 
 
 def _compile_cache(args) -> None:
-    """Every run compiles its programs anew; a persistent cache makes the repeats cheap (a
-    smoke study of 28 runs: 235 s -> 93 s of runs here). ``$JAX_COMPILATION_CACHE_DIR`` wins."""
+    """Every run compiles its programs anew; a persistent cache makes the repeats cheap.
+    ``$JAX_COMPILATION_CACHE_DIR`` wins. On CPU the default is no cache, and an explicit
+    ``--compile_cache`` is turned off with a warning (``docs/results/accbug``)."""
     if args.compile_cache == "none" or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
+    import jax
+
+    from jaxcomp import _cpu
     from jaxcomp import main as jaxcomp_main
 
+    unsafe = os.environ.get(_cpu.UNSAFE_CPU_COMPILE_CACHE) == "1"
+    if args.compile_cache is None and jax.default_backend() == "cpu" and not unsafe:
+        return
     jaxcomp_main.enable_compile_cache(
         args.compile_cache or os.path.join(args.workdir, ".jax_cache")
     )
+    jaxcomp_main.refuse_cpu_compile_cache()
 
 
 def main(argv=None, *, compile_cache: bool = False) -> int:
