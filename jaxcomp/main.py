@@ -26,7 +26,7 @@ the same programs loads them instead of compiling: a rerun, a resumed run or a s
 skips the setup's compiles. A damaged entry is compiled again (JAX warns), never loaded. The
 cache's keys include its directory's path, so a moved or copied cache compiles afresh. **On
 CPU the cache is turned off** with a ``warning:`` line (``$JAX_COMPILATION_CACHE_DIR`` too): a
-cached multi-device XLA:CPU program was found to compute differently from a fresh compile
+cached multi-device CPU program was found to compute differently from a fresh compile
 (``docs/results/accbug``); ``JAXCOMP_UNSAFE_CPU_COMPILE_CACHE=1`` keeps it on.
 
 The config file is loaded as ml_collections' ``config_flags`` does (``path.py:arg`` calls
@@ -352,7 +352,7 @@ def setup_devices(args) -> None:
 
 def refuse_cpu_compile_cache() -> None:
     """Turns a configured persistent compilation cache (``--compile_cache`` or
-    ``$JAX_COMPILATION_CACHE_DIR``) off on XLA:CPU, with one ``warning:`` line on stderr
+    ``$JAX_COMPILATION_CACHE_DIR``) off on CPU (:mod:`jaxcomp._cpu`), with one ``warning:`` line on stderr
     (:func:`jaxcomp._cpu.refuse_compile_cache`). Starts the backend if a cache is configured."""
     import jax
 
