@@ -20,8 +20,8 @@ parameters than the dense one (compression ratio 0.85-0.88: at rank r of a 64 x 
 r (m + n) < m n only for r < 32); a 1024-wide digits MLP went from rank 1024 to 508 in 300
 steps, ratio 1.02 (docs/results/text_exploration.md).
 
-Expected runtime: ~9 min on 2 shared CPU cores (estimated from single cells: 60-75 s each at
-load average ~7; not yet measured for the whole study). ``--smoke``: 8 runs of 2 steps.
+Expected runtime: ~6 min on 2 shared CPU cores (measured: 349 s for the 8 runs, 36-52 s each,
+load average 4-7). ``--smoke``: 8 runs of 2 steps.
 
 Findings tested (Coquelin et al., 2024, abstract; SPEC.md section 3.1): AB-Training reduces
 network traffic by 50% (v1) / ~70% (v2) against data parallelism at competitive accuracy; it
