@@ -18,8 +18,8 @@ docs/results/text_exploration.md). On this GPT, exploratory single-seed runs of 
 validation perplexity 12.5 (TopK 1%) vs 8.9 (TopK 10%) with Adam and 14.8 vs 10.4 with
 SGD-momentum: 1% alone is 40-43% worse.
 
-Expected runtime: ~14 min on 2 shared CPU cores (estimated from single cells: 65-80 s each at
-load average ~7; not yet measured for the whole study). ``--smoke``: 12 runs of 2 steps.
+Expected runtime: ~11 min on 2 shared CPU cores (measured: 678 s for the 12 runs, 46-77 s
+each, load average 3-7). ``--smoke``: 12 runs of 2 steps.
 
 Finding tested (Agarwal et al., 2021, abstract; SPEC.md sections 2.1, 2.6): Accordion reaches
 the accuracy of low compression while sending close to the bytes of high compression (the
