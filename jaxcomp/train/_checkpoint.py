@@ -390,12 +390,12 @@ class Checkpointer:
         """``None`` unless the last save failed in the background (then the line that says
         so, once its half-written folder is removed); never waits for a save under way.
 
-        A failure is seen as soon as orbax logs it, before orbax's thread ends (with several
-        processes it never ends: see the module's docstring); :attr:`stuck` is then set.
+        With several processes a failure is seen as soon as orbax logs it, before orbax's
+        thread ends (it never does: see the module's docstring), and :attr:`stuck` is set.
         """
         if self._pending is None:
             return None
-        error = self._failure
+        error = self._failure if self.processes > 1 else None  # one process: orbax's ends
         if error is None:
             if self.manager.is_saving_in_progress():
                 return None
