@@ -299,15 +299,19 @@ class Checkpointer:
         rest = {k: v for k, v in meta.items() if k != CHECKSUM}
         rest = json.loads(json.dumps({**rest, LAYOUT: _layout_list(state)}))
         check = {"state": sums, "layout": _layout(state), "meta": _integrity.json_digest(rest)}
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(to_write),
-                meta=ocp.args.JsonSave({**rest, CHECKSUM: check}),
-            ),
-            force=True,
-        )
-        self._pending = (step, need)
+        self._pending, self._failure = (step, need), None  # before: orbax may fail at once
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(to_write),
+                    meta=ocp.args.JsonSave({**rest, CHECKSUM: check}),
+                ),
+                force=True,
+            )
+        except BaseException:
+            self._pending = None
+            raise
         self._saves += 1
         return True
 
@@ -335,6 +339,7 @@ class Checkpointer:
         return None
 
     def _write_failure(self, step: int, need: int, why: str) -> str:
+        self.cause = why
         try:
             fs = os.statvfs(self.directory)
             free = f", {_metrics.format_bytes(fs.f_bavail * fs.f_frsize)} free"

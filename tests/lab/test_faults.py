@@ -1,7 +1,9 @@
 """A network partition in the lab (issue 37, item 6): one host's link taken down in the middle
 of a 2-process ``digits_dense`` run. Both processes exit within the bound (``--peer_timeout``,
 well under 120 s), non-zero, with one line each; the last checkpoint stays intact and the same
-command resumes and finishes once the link is back.
+command resumes and finishes once the link is back, that host now a straggler (its link at a
+tenth of the other's rate). Which host is slow is not asserted: with 2 hosts every step waits
+for the same all-reduce on both (docs/results/faults/).
 
 Before (2026-12-04, a loopback taken down at 30 s): both processes aborted 78 s later with exit
 134 and a C++ "Check failure stack trace" from JAX's coordination service, no line of ours.
@@ -82,7 +84,7 @@ def _checkpoints(workdir) -> list[int]:
 
 def test_a_partition_stops_both_hosts_in_the_bound_and_the_rerun_resumes(tmp_path):
     work = tmp_path / "run"
-    with lab.Lab(2, None, devices=1) as lb:
+    with lab.Lab(2, "100mbit", devices=1) as lb:
         run = _Run(lb, work, tmp_path / "logs0")
         try:
             run.wait_step(45)  # checkpoint 20 written, 40 under way or written
@@ -91,12 +93,14 @@ def test_a_partition_stops_both_hosts_in_the_bound_and_the_rerun_resumes(tmp_pat
         down = time.monotonic() - run.t0
         result = run.wait()
         _faults.set_link(lb.net, 1, up=True)
+        _faults.set_rate(lb.net, 1, "10mbit")  # a straggler
         after = [e - down for e in result.exited_s]
         assert all(c not in (0, None) for c in result.returncodes), result
         assert max(after) < 120 and min(after) > BOUND - 1, after  # the bound, not at once
         lines = [_one_line(p) for p in result.logs]
         assert result.returncodes == (main.EXIT_PEER_LOST,) * 2, (result, lines)
-        assert all(f"no progress for {BOUND} s after step" in line for line in lines), lines
+        said = r"^error: no progress for \d+ s after step \d+ \(the bound, --peer_timeout, "
+        assert all(re.search(said + rf"is {BOUND} s\)", x) for x in lines), lines
         a0, a1 = lb.net.addresses
         assert "process 1 (pid" in lines[0] and f"on host {a1}) stopped sending" in lines[0]
         assert "process 0 (pid" in lines[1], lines[1]
