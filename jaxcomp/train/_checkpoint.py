@@ -261,7 +261,9 @@ class Checkpointer:
         self.cause = ""  #: the cause of the last failed save (``NO_SPACE``, ...), if any
         self.processes = jax.process_count()  #: the run's processes (a read-back's peers)
         self._quiet = _WriteErrors(self._seen)
-        logging.getLogger("absl").addFilter(self._quiet)
+        # first: a filter that drops a record ends the chain (another Checkpointer's, open in
+        # this process, would keep this one from seeing its own save's error)
+        logging.getLogger("absl").filters.insert(0, self._quiet)
 
     def _seen(self, error: BaseException) -> None:
         """Keeps the first error orbax logs while a save is under way (not that of a failed
