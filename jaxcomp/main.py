@@ -417,6 +417,11 @@ def _main(argv, early: _early_signals.EarlySignals) -> int:
         return EXIT_NONFINITE
     except train.StorageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        import jax
+
+        if jax.process_count() > 1:  # a failed save's threads wait in barriers, never ending
+            sys.stdout.flush()
+            os._exit(EXIT_STORAGE)
         return EXIT_STORAGE
     except train.PeerLost as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -1,13 +1,14 @@
 """Faults of a 2-process run on loopback (issue 37, items 1 and 2): a peer killed
-(``kill -9``) just before a save, stopped (``SIGSTOP``) for less or more than the bound; each
-asserts the bound, the one line, the intact checkpoint and the resume.
+(``kill -9``) just before a save, stopped (``SIGSTOP``) for less or more than the bound, the
+disk filled under a save; each asserts the bound, the one line, the intact checkpoint and the
+resume.
 
 Before: a peer killed or stopped left the survivor waiting until JAX's heartbeat timeout
 (72-100 s), then both aborted with exit 134 and a C++ "Check failure stack trace"; a peer
 killed just before a save made the survivor move a good checkpoint to
-``checkpoints.damaged/``. The network lab's faults (a link down, a straggler) are not here,
-nor a full disk on 2 processes (open: both processes stalled after the failed save until
-this bound, exit 69 instead of 74).
+``checkpoints.damaged/``; a write that failed on one process for lack of space left both
+waiting in orbax's barriers until this bound (exit 69/69, "another process stopped
+answering"). The network lab's faults (a link down, a straggler): tests/lab/test_faults.py.
 
 One chain of runs on one workdir (a 4 MiB tmpfs), each launch checking several faults, with
 a short bound (``--peer_timeout 8``) and the smallest run (1 device per process, a 32-wide MLP).
@@ -16,6 +17,7 @@ a short bound (``--peer_timeout 8``) and the smallest run (1 device per process,
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -189,3 +191,40 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
     assert "this process did not run for" in _one_line(run.out(0))
     assert not (work / "checkpoints.damaged").exists()
     assert _checkpoints(work)[-1] >= last  # nothing lost to the stall
+    last = _checkpoints(work)[-1]
+
+    # --- the disk fills up under a save: both processes stop, exit 74, one line each -------
+    run = Run(work, logs)
+    try:
+        run.wait_step(last + SETS["checkpoint_every"] + 5)  # one more checkpoint written
+        newest = work / "checkpoints" / str(_checkpoints(work)[-1])
+        size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
+        free = shutil.disk_usage(disk).free  # room for the metrics, less than a checkpoint
+        (disk / "filler").write_bytes(b"\0" * max(free - size // 2, 0))
+        run.wait_exit(timeout=120)
+    finally:
+        run.kill()
+    assert [run.code(0), run.code(1)] == [main.EXIT_STORAGE] * 2, run.out(0)[-2000:]
+    lines = [_one_line(run.out(i)) for i in (0, 1)]
+    assert abs(run.ended[0] - run.ended[1]) < 10, run.ended  # the next step, not a bound
+    full = [i for i in (0, 1) if "cannot be written to" in lines[i]]  # either may meet it
+    assert full, lines
+    for i in full:
+        assert "no space left" in lines[i] and "it needs about" in lines[i], lines[i]
+        assert str(work / "checkpoints") in lines[i] and "is intact" in lines[i], lines[i]
+    for i in {0, 1} - set(full):
+        assert f"process {1 - i} cannot write checkpoint step" in lines[i], lines[i]
+        assert "no space left on the device" in lines[i], lines[i]
+    kept = _checkpoints(work)
+    assert kept[-1] > last and not any("tmp" in p.name for p in (work / "checkpoints").iterdir())
+
+    # --- space freed: the same command resumes from the last good checkpoint, finishes ------
+    (disk / "filler").unlink()
+    run = Run(work, logs, total_steps=kept[-1] + 5)
+    try:
+        run.wait_exit(timeout=180)
+    finally:
+        run.kill()
+    assert [run.code(0), run.code(1)] == [0, 0], run.out(0)[-3000:] + run.out(1)[-2000:]
+    assert f"resumed from step {kept[-1]}" in run.out(0), run.out(0)[-2000:]
+    assert (work / "summary.json").exists()

@@ -38,12 +38,14 @@ class Stopped(BaseException):
 
 class HostsResult(NamedTuple):
     """How a run ended: each host's exit status (``None``: killed by the lab), its log file,
-    the seconds it took, and whether the timeout stopped it."""
+    the seconds it took, whether the timeout stopped it, and when each host exited (seconds
+    since the run started, 0.05 s resolution; ``None``: stopped by the lab)."""
 
     returncodes: tuple[int | None, ...]
     logs: tuple[str, ...]
     seconds: float
     timed_out: bool
+    exited_s: tuple[float | None, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -172,6 +174,7 @@ def run_hosts(
     logs = []
     t0 = time.monotonic()
     timed_out = False
+    exited: list[float | None] = [None] * net.spec.hosts
     try:
         for i in range(net.spec.hosts):
             path = os.path.join(log_dir, f"host{i}.log")
@@ -197,8 +200,15 @@ def run_hosts(
                 )
         deadline = t0 + timeout_s
         failed_at = None
+
+        def note_exits():
+            for i, p in enumerate(procs):
+                if exited[i] is None and p.poll() is not None:
+                    exited[i] = time.monotonic() - t0
+
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
+            note_exits()
             if now > deadline:
                 timed_out = True
                 break
@@ -207,8 +217,9 @@ def run_hosts(
             if failed_at is not None and now - failed_at > fail_grace_s:
                 break
             time.sleep(0.05)
+        note_exits()
     finally:
         with signals_ignored():
             _stop(procs, grace_s)
     codes = tuple(p.returncode for p in procs)
-    return HostsResult(codes, tuple(logs), time.monotonic() - t0, timed_out)
+    return HostsResult(codes, tuple(logs), time.monotonic() - t0, timed_out, tuple(exited))

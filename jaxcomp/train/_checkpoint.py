@@ -25,6 +25,11 @@ What the :class:`Checkpointer` guarantees:
   than the newest checkpoint took (or the folder is not writable); after it started, at the
   next step (:meth:`Checkpointer.failed_save`), the half-written folder removed. Either way
   one line names the folder and the bytes needed, and the last good checkpoint stays.
+* With several processes a write that fails on one of them (its disk full) stops every
+  process at the next step: the failing process says why in the line above, the others name
+  it and the cause. Orbax's own error comes back only after barriers that the processes still
+  writing never pass (each waits at another one until orbax's timeout), so the failure is
+  taken from orbax's error record as it is logged, and nothing waits on that save again.
 * With several processes every verdict is agreed: a read-back that fails because another
   process is gone (a failed collective) raises :class:`~jaxcomp.train.PeerLost`; it never
   sets a good checkpoint aside as damaged.
@@ -36,6 +41,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from typing import Any
 
 import jax
@@ -84,9 +90,15 @@ def _disk_bytes(path: str) -> int:
     return total
 
 
-class _QuietWriteErrors(logging.Filter):
-    """Drops orbax's own error records (each with a traceback, ~30 of them) of a write that
-    failed for lack of space or permission: the :class:`Checkpointer` says it in one line."""
+class _WriteErrors(logging.Filter):
+    """Orbax's error records: each error is handed to ``seen`` (orbax logs a failed background
+    write at once, from its writing thread); the records of a write that failed for lack of
+    space or permission (each with a traceback, ~30 of them) are dropped: the
+    :class:`Checkpointer` says it in one line."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
@@ -94,9 +106,17 @@ class _QuietWriteErrors(logging.Filter):
         text = record.getMessage()
         if record.exc_info and record.exc_info[1] is not None:
             error = record.exc_info[1]
+            self.seen(error)
             text += f" {error} {error.__cause__ or ''} {error.__context__ or ''}"
         text = text.lower()
         return not any(k in text for k in ("resource_exhausted", "no space left", "permission"))
+
+
+NO_SPACE = "no space left on the device"
+READ_ONLY = "permission denied (read-only)"
+VANISHED = "its folder vanished"
+#: a failed write's cause as the code one process tells the others (0: none; 4: another error)
+CAUSES = {NO_SPACE: 1, READ_ONLY: 2, VANISHED: 3}
 
 
 def _why(e: BaseException) -> str:
@@ -105,11 +125,11 @@ def _why(e: BaseException) -> str:
     text = str(e)
     low = text.lower()
     if "resource_exhausted" in low or "no space left" in low:
-        return "no space left on the device"
+        return NO_SPACE
     if "permission denied" in low or "read-only" in low or isinstance(e, PermissionError):
-        return "permission denied (read-only)"
+        return READ_ONLY
     if isinstance(e, FileNotFoundError) or "no such file" in low:
-        return "its folder vanished"
+        return VANISHED
     first = text.strip().splitlines()[0][:200] if text.strip() else ""
     return f"{type(e).__name__}: {first}"
 
@@ -234,9 +254,23 @@ class Checkpointer:
         self._target: Any = None  # abstract state, for reading checkpoints back
         self._closed = False
         self._pending: tuple[int, int] | None = None  # (step, bytes) of a save under way
+        self._failure: BaseException | None = None  # the pending save's error, as logged
+        self._saves = self._waited = 0  # saves started / waited for (the same on every process)
+        self._step = -1  # the step of the latest save
+        self.stuck = False  #: a save failed with several processes: orbax's threads never end
+        self.cause = ""  #: the cause of the last failed save (``NO_SPACE``, ...), if any
         self.processes = jax.process_count()  #: the run's processes (a read-back's peers)
-        self._quiet = _QuietWriteErrors()
-        logging.getLogger("absl").addFilter(self._quiet)
+        self._quiet = _WriteErrors(self._seen)
+        # first: a filter that drops a record ends the chain (another Checkpointer's, open in
+        # this process, would keep this one from seeing its own save's error)
+        logging.getLogger("absl").filters.insert(0, self._quiet)
+
+    def _seen(self, error: BaseException) -> None:
+        """Keeps the first error orbax logs while a save is under way (not that of a failed
+        collective: a lost peer is reported as such)."""
+        if self._pending is not None and self._failure is None:
+            if not _processes.is_peer_failure(error, self.processes):
+                self._failure = error
 
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -261,21 +295,26 @@ class Checkpointer:
         self.wait()
         self._prune(room=1)
         need = self._expected_bytes(to_write)
+        self._step = step
         problem = self._room_for(step, need)
-        if (_processes.gather_ints([problem is not None])[:, 0]).any():  # one verdict for all
-            raise _errors.StorageError(problem or self._elsewhere(step))
+        self._agree(step, problem, busy=False)  # one verdict for all
         rest = {k: v for k, v in meta.items() if k != CHECKSUM}
         rest = json.loads(json.dumps({**rest, LAYOUT: _layout_list(state)}))
         check = {"state": sums, "layout": _layout(state), "meta": _integrity.json_digest(rest)}
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(to_write),
-                meta=ocp.args.JsonSave({**rest, CHECKSUM: check}),
-            ),
-            force=True,
-        )
-        self._pending = (step, need)
+        self._pending, self._failure = (step, need), None  # before: orbax may fail at once
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(to_write),
+                    meta=ocp.args.JsonSave({**rest, CHECKSUM: check}),
+                ),
+                force=True,
+            )
+        except BaseException:
+            self._pending = None
+            raise
+        self._saves += 1
         return True
 
     def _expected_bytes(self, state: Any) -> int:
@@ -302,6 +341,7 @@ class Checkpointer:
         return None
 
     def _write_failure(self, step: int, need: int, why: str) -> str:
+        self.cause = why
         try:
             fs = os.statvfs(self.directory)
             free = f", {_metrics.format_bytes(fs.f_bavail * fs.f_frsize)} free"
@@ -319,26 +359,67 @@ class Checkpointer:
             "command to resume."
         )
 
-    def _elsewhere(self, step: int) -> str:
+    def _agree(self, step: int, problem: str | None, busy: bool) -> bool:
+        """One collective: whether any process's save of ``step`` failed (``problem``: its
+        line here, :attr:`cause` set) or is still ``busy``.
+
+        Returns:
+          Whether a process is still busy.
+
+        Raises:
+          StorageError: this process's ``problem``, or the line naming the process that has one
+            and its cause.
+        """
+        codes = _processes.gather_ints([0 if problem is None else self.cause_code(), busy])
+        if problem is None and codes[:, 0].any():
+            k = int(codes[:, 0].nonzero()[0][0])
+            raise _errors.StorageError(self.failed_elsewhere(k, int(codes[k, 0])))
+        if problem is not None:
+            raise _errors.StorageError(problem)
+        return bool(codes[:, 1].any())
+
+    def cause_code(self) -> int:
+        """:attr:`cause` as the code one process tells the others (1-4)."""
+        return CAUSES.get(self.cause, len(CAUSES) + 1)
+
+    def failed_elsewhere(self, k: int, code: int) -> str:
+        """The line of a process whose peer ``k`` could not write the checkpoint under way
+        (``code``: :meth:`cause_code` there); nothing waits on that save any more."""
+        self.cause = {v: c for c, v in CAUSES.items()}.get(code, "an error (see its output)")
+        self.stuck = self.processes > 1
         return (
-            f"checkpoint step {step} cannot be written by another process of this run (see "
-            "its output); this process stops with it. The last good checkpoint is intact."
+            f"process {k} cannot write checkpoint step {self._step}: {self.cause} (its "
+            "output names the path and the bytes needed); this process stops with it. The "
+            "last good checkpoint is intact: fix that and run the same command to resume."
         )
 
     def failed_save(self) -> str | None:
         """``None`` unless the last save failed in the background (then the line that says
-        so, once its half-written folder is removed); never waits for a save under way."""
-        if self._pending is None or self.manager.is_saving_in_progress():
+        so, once its half-written folder is removed); never waits for a save under way.
+
+        With several processes a failure is seen as soon as orbax logs it, before orbax's
+        thread ends (it never does: see the module's docstring), and :attr:`stuck` is set.
+        """
+        if self._pending is None:
             return None
+        error = self._failure if self.processes > 1 else None  # one process: orbax's ends
+        if error is None:
+            if self.manager.is_saving_in_progress():
+                return None
+            try:  # finished: neither waits; the writer's error is re-raised by one or other
+                self.manager.wait_until_finished()
+                self.manager.check_for_errors()
+            except Exception as e:  # noqa: BLE001 - reported as one line
+                error = e
         step, need = self._pending
-        self._pending = None
-        try:  # finished: neither waits; the writer's error is re-raised by one or the other
-            self.manager.wait_until_finished()
-            self.manager.check_for_errors()
-        except Exception as e:  # noqa: BLE001 - reported as one line
-            self._remove_partial()
-            return self._write_failure(step, need, _why(e))
-        return None
+        self._pending, self._failure = None, None
+        if error is None:
+            return None
+        self.stuck = self.processes > 1
+        self.cause = _why(error)
+        line = self._write_failure(step, need, self.cause)  # the room left before the removal
+        self._remove_partial()
+        return line
 
     def _remove_partial(self) -> None:
         if jax.process_index() == 0 and os.path.isdir(self.directory):
@@ -362,9 +443,22 @@ class Checkpointer:
     def wait(self) -> None:
         """Waits for a save under way.
 
+        With several processes, every process waits until the save is done on all of them or
+        has failed on one of them (one small collective every 50 ms): a process whose write
+        failed never passes orbax's barriers, so waiting on orbax alone would hang the others.
+
         Raises:
-          StorageError: if it failed (one line; its half-written folder removed).
+          StorageError: if it failed here (one line; its half-written folder removed) or on
+            another process (the line names it).
         """
+        if self.processes > 1 and self._waited != self._saves:
+            while self._agree(
+                self._step,
+                self.failed_save() if self._failure else None,
+                busy=self.manager.is_saving_in_progress(),
+            ):
+                time.sleep(0.05)
+            self._waited = self._saves
         try:
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - orbax re-raises the writer's error
@@ -584,8 +678,8 @@ class Checkpointer:
             return
         self._closed = True
         logging.getLogger("absl").removeFilter(self._quiet)
-        if issubclass(kind, _errors.PeerLost):
-            return  # a save under way waits on the lost process: do not wait with it
+        if issubclass(kind, _errors.PeerLost) or self.stuck:
+            return  # a save under way waits on a lost process or a failed write: do not wait
         try:  # the error that ends the run is the one to report, not a save's after it
             self.manager.wait_until_finished()
             self.manager.close()

@@ -245,6 +245,7 @@ def train_and_evaluate(
                 latest = probe.latest_meta()
                 probe.close()
             _workdir.check_experiment(workdir, fp, latest)
+            _workdir.check_topology(workdir, latest, config.mesh, _here(devices))
             done = _workdir.finished_summary(workdir, config.total_steps, latest)
         if done is not None:
             say(_workdir.finished_message(workdir, config, done["steps"]))
@@ -274,6 +275,18 @@ def train_and_evaluate(
                 return _train(*run)
 
 
+def _here(devices) -> dict[str, Any]:
+    """This run's processes, devices per process and platform (``devices``: the mesh's, when
+    given), before any mesh is built."""
+    devices = list(jax.devices() if devices is None else devices)
+    processes = jax.process_count()
+    return {
+        "processes": processes,
+        "devices_per_process": len(devices) // processes,
+        "platform": devices[0].platform,
+    }
+
+
 @contextlib.contextmanager
 def _holding(workdir: str, say):
     """Holds the workdir's lock for the run (process 0 takes it, every process learns the
@@ -301,11 +314,12 @@ def _holding(workdir: str, say):
         lock.remove_recreated()  # a deleted workdir stays deleted
 
 
-#: what a process tells the others when it cannot go on (agreed after every step)
-FAULT_WORKDIR, FAULT_SAVE = 1, 2
+#: what a process tells the others when it cannot go on (agreed after every step); a failed
+#: checkpoint is FAULT_CHECKPOINT + its cause's code (``Checkpointer.cause_code``)
+FAULT_WORKDIR, FAULT_SAVE, FAULT_CHECKPOINT = 1, 2, 10
 _FAULTS = {
     FAULT_WORKDIR: "lost its workdir (deleted, replaced or taken over)",
-    FAULT_SAVE: "could not write its workdir or a checkpoint",
+    FAULT_SAVE: "could not write its workdir",
 }
 
 
@@ -343,16 +357,19 @@ def _health(lock, ckpt, held, stop, step: int) -> None:
         problem, code = held.problem, FAULT_SAVE
     else:
         problem = ckpt.failed_save()
-        code = FAULT_SAVE if problem else 0
+        code = FAULT_CHECKPOINT + ckpt.cause_code() if problem else 0
     codes = stop.agree(code)
     if not codes.any():
         return
     if not problem:
         k = int(codes.nonzero()[0][0])
-        problem = (
-            f"process {k} {_FAULTS[int(codes[k])]} after step {step} (see its output); this "
-            "process stops with it"
-        )
+        if codes[k] >= FAULT_CHECKPOINT:
+            problem = ckpt.failed_elsewhere(k, int(codes[k]) - FAULT_CHECKPOINT)
+        else:
+            problem = (
+                f"process {k} {_FAULTS[int(codes[k])]} after step {step} (see its output); "
+                "this process stops with it"
+            )
     raise StorageError(problem)
 
 

@@ -6,7 +6,9 @@ checkpoint of another state layout (the model, mode, codec or jaxcomp changed wh
 holds) was reported as damaged, without saying what differs.
 """
 
+import logging
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -65,3 +67,30 @@ def test_a_checkpoint_of_another_layout_is_refused_by_name_not_set_aside(tmp_pat
     # the same layout still restores
     step, state, _ = train.Checkpointer(str(tmp_path)).restore_latest({"w": jnp.zeros((16,))})
     assert step == 8 and float(state["w"][0]) == 8.0
+
+
+def test_a_write_failed_on_one_of_several_processes_is_reported_at_once(tmp_path, monkeypatch):
+    """With several processes orbax's thread of a failed write never ends (its barriers wait
+    for the others): the failure is taken from orbax's error record as it is logged."""
+    ckpt = _saved(tmp_path, steps=(4,))
+    ckpt.processes = 2
+    assert ckpt.save(8, {"w": jnp.full((16,), 8.0)}, {"step": 8})
+    ckpt.manager.wait_until_finished()  # written; orbax is told to look still busy below
+    monkeypatch.setattr(ckpt.manager, "is_saving_in_progress", lambda: True)
+    assert ckpt.failed_save() is None  # busy, nothing logged: no verdict, no wait
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError:
+        what = "[process=1] Failed to run 2 Handler Commit operations"
+        record = logging.LogRecord("absl", logging.ERROR, __file__, 1, what, (), sys.exc_info())
+    assert not logging.getLogger("absl").filter(record)  # dropped: the line below says it
+    line = ckpt.failed_save()
+    assert line.startswith(f"checkpoint step 8 cannot be written to {tmp_path}"), line
+    assert "no space left on the device (it needs about" in line and "(step 4) is intact" in line
+    assert ckpt.stuck and ckpt.cause_code() == 1
+    other = train.Checkpointer(str(tmp_path / "other"))
+    other.processes, other._step = 2, 8
+    assert other.failed_elsewhere(1, ckpt.cause_code()).startswith(
+        "process 1 cannot write checkpoint step 8: no space left on the device"
+    )
+    assert other.stuck
