@@ -352,7 +352,7 @@ def setup_devices(args) -> None:
 
 def refuse_cpu_compile_cache() -> None:
     """Turns a configured persistent compilation cache (``--compile_cache`` or
-    ``$JAX_COMPILATION_CACHE_DIR``) off on CPU (:mod:`jaxcomp._cpu`), with one ``warning:`` line on stderr
+    ``$JAX_COMPILATION_CACHE_DIR``) off on CPU, with one ``warning:`` line on stderr
     (:func:`jaxcomp._cpu.refuse_compile_cache`). Starts the backend if a cache is configured."""
     import jax
 

@@ -1,13 +1,26 @@
-import os, sys
+"""The accbug program, 10 steps: run it twice with one ``JAX_COMPILATION_CACHE_DIR`` (and
+``JAXCOMP_UNSAFE_CPU_COMPILE_CACHE=1``) and compare the losses (README.md). ``NODONATE=1``
+turns the step's state donation off.
+
+python repro_nondeterminism.py STEPS SEED WORKDIR
+"""
+
+import os
+import sys
+
 from jaxcomp import _driver
-if os.environ.get("NODONATE"):
-    orig = _driver.Program.__init__
-    def init(self, *a, **k):
-        k["donate"] = False
-        orig(self, *a, **k)
-    _driver.Program.__init__ = init
 from jaxcomp import train
 from jaxcomp.main import load_config
+
+if os.environ.get("NODONATE"):
+    _init = _driver.Program.__init__
+
+    def _no_donation(self, *a, **k):
+        k["donate"] = False
+        _init(self, *a, **k)
+
+    _driver.Program.__init__ = _no_donation
+
 c = load_config("configs/text_gpt_accordion.py")
 c.data_parallel["low"] = {"name": "top_k", "fraction": 0.1}
 c.data_parallel["high"] = {"name": "top_k", "fraction": 0.1}
