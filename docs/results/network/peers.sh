@@ -72,7 +72,7 @@ case "$what" in
   ab)
     rate=100mbit
     LEN=(--set total_steps=300 "${QUIET[@]}")
-    cells=("jax ab configs/digits_ab.py ${LEN[*]}" "jax dense configs/digits_dense.py ${LEN[*]}")
+    cells=("jax ab configs/digits_ab.py ${LEN[*]}" "jax dp-dense configs/digits_dense.py ${LEN[*]}")
     ;;
   unlimited | 1gbit | 100mbit | 10mbit)
     rate=$what

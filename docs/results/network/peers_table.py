@@ -23,6 +23,7 @@ from jaxcomp.transforms import ABSchedule
 
 CELL = re.compile(r"^(?P<label>.+)-2x4-(?P<rate>[^-]+)-r(?P<round>\d+)$")
 RATES = ("unlimited", "1gbit", "100mbit", "10mbit")
+PEER_LABELS = ("dense", "torch-dense", "powersgd", "torch-powersgd")
 
 
 def _json(path):
@@ -63,7 +64,8 @@ def peers_table(found) -> str:
     ]
     by = collections.defaultdict(dict)
     for c in found.values():
-        by[(c["rate"], int(c["round"]))][c["label"]] = c
+        if c["label"] in PEER_LABELS:
+            by[(c["rate"], int(c["round"]))][c["label"]] = c
     for rate in RATES:
         rounds = sorted(r for (rt, r) in by if rt == rate)
         pooled = collections.defaultdict(list)
@@ -82,9 +84,7 @@ def peers_table(found) -> str:
                 return f"{_ms(st['median_s'])} [{_ms(st['q25_s'])}, {_ms(st['q75_s'])}]"
 
             m = {k: v["median_s"] for k, v in med.items()}
-            loads = ", ".join(
-                _load(row[k]) for k in ("dense", "torch-dense", "powersgd", "torch-powersgd")
-            )
+            loads = ", ".join(_load(row[k]) for k in PEER_LABELS)
             lines.append(
                 f"| {rate} | {r} | {cell('dense')} | {cell('torch-dense')} | "
                 f"{m['dense'] / m['torch-dense']:.2f} | {cell('powersgd')} | "
@@ -113,7 +113,7 @@ def _timing(workdir) -> list[float]:
 def bytes_table(found) -> str:
     seen = {}
     for c in found.values():
-        if c["rate"] in RATES and c["label"] not in seen:
+        if c["label"] in (*PEER_LABELS, "ab", "dp-dense") and c["label"] not in seen:
             seen[c["label"]] = _bytes(c)
     return "\n".join(f"- {k}: {v} bytes/step" for k, v in sorted(seen.items()))
 
@@ -139,19 +139,19 @@ def ab_table(found) -> str:
     ]
     by = collections.defaultdict(dict)
     for c in found.values():
-        if c["label"] in ("ab", "dense") and c["rate"] == "100mbit":
+        if c["label"] in ("ab", "dp-dense"):
             by[int(c["round"])][c["label"]] = c
     for r in sorted(by):
         row = by[r]
         if len(row) != 2:
             continue
         means = {}
-        for label in ("ab", "dense"):
+        for label in ("ab", "dp-dense"):
             vals = _timing(row[label]["dir"])
             means[label] = statistics.fmean(vals)
-        for label in ("ab", "dense"):
+        for label in ("ab", "dp-dense"):
             st = _network.step_times(row[label]["dir"])
-            ratio = f"**{means['ab'] / means['dense']:.2f}**" if label == "ab" else ""
+            ratio = f"**{means['ab'] / means['dp-dense']:.2f}**" if label == "ab" else ""
             lines.append(
                 f"| {r} | {label} | {st['n']} | {_ms(means[label])} | {_ms(st['median_s'])} | "
                 f"{ratio} | {_load(row[label])} |"
@@ -193,7 +193,7 @@ def ab_table(found) -> str:
                 f"| {r} | whole cycles after the warm-up ({len(cycle) // sched.sync_every} x "
                 f"{sched.sync_every}) | {len(cycle)} | {_ms(statistics.fmean(cycle))} | "
                 f"{_ms(statistics.median(cycle))} (/ DP mean: "
-                f"{statistics.fmean(cycle) / means['dense']:.2f}) |"
+                f"{statistics.fmean(cycle) / means['dp-dense']:.2f}) |"
             )
     return "\n".join(lines) + "\n\n" + "\n".join(kinds_lines)
 
