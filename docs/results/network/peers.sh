@@ -3,7 +3,8 @@
 # AB-Training against data parallelism, round-robin, one call per rate (each fits one
 # tools/cpu-all window):
 #   tools/cpu-all docs/results/network/peers.sh unlimited     # then 100mbit, 10mbit
-#   tools/cpu-all docs/results/network/peers.sh ab            # digits_ab vs digits_dense, 100mbit
+#   tools/cpu-all docs/results/network/peers.sh ab [RATE]     # digits_ab vs digits_dense (100mbit)
+#   tools/cpu-all docs/results/network/peers.sh 2x1 RATE     # both sides as 2 hosts x 1 rank of 64
 # ROUNDS (default 2) rounds; round r runs the cells in order, round r+1 in reverse. Cells go to
 # docs/results/network/peers/NAME-rROUND/ (jaxcomp's: lab.json, summary, metrics, timing;
 # torch's: summary.json, timing), each with cell.json (command, load before and after);
@@ -21,6 +22,7 @@ out="$here/peers"
 mkdir -p "$RUNS" "$out"
 cd "$repo"
 lab() { PYTHONPATH="$repo" "$PY" -m jaxcomp.lab "$@"; }
+LAYOUT=2x4
 NET=(--hosts 2 --devices 4)
 
 record() {  # NAME RATE LOAD_BEFORE COMMAND...: cell.json beside the kept files
@@ -70,22 +72,26 @@ QUIET=(--set eval_every=0 --set checkpoint_every=0 --set log_every=20)
 cells=()
 case "$what" in
   ab)
-    rate=100mbit
+    rate=${2:-100mbit}
     LEN=(--set total_steps=300 "${QUIET[@]}")
     cells=("jax ab configs/digits_ab.py ${LEN[*]}" "jax dp-dense configs/digits_dense.py ${LEN[*]}")
     ;;
-  unlimited | 1gbit | 100mbit | 10mbit)
+  unlimited | 1gbit | 100mbit | 10mbit | 2x1)
     rate=$what
+    if [ "$what" = 2x1 ]; then
+      rate=$2 LAYOUT=2x1 NET=(--hosts 2 --devices 1)
+    fi
     steps=60
     [ "$rate" = 10mbit ] && steps=30
     LEN=(--set total_steps=$steps "${QUIET[@]}")
-    cells=("jax dense configs/digits_dense.py ${LEN[*]}"
+    [ "$LAYOUT" = 2x1 ] && LEN+=(--set 'mesh=[("data", 2)]')
+    cells=("jax dense configs/digits_dense.py ${LEN[*]@Q}"
            "torch torch-dense dense $steps"
-           "jax powersgd configs/digits_accordion.py ${LEN[*]} ${PSGD[*]@Q}"
+           "jax powersgd configs/digits_accordion.py ${LEN[*]@Q} ${PSGD[*]@Q}"
            "torch torch-powersgd powersgd $steps")
     ;;
   *)
-    echo "usage: $0 unlimited|1gbit|100mbit|10mbit|ab" >&2
+    echo "usage: $0 unlimited|1gbit|100mbit|10mbit|ab [RATE]|2x1 RATE" >&2
     exit 2
     ;;
 esac
@@ -101,9 +107,9 @@ for r in $(seq 1 "$ROUNDS"); do
     side=$1 label=$2
     shift 2
     if [ "$side" = jax ]; then
-      jax_cell "$label-2x4-$rate-r$r" "$rate" "$@"
+      jax_cell "$label-$LAYOUT-$rate-r$r" "$rate" "$@"
     else
-      torch_cell "$label-2x4-$rate-r$r" "$rate" "$@"
+      torch_cell "$label-$LAYOUT-$rate-r$r" "$rate" "$@"
     fi
   done
 done

@@ -21,7 +21,7 @@ from jaxcomp.lab import _train
 from jaxcomp.study import _network
 from jaxcomp.transforms import ABSchedule
 
-CELL = re.compile(r"^(?P<label>.+)-2x4-(?P<rate>[^-]+)-r(?P<round>\d+)$")
+CELL = re.compile(r"^(?P<label>.+)-(?P<layout>\d+x\d+)-(?P<rate>[^-]+)-r(?P<round>\d+)$")
 RATES = ("unlimited", "1gbit", "100mbit", "10mbit")
 PEER_LABELS = ("dense", "torch-dense", "powersgd", "torch-powersgd")
 
@@ -58,19 +58,19 @@ def _bytes(c) -> str:
 
 def peers_table(found) -> str:
     lines = [
-        "| rate | round | jaxcomp dense | torch dense | jax/torch | jaxcomp PowerSGD | "
-        "torch PowerSGD | jax/torch | dense/PowerSGD jaxcomp, torch | load 1-min (each run) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| hosts x ranks | rate | round | jaxcomp dense | torch dense | jax/torch | "
+        "jaxcomp PowerSGD | torch PowerSGD | jax/torch | dense/PowerSGD jaxcomp, torch | load 1-min (each run) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by = collections.defaultdict(dict)
     for c in found.values():
         if c["label"] in PEER_LABELS:
-            by[(c["rate"], int(c["round"]))][c["label"]] = c
-    for rate in RATES:
-        rounds = sorted(r for (rt, r) in by if rt == rate)
+            by[(c["layout"], c["rate"], int(c["round"]))][c["label"]] = c
+    for layout, rate in sorted({k[:2] for k in by}, key=lambda k: (k[0][::-1], RATES.index(k[1]))):
+        rounds = sorted(r for (lt, rt, r) in by if (lt, rt) == (layout, rate))
         pooled = collections.defaultdict(list)
         for r in rounds:
-            row = by[(rate, r)]
+            row = by[(layout, rate, r)]
             if len(row) != 4:
                 continue
             med = {}
@@ -86,7 +86,7 @@ def peers_table(found) -> str:
             m = {k: v["median_s"] for k, v in med.items()}
             loads = ", ".join(_load(row[k]) for k in PEER_LABELS)
             lines.append(
-                f"| {rate} | {r} | {cell('dense')} | {cell('torch-dense')} | "
+                f"| {layout} | {rate} | {r} | {cell('dense')} | {cell('torch-dense')} | "
                 f"{m['dense'] / m['torch-dense']:.2f} | {cell('powersgd')} | "
                 f"{cell('torch-powersgd')} | {m['powersgd'] / m['torch-powersgd']:.2f} | "
                 f"{m['dense'] / m['powersgd']:.2f}, {m['torch-dense'] / m['torch-powersgd']:.2f} "
@@ -95,7 +95,7 @@ def peers_table(found) -> str:
         if pooled:
             p = {k: statistics.median(v) for k, v in pooled.items()}
             lines.append(
-                f"| {rate} | all | {_ms(p['dense'])} | {_ms(p['torch-dense'])} | "
+                f"| {layout} | {rate} | all | {_ms(p['dense'])} | {_ms(p['torch-dense'])} | "
                 f"**{p['dense'] / p['torch-dense']:.2f}** | {_ms(p['powersgd'])} | "
                 f"{_ms(p['torch-powersgd'])} | **{p['powersgd'] / p['torch-powersgd']:.2f}** | "
                 f"{p['dense'] / p['powersgd']:.2f}, "
@@ -113,9 +113,9 @@ def _timing(workdir) -> list[float]:
 def bytes_table(found) -> str:
     seen = {}
     for c in found.values():
-        if c["label"] in (*PEER_LABELS, "ab", "dp-dense") and c["label"] not in seen:
-            seen[c["label"]] = _bytes(c)
-    return "\n".join(f"- {k}: {v} bytes/step" for k, v in sorted(seen.items()))
+        if c["label"] in (*PEER_LABELS, "ab", "dp-dense") and (c["label"], c["layout"]) not in seen:
+            seen[c["label"], c["layout"]] = _bytes(c)
+    return "\n".join(f"- {k[0]} {k[1]}: {v} bytes/step" for k, v in sorted(seen.items()))
 
 
 def accuracy_lines(found) -> str:
@@ -130,19 +130,19 @@ def accuracy_lines(found) -> str:
 def ab_table(found) -> str:
     """AB-Training against data parallelism: mean step over the run, and per step kind."""
     lines = [
-        "| round | run | steps | mean ms | median ms | AB mean / DP mean | load 1-min |",
-        "|---|---|---|---|---|---|---|",
+        "| rate | round | run | steps | mean ms | median ms | AB mean / DP mean | load 1-min |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     kinds_lines = [
-        "| round | step kind | steps | mean ms | median ms [q25, q75] |",
-        "|---|---|---|---|---|",
+        "| rate | round | step kind | steps | mean ms | median ms [q25, q75] |",
+        "|---|---|---|---|---|---|",
     ]
     by = collections.defaultdict(dict)
     for c in found.values():
         if c["label"] in ("ab", "dp-dense"):
-            by[int(c["round"])][c["label"]] = c
-    for r in sorted(by):
-        row = by[r]
+            by[RATES.index(c["rate"]), int(c["round"])][c["label"]] = c
+    for key in sorted(by):
+        row, rate, r = by[key], RATES[key[0]], key[1]
         if len(row) != 2:
             continue
         means = {}
@@ -153,8 +153,8 @@ def ab_table(found) -> str:
             st = _network.step_times(row[label]["dir"])
             ratio = f"**{means['ab'] / means['dp-dense']:.2f}**" if label == "ab" else ""
             lines.append(
-                f"| {r} | {label} | {st['n']} | {_ms(means[label])} | {_ms(st['median_s'])} | "
-                f"{ratio} | {_load(row[label])} |"
+                f"| {rate} | {r} | {label} | {st['n']} | {_ms(means[label])} | "
+                f"{_ms(st['median_s'])} | {ratio} | {_load(row[label])} |"
             )
         lab = _json(os.path.join(row["ab"]["dir"], "lab.json"))
         cfg = _train.resolve_config(lab["config"], lab["overrides"])
@@ -185,13 +185,13 @@ def ab_table(found) -> str:
                 continue
             q = statistics.quantiles(v, n=4) if len(v) > 1 else [v[0]] * 3
             kinds_lines.append(
-                f"| {r} | {kind} | {len(v)} | {_ms(statistics.fmean(v))} | "
+                f"| {rate} | {r} | {kind} | {len(v)} | {_ms(statistics.fmean(v))} | "
                 f"{_ms(statistics.median(v))} [{_ms(q[0])}, {_ms(q[2])}] |"
             )
         if cycle:
             kinds_lines.append(
-                f"| {r} | whole cycles after the warm-up ({len(cycle) // sched.sync_every} x "
-                f"{sched.sync_every}) | {len(cycle)} | {_ms(statistics.fmean(cycle))} | "
+                f"| {rate} | {r} | whole cycles after the warm-up "
+                f"({len(cycle) // sched.sync_every} x {sched.sync_every}) | {len(cycle)} | {_ms(statistics.fmean(cycle))} | "
                 f"{_ms(statistics.median(cycle))} (/ DP mean: "
                 f"{statistics.fmean(cycle) / means['dp-dense']:.2f}) |"
             )
