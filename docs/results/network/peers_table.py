@@ -59,7 +59,8 @@ def _bytes(c) -> str:
 def peers_table(found) -> str:
     lines = [
         "| hosts x ranks | rate | round | jaxcomp dense | torch dense | jax/torch | "
-        "jaxcomp PowerSGD | torch PowerSGD | jax/torch | dense/PowerSGD jaxcomp, torch | load 1-min (each run) |",
+        "jaxcomp PowerSGD | torch PowerSGD | jax/torch | dense/PowerSGD jaxcomp, torch | "
+        "load 1-min (each run) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by = collections.defaultdict(dict)
@@ -191,7 +192,8 @@ def ab_table(found) -> str:
         if cycle:
             kinds_lines.append(
                 f"| {rate} | {r} | whole cycles after the warm-up "
-                f"({len(cycle) // sched.sync_every} x {sched.sync_every}) | {len(cycle)} | {_ms(statistics.fmean(cycle))} | "
+                f"({len(cycle) // sched.sync_every} x {sched.sync_every}) | {len(cycle)} | "
+                f"{_ms(statistics.fmean(cycle))} | "
                 f"{_ms(statistics.median(cycle))} (/ DP mean: "
                 f"{statistics.fmean(cycle) / means['dp-dense']:.2f}) |"
             )
