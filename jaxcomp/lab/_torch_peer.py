@@ -21,7 +21,7 @@ times its own (``timing.jsonl``: from fetching the batch to the loss on the host
 writes ``timing.jsonl`` in the trainer's format (so
 :func:`jaxcomp.study._network.step_times` reads both alike) and ``summary.json``: the layout,
 the bytes each host's NIC sent per step over the timed steps (``/sys/class/net``, headers
-included), and the test accuracy and loss at the end.
+included), the test loss before training, and the test accuracy and loss after it.
 
 References:
   Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
@@ -68,6 +68,15 @@ def _model(torch):
     return torch.nn.Sequential(*layers)
 
 
+def _evaluate(torch, model, test) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy on the whole test split."""
+    with torch.no_grad():
+        logits = model(torch.from_numpy(test["x"]))
+        labels = torch.from_numpy(test["label"]).long()
+        loss = float(torch.nn.functional.cross_entropy(logits, labels))
+    return float((logits.argmax(1) == labels).float().mean()), loss
+
+
 def _worker(rank: int, world: int, local: int, master: str, args, train, test) -> None:
     """One DDP rank: ``args.steps`` timed steps; rank 0 writes the results."""
     import torch
@@ -89,6 +98,7 @@ def _worker(rank: int, world: int, local: int, master: str, args, train, test) -
     opt = (torch.optim.Adam(ddp.parameters(), lr=lr) if name == "adam"
            else torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9))  # fmt: skip
     share = GLOBAL_BATCH // world
+    _, test_loss_before = _evaluate(torch, ddp.module, test)
     loader = data.Loader(train, GLOBAL_BATCH, seed=0)
     pos = loader.initial_state()
     times, tx = [], []
@@ -110,12 +120,7 @@ def _worker(rank: int, world: int, local: int, master: str, args, train, test) -
         if not torch.isfinite(torch.tensor(loss_value)):
             raise FloatingPointError(f"rank {rank}: non-finite loss at step {step}")
     tx.append(_nic_tx_bytes())
-    with torch.no_grad():
-        logits = ddp.module(torch.from_numpy(test["x"]))
-        accuracy = float((logits.argmax(1).numpy() == test["label"]).mean())
-        test_loss = float(
-            torch.nn.functional.cross_entropy(logits, torch.from_numpy(test["label"]).long())
-        )
+    accuracy, test_loss = _evaluate(torch, ddp.module, test)
     sent = torch.tensor([float(tx[1] - tx[0]) if local == 0 else 0.0])
     dist.all_reduce(sent)  # the hosts' NICs together
     if rank == 0:
@@ -131,6 +136,7 @@ def _worker(rank: int, world: int, local: int, master: str, args, train, test) -
             "threads_per_rank": torch.get_num_threads(), "steps": args.steps,
             "timed_from_step": args.skip + 1, "final_loss": loss_value,
             "test_accuracy": accuracy, "test_loss": test_loss,
+            "test_loss_before": test_loss_before,
             "nic_tx_bytes_per_host_per_step": float(sent[0]) / hosts / (args.steps - args.skip),
         }  # fmt: skip
         with open(os.path.join(args.out, "summary.json"), "w") as f:

@@ -28,7 +28,7 @@ def _peer(out, ranks, hook="dense", steps=3):
         return json.load(f)
 
 
-@pytest.mark.slow  # two torch subprocesses, ~8 s
+@pytest.mark.slow  # two torch subprocesses, ~12 s
 def test_two_ranks_on_halves_of_the_batch_train_as_one_rank_on_all_of_it(tmp_path):
     """DDP averages the ranks' mean gradients, so 2 ranks of 64 examples reach the weights of
     1 rank of 128 (the test loss after 3 Adam steps), and rank 0's step times are in the
@@ -38,6 +38,6 @@ def test_two_ranks_on_halves_of_the_batch_train_as_one_rank_on_all_of_it(tmp_pat
     assert (one["world"], one["batch_per_rank"]) == (1, 128)
     assert (two["world"], two["batch_per_rank"]) == (2, 64)
     assert two["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
-    assert one["test_loss"] < 2.2  # trained: log(10) = 2.30 at chance
+    assert one["test_loss"] < one["test_loss_before"] - 0.01  # it trains
     st = _network.step_times(str(tmp_path / "two"))
     assert st["n"] == 1 and st["left_out"] == [1, 2] and st["median_s"] > 0
