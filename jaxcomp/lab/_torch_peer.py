@@ -3,7 +3,7 @@ r"""The peer on the same link: torch DDP (gloo) training the digits MLP on a lab
 The lab runs this module once per host (``python -m jaxcomp.lab run ... -- python -m
 jaxcomp.lab._torch_peer ...``); each host forks ``ranks_per_host`` DDP ranks (default: the
 lab's ``--devices``), so a lab of 2 hosts x 4 devices trains as 8 gloo ranks, ranks ``4 h ..
-4 h + 3`` on host ``h``: the layout XLA:CPU gives jaxcomp's 2 x 4 cells (every device a gloo
+4 h + 3`` on host ``h``: the layout of jaxcomp's 2 x 4 cells (every CPU device a gloo
 rank, one flat ring over all 8, two of its hops across the hosts' links). Every rank runs the
 jaxcomp digits cell's step on its 1/``world`` share of the same global batch (the trainer's
 :class:`~jaxcomp.data.Loader`, seed 0: the same examples in the same order), one thread each:
