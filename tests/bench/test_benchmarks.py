@@ -83,6 +83,7 @@ def test_peers_without_torch_is_skipped_with_a_message(capsys):
     assert "skipped, torch is not installed" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # torch's spawned ranks and two jaxcomp compiles: ~29 s where torch is installed
 def test_peers_ddp_step_matches_torch_shapes_when_torch_is_installed():
     """The DDP rows run end to end (2 gloo ranks) and report positive times for both sides."""
     pytest.importorskip("torch")
