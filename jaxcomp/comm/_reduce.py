@@ -136,7 +136,7 @@ def dense_protocol() -> _protocol.ReduceProtocol:
     return _protocol.ReduceProtocol(
         lambda like, num_workers=None: DenseReduce(),
         all_reduce,
-        lambda like, num_workers: compressors.dense_bytes(like),
+        lambda like, num_workers: _protocol.reduced_bytes(_base.as_like(like)),
         "dense",
     )
 
@@ -145,9 +145,10 @@ def _init_codec(codec, like):
     return _protocol.PerWorker(jax.tree.map(lambda s: s[None], codec.init(_base.as_like(like))))
 
 
-def psum_operand_bytes(codec: compressors.Codec, payload: Any) -> int:
+def psum_operand_bytes(codec: compressors.Codec, payload: Any) -> int | jax.Array:
     """Bytes of the operands of the ``psum``s in ``codec.psum`` (e.g. RandK's values; its
-    shared seed does not travel), read from its jaxpr.
+    shared seed does not travel), read from its jaxpr, as they cross on this backend
+    (:func:`~jaxcomp.compressors._protocol.reduced_bytes`).
 
     Traced in a fresh thread: JAX's tracing context is thread-local, and a collective over an
     axis of its own cannot be traced inside another ``shard_map`` body (where transforms plan).
@@ -159,7 +160,7 @@ def psum_operand_bytes(codec: compressors.Codec, payload: Any) -> int:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         jaxpr = pool.submit(trace).result()
     operands = [v.aval for e in jaxpr.eqns if e.primitive.name == "psum" for v in e.invars]
-    return _protocol.array_bytes(operands)
+    return _protocol.reduced_bytes(operands)
 
 
 def in_place_only(codec: compressors.Codec, all_reduce_into):

@@ -116,7 +116,7 @@ def power_sgd_protocol(
         del num_workers
         r = _low_rank.effective_rank(tuple(like.shape), rank)
         if r == 0:
-            return _base.dense_bytes(like)
+            return _protocol.reduced_bytes(_base.as_like(like))
         rows, cols = _low_rank.matrix_shape(tuple(like.shape))
         return 4 * (rows + cols) * r
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp import _cpu
 from jaxcomp import _scaling
 from jaxcomp._bits import move_as_bits
 from jaxcomp._vma import to_varying as to_varying
@@ -62,7 +63,8 @@ class ReduceProtocol(NamedTuple):
         ``shard_map`` (``axis_name=None``: one worker). ``key`` is the same on every worker
         (decorrelate with :func:`worker_key` where the method wants independence).
       wire_bytes: ``wire_bytes(like, num_workers) -> int``: bytes one worker puts into
-        collectives per call (what :func:`jaxcomp.comm.measure_collectives` reads).
+        collectives per call (what :func:`jaxcomp.comm.measure_collectives` reads); a scalar
+        array where a reduction's bytes depend on the backend (:func:`reduced_bytes`).
       name: description, e.g. ``"power_sgd(rank=2)/low_rank"``.
       dense: optional ``dense(x, mean, state, axis_name) -> state``: how the state follows a
         round averaged uncompressed (warm-up); ``None`` leaves it unchanged.
@@ -238,6 +240,46 @@ def pmean(x: Array, axis_name: str | None) -> Array:
     as zero (the CPU backend flushes subnormals, ``jaxcomp._cpu`` [subnormals]): not taken.
     """
     return x if axis_name is None else lax.pmean(x, axis_name)
+
+
+#: element bytes of a reduction's operand on XLA:CPU, where it widens them: a ``bfloat16``
+#: ``psum`` crosses as ``float32``, an 8-bit float one as ``float16`` (``float16`` stays)
+_CPU_REDUCED_ITEMSIZE = {"bfloat16": 4, "float8_e4m3fn": 2, "float8_e5m2": 2}
+
+
+def reduced_bytes(tree: Any) -> int | Array:
+    r"""Bytes one worker puts into a ``psum`` of the arrays in ``tree``, on this backend.
+
+    .. math::
+      \mathrm{bytes} = \sum_{x} |x| \cdot \mathrm{itemsize}_{\mathrm{wire}}(x)
+
+    GPU and TPU reduce every float in its own width. The CPU backend widens ``bfloat16`` and
+    8-bit float reductions (``jaxcomp._cpu`` [widened-collectives]): the psum of a ``bfloat16``
+    array crosses as ``float32``, twice its bytes, and a reduction cannot go as bits
+    (:func:`jaxcomp._bits.move_as_bits` is for collectives that only move data). The count is
+    chosen when the program is lowered (``jaxcomp._cpu.kernel``), so it is what the compiled
+    program's collectives hold (:func:`jaxcomp.comm.measure_collectives`) on every backend.
+
+    Args:
+      tree: arrays or ``ShapeDtypeStruct``\ s, the operands of one or more ``psum``\ s.
+
+    Returns:
+      A Python int where no operand is widened anywhere (every ``float32`` tree), else a
+      ``float32`` scalar: usable inside ``jit`` and ``shard_map`` (invariant over every axis).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> reduced_bytes(jax.ShapeDtypeStruct((8,), jnp.float32))
+      32
+    """
+    own = array_bytes(tree)
+    widened = sum(
+        math.prod(x.shape) * _CPU_REDUCED_ITEMSIZE.get(np.dtype(x.dtype).name, x.dtype.itemsize)
+        for x in jax.tree.leaves(tree)
+    )
+    if widened == own:
+        return own
+    return _cpu.kernel(cpu=lambda: jnp.float32(widened), default=lambda: jnp.float32(own))
 
 
 def array_bytes(tree: Any) -> int:

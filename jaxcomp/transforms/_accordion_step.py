@@ -255,7 +255,7 @@ def update_accordion(
         # so the accumulators, their norms and the modes are the same on a group's devices
         _protocol.axis_size(config.fast_axis)  # a clear error for a wrong axis
         updates = jax.tree.map(lambda g: lax.pmean(g, config.fast_axis), updates)
-        fast_sent += sum(compressors.dense_bytes(g) for g in jax.tree.leaves(updates))
+        fast_sent += _protocol.reduced_bytes(updates)
     num = _protocol.axis_size(axis_name)
     flat, treedef = jax.tree.flatten(updates)
     leaf_states = treedef.flatten_up_to(state.leaves)
@@ -275,7 +275,7 @@ def update_accordion(
             means.append(_protocol.pmean(g, axis_name))
             new_leaves.append(leaf)
             if axis_name is not None:
-                sent += compressors.dense_bytes(g)
+                sent += _protocol.reduced_bytes(g)
             continue
         if lr is not None:
             # the reference's decay switch keeps the memory even with --zero-memory

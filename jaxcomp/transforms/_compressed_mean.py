@@ -250,7 +250,7 @@ def update_mean(
     if fast is not None:  # dense over the fast links first: one value per fast group
         _protocol.axis_size(fast)  # a clear error for a wrong axis or outside shard_map
         updates = jax.tree.map(lambda g: lax.pmean(g, fast), updates)
-        fast_sent += sum(compressors.dense_bytes(g) for g in jax.tree.leaves(updates))
+        fast_sent += _protocol.reduced_bytes(updates)
     num = _protocol.axis_size(axis_name)
     flat, treedef = jax.tree.flatten(updates)
     leaf_states = treedef.flatten_up_to(state.leaves)
@@ -275,7 +275,7 @@ def update_mean(
         else:
             mean, s = lax.cond(warm, dense, compressed, g, s)
         if axis_name is not None:
-            full = compressors.dense_bytes(g)
+            full = _protocol.reduced_bytes(g)
             sent = sent + jnp.where(warm, full, proto.wire_bytes(g, num)).astype(jnp.float32)
         means.append(mean)
         new_states.append(s)

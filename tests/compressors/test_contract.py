@@ -43,28 +43,22 @@ def test_hlo_bytes_equal_wire_bytes(codec_case, mesh):
         assert "f32" not in report.dtypes() or expected < compressors.dense_bytes(like) / 2
 
 
-#: known bug this test found (open, issue 36): RandK's 16-bit payloads cross 8 bytes fewer than
-#: ``wire_bytes(payload_shape(...))`` says (420 vs 428); strict: passes once fixed
-RAND_K_16_BIT_BUGS = {"rand_k", "rand_k_unbiased", "rand_k+quantize4_stochastic"}
-
-
-def test_16_bit_inputs_decode_to_their_dtype_with_their_payloads_bytes(codec_case, mesh, request):
+def test_16_bit_inputs_decode_to_their_dtype_with_their_payloads_bytes(codec_case, mesh):
     """bfloat16 and float16 inputs (float32: the tests above), sent as the library sends a
     payload (``_bits.move_as_bits``: XLA:CPU widens a bfloat16 ``ppermute`` to float32),
-    decode to their own dtype, zeros to zeros, and cross with their payload's bytes."""
-    if codec_case.name in RAND_K_16_BIT_BUGS:
-        reason = "RandK 16-bit: payload_shape's wire bytes differ from what crosses"
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+    decode to their own dtype, zeros to zeros, and cross with their payload's bytes. Each input
+    has its own key, as each leaf of a transform: two payloads made with one key hold the same
+    RandK seed, which XLA sends once (420 bytes for 428, until 2026-12-05)."""
     codec, dtypes = codec_case.codec, (jnp.bfloat16, jnp.float16)
 
-    def send(x):
-        payload, _ = codec.compress(x, codec.init(x), jax.random.key(0))
+    def send(x, i):
+        payload, _ = codec.compress(x, codec.init(x), jax.random.key(i))
         move = lambda t: lax.ppermute(t, "x", [(0, 1), (1, 0)])  # noqa: E731
         return codec.decompress(_bits.move_as_bits(move, payload), x)
 
     spec = (P("x"),) * len(dtypes)
-    f = jax.jit(jax.shard_map(lambda *xs: tuple(map(send, xs)), mesh=mesh, in_specs=spec,
-                              out_specs=spec))  # fmt: skip
+    f = jax.jit(jax.shard_map(lambda *xs: tuple(map(send, xs, range(len(xs)))), mesh=mesh,
+                              in_specs=spec, out_specs=spec))  # fmt: skip
     x = jax.random.normal(jax.random.key(1), (2 * SHAPE[0], SHAPE[1]))
     xs = [jax.device_put(x.astype(d), NamedSharding(mesh, P("x"))) for d in dtypes]
     report = comm.measure_collectives(f, *xs)
@@ -93,3 +87,24 @@ def test_jit_payload_shapes_and_zeros(codec_case):
 def test_non_float_input_is_a_type_error(codec_case):
     with pytest.raises(TypeError, match="floating"):
         codec_case.codec.init(jnp.zeros(SHAPE, jnp.int32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn"])
+def test_reduced_bytes_are_what_a_psum_sends(dtype, mesh):
+    """``reduced_bytes`` (the meter of every reduction) is what a ``psum`` of the dtype holds
+    in the compiled program: the CPU backend widens bfloat16 to float32 and 8-bit floats to
+    float16, inside the program as outside."""
+    from jaxcomp.compressors import _protocol
+
+    like = jax.ShapeDtypeStruct((16,), jnp.dtype(dtype))
+
+    def body(x):
+        return lax.psum(x, "x"), jnp.asarray(_protocol.reduced_bytes(like), jnp.float32)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=(P(), P())))
+    x = jnp.ones((32,), dtype)
+    report = comm.measure_collectives(f, x)
+    assert report.total_bytes == float(f(x)[1]) == float(_protocol.reduced_bytes(like))
+    assert float(f(x)[1]) == 16 * {"bfloat16": 4, "float8_e4m3fn": 2}.get(
+        dtype, like.dtype.itemsize
+    )
