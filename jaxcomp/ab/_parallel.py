@@ -23,6 +23,7 @@ from jaxcomp import _compile
 from jaxcomp import _cpu
 from jaxcomp import _driver
 from jaxcomp import _fetch
+from jaxcomp import compressors
 from jaxcomp._driver import TrainState
 from jaxcomp.ab import _factor as F
 from jaxcomp.ab import _programs
@@ -187,8 +188,13 @@ def ab_data_parallel(
       collective is added to the step): ``lr`` (the learning rate used), ``finite`` (1 if
       the loss and the worker's new parameters and optimizer state are finite; if any is 0,
       keep the previous state, which is not donated with ``donate=False``), ``count``,
-      ``phase``, ``compression_ratio`` and ``mean_rank``
-      (:func:`~jaxcomp.transforms.ab_metrics`).
+      ``phase``, ``compression_ratio``, ``mean_rank`` and ``rank`` (``[.., L]``: each
+      factorised parameter's rank, in tree order) (:func:`~jaxcomp.transforms.ab_metrics`);
+      and, as :func:`~jaxcomp.parallel.data_parallel`'s step, ``bytes_sent`` (``float32[W]``,
+      host values: per worker in mesh order, the bytes it put into the step's collectives,
+      read from the compiled programs' HLO by the worker's role: the programs of this step's
+      kind, the re-factorisation and the groups' sync where they run) and ``dense_bytes``
+      (``float32[W]``: the bytes of the dense gradient, what a dense average would send).
 
     Raises:
       ValueError: if ``config`` is not an ``ABConfig`` or the mesh lacks its axes.
@@ -206,6 +212,7 @@ def ab_data_parallel(
         raise ValueError(f"the mesh {dict(mesh.shape)} has no axis {missing} of "
                          f"ABConfig.axis_name={axes}.")  # fmt: skip
     sizes = config.group_sizes([mesh.shape[a] for a in axes])  # raises for impossible groups
+    num_workers = sum(sizes)
     _cpu.for_mesh(mesh)  # on CPU: one-thread BLAS for the re-factorisation's SVDs
     programs = _programs.Programs(
         config, loss_fn, mesh, has_aux, donate, check_finite, has_state, factored_forward
@@ -237,7 +244,9 @@ def ab_data_parallel(
         t = int(state.step)  # the step kind picks the programs: read on the host
         batch = shard_batch(batch)
         metrics, finite = {}, []
+        sent = np.zeros(num_workers, np.float32)
         for name in _programs.schedule_programs(config, t):
+            sent += programs.bytes_sent(name, state, batch)  # from the HLO: no sync, no transfer
             if name in ("dense", "ab", "ab_then_sync"):
                 state, out = programs.run(name, state, batch)
                 metrics = {k: v for k, v in out.items() if k != "workers"}
@@ -249,6 +258,11 @@ def ab_data_parallel(
             # eager jnp.minimum compiled a program of its own at the first transition)
             flags = _fetch.fetch((metrics["finite"], *finite))  # every process's workers
             metrics["finite"] = np.min(flags, 0)
+        metrics["bytes_sent"] = sent
+        # what a dense all-reduce of the gradient would send: one worker's parameters
+        dense = sum(compressors.dense_bytes(jax.ShapeDtypeStruct(x.shape[1:], x.dtype))
+                    for x in jax.tree.leaves(state.params))  # fmt: skip
+        metrics["dense_bytes"] = np.full(num_workers, dense, np.float32)
         return state, metrics
 
     def abstract_state(params, model_state=()):

@@ -40,8 +40,10 @@ from jaxcomp.ab import _forward
 from jaxcomp.ab import _step
 from jaxcomp.ab import _sync
 from jaxcomp.ab._config import ABConfig
+from jaxcomp.ab._config import num_a_groups
 from jaxcomp.ab._layout import build_layout
 from jaxcomp.ab._metrics import ab_metrics
+from jaxcomp.ab._metrics import collectives_by_role
 from jaxcomp.ab._step import Ctx
 from jaxcomp.ab._topology import topology
 from jaxcomp.ab._transform import advance
@@ -110,8 +112,14 @@ class Programs:
         self._flags: dict[bool, jax.Array] = {}
         # which leaves each program passes through, per state structure (found when traced)
         self._kept: dict[tuple, tuple] = {}
+        # each executable's collectives by role, parsed once (the executable kept alive with it)
+        self._reports: dict[int, tuple] = {}
         self.axes = self.config.axis_name
         self.state_axes = self.config.state_axes(self.mesh)
+        sizes = self.config.group_sizes([self.mesh.shape[a] for a in self.axes])
+        # the workers, in mesh order, whose group trains A (the first groups: _topology)
+        n_a = sum(sizes[: num_a_groups(self.config.sync_mode, len(sizes))])
+        self._role_a = np.arange(sum(sizes)) < n_a
 
     # ---- bodies (inside shard_map, one worker's slice) ------------------------------------
 
@@ -260,6 +268,23 @@ class Programs:
         """
         return self._program(_PROGRAM_OF.get(name, name)).compiled(*args)
 
+    def bytes_sent(self, name: str, state: TrainState, batch=None) -> np.ndarray:
+        """``float32[N]``: the bytes each worker (in mesh order) puts into the collectives of
+        program ``name`` run on ``state`` (and ``batch``), read from its compiled HLO: the
+        shared collectives and those of the worker's role (:func:`collectives_by_role`), and
+        the groups' sync for ``"ab_then_sync"``."""
+        exe = self.compiled(name, *self._args(name, state, batch))
+        if id(exe) not in self._reports:
+            self._reports[id(exe)] = exe, collectives_by_role(exe.as_text())
+        by = self._reports[id(exe)][1]
+        if _PROGRAM_OF.get(name, name) != "ab":
+            sent = np.full(self._role_a.shape, by["shared"].total_bytes)
+        else:
+            sent = np.where(self._role_a, by["a"].total_bytes, by["b"].total_bytes)
+            if name == "ab_then_sync":
+                sent = sent + by["sync"].total_bytes
+        return sent.astype(np.float32)
+
     def run(self, name: str, state: TrainState, batch=None):
         args = self._args(name, state, batch)
         new, out = self.compiled(name, *args)(*args)
@@ -325,7 +350,7 @@ def _after_update(metrics, params):
 
 def _state_metrics(check: bool, changed, params, opt, loss=None) -> dict[str, jax.Array]:
     """This worker's: whether what the program changed (and the loss) is finite; count, phase
-    and ranks.
+    and ranks (their mean and each factorised parameter's, in tree order).
 
     Per worker (no collective): the host combines them over the workers. Only the parts of
     the state a program writes are checked (the rest was checked when it was written).
@@ -336,7 +361,7 @@ def _state_metrics(check: bool, changed, params, opt, loss=None) -> dict[str, ja
     if loss is not None:
         m = ab_metrics(opt, params)
         out.update(count=opt.count, phase=m["phase"], compression_ratio=m["compression_ratio"],
-                   mean_rank=m["rank"].astype(jnp.float32).mean())  # fmt: skip
+                   mean_rank=m["rank"].astype(jnp.float32).mean(), rank=m["rank"])  # fmt: skip
     return out
 
 

@@ -144,6 +144,27 @@ def test_a_checkpoint_mid_ab_phase_restores_and_continues_identically(grouped, t
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_the_step_reports_each_workers_bytes_by_role_and_the_dense_bytes(grouped):
+    config, dp = grouped
+    state, data = dp.init(init_params()), batches(8)
+    kinds = dp.step_bytes(state, data[0])
+    refactor = kinds["dense_then_refactor"]["all"] - kinds["dense"]["all"]
+    dense = 4 * (8 * 6 + 6 + 6 * 2 + 2)  # the float32 gradient
+    for t, batch in enumerate(data):
+        state, metrics = dp.step(state, batch)
+        kind = config.schedule.step_kind(t)
+        want = [kinds[kind]["all"]] * 4 if kind.startswith("dense") else [kinds[kind]["a"]] * 2 + [
+            kinds[kind]["b"]] * 2  # the first group trains A  # fmt: skip
+        if t == config.warmup_steps:  # the factorisation runs before the first AB step
+            want = [w + refactor for w in want]
+        assert metrics["bytes_sent"].tolist() == want, (t, kind)
+        assert metrics["dense_bytes"].tolist() == [dense] * 4
+        assert metrics["rank"].shape == (2, 1)  # one entry per group, one factorised kernel
+    # a dense step sends the gradient and the loss's mean (one float32)
+    assert kinds["dense"]["all"] == dense + 4
+    assert refactor > 0 and kinds["ab"]["b"] < kinds["ab"]["a"] < kinds["ab_then_sync"]["b"]
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
