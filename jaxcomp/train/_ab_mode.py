@@ -47,6 +47,10 @@ worker 0's parameters with worker 0's statistics (``eval_batch_stats="mean"``: t
 the workers' running means and variances, :class:`jaxcomp.train._batch_stats.BatchStats`).
 Their all-reduces (synchronised) are in the programs' HLO, so in ``wire_bytes``.
 
+A step's metrics: ``phase`` (:class:`~jaxcomp.transforms.ABPhase` of the next step),
+``compression_ratio``, ``mean_rank`` and ``rank/<path>`` per factorised parameter (a record
+holds the means over its steps), ``wire_bytes`` (the step kind's, from the HLO).
+
 The summary's ``collectives`` lists the run's mean step per collective kind and group size:
 each step kind's programs weighted by how many steps the schedule gives it
 (:mod:`jaxcomp.train._collectives`).
@@ -70,6 +74,7 @@ from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp._compile import lower_later
 from jaxcomp.ab._config import num_a_groups
+from jaxcomp.ab._layout import build_layout
 from jaxcomp.ab._metrics import collectives_by_role
 from jaxcomp.ab._parallel import kind_bytes as parallel_kind_bytes
 from jaxcomp.ab._programs import PROGRAMS
@@ -104,7 +109,7 @@ AB_DEFAULTS = {
     "sync_batch_stats": False,
     "eval_batch_stats": "worker0",
 }
-_USED_WORKER_METRICS = ("finite", "phase", "compression_ratio", "mean_rank")
+_USED_WORKER_METRICS = ("finite", "phase", "compression_ratio", "mean_rank", "rank")
 _HARNESS_KEYS = ("inner", "sync_batch_stats", "eval_batch_stats")  # not ABConfig fields
 INNERS = ("adam", "adamw", "sgd")
 
@@ -224,6 +229,7 @@ def build_ab(
     key_abs = jax.eval_shape(jax.random.key, 0)  # as the trainer's key, never placed
     params_abs, model_state_abs = _mode.split_variables(jax.eval_shape(model.init, key_abs))
     state_abs = dp.abstract_state(params_abs, model_state_abs)
+    rank_names = tuple(f"rank/{spec.path}" for spec in build_layout(params_abs, cfg.exclude).specs)
     batch_abs = _dense.abstract_batch(model, config.batch_size, batch_sharding)
     eval_abs = _dense.abstract_batch(model, config.eval_batch_size, batch_sharding, True)
 
@@ -283,6 +289,8 @@ def build_ab(
             "mean_rank": float(workers["mean_rank"].max()),
             "wire_bytes": bytes_of(cfg.schedule.step_kind(t)),
         }
+        # each factorised parameter's rank (the groups agree after a sync; the largest before)
+        out.update(zip(rank_names, workers["rank"].max(axis=0).tolist()))
         # a non-finite loss or new state keeps the previous one (not donated)
         return (new if finite else state), out
 

@@ -36,9 +36,12 @@ step that completes no update sends nothing, and the detector's interval is
 
 Parameters are replicated; each worker differentiates its shard of the batch with no hidden
 all-reduce (:func:`jaxcomp.comm.local_value_and_grad`) and the transform's payloads are the
-only gradient traffic. The step is compiled when the mode is built; its HLO gives the summary's
-``collectives`` (per kind and group size, those inside Accordion's mode branches marked:
-:mod:`jaxcomp.train._collectives`), and the transform reports each step's bytes.
+only gradient traffic. Accordion's metrics: ``low_compression_leaves`` (how many parameters
+are in the low-compression mode) and ``layer_mode/<path>`` per parameter it compresses (0 low,
+1 high; a record holds the mean over its steps). The step is compiled when the mode is built;
+its HLO gives the summary's ``collectives`` (per kind and group size, those inside Accordion's
+mode branches marked: :mod:`jaxcomp.train._collectives`), and the transform reports each step's
+bytes.
 
 BatchNorm running statistics are model state. By default each worker keeps its own
 (``[W, ...]`` sharded over data), normalising with its own shard's batch statistics and
@@ -65,6 +68,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _fetch
 from jaxcomp import comm
 from jaxcomp import parallel
 from jaxcomp import transforms
@@ -162,6 +166,20 @@ def _reducer_state(opt_state):
         sent = jnp.where(opt_state.mini_step == 0, inner.bytes_sent, 0.0)
         return inner._replace(bytes_sent=sent)
     return opt_state[0]  # chain(reducer, optimizer)
+
+
+def _layer_modes(opt_state) -> dict[str, jax.Array]:
+    """Accordion's mode of each parameter it compresses (in either mode), by the metric's name
+    ``layer_mode/<path>`` (0 low compression, 1 high)."""
+    is_state = lambda x: isinstance(x, transforms.AccordionState)  # noqa: E731
+    (state,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    is_leaf = lambda x: isinstance(x, transforms.AccordionLeaf)  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(state.leaves, is_leaf=is_leaf)[0]
+    return {
+        "layer_mode/" + jax.tree_util.keystr(path, simple=True, separator="/"): leaf.mode
+        for path, leaf in flat
+        if is_leaf(leaf)
+    }
 
 
 def _abstract_state(tx, mesh, stats, variables_abs, axes, has_state):
@@ -277,6 +295,9 @@ def build_data_parallel(
             modes = transforms.accordion_metrics(new.opt_state)["modes"]
             modes = jnp.stack([jnp.asarray(v) for v in jax.tree.leaves(modes)])
             out["low_compression_leaves"] = (modes == transforms.LOW_COMPRESSION).sum()
+            leaf_modes = list(_layer_modes(new.opt_state).values())
+            if leaf_modes:  # none where every leaf goes dense
+                out["layer_modes"] = jnp.stack(leaf_modes)
         if isinstance(new.opt_state, transforms.AccordionBatchState):
             out["every_k"] = new.opt_state.every_k
         return _mode.keep_if_finite(finite, new, old), out
@@ -285,6 +306,8 @@ def build_data_parallel(
         del key, step
         new, metrics = step_c(state, batch)
         kept, out = check(new, state, metrics["loss"], metrics["finite"])
+        if "layer_modes" in out:  # one transfer for every leaf's mode
+            out.update(zip(mode_names, _fetch.fetch(out.pop("layer_modes")).tolist()))
         return kept, {"loss": metrics["loss"], "accuracy": metrics["aux"], **out}
 
     @jax.jit
@@ -308,6 +331,7 @@ def build_data_parallel(
             loss_fn, mesh, comm.DATA, params_a, state_a, batch_abs
         )
     state_abs = _abstract_state(tx, mesh, stats, params_abs, axes, has_state)
+    mode_names = tuple(_layer_modes(state_abs.opt_state)) if is_accordion else ()
     train_batch = {k: np.zeros(v.shape, v.dtype) for k, v in batch_abs.items()}
     eval_abs = _dense.abstract_batch(model, config.eval_batch_size, batch_sharding, True)
     replicated = NamedSharding(mesh, P())
