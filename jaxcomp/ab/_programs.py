@@ -95,6 +95,9 @@ class Programs:
       factored_forward: a forward hook (:mod:`._forward`): the AB program runs the model on
         the factors where the hook computes a layer from them (``(x A) B``); ``None``: on
         the dense weights, the factors' gradients from the dense one.
+      loss_scaling: the training programs' batch is ``(batch, scale)``: they differentiate
+        the loss times ``scale`` (a replicated ``float32[]``) and divide the loss and the
+        gradients by it (float16 compute's loss scale).
     """
 
     config: ABConfig
@@ -105,6 +108,7 @@ class Programs:
     check_finite: bool = True
     has_state: bool = False
     factored_forward: _forward.ForwardHook | None = None
+    loss_scaling: bool = False
 
     def __post_init__(self):
         self._programs: dict[str, _driver.Program] = {}  # compile caches, not training state
@@ -131,6 +135,9 @@ class Programs:
             read = _unstack((state.params, state.opt_state, state.model_state))
             params, opt, model_state = read
             loss_fn = _driver.stateful_loss(self.loss_fn, self.has_aux, self.has_state)
+            if self.loss_scaling:  # the batch and the scale (replicated)
+                batch, scale = batch
+                loss_fn = _scaled_loss(loss_fn, scale)
             ctx = self._ctx(params)
             if kind == "dense" or self.factored_forward is None:
                 (loss, (aux, model_state)), grads = local_value_and_grad(
@@ -144,6 +151,8 @@ class Programs:
                     model_state, batch,
                 )  # fmt: skip
                 grads = ctx.layout.merge(g_factors, g_other)
+            if self.loss_scaling:  # exact: the scale is a power of two
+                loss, grads = jax.tree.map(lambda x: x / scale.astype(x.dtype), (loss, grads))
             lr = jnp.asarray(self.config.lr_schedule()(opt.count), jnp.float32)
             if kind == "dense":
                 params, opt = _step.dense_update(ctx, grads, opt, params, lr)
@@ -233,7 +242,8 @@ class Programs:
             if name in ("dense", "ab"):
                 metrics = {"loss": P(), **workers, **({"aux": P()} if self.has_aux else {})}
                 flag = (P(),) if name == "ab" else ()
-                in_out = ((specs, P(self.axes), *flag), (specs, metrics))
+                batch = (P(self.axes), P()) if self.loss_scaling else P(self.axes)
+                in_out = ((specs, batch, *flag), (specs, metrics))
                 body = self._train_body(name)
             else:
                 in_out = ((specs, P()), (specs, workers))
@@ -323,6 +333,16 @@ class Programs:
             self._program(name).adopt(compiled[name], *args[name])
         # the executables the programs keep (and run), not those just compiled beside them
         return {**compiled, **{name: self.compiled(name, *a) for name, a in args.items()}}
+
+
+def _scaled_loss(loss_fn, scale):
+    """``loss_fn`` with its loss multiplied by ``scale``."""
+
+    def scaled(*args):
+        loss, rest = loss_fn(*args)
+        return loss * scale.astype(loss.dtype), rest
+
+    return scaled
 
 
 def _after_update(metrics, params):

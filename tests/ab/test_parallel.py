@@ -165,6 +165,26 @@ def test_the_step_reports_each_workers_bytes_by_role_and_the_dense_bytes(grouped
     assert refactor > 0 and kinds["ab"]["b"] < kinds["ab"]["a"] < kinds["ab_then_sync"]["b"]
 
 
+def test_a_loss_scale_is_undone_exactly_and_a_missing_one_is_an_error(grouped):
+    # float16 compute's loss scale: the gradients of loss * 2**10, divided by 2**10, are the
+    # plain gradients bit for bit (powers of two), through every program of a cycle
+    config, plain = grouped
+    scaled = parallel.ab_data_parallel(loss_fn, config, plain.mesh, donate=False,
+                                       loss_scaling=True)  # fmt: skip
+    a = plain.init(init_params())
+    b = scaled.init(init_params())
+    for batch in batches(5):  # dense, dense, factorise + AB, AB + sync, dense + refactor
+        a, ma = plain.step(a, batch)
+        b, mb = scaled.step(b, batch, 2.0**10)
+        assert float(ma["loss"]) == float(mb["loss"])
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="needs a loss_scale"):
+        scaled.step(b, batch)
+    with pytest.raises(ValueError, match="built without loss_scaling"):
+        plain.step(a, batch, 1.0)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
