@@ -270,9 +270,9 @@ def check_divisible(batch: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) 
         shape = getattr(x, "shape", None) or np.shape(x)
         rows = shape[0] if len(shape) else None
         if rows is None or rows % workers:
-            name = jax.tree_util.keystr(path) or "batch"
+            name = f"batch{jax.tree_util.keystr(path)}"  # batch['x'], or the batch itself
             raise ValueError(
-                f"batch {name} has {rows} rows (the batch size), not divisible by the "
+                f"{name} has {rows} rows (the batch size), not divisible by the "
                 f"{workers} workers of the mesh {dict(mesh.shape)} (axes {list(axes)}): use a "
                 f"batch size that is a multiple of {workers}."
             )

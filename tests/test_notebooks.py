@@ -40,6 +40,7 @@ FULL_SIZE = {
     "02_compressed_pipeline": "step 600/600",
     "03_accordion": "297 steps, final loss",
     "04_ab_training": "step 300/300",
+    "06_flax_nnx": "300 steps of batch 128",
 }
 #: a code cell that draws or shows a figure must hold its PNG
 FIGURE_CALLS = ("plt.subplots(", "plt.figure(", "display(fig)", "Image(")

@@ -23,6 +23,7 @@ from jaxcomp import _compile
 from jaxcomp import _cpu
 from jaxcomp import _driver
 from jaxcomp import _fetch
+from jaxcomp import compressors
 from jaxcomp._driver import TrainState
 from jaxcomp.ab import _factor as F
 from jaxcomp.ab import _programs
@@ -139,6 +140,7 @@ def ab_data_parallel(
     donate: bool = True,
     check_finite: bool = True,
     factored_forward: ForwardHook | None = None,
+    loss_scaling: bool = False,
 ) -> ABDataParallel:
     """A grouped data-parallel trainer for :func:`~jaxcomp.transforms.ab_training`.
 
@@ -180,6 +182,12 @@ def ab_data_parallel(
         :math:`(x A) B` instead of :math:`x W` where that is cheaper, its factor's gradient
         from the backward pass instead of from the dense gradient (:mod:`jaxcomp.ab._forward`;
         the same numbers up to float summation order). ``None``: the dense weights.
+      loss_scaling: the step takes a loss scale, ``step(state, batch, loss_scale)`` (a
+        ``float32`` scalar, replicated on the mesh or on the host; a power of two): the
+        training programs differentiate the loss times ``loss_scale`` and divide the
+        gradients (and the reported loss) by it before anything else reads them, as
+        float16 compute's dynamic loss scaling needs (Micikevicius et al., 2018). Choosing
+        the scale (halved after a non-finite step, grown after finite ones) is the caller's.
 
     Returns:
       An :class:`ABDataParallel`. Its ``metrics``: ``loss`` (averaged over all workers) and
@@ -187,8 +195,13 @@ def ab_data_parallel(
       collective is added to the step): ``lr`` (the learning rate used), ``finite`` (1 if
       the loss and the worker's new parameters and optimizer state are finite; if any is 0,
       keep the previous state, which is not donated with ``donate=False``), ``count``,
-      ``phase``, ``compression_ratio`` and ``mean_rank``
-      (:func:`~jaxcomp.transforms.ab_metrics`).
+      ``phase``, ``compression_ratio``, ``mean_rank`` and ``rank`` (``[.., L]``: each
+      factorised parameter's rank, in tree order) (:func:`~jaxcomp.transforms.ab_metrics`);
+      and, as :func:`~jaxcomp.parallel.data_parallel`'s step, ``bytes_sent`` (``float32[W]``,
+      host values: per worker in mesh order, the bytes it put into the step's collectives,
+      read from the compiled programs' HLO by the worker's role: the programs of this step's
+      kind, the re-factorisation and the groups' sync where they run) and ``dense_bytes``
+      (``float32[W]``: the bytes of the dense gradient, what a dense average would send).
 
     Raises:
       ValueError: if ``config`` is not an ``ABConfig`` or the mesh lacks its axes.
@@ -206,10 +219,11 @@ def ab_data_parallel(
         raise ValueError(f"the mesh {dict(mesh.shape)} has no axis {missing} of "
                          f"ABConfig.axis_name={axes}.")  # fmt: skip
     sizes = config.group_sizes([mesh.shape[a] for a in axes])  # raises for impossible groups
+    num_workers = sum(sizes)
     _cpu.for_mesh(mesh)  # on CPU: one-thread BLAS for the re-factorisation's SVDs
-    programs = _programs.Programs(
-        config, loss_fn, mesh, has_aux, donate, check_finite, has_state, factored_forward
-    )
+    programs = _programs.Programs(config, loss_fn, mesh, has_aux, donate, check_finite,
+                                  has_state, factored_forward, loss_scaling)  # fmt: skip
+    replicated = NamedSharding(mesh, P())
     split = NamedSharding(mesh, P(axes))
     state_axes = config.state_axes(mesh)
     # one jit for every call: compile_all compiles it beside the step programs
@@ -232,12 +246,21 @@ def ab_data_parallel(
         _driver.check_divisible(batch, mesh, axes)
         return jax.device_put(batch, split)
 
-    def step(state, batch):
+    def step(state, batch, loss_scale=None):
         _driver.layout_of(state, mesh)  # raises for a state that does not live on the mesh
+        if (loss_scale is None) == loss_scaling:
+            raise ValueError(
+                "ab_data_parallel(loss_scaling=True)'s step needs a loss_scale" if loss_scaling
+                else "a loss_scale was given to an ab_data_parallel built without loss_scaling."
+            )  # fmt: skip
         t = int(state.step)  # the step kind picks the programs: read on the host
         batch = shard_batch(batch)
+        if loss_scaling:
+            batch = (batch, jax.device_put(_as_float32(loss_scale), replicated))
         metrics, finite = {}, []
+        sent = np.zeros(num_workers, np.float32)
         for name in _programs.schedule_programs(config, t):
+            sent += programs.bytes_sent(name, state, batch)  # from the HLO: no sync, no transfer
             if name in ("dense", "ab", "ab_then_sync"):
                 state, out = programs.run(name, state, batch)
                 metrics = {k: v for k, v in out.items() if k != "workers"}
@@ -249,6 +272,11 @@ def ab_data_parallel(
             # eager jnp.minimum compiled a program of its own at the first transition)
             flags = _fetch.fetch((metrics["finite"], *finite))  # every process's workers
             metrics["finite"] = np.min(flags, 0)
+        metrics["bytes_sent"] = sent
+        # what a dense all-reduce of the gradient would send: one worker's parameters
+        dense = sum(compressors.dense_bytes(jax.ShapeDtypeStruct(x.shape[1:], x.dtype))
+                    for x in jax.tree.leaves(state.params))  # fmt: skip
+        metrics["dense_bytes"] = np.full(num_workers, dense, np.float32)
         return state, metrics
 
     def abstract_state(params, model_state=()):
@@ -262,7 +290,10 @@ def ab_data_parallel(
         # the factors' init too, for the unstacked parameters init() is given
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
         also = {"init_opt": _compile.lower_later(init_opt, params), **(also or {})}
-        return programs.compile_all(state, shard_abstract(batch), also)
+        batch = shard_abstract(batch)
+        if loss_scaling:
+            batch = (batch, jax.ShapeDtypeStruct((), np.float32, sharding=replicated))
+        return programs.compile_all(state, batch, also)
 
     def shard_abstract(batch):
         return jax.tree.map(
@@ -276,6 +307,15 @@ def ab_data_parallel(
 
     return ABDataParallel(init, step, shard_batch, state_sharding, abstract_state, mesh, axes,
                           config, compile_all, step_bytes)  # fmt: skip
+
+
+def _as_float32(x: Any) -> Any:
+    """``x`` as a ``float32`` scalar; a device array stays on the device."""
+    if isinstance(x, jax.Array) and x.dtype == np.float32 and x.shape == ():
+        return x
+    if isinstance(x, jax.Array):
+        return x.astype(np.float32).reshape(())
+    return np.asarray(x, np.float32).reshape(())
 
 
 def kind_bytes(

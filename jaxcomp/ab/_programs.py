@@ -40,8 +40,10 @@ from jaxcomp.ab import _forward
 from jaxcomp.ab import _step
 from jaxcomp.ab import _sync
 from jaxcomp.ab._config import ABConfig
+from jaxcomp.ab._config import num_a_groups
 from jaxcomp.ab._layout import build_layout
 from jaxcomp.ab._metrics import ab_metrics
+from jaxcomp.ab._metrics import collectives_by_role
 from jaxcomp.ab._step import Ctx
 from jaxcomp.ab._topology import topology
 from jaxcomp.ab._transform import advance
@@ -93,6 +95,9 @@ class Programs:
       factored_forward: a forward hook (:mod:`._forward`): the AB program runs the model on
         the factors where the hook computes a layer from them (``(x A) B``); ``None``: on
         the dense weights, the factors' gradients from the dense one.
+      loss_scaling: the training programs' batch is ``(batch, scale)``: they differentiate
+        the loss times ``scale`` (a replicated ``float32[]``) and divide the loss and the
+        gradients by it (float16 compute's loss scale).
     """
 
     config: ABConfig
@@ -103,6 +108,7 @@ class Programs:
     check_finite: bool = True
     has_state: bool = False
     factored_forward: _forward.ForwardHook | None = None
+    loss_scaling: bool = False
 
     def __post_init__(self):
         self._programs: dict[str, _driver.Program] = {}  # compile caches, not training state
@@ -110,8 +116,14 @@ class Programs:
         self._flags: dict[bool, jax.Array] = {}
         # which leaves each program passes through, per state structure (found when traced)
         self._kept: dict[tuple, tuple] = {}
+        # each executable's collectives by role, parsed once (the executable kept alive with it)
+        self._reports: dict[int, tuple] = {}
         self.axes = self.config.axis_name
         self.state_axes = self.config.state_axes(self.mesh)
+        sizes = self.config.group_sizes([self.mesh.shape[a] for a in self.axes])
+        # the workers, in mesh order, whose group trains A (the first groups: _topology)
+        n_a = sum(sizes[: num_a_groups(self.config.sync_mode, len(sizes))])
+        self._role_a = np.arange(sum(sizes)) < n_a
 
     # ---- bodies (inside shard_map, one worker's slice) ------------------------------------
 
@@ -123,6 +135,9 @@ class Programs:
             read = _unstack((state.params, state.opt_state, state.model_state))
             params, opt, model_state = read
             loss_fn = _driver.stateful_loss(self.loss_fn, self.has_aux, self.has_state)
+            if self.loss_scaling:  # the batch and the scale (replicated)
+                batch, scale = batch
+                loss_fn = _scaled_loss(loss_fn, scale)
             ctx = self._ctx(params)
             if kind == "dense" or self.factored_forward is None:
                 (loss, (aux, model_state)), grads = local_value_and_grad(
@@ -136,6 +151,8 @@ class Programs:
                     model_state, batch,
                 )  # fmt: skip
                 grads = ctx.layout.merge(g_factors, g_other)
+            if self.loss_scaling:  # exact: the scale is a power of two
+                loss, grads = jax.tree.map(lambda x: x / scale.astype(x.dtype), (loss, grads))
             lr = jnp.asarray(self.config.lr_schedule()(opt.count), jnp.float32)
             if kind == "dense":
                 params, opt = _step.dense_update(ctx, grads, opt, params, lr)
@@ -225,7 +242,8 @@ class Programs:
             if name in ("dense", "ab"):
                 metrics = {"loss": P(), **workers, **({"aux": P()} if self.has_aux else {})}
                 flag = (P(),) if name == "ab" else ()
-                in_out = ((specs, P(self.axes), *flag), (specs, metrics))
+                batch = (P(self.axes), P()) if self.loss_scaling else P(self.axes)
+                in_out = ((specs, batch, *flag), (specs, metrics))
                 body = self._train_body(name)
             else:
                 in_out = ((specs, P()), (specs, workers))
@@ -259,6 +277,23 @@ class Programs:
         ``args`` (so that no compilation runs beside a multi-device step).
         """
         return self._program(_PROGRAM_OF.get(name, name)).compiled(*args)
+
+    def bytes_sent(self, name: str, state: TrainState, batch=None) -> np.ndarray:
+        """``float32[N]``: the bytes each worker (in mesh order) puts into the collectives of
+        program ``name`` run on ``state`` (and ``batch``), read from its compiled HLO: the
+        shared collectives and those of the worker's role (:func:`collectives_by_role`), and
+        the groups' sync for ``"ab_then_sync"``."""
+        exe = self.compiled(name, *self._args(name, state, batch))
+        if id(exe) not in self._reports:
+            self._reports[id(exe)] = exe, collectives_by_role(exe.as_text())
+        by = self._reports[id(exe)][1]
+        if _PROGRAM_OF.get(name, name) != "ab":
+            sent = np.full(self._role_a.shape, by["shared"].total_bytes)
+        else:
+            sent = np.where(self._role_a, by["a"].total_bytes, by["b"].total_bytes)
+            if name == "ab_then_sync":
+                sent = sent + by["sync"].total_bytes
+        return sent.astype(np.float32)
 
     def run(self, name: str, state: TrainState, batch=None):
         args = self._args(name, state, batch)
@@ -300,6 +335,16 @@ class Programs:
         return {**compiled, **{name: self.compiled(name, *a) for name, a in args.items()}}
 
 
+def _scaled_loss(loss_fn, scale):
+    """``loss_fn`` with its loss multiplied by ``scale``."""
+
+    def scaled(*args):
+        loss, rest = loss_fn(*args)
+        return loss * scale.astype(loss.dtype), rest
+
+    return scaled
+
+
 def _after_update(metrics, params):
     """``metrics``, computed after the step's new ``params`` (the same values).
 
@@ -325,7 +370,7 @@ def _after_update(metrics, params):
 
 def _state_metrics(check: bool, changed, params, opt, loss=None) -> dict[str, jax.Array]:
     """This worker's: whether what the program changed (and the loss) is finite; count, phase
-    and ranks.
+    and ranks (their mean and each factorised parameter's, in tree order).
 
     Per worker (no collective): the host combines them over the workers. Only the parts of
     the state a program writes are checked (the rest was checked when it was written).
@@ -336,7 +381,7 @@ def _state_metrics(check: bool, changed, params, opt, loss=None) -> dict[str, ja
     if loss is not None:
         m = ab_metrics(opt, params)
         out.update(count=opt.count, phase=m["phase"], compression_ratio=m["compression_ratio"],
-                   mean_rank=m["rank"].astype(jnp.float32).mean())  # fmt: skip
+                   mean_rank=m["rank"].astype(jnp.float32).mean(), rank=m["rank"])  # fmt: skip
     return out
 
 

@@ -47,6 +47,10 @@ worker 0's parameters with worker 0's statistics (``eval_batch_stats="mean"``: t
 the workers' running means and variances, :class:`jaxcomp.train._batch_stats.BatchStats`).
 Their all-reduces (synchronised) are in the programs' HLO, so in ``wire_bytes``.
 
+A step's metrics: ``phase`` (:class:`~jaxcomp.transforms.ABPhase` of the next step),
+``compression_ratio``, ``mean_rank`` and ``rank/<path>`` per factorised parameter (a record
+holds the means over its steps), ``wire_bytes`` (the step kind's, from the HLO).
+
 The summary's ``collectives`` lists the run's mean step per collective kind and group size:
 each step kind's programs weighted by how many steps the schedule gives it
 (:mod:`jaxcomp.train._collectives`).
@@ -70,6 +74,7 @@ from jaxcomp import parallel
 from jaxcomp import transforms
 from jaxcomp._compile import lower_later
 from jaxcomp.ab._config import num_a_groups
+from jaxcomp.ab._layout import build_layout
 from jaxcomp.ab._metrics import collectives_by_role
 from jaxcomp.ab._parallel import kind_bytes as parallel_kind_bytes
 from jaxcomp.ab._programs import PROGRAMS
@@ -104,7 +109,7 @@ AB_DEFAULTS = {
     "sync_batch_stats": False,
     "eval_batch_stats": "worker0",
 }
-_USED_WORKER_METRICS = ("finite", "phase", "compression_ratio", "mean_rank")
+_USED_WORKER_METRICS = ("finite", "phase", "compression_ratio", "mean_rank", "rank")
 _HARNESS_KEYS = ("inner", "sync_batch_stats", "eval_batch_stats")  # not ABConfig fields
 INNERS = ("adam", "adamw", "sgd")
 
@@ -206,8 +211,8 @@ def build_ab(
     num_train_samples: int,
 ) -> _mode.Mode:
     """Builds the AB-Training mode (``config.mode = "ab"``) and compiles its programs."""
-    _precision.check_unscaled(config, "ab")
     del num_train_samples
+    scaled = _precision.scaled(config)
     cfg = ab_config(config, mesh)
     _config.check_batch_divisible(config, mesh.size, f"{mesh.size} workers")
     sizes = cfg.group_sizes([mesh.shape[a] for a in cfg.axis_name])
@@ -219,11 +224,13 @@ def build_ab(
         return loss, (_staged.accuracy(logits, batch["label"]), _mode.split_variables(new)[1])
 
     dp = parallel.ab_data_parallel(loss_fn, cfg, mesh, has_aux=True, has_state=True, donate=False,
-                                   factored_forward=models.factored_dense)  # fmt: skip
+                                   factored_forward=models.factored_dense,
+                                   loss_scaling=scaled)  # fmt: skip
     batch_sharding = NamedSharding(mesh, P(cfg.axis_name))
     key_abs = jax.eval_shape(jax.random.key, 0)  # as the trainer's key, never placed
     params_abs, model_state_abs = _mode.split_variables(jax.eval_shape(model.init, key_abs))
     state_abs = dp.abstract_state(params_abs, model_state_abs)
+    rank_names = tuple(f"rank/{spec.path}" for spec in build_layout(params_abs, cfg.exclude).specs)
     batch_abs = _dense.abstract_batch(model, config.batch_size, batch_sharding)
     eval_abs = _dense.abstract_batch(model, config.eval_batch_size, batch_sharding, True)
 
@@ -239,7 +246,10 @@ def build_ab(
     model_init = _mode.jit_init(model.init)
 
     def init(key):
-        return dp.init(*_mode.split_variables(model_init(key)))
+        state = dp.init(*_mode.split_variables(model_init(key)))
+        return _precision.ScaledState(state, _precision.placed_initial(mesh)) if scaled else state
+
+    adjust = jax.jit(_precision.adjust)  # float16: the scale after a step, kept on the mesh
 
     # every step program, the model's init and the evaluation step, compiled side by side
     # (the latter two as their calls below compile them: JAX's caches serve those calls);
@@ -248,6 +258,8 @@ def build_ab(
         "init": lower_later(model_init, key_abs),
         "eval": lower_later(eval_step, state_abs, eval_abs),
     }
+    if scaled:
+        also["adjust"] = lower_later(adjust, _precision.abstract_on(mesh), np.bool_(True))
     compiled = dp.compile(state_abs, batch_abs, also)
     texts = {k: compiled[k].as_text() for k in PROGRAMS}
     by_role = {k: collectives_by_role(text) for k, text in texts.items()}
@@ -261,13 +273,15 @@ def build_ab(
         # so after one the schedule runs that many steps behind the trainer's (as optax's
         # count does in the dense mode). A state *ahead* of the trainer cannot happen.
         del key
+        if scaled:  # the mode's state and float16's loss scale
+            state, loss_scale = state
         t = int(state.step)
         if t > step:
             raise ValueError(
                 f"ab mode: the optimizer state counts {t} steps but the trainer is at step "
                 f"{step}; the checkpoint's state and step disagree."
             )
-        new, metrics = dp.step(state, batch)
+        new, metrics = dp.step(state, batch, *((loss_scale.scale,) if scaled else ()))
         # only the per-worker metrics used here (not lr and count): one transfer each (of
         # every worker's entry: several processes hold a part each, and all must agree)
         workers = _fetch.fetch({k: metrics[k] for k in _USED_WORKER_METRICS})
@@ -283,8 +297,14 @@ def build_ab(
             "mean_rank": float(workers["mean_rank"].max()),
             "wire_bytes": bytes_of(cfg.schedule.step_kind(t)),
         }
-        # a non-finite loss or new state keeps the previous one (not donated)
-        return (new if finite else state), out
+        # each factorised parameter's rank (the groups agree after a sync; the largest before)
+        out.update(zip(rank_names, workers["rank"].max(axis=0).tolist()))
+        # a non-finite loss or new state keeps the previous one (not donated); the scale's
+        # decision is the host's, from every worker's flag: the same on every device
+        kept = new if finite else state
+        if scaled:
+            kept = _precision.ScaledState(kept, adjust(loss_scale, np.bool_(finite)))
+        return kept, out
 
     dense = bytes_of("dense")
     extra: dict = {"sync_mode": cfg.sync_mode, "comm_setup": cfg.comm_setup,
@@ -302,7 +322,7 @@ def build_ab(
         mesh=mesh,
         init=init,
         train_step=train_step,
-        eval_step=lambda s, b, compressed=False: eval_step(s, b),
+        eval_step=lambda s, b, compressed=False: eval_step(s.inner if scaled else s, b),
         batch_sharding=batch_sharding,
         wire_bytes=dense,  # the warm-up's; each step reports its own kind's bytes
         dense_bytes=dense,

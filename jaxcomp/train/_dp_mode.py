@@ -36,9 +36,12 @@ step that completes no update sends nothing, and the detector's interval is
 
 Parameters are replicated; each worker differentiates its shard of the batch with no hidden
 all-reduce (:func:`jaxcomp.comm.local_value_and_grad`) and the transform's payloads are the
-only gradient traffic. The step is compiled when the mode is built; its HLO gives the summary's
-``collectives`` (per kind and group size, those inside Accordion's mode branches marked:
-:mod:`jaxcomp.train._collectives`), and the transform reports each step's bytes.
+only gradient traffic. Accordion's metrics: ``low_compression_leaves`` (how many parameters
+are in the low-compression mode) and ``layer_mode/<path>`` per parameter it compresses (0 low,
+1 high; a record holds the mean over its steps). The step is compiled when the mode is built;
+its HLO gives the summary's ``collectives`` (per kind and group size, those inside Accordion's
+mode branches marked: :mod:`jaxcomp.train._collectives`), and the transform reports each step's
+bytes.
 
 BatchNorm running statistics are model state. By default each worker keeps its own
 (``[W, ...]`` sharded over data), normalising with its own shard's batch statistics and
@@ -65,6 +68,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _fetch
 from jaxcomp import comm
 from jaxcomp import parallel
 from jaxcomp import transforms
@@ -164,6 +168,20 @@ def _reducer_state(opt_state):
     return opt_state[0]  # chain(reducer, optimizer)
 
 
+def _layer_modes(opt_state) -> dict[str, jax.Array]:
+    """Accordion's mode of each parameter it compresses (in either mode), by the metric's name
+    ``layer_mode/<path>`` (0 low compression, 1 high)."""
+    is_state = lambda x: isinstance(x, transforms.AccordionState)  # noqa: E731
+    (state,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    is_leaf = lambda x: isinstance(x, transforms.AccordionLeaf)  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(state.leaves, is_leaf=is_leaf)[0]
+    return {
+        "layer_mode/" + jax.tree_util.keystr(path, simple=True, separator="/"): leaf.mode
+        for path, leaf in flat
+        if is_leaf(leaf)
+    }
+
+
 def _abstract_state(tx, mesh, stats, variables_abs, axes, has_state):
     """The abstract (shapes and shardings) state ``dp.init`` places (``axes``: the data axis
     or the ``(slow, fast)`` pair; per-worker state over the first)."""
@@ -199,7 +217,7 @@ def build_data_parallel(
     num_train_samples: int,
 ) -> _mode.Mode:
     """Builds the compressed data-parallel mode (``config.mode = "data_parallel"``)."""
-    _precision.check_unscaled(config, "data_parallel")
+    scaled = _precision.scaled(config)
     cfg = _config.check_sub_config("data_parallel", config.data_parallel, DP_DEFAULTS)
     axes = _config.data_axes(mesh, "data_parallel")
     if not axes:
@@ -234,10 +252,15 @@ def build_data_parallel(
     stats = _batch_stats.BatchStats(per_worker=not sync, eval_with=cfg["eval_batch_stats"])
 
     def loss_fn(params, model_state, batch):
+        if scaled:  # float16: the backward pass on the scaled loss, the gradients unscaled
+            scale = batch["loss_scale"][0]
+            params = _precision.gradient_unscaled(params, scale)
         variables = _mode.join_variables(params, stats.unwrap(model_state))
         logits, new = model.apply(variables, batch["x"], train=True)
         new_state = stats.wrap(_mode.split_variables(new)[1])
         loss = model.loss_fn(logits, batch["label"])
+        if scaled:
+            loss = _precision.gradient_scaled(loss, scale)
         return loss, (_staged.accuracy(logits, batch["label"]), new_state)
 
     no_state = None  # a stateless model's (empty) per-stage collections, on a pair
@@ -259,15 +282,18 @@ def build_data_parallel(
 
     def init(key):
         params, model_state = _mode.split_variables(model_init(key))
-        if not has_state:
-            return dp.init(params)
-        return dp.init(params, stats.wrap(model_state))
+        state = dp.init(params, *((stats.wrap(model_state),) if has_state else ()))
+        return _precision.ScaledState(state, _precision.placed_initial(mesh)) if scaled else state
 
     @jax.jit
     def check(new, old, loss, worker_finite):
         # the workers' flags cover the parameters, optimizer and model state (as every mode's
-        # commit_if_finite); the mean loss too, should the finite losses' mean overflow
+        # commit_if_finite); the mean loss too, should the finite losses' mean overflow. A
+        # global-view program: the flags are combined across devices, so the skip and the loss
+        # scale's decision are the same on every worker
         finite = jnp.isfinite(loss) & jnp.all(worker_finite == 1)
+        if scaled:
+            (new, loss_scale), old = new, old.inner
         reducer_state = _reducer_state(new.opt_state)
         wire = reducer_state.bytes_sent + sync_bytes  # BatchNorm sync: every micro-step
         out = {"finite": finite.astype(jnp.int32), "wire_bytes": wire}
@@ -277,18 +303,34 @@ def build_data_parallel(
             modes = transforms.accordion_metrics(new.opt_state)["modes"]
             modes = jnp.stack([jnp.asarray(v) for v in jax.tree.leaves(modes)])
             out["low_compression_leaves"] = (modes == transforms.LOW_COMPRESSION).sum()
+            leaf_modes = list(_layer_modes(new.opt_state).values())
+            if leaf_modes:  # none where every leaf goes dense
+                out["layer_modes"] = jnp.stack(leaf_modes)
         if isinstance(new.opt_state, transforms.AccordionBatchState):
             out["every_k"] = new.opt_state.every_k
-        return _mode.keep_if_finite(finite, new, old), out
+        kept = _mode.keep_if_finite(finite, new, old)
+        if scaled:
+            kept = _precision.ScaledState(kept, _precision.adjust(loss_scale, finite))
+        return kept, out
 
     def train_step(state, batch, key, step):
         del key, step
-        new, metrics = step_c(state, batch)
+        if not scaled:
+            new, metrics = step_c(state, batch)
+        else:  # the scale rides in the batch, one entry per example (read on the host)
+            scale = np.full(config.batch_size, _fetch.fetch(state.loss_scale.scale), np.float32)
+            batch = {**batch, "loss_scale": jax.device_put(scale, batch_sharding)}
+            new, metrics = step_c(state.inner, batch)
+            new = _precision.ScaledState(new, state.loss_scale)
         kept, out = check(new, state, metrics["loss"], metrics["finite"])
+        if "layer_modes" in out:  # one transfer for every leaf's mode
+            out.update(zip(mode_names, _fetch.fetch(out.pop("layer_modes")).tolist()))
         return kept, {"loss": metrics["loss"], "accuracy": metrics["aux"], **out}
 
     @jax.jit
     def eval_step(state, batch):
+        if scaled:
+            state = state.inner
         model_state = state.model_state if has_state else no_state
         variables = _mode.join_variables(state.params, stats.for_eval(model_state))
         logits, _ = model.apply(variables, batch["x"])
@@ -308,7 +350,12 @@ def build_data_parallel(
             loss_fn, mesh, comm.DATA, params_a, state_a, batch_abs
         )
     state_abs = _abstract_state(tx, mesh, stats, params_abs, axes, has_state)
+    mode_names = tuple(_layer_modes(state_abs.opt_state)) if is_accordion else ()
     train_batch = {k: np.zeros(v.shape, v.dtype) for k, v in batch_abs.items()}
+    mode_abs = state_abs
+    if scaled:
+        train_batch["loss_scale"] = np.zeros(config.batch_size, np.float32)
+        mode_abs = _precision.ScaledState(state_abs, _precision.abstract_on(mesh))
     eval_abs = _dense.abstract_batch(model, config.eval_batch_size, batch_sharding, True)
     replicated = NamedSharding(mesh, P())
     workers_sharding = NamedSharding(mesh, P(axes if len(axes) == 2 else axes[0]))
@@ -321,11 +368,11 @@ def build_data_parallel(
         "init": lower_later(model_init, key_abs),
         "opt_init": lower_later(jax.jit(tx.init), state_abs.params, mesh=mesh),
         "check": lower_later(
-            check, state_abs, state_abs,
+            check, mode_abs, mode_abs,
             jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
             jax.ShapeDtypeStruct((workers,), jnp.int32, sharding=workers_sharding),
         ),
-        "eval_step": lower_later(eval_step, state_abs, eval_abs),
+        "eval_step": lower_later(eval_step, mode_abs, eval_abs),
     })  # fmt: skip
     step_c = compiled["train_step"]
     return _mode.Mode(

@@ -12,6 +12,15 @@ gradients are not finite is skipped (as every non-finite step is) and halves the
 :data:`GROWTH_INTERVAL` finite steps in a row the scale doubles. The scale is part of the
 training state (:class:`LossScale`), so a resumed run continues with it.
 
+In every mode the gradients are divided before anything reads them: before the optimizer in the
+dense and pipeline modes, before the compressing average in the data-parallel mode (each
+worker's own gradient, :func:`gradient_unscaled`: error feedback keeps unscaled residuals), and
+before the AB update in the AB mode (``ab_data_parallel(loss_scaling=True)``). The skip decision
+and the new scale are the same on every worker: in the data-parallel mode they are computed from
+the workers' finiteness flags combined across devices (one global-view program), in the AB mode
+on the host from every worker's flag; the modes keep the scale beside their own state
+(:class:`ScaledState`).
+
 References:
   Micikevicius et al., *Mixed Precision Training*, ICLR 2018.
 """
@@ -24,6 +33,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 #: the first scale (2**15, as PyTorch's GradScaler and jmp start)
 INITIAL_SCALE = 2.0**15
@@ -43,17 +55,12 @@ def scaled(config: ml_collections.ConfigDict) -> bool:
     return config.compute_dtype == "float16"
 
 
-def check_unscaled(config: ml_collections.ConfigDict, mode: str) -> None:
-    """Raises for float16 compute in a mode that does not scale its loss.
+class ScaledState(NamedTuple):
+    """A mode's own training state with float16's loss scale beside it (the data-parallel and AB
+    modes; the dense and pipeline modes hold the scale in their state)."""
 
-    Raises:
-      ValueError: naming the mode and what to use instead.
-    """
-    if scaled(config):
-        raise ValueError(
-            f"config.compute_dtype='float16' needs loss scaling, which the {mode} mode does not "
-            "do; use 'bfloat16' (no scaling needed) or the dense or pipeline mode."
-        )
+    inner: Any
+    loss_scale: LossScale
 
 
 def initial(config: ml_collections.ConfigDict) -> LossScale | tuple:
@@ -61,6 +68,19 @@ def initial(config: ml_collections.ConfigDict) -> LossScale | tuple:
     if not scaled(config):
         return ()
     return LossScale(jnp.asarray(INITIAL_SCALE, jnp.float32), jnp.zeros((), jnp.int32))
+
+
+def placed_initial(mesh: jax.sharding.Mesh) -> LossScale:
+    """The first :class:`LossScale`, replicated on ``mesh`` (placed from the host: no program)."""
+    first = LossScale(np.asarray(INITIAL_SCALE, np.float32), np.asarray(0, np.int32))
+    return jax.device_put(first, NamedSharding(mesh, P()))
+
+
+def abstract_on(mesh: jax.sharding.Mesh) -> LossScale:
+    """:func:`placed_initial`'s shapes, dtypes and shardings."""
+    replicated = NamedSharding(mesh, P())
+    return LossScale(jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
+                     jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))  # fmt: skip
 
 
 def policy(config: ml_collections.ConfigDict, model: Any) -> Any:
@@ -73,6 +93,50 @@ def policy(config: ml_collections.ConfigDict, model: Any) -> Any:
 def unscale(tree: Any, loss_scale: LossScale) -> Any:
     """``tree`` divided by the scale (exact: the scale is a power of two)."""
     return jax.tree.map(lambda g: g / loss_scale.scale.astype(g.dtype), tree)
+
+
+@jax.custom_vjp
+def gradient_scaled(loss: jax.Array, scale: jax.Array) -> jax.Array:
+    """``loss`` unchanged, its gradient multiplied by ``scale``: the backward pass runs on the
+    scaled loss while the loss itself (a metric) stays unscaled."""
+    return loss
+
+
+def _scaled_fwd(loss, scale):
+    return loss, scale
+
+
+def _scaled_bwd(scale, g):
+    return g * scale.astype(g.dtype), jnp.zeros_like(scale)
+
+
+gradient_scaled.defvjp(_scaled_fwd, _scaled_bwd)
+
+
+@jax.custom_vjp
+def gradient_unscaled(tree: Any, scale: jax.Array) -> Any:
+    """``tree`` unchanged, its gradient divided by ``scale``: applied to the float32 parameters
+    where the loss reads them, the gradients come out unscaled (the division of
+    :func:`unscale`, at the same point: after the 16-bit backward pass), before the caller's
+    gradient transformation (a compressing average) sees them.
+
+    Example:
+      >>> def loss_fn(params, batch):  # doctest: +SKIP
+      ...     params = gradient_unscaled(params, batch["loss_scale"][0])
+      ...     return gradient_scaled(model_loss(params, batch), batch["loss_scale"][0])
+    """
+    return tree
+
+
+def _unscaled_fwd(tree, scale):
+    return tree, scale
+
+
+def _unscaled_bwd(scale, g):
+    return jax.tree.map(lambda x: x / scale.astype(x.dtype), g), jnp.zeros_like(scale)
+
+
+gradient_unscaled.defvjp(_unscaled_fwd, _unscaled_bwd)
 
 
 def adjust(loss_scale: LossScale, finite: jax.Array) -> LossScale:

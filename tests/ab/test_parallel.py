@@ -144,6 +144,47 @@ def test_a_checkpoint_mid_ab_phase_restores_and_continues_identically(grouped, t
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_the_step_reports_each_workers_bytes_by_role_and_the_dense_bytes(grouped):
+    config, dp = grouped
+    state, data = dp.init(init_params()), batches(8)
+    kinds = dp.step_bytes(state, data[0])
+    refactor = kinds["dense_then_refactor"]["all"] - kinds["dense"]["all"]
+    dense = 4 * (8 * 6 + 6 + 6 * 2 + 2)  # the float32 gradient
+    for t, batch in enumerate(data):
+        state, metrics = dp.step(state, batch)
+        kind = config.schedule.step_kind(t)
+        want = [kinds[kind]["all"]] * 4 if kind.startswith("dense") else [kinds[kind]["a"]] * 2 + [
+            kinds[kind]["b"]] * 2  # the first group trains A  # fmt: skip
+        if t == config.warmup_steps:  # the factorisation runs before the first AB step
+            want = [w + refactor for w in want]
+        assert metrics["bytes_sent"].tolist() == want, (t, kind)
+        assert metrics["dense_bytes"].tolist() == [dense] * 4
+        assert metrics["rank"].shape == (2, 1)  # one entry per group, one factorised kernel
+    # a dense step sends the gradient and the loss's mean (one float32)
+    assert kinds["dense"]["all"] == dense + 4
+    assert refactor > 0 and kinds["ab"]["b"] < kinds["ab"]["a"] < kinds["ab_then_sync"]["b"]
+
+
+def test_a_loss_scale_is_undone_exactly_and_a_missing_one_is_an_error(grouped):
+    # float16 compute's loss scale: the gradients of loss * 2**10, divided by 2**10, are the
+    # plain gradients bit for bit (powers of two), through every program of a cycle
+    config, plain = grouped
+    scaled = parallel.ab_data_parallel(loss_fn, config, plain.mesh, donate=False,
+                                       loss_scaling=True)  # fmt: skip
+    a = plain.init(init_params())
+    b = scaled.init(init_params())
+    for batch in batches(5):  # dense, dense, factorise + AB, AB + sync, dense + refactor
+        a, ma = plain.step(a, batch)
+        b, mb = scaled.step(b, batch, 2.0**10)
+        assert float(ma["loss"]) == float(mb["loss"])
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="needs a loss_scale"):
+        scaled.step(b, batch)
+    with pytest.raises(ValueError, match="built without loss_scaling"):
+        plain.step(a, batch, 1.0)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

@@ -42,8 +42,6 @@ def test_compute_dtype_is_a_checked_key_that_leaves_float32_fingerprints_alone(m
     assert "compute_dtype" not in plain  # a workdir from before the key resumes
     bf16 = _config.fingerprint(_config.with_defaults(make_config(compute_dtype="bfloat16")))
     assert bf16["compute_dtype"] == "bfloat16"
-    with pytest.raises(ValueError, match="float16.*loss scaling"):
-        train.setup(make_config(mode="data_parallel", compute_dtype="float16"))
 
 
 def test_policy_computes_in_16_bits_and_differentiates_float32_parameters():
@@ -84,6 +82,52 @@ def test_float16_dense_skips_an_overflowing_step_halves_the_scale_then_trains(ma
     assert losses[-1] < losses[0]
     assert int(state.loss_scale.good_steps) == 3
     assert {p.dtype for p in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+
+
+def test_the_scale_rides_the_backward_pass_only():
+    scale = jnp.float32(2.0**10)
+
+    def loss(w):
+        w = _precision.gradient_unscaled({"w": w}, scale)["w"]
+        return _precision.gradient_scaled(jnp.sum(w.astype(jnp.float16) ** 2), scale)
+
+    w = jnp.asarray([1e-3, 3.0], jnp.float32)
+    value, grad = jax.value_and_grad(loss)(w)
+    assert value.dtype == jnp.float16 and float(value) == float(jnp.sum(w.astype(jnp.float16) ** 2))
+    # the float16 backward ran at 2**10 times the gradient, divided back in float32
+    np.testing.assert_array_equal(grad, jax.grad(lambda w: jnp.sum(w.astype(jnp.float16) ** 2))(w))
+
+
+@pytest.mark.parametrize("mode", ["data_parallel", pytest.param("ab", marks=pytest.mark.slow)])
+def test_float16_data_parallel_and_ab_skip_an_overflow_on_every_worker_and_halve_the_scale(
+    make_mode_config, mode
+):
+    # data_parallel with plain SGD: an update not divided by the scale (2**15) would blow the
+    # loss up (AB's division: tests/ab/test_parallel.py, bit for bit)
+    sgd = dict(optax_name="sgd", lr=0.1) if mode == "data_parallel" else {}
+    config = make_mode_config(mode, compute_dtype="float16", **sgd)
+    s = train.setup(config)
+    state = s.mode.init(jax.random.key(0))
+    assert float(state.loss_scale.scale) == _precision.INITIAL_SCALE
+    before = [np.asarray(x) for x in jax.tree.leaves(state.inner.params)]
+    batch = _first_batch(s)
+    huge = jax.device_put(
+        _precision.LossScale(np.float32(2.0**40), np.int32(0)), state.loss_scale.scale.sharding
+    )
+    new, metrics = s.mode.train_step(state._replace(loss_scale=huge), batch, _key(s, 0), 0)
+    assert int(metrics["finite"]) == 0  # float16 activation-gradients overflowed
+    assert int(new.loss_scale.good_steps) == 0
+    assert {float(x.data) for x in new.loss_scale.scale.addressable_shards} == {2.0**39}
+    for x, y in zip(jax.tree.leaves(new.inner.params), before, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), y)  # every worker's copy kept
+    losses = []
+    for step in range(3):
+        state, metrics = s.mode.train_step(state, batch, _key(s, step), step)
+        assert int(metrics["finite"]) == 1
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] and 1.5 < losses[0] < 3.0  # the loss is reported unscaled
+    assert int(state.loss_scale.good_steps) == 3
+    assert float(state.loss_scale.scale) == _precision.INITIAL_SCALE
 
 
 @pytest.mark.slow  # a pipeline-mode setup

@@ -5,10 +5,13 @@ reference run of the same config, interrupted at each point: after the first ste
 checkpoint grid), in the middle of the run, and with its newest checkpoint damaged (the
 resume falls back to the older one). Every mode's config carries the state a resume must
 restore exactly: BatchNorm statistics (per worker, per stage and replica), error-feedback
-residuals, the adaptive links' detector and modes (the pipeline switches its links after its
-first interval), the AB schedule across a sync, the data loader's position in its epoch and
-the metrics written so far. Compared: every leaf of the last checkpoint, bit for bit, every
-metrics record and the summary's final loss and accuracy.
+residuals, the adaptive links' and Accordion's detectors and modes (both switch after their
+first interval), the AB schedule across a sync, the data loader's position in its epoch, the
+metrics written so far and float16's loss scale (the data-parallel and AB configs compute in
+float16). Compared: every leaf of the last checkpoint, bit for bit, every metrics record and
+the summary's final loss and accuracy. The runs stopped after step 3 write TensorBoard events
+too: read back by tensorboard's reader, they hold every scalar of ``metrics.jsonl`` at the same
+steps (Accordion's per-layer modes, AB's phase and per-layer ranks included).
 
 The CLI's kill and signals: tests/test_faults.py. Resuming the library's own states (no
 trainer): tests/transforms/test_accordion.py, tests/pipeline/test_adaptive_bn.py.
@@ -41,8 +44,13 @@ def _config(make_config, mode):
         eval_batch_size=BATCH, total_steps=STEPS, checkpoint_every=2, log_every=1,
         eval_every=2,
     )  # fmt: skip
-    if mode == "data_parallel":  # per-worker statistics beside per-worker EF residuals
-        c.data_parallel = {"transform": "compressed_mean", "codec": dict(EF)}
+    if mode == "data_parallel":  # per-worker statistics beside per-worker EF residuals,
+        # Accordion's detector switching its per-layer modes, float16's loss scale
+        c.data_parallel = dict(
+            transform="accordion", low={"name": "top_k", "fraction": 0.25},
+            high={"name": "top_k", "fraction": 0.125}, interval_steps=1, check_every=1, eta=10.0,
+        )  # fmt: skip
+        c.compute_dtype = "float16"
     elif mode == "pipeline":  # 2 replicas of 2 stages, adaptive forward links with EF,
         c.mesh = [("data", 2), ("stage", 2)]  # statistics synchronised over the replicas
         c.model = dict(RESNET, cuts=("stem",))
@@ -51,8 +59,10 @@ def _config(make_config, mode):
             detector=dict(interval_steps=1, check_every=1, eta=10.0),
             sync_batch_stats=True, eval_batch_stats="mean",
         )  # fmt: skip
-    elif mode == "ab":  # 2 groups of 2: warm-up, factorisation, AB steps, a sync every 2
+    elif mode == "ab":  # 2 groups of 2: warm-up, factorisation, AB steps, a sync every 2;
+        # float16's loss scale
         c.ab = dict(warmup_steps=1, sync_every=2, full_rank_steps=1, group_size=2, inner="sgd")
+        c.compute_dtype = "float16"
     return c
 
 
@@ -112,13 +122,15 @@ def test_a_resumed_run_is_bit_identical_to_the_uninterrupted_one(
     full, want = references(mode)
     part = tmp_path / "part"
     config = _config(make_config, mode)
-    writes = mode == "dense" and point == "after_step_3"
+    writes = point == "after_step_3"
     if writes:
         config.writers = ("tensorboard",)
     got = _interrupted(config, part, point, capsys)
-    if writes:
+    if writes:  # every scalar of metrics.jsonl, the per-layer ones too, at the same steps
         seen = event_files(part)
         assert seen["summary/final_accuracy"][0][0] == STEPS and "train/step_time_s" in seen
+        per_layer = {"data_parallel": "train/layer_mode/", "ab": "train/rank/"}.get(mode)
+        assert per_layer is None or any(tag.startswith(per_layer) for tag in seen), seen.keys()
     (s1, a), (s2, b) = last_checkpoint(str(full)), last_checkpoint(str(part))
     assert s1 == s2 == STEPS
     a_leaves, b_leaves = jax.tree.leaves(a), jax.tree.leaves(b)
@@ -162,6 +174,11 @@ def test_the_checkpoint_holds_the_state_a_resume_needs(mode, references, last_ch
         assert modes[0] == 0 and modes[-1] == 1, modes
         assert records[0]["wire_bytes"] > records[-1]["wire_bytes"]
         return
+    if mode in ("data_parallel", "ab"):  # float16's loss scale, beside the mode's state
+        assert float(state["mode_state"]["loss_scale"]["scale"]) == 2.0**15
+        assert int(state["mode_state"]["loss_scale"]["good_steps"]) == STEPS
+        modes = [r[k] for r in records for k in r if k.startswith("layer_mode/")]
+        assert mode == "ab" or set(modes) == {0.0, 1.0}, modes  # Accordion switched modes
     stats = _batch_stats(state)
     assert len(stats) == 6  # 3 BatchNorms' running means and variances
     assert all(np.isfinite(x).all() for x in stats)
