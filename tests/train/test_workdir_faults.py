@@ -7,6 +7,7 @@ then retention deleted the real step-20 state; a full disk was noticed one check
 592 lines and 31 tracebacks; a SIGINT in the first second was ignored in 3 of 7 tries.
 """
 
+import asyncio
 import contextlib
 import io
 import json
@@ -16,14 +17,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
 import pytest
+from orbax.checkpoint._src.path import atomicity
 
 from jaxcomp import main
 from jaxcomp import train
 from jaxcomp.train import _checkpoint
+from jaxcomp.train import _lock
 from jaxcomp.train import _trainer
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -109,6 +113,35 @@ def test_a_deleted_workdir_exits_74_with_one_line(tmp_path, monkeypatch):
     code, err = _run_main(_argv(work, total_steps=8, checkpoint_every=2))
     assert code == main.EXIT_STORAGE, err
     assert err.count("\n") == 1 and err.startswith("error: the workdir"), err
+    assert not work.exists(), [str(p) for p in work.rglob("*")]
+
+
+def test_a_save_under_way_when_the_workdir_is_deleted_does_not_bring_it_back(
+    tmp_path, monkeypatch
+):
+    """Step 2's save creates its folders only once the deletion at step 3 was noticed (held
+    in orbax's background directory creation): it writes a complete ``checkpoints/2`` into a
+    recreated workdir, which the stopping run removes."""
+    work = tmp_path / "run"
+    noticed = threading.Event()
+    check, create = _lock.RunLock.check, atomicity._create_paths
+
+    def check_noticing(self):
+        problem = check(self)
+        if problem is not None:
+            noticed.set()
+        return problem
+
+    async def create_late(*args, **kwargs):
+        await asyncio.to_thread(noticed.wait, 60)
+        return await create(*args, **kwargs)
+
+    monkeypatch.setattr(_lock.RunLock, "check", check_noticing)
+    monkeypatch.setattr(atomicity, "_create_paths", create_late)
+    _at_step(monkeypatch, 3, lambda: _delete(work))
+    code, err = _run_main(_argv(work, total_steps=8, checkpoint_every=2))
+    assert noticed.is_set() and code == main.EXIT_STORAGE, err
+    assert err.count("\n") == 1 and "was deleted during the run" in err, err
     assert not work.exists(), [str(p) for p in work.rglob("*")]
 
 
