@@ -116,9 +116,7 @@ def test_a_deleted_workdir_exits_74_with_one_line(tmp_path, monkeypatch):
     assert not work.exists(), [str(p) for p in work.rglob("*")]
 
 
-def test_a_save_under_way_when_the_workdir_is_deleted_does_not_bring_it_back(
-    tmp_path, monkeypatch
-):
+def test_a_save_under_way_when_the_workdir_is_deleted_does_not_bring_it_back(tmp_path, monkeypatch):
     """Step 2's save creates its folders only once the deletion at step 3 was noticed (held
     in orbax's background directory creation): it writes a complete ``checkpoints/2`` into a
     recreated workdir, which the stopping run removes."""
