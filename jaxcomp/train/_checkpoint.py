@@ -257,6 +257,11 @@ class Checkpointer:
         self._failure: BaseException | None = None  # the pending save's error, as logged
         self._saves = self._waited = 0  # saves started / waited for (the same on every process)
         self._step = -1  # the step of the latest save
+        #: steps whose saves may have written since the workdir was last found intact (a save
+        #: seen finished before that check wrote into it): into a recreated workdir, if it was
+        #: lost meanwhile; a set updated in place (see :meth:`workdir_intact`)
+        self.in_flight: set[int] = set()
+        self._ended: set[int] = set()  # of those, the saves seen finished (or failed)
         self.stuck = False  #: a save failed with several processes: orbax's threads never end
         self.cause = ""  #: the cause of the last failed save (``NO_SPACE``, ...), if any
         self.processes = jax.process_count()  #: the run's processes (a read-back's peers)
@@ -302,6 +307,7 @@ class Checkpointer:
         rest = json.loads(json.dumps({**rest, LAYOUT: _layout_list(state)}))
         check = {"state": sums, "layout": _layout(state), "meta": _integrity.json_digest(rest)}
         self._pending, self._failure = (step, need), None  # before: orbax may fail at once
+        self.in_flight.add(step)
         try:
             self.manager.save(
                 step,
@@ -413,6 +419,7 @@ class Checkpointer:
                 error = e
         step, need = self._pending
         self._pending, self._failure = None, None
+        self._ended.add(step)
         if error is None:
             return None
         self.stuck = self.processes > 1
@@ -426,6 +433,12 @@ class Checkpointer:
             for name in os.listdir(self.directory):
                 if _PARTIAL in name:
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    def workdir_intact(self) -> None:
+        """Tells that the workdir was just found to be the run's own: the saves seen ended
+        before wrote into it, and leave :attr:`in_flight`."""
+        self.in_flight -= self._ended
+        self._ended.clear()
 
     def prepare(self, state: Any) -> None:
         """Runs the checksum pass once on ``state``, compiling what it needs.
@@ -466,6 +479,7 @@ class Checkpointer:
                 raise
             step, need = self._pending
             self._pending = None
+            self._ended.add(step)
             self._remove_partial()
             raise _errors.StorageError(self._write_failure(step, need, _why(e))) from e
         problem = self.failed_save()

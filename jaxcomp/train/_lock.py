@@ -36,6 +36,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Collection
 from typing import Any
 
 from jaxcomp.train import _errors
@@ -43,6 +44,7 @@ from jaxcomp.train import _errors
 LOCK = "run.lock"
 HEARTBEAT_S = 10.0  #: how often a run touches its lock
 STALE_AFTER_S = 60.0  #: a lock of another host untouched this long belongs to a dead run
+_PARTIAL = ".orbax-checkpoint-tmp"  # in the name of a save's folder until it is complete
 
 
 def _boot_id() -> str:
@@ -165,6 +167,10 @@ class RunLock:
         self.hold, self.heartbeat_s, self.stale_after_s = hold, heartbeat_s, stale_after_s
         self.taken_over: str | None = None  #: the dead run whose lock was taken, if any
         self._identity: tuple[int, int] | None = None
+        #: checkpoint steps whose saves may have written after the workdir's last good check
+        #: (the run's checkpointer's, set by the trainer): :meth:`remove_recreated` removes
+        #: their complete folders too
+        self.own_saves: Collection[int] = ()
         self._lost = False  # check() found the workdir or its lock gone during the run
         self._inode: int | None = None
         self._mtime_ns = 0  # the lock's mtime as this run last set it
@@ -279,9 +285,11 @@ class RunLock:
             self._inode = None
 
     def remove_recreated(self) -> bool:
-        """After the workdir was deleted during the run: removes what the run's own writes
-        still under way (orbax's half-written checkpoint folders) recreated there, so that a
-        deleted workdir stays deleted. Anything else found there is left alone.
+        """After the workdir was lost during the run: removes what the run's own saves recreated
+        there once their writes resumed (orbax's half-written checkpoint folders, and the
+        complete ``checkpoints/<step>`` folders of :attr:`own_saves`), so that a deleted workdir
+        stays deleted. Call it once those saves ended. Anything else found there (a file at its
+        root such as another run's ``run.lock``, another step's folder) is left alone.
 
         Returns:
           Whether a recreated workdir was removed.
@@ -291,13 +299,18 @@ class RunLock:
         st = os.stat(self.workdir)
         if (st.st_dev, st.st_ino) == self._identity and not self._lost:
             return False  # (a recreated directory may reuse the deleted one's inode)
+        own = {str(step) for step in self.own_saves}
+
+        def ours(folder: str) -> bool:  # a folder of checkpoints/ that this run's saves write
+            return _PARTIAL in folder or folder in own
+
         for root, dirs, files in os.walk(self.workdir):
-            rel = os.path.relpath(root, self.workdir)
-            if files and ".orbax-checkpoint-tmp" not in rel:
+            parts = os.path.relpath(root, self.workdir).split(os.sep)
+            if files and not (parts[0] == "checkpoints" and len(parts) > 1 and ours(parts[1])):
                 return False
-            if rel == "." and set(dirs) - {"checkpoints"}:
+            if parts == ["."] and set(dirs) - {"checkpoints"}:
                 return False
-            if rel == "checkpoints" and any(".orbax-checkpoint-tmp" not in d for d in dirs):
+            if parts == ["checkpoints"] and not all(ours(d) for d in dirs):
                 return False
         shutil.rmtree(self.workdir, ignore_errors=True)
         return True

@@ -270,6 +270,7 @@ def train_and_evaluate(
         lost = (lambda: dog.lost(wait_s=3 * dog.interval_s)) if dog else None
         # on an error, pending saves finish before it propagates (not when a peer is lost)
         with _checkpoint.Checkpointer(workdir, config.keep_checkpoints) as ckpt:
+            lock.own_saves = ckpt.in_flight  # removed with a lost workdir they recreated
             with _processes.peer_failures_as_lost(lost), _workdir.writing(workdir):
                 run = (s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say)
                 return _train(*run)
@@ -311,7 +312,8 @@ def _holding(workdir: str, say):
         yield lock
     finally:
         lock.release()
-        lock.remove_recreated()  # a deleted workdir stays deleted
+        # a deleted workdir stays deleted; runs after the Checkpointer exited (its saves ended)
+        lock.remove_recreated()
 
 
 #: what a process tells the others when it cannot go on (agreed after every step); a failed
@@ -349,6 +351,8 @@ def _health(lock, ckpt, held, stop, step: int) -> None:
       StorageError: the local problem, or which process stopped the run.
     """
     problem = lock.check()
+    if problem is None:
+        ckpt.workdir_intact()
     code = FAULT_WORKDIR if problem else 0
     if problem:
         problem += f" (found after step {step}); nothing more is written (a checkpoint would " \

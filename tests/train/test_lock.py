@@ -7,6 +7,7 @@ exited 0 with duplicated metric rows and a stray checkpoint.
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -110,6 +111,31 @@ def test_the_heartbeat_keeps_the_lock_fresh_and_check_sees_a_lost_workdir(tmp_pa
     assert "was deleted during the run" in watch.check()
     work.mkdir()
     assert "replaced by another directory" in watch.check()
+
+
+def test_a_recreated_workdir_is_removed_only_when_the_runs_own_saves_are_all_it_holds(tmp_path):
+    """A deleted workdir that the run's saves under way recreated (a half-written folder, the
+    complete folder of a step in flight) is removed; with anything else in it, it stays."""
+    work = tmp_path / "w"
+    cases = [  # (another file, the steps in flight, removed)
+        (None, {2}, True),
+        (None, set(), False),  # a complete step folder that no save of this run had under way
+        ("run.lock", {2}, False),  # another run's
+        ("checkpoints/4/x", {2}, False),
+        ("checkpoints/x", {2}, False),
+    ]
+    for other, steps, removed in cases:
+        work.mkdir()
+        lock = _lock.RunLock(str(work), heartbeat_s=0.05).acquire()
+        shutil.rmtree(work)
+        for path in ["checkpoints/2/state/d", "checkpoints/6.orbax-checkpoint-tmp-1/meta/m", other]:
+            if path:
+                (work / path).parent.mkdir(parents=True, exist_ok=True)
+                (work / path).write_text("")
+        lock.own_saves = steps
+        lock.release()
+        assert lock.remove_recreated() == removed and work.exists() != removed, other
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_a_second_run_is_refused_before_compiling_and_a_killed_one_does_not_block(

@@ -7,6 +7,7 @@ then retention deleted the real step-20 state; a full disk was noticed one check
 592 lines and 31 tracebacks; a SIGINT in the first second was ignored in 3 of 7 tries.
 """
 
+import asyncio
 import contextlib
 import io
 import json
@@ -16,14 +17,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
 import pytest
+from orbax.checkpoint._src.path import atomicity
 
 from jaxcomp import main
 from jaxcomp import train
 from jaxcomp.train import _checkpoint
+from jaxcomp.train import _lock
 from jaxcomp.train import _trainer
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -109,6 +113,49 @@ def test_a_deleted_workdir_exits_74_with_one_line(tmp_path, monkeypatch):
     code, err = _run_main(_argv(work, total_steps=8, checkpoint_every=2))
     assert code == main.EXIT_STORAGE, err
     assert err.count("\n") == 1 and err.startswith("error: the workdir"), err
+    assert not work.exists(), [str(p) for p in work.rglob("*")]
+
+
+def test_a_save_under_way_when_the_workdir_is_deleted_does_not_bring_it_back(tmp_path, monkeypatch):
+    """Step 4's save creates its folders only once the deletion at step 6 was noticed (held in
+    orbax's background directory creation): it writes a complete ``checkpoints/4`` into a
+    recreated workdir, which the stopping run removes. Step 2's save, seen ended before the
+    workdir's check at step 5 passed, is not among the steps removed."""
+    work = tmp_path / "run"
+    noticed = threading.Event()
+    ckpts, removing = [], []
+    check, create = _lock.RunLock.check, atomicity._create_paths
+    save, remove = _checkpoint.Checkpointer.save, _lock.RunLock.remove_recreated
+
+    def check_noticing(self):
+        problem = check(self)
+        if problem is not None:
+            noticed.set()
+        return problem
+
+    async def create_late(*args, **kwargs):
+        if len(ckpts) > 1:  # all but the first save (the next starts once it ended)
+            await asyncio.to_thread(noticed.wait, 60)
+        return await create(*args, **kwargs)
+
+    def save_recorded(self, *args):
+        ckpts.append(self)
+        return save(self, *args)
+
+    def remove_recorded(self):
+        removing.append(set(self.own_saves))
+        return remove(self)
+
+    monkeypatch.setattr(_lock.RunLock, "check", check_noticing)
+    monkeypatch.setattr(atomicity, "_create_paths", create_late)
+    monkeypatch.setattr(_checkpoint.Checkpointer, "save", save_recorded)
+    monkeypatch.setattr(_lock.RunLock, "remove_recreated", remove_recorded)
+    _at_step(monkeypatch, 4, lambda: ckpts[0].manager.wait_until_finished())  # step 2's save
+    _at_step(monkeypatch, 6, lambda: _delete(work))
+    code, err = _run_main(_argv(work, total_steps=8, checkpoint_every=2))
+    assert noticed.is_set() and code == main.EXIT_STORAGE, err
+    assert err.count("\n") == 1 and "was deleted during the run (found after step 6)" in err, err
+    assert removing == [{4}]
     assert not work.exists(), [str(p) for p in work.rglob("*")]
 
 
