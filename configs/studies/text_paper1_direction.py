@@ -14,8 +14,8 @@ sample's ``[32, 64]`` activation (the compressed direction chosen independently 
 scale. Adam lr 3e-3, SGD-momentum lr 0.1, both constant with gradient clipping 1.0; 5 variants x
 2 optimizers x 2 seeds = 20 runs.
 
-Expected runtime: ~12 min on 2 shared CPU cores (measured: 692 s at load average ~4.5; the
-second seed's programs come from the study's compilation cache). ``--smoke``: 20 runs of 2
+Expected runtime: ~10 min on 2 shared CPU cores (measured: 539 s for the 20 runs at load
+average 3-5, without a compilation cache). ``--smoke``: 20 runs of 2
 steps. Results: docs/results/text_paper1_direction.
 
 Finding tested (Rudakov et al., 2024, abstract; SPEC.md section 1.1): gradients need milder
