@@ -242,8 +242,9 @@ def pmean(x: Array, axis_name: str | None) -> Array:
     return x if axis_name is None else lax.pmean(x, axis_name)
 
 
-#: element bytes of a reduction's operand on XLA:CPU, where it widens them: a ``bfloat16``
-#: ``psum`` crosses as ``float32``, an 8-bit float one as ``float16`` (``float16`` stays)
+#: element bytes of a reduction's operand on the CPU backend, where it widens them
+#: (``jaxcomp._cpu`` [widened-collectives]): a ``bfloat16`` ``psum`` crosses as ``float32``,
+#: an 8-bit float one as ``float16`` (``float16`` stays)
 _CPU_REDUCED_ITEMSIZE = {"bfloat16": 4, "float8_e4m3fn": 2, "float8_e5m2": 2}
 
 
