@@ -1,5 +1,6 @@
-"""The hierarchical-mesh table of README.md: per rate, each cell's median step time per round
-and over both rounds' steps pooled, the ratios to flat dense, and time to 0.97 accuracy.
+"""The hierarchical-mesh tables of README.md: per rate, each cell's median step time per round
+and over both rounds' steps pooled, the ratios to flat dense, and time to 0.97 accuracy; the
+bytes per step through each host's NIC (run.sh's `nic` target: a 40-step run less a 10-step one).
 
   PYTHONPATH=. python docs/results/network/hier_table.py
 """
@@ -25,7 +26,7 @@ def main():
     print("| rate | cell | median ms per round | pooled median ms | flat dense / cell | "
           "time to 0.97 s (train) per round | load before per round |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    for rate in ("unlimited", "100mbit", "10mbit"):
+    for rate in ("unlimited", "1gbit", "100mbit", "10mbit"):
         pooled = {}
         rows = []
         for cell in CELLS:
@@ -49,5 +50,20 @@ def main():
             )
 
 
+def nic():
+    print("\n| rate | cell | NIC bytes per host per step (host 0 / host 1) |\n|---|---|---|")
+    for path in sorted(glob.glob(os.path.join(HERE, "nic_bytes-*.txt"))):
+        rate = os.path.basename(path)[len("nic_bytes-") : -len(".txt")]
+        runs = {}
+        for line in open(path):
+            cell, steps, *hosts = line.split()
+            runs.setdefault(cell, {})[int(steps)] = [int(b) for b in hosts[1::2]]
+        for cell, by in runs.items():
+            (n0, b0), (n1, b1) = sorted(by.items())
+            per = [(y - x) / (n1 - n0) for x, y in zip(b0, b1)]
+            print(f"| {rate} | {cell} | {' / '.join(f'{p:,.0f}' for p in per)} |")
+
+
 if __name__ == "__main__":
     main()
+    nic()
