@@ -26,7 +26,7 @@ def main():
     print("| rate | cell | median ms per round | pooled median ms | flat dense / cell | "
           "time to 0.97 s (train) per round | load before per round |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    for rate in ("unlimited", "1gbit", "100mbit", "10mbit"):
+    for rate in ("unlimited", "10gbit", "1gbit", "100mbit", "10mbit"):
         pooled = {}
         rows = []
         for cell in CELLS:

@@ -6,7 +6,8 @@
 #   tools/cpu-all docs/results/network/run.sh diagnosis      # where the time goes
 #   tools/cpu-all docs/results/network/run.sh 2x1            # one device per host
 #   tools/cpu-all docs/results/network/run.sh hier RATE      # hierarchical mesh vs flat dense
-#   tools/cpu-all docs/results/network/run.sh nic            # NIC bytes per step, flat vs hier
+#   tools/cpu-all docs/results/network/run.sh nic [RATE [CELL...]]  # NIC bytes per step
+#   tools/cpu-all docs/results/network/run.sh 10gbit         # a tbf that never limits
 # Runs go to $RUNS (default /tmp/jaxcomp-lab-runs); each finished cell's small files (lab.json,
 # summary, timing and metrics) are copied into docs/results/network/cells/, which
 # `python -m jaxcomp.lab report docs/results/network/cells --out docs/results/network` reads.
@@ -101,13 +102,18 @@ case "$what" in
       done
     done
     ;;
-  nic)  # bytes per step through each host's NIC (unlimited rate): the difference between a
-    # 10-step and a 40-step run (start-up, compiling and the final evaluation cancel), per host
+  nic)  # bytes per step through each host's NIC at RATE (default unlimited): the difference
+    # between a 10-step and a 40-step run (start-up, compiling and the final evaluation cancel),
+    # per host; `nic 10mbit powersgd-flat powersgd-hier` for some cells only
+    rate=${2:-unlimited}
+    shift $(($# > 1 ? 2 : 1))
     HIER=(--set 'mesh=[("slow", 2), ("fast", 4)]')
     QUIET=(--set eval_every=0 --set checkpoint_every=0 --set log_every=10)
-    res="$here/nic_bytes.txt"
+    res="$here/nic_bytes-$rate.txt"
     : > "$res"
-    for c in dense-flat dense-hier powersgd-flat powersgd-hier; do
+    nic_cells=("$@")
+    [ ${#nic_cells[@]} = 0 ] && nic_cells=(dense-flat dense-hier powersgd-flat powersgd-hier)
+    for c in "${nic_cells[@]}"; do
       case "$c" in
         dense-flat) args=(--config configs/digits_dense.py) ;;
         dense-hier) args=(--config configs/digits_dense.py "${HIER[@]}") ;;
@@ -115,16 +121,24 @@ case "$what" in
         powersgd-hier) args=(--config configs/digits_accordion.py "${PSGD[@]}" "${HIER[@]}") ;;
       esac
       for n in 10 40; do
-        w="$RUNS/nic-$c-$n"
+        w="$RUNS/nic-$c-$rate-$n"
         rm -rf "$w" "$w.tx"
         echo "== nic $c $n steps: load $(cut -d' ' -f1-3 /proc/loadavg)"
-        lab run --hosts 2 --devices 4 --rate unlimited --timeout 300 --log_dir "$w-logs" -- \
+        lab run --hosts 2 --devices 4 --rate "$rate" --timeout 300 --log_dir "$w-logs" -- \
           "$here/nic_host.sh" "$w.tx" "{process_id}" "$PY" -m jaxcomp.main --workdir "$w" \
           --cpu_devices "{devices}" "${args[@]}" "${QUIET[@]}" --set total_steps=$n
         echo "$c $n $(sort "$w.tx" | tr '\n' ' ')" >> "$res"
       done
     done
     cat "$res"
+    ;;
+  10gbit)  # the unlimited rate with a qdisc on the NICs (tbf at 10 Gbit/s), no calibration:
+    # is the hierarchical step's unlimited-rate time the link's or the missing qdisc's?
+    HOSTS=2 DEVICES=4
+    LEN=(--set total_steps=300 --set eval_every=25 --set log_every=25)
+    cell powersgd-hier-2x4-10gbit-r1 powersgd-hier-10gbit 10gbit none \
+      configs/digits_accordion.py "${LEN[@]}" "${PSGD[@]}" --set 'mesh=[("slow", 2), ("fast", 4)]'
+    cell dense-flat-2x4-10gbit-r1 dense-flat-10gbit 10gbit none configs/digits_dense.py "${LEN[@]}"
     ;;
   2x1)  # one device per host: each host's compute on its own core
     HOSTS=2 DEVICES=1
