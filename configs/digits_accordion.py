@@ -10,6 +10,12 @@ Expected: ~30 s on 2 CPU cores (30 s measured), test accuracy 98.05%; 10.8 KiB o
 factors per step on average instead of 589 KiB dense (54.5x), more in the critical intervals.
 The numbers: docs/results/headline/headline.json (with the commit and jax/jaxlib versions;
 ``python docs/results/headline/regenerate.py --check`` reruns them).
+
+On several hosts, name the slow axis: ``--set 'mesh=[("slow", HOSTS), ("fast", DEVICES)]'``
+averages densely inside each host and compresses only between hosts, in fewer and smaller
+rings across the slow links: faster there (docs/results/network/README.md, the hierarchical
+mesh). PowerSGD's results do not change with it (error feedback and shared factors keep it
+linear in the gradients).
 """
 
 import ml_collections

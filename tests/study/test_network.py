@@ -105,6 +105,59 @@ def test_pipeline_sends_of_one_tick_share_the_wire_only_on_a_shared_link(tmp_pat
     assert comm == pytest.approx((12 if topology == "per_host" else 24) * one)
 
 
+HIER = [["slow", 2], ["fast", 4]]
+
+
+def _hier(path, colls, wire, mesh=HIER):
+    (path / "summary.json").write_text(
+        json.dumps(
+            {"mode": "data_parallel", "steps": 8, "wire_bytes_per_step": wire, "collectives": colls}
+        )
+    )
+    (path / "experiment.json").write_text(json.dumps({"mesh": mesh}))
+    return _network.read_lab_run(str(path))
+
+
+def _ar(group, nbytes, executions=1.0, conditional=False):
+    return {"kind": "all-reduce", "group_size": group, "bytes_per_execution": nbytes,
+            "executions": executions, "conditional": conditional}  # fmt: skip
+
+
+def test_a_hierarchical_mesh_keeps_the_host_inside_off_the_link(tmp_path):
+    """2 hosts x 4 devices, (slow, fast): the fast all-reduce (group 4) stays in the host, the
+    slow one (group 2) runs as 4 rings through each NIC, the loss's (group 8) as the calibrated
+    ring; Accordion's branched slow factors are scaled to the slow axis's bytes, not zeroed by
+    the dense fast mean (which the run's wire bytes do not count)."""
+    _run(tmp_path / "h", 1e8, 0.05)
+    run = _hier(tmp_path / "h", [_ar(2, 5000.0), _ar(4, 6e5), _ar(8, 8.0)], 5008.0)
+    comm, why = _network._comm(run)
+    link = _cost.NetworkLink(1e7, 1e-4)
+    want = _cost.collective_time("all-reduce", 4 * 5000.0, 2, link)
+    want += _cost.collective_time("all-reduce", 8.0, 8, link)
+    assert why == "" and comm == pytest.approx(want)
+    assert run["measured"]["collectives_per_step"] == 3
+    # the same step on the flat mesh prices every collective on the ring, as before
+    flat = _hier(tmp_path / "h", [_ar(8, 5000.0)], 5000.0, mesh=[["data", 8]])
+    assert _network._comm(flat)[0] == pytest.approx(
+        _cost.collective_time("all-reduce", 5000.0, 8, link)
+    )
+    acc = _hier(tmp_path / "h", [_ar(2, 1000.0, 2.0, True), _ar(4, 6e5)], 1000.0)
+    slow = [c for c in acc["measured"]["collectives"] if c["per_nic"]]
+    assert [c["executions"] for c in slow] == [pytest.approx(1.0)]
+
+
+def test_a_group_the_mesh_cannot_place_gives_no_prediction(tmp_path):
+    """2 x 2 (slow, fast): a group of 2 is either axis, so the model does not guess."""
+    _run(tmp_path / "a", 1e8, 0.05)
+    lab = json.loads((tmp_path / "a" / _network.LAB_FILE).read_text())
+    lab["network"]["devices_per_host"] = 2
+    (tmp_path / "a" / _network.LAB_FILE).write_text(json.dumps(lab))
+    run = _hier(tmp_path / "a", [_ar(2, 100.0), _ar(2, 5.0)], 100.0,
+                mesh=[["slow", 2], ["fast", 2]])  # fmt: skip
+    assert _network._comm(run)[0] is None
+    assert _network.nic_share(2, [["slow", 2], ["fast", 2]], 2, 2) is None
+
+
 def test_gzipped_timing_reads_as_the_plain_file(tmp_path):
     import gzip
     import shutil

@@ -5,6 +5,9 @@
 #   tools/cpu-all docs/results/network/run.sh pipeline
 #   tools/cpu-all docs/results/network/run.sh diagnosis      # where the time goes
 #   tools/cpu-all docs/results/network/run.sh 2x1            # one device per host
+#   tools/cpu-all docs/results/network/run.sh hier RATE      # hierarchical mesh vs flat dense
+#   tools/cpu-all docs/results/network/run.sh nic [RATE [CELL...]]  # NIC bytes per step
+#   tools/cpu-all docs/results/network/run.sh 10gbit         # a tbf that never limits
 # Runs go to $RUNS (default /tmp/jaxcomp-lab-runs); each finished cell's small files (lab.json,
 # summary, timing and metrics) are copied into docs/results/network/cells/, which
 # `python -m jaxcomp.lab report docs/results/network/cells --out docs/results/network` reads.
@@ -60,19 +63,82 @@ PSGD=(--set 'data_parallel.transform="compressed_mean"'
       --set 'data_parallel.codec={"name": "power_sgd", "rank": 2, "feedback": "ef"}')
 SHORT=(--set total_steps=60 --set eval_every=0 --set log_every=20 --set checkpoint_every=0)
 case "$what" in
-  diagnosis)  # the hierarchical mean (dense inside a host, compressed across); TCP slow start
+  diagnosis)  # TCP slow start after idle gaps
     HOSTS=2 DEVICES=4
-    HIER=(--set 'mesh=[("slow", 2), ("fast", 4)]')
-    for rate in unlimited 100mbit 10mbit; do
-      calibrate "per_host-2x4-$rate" 2 4 "$rate"
-      cell "powersgd-hier-2x4-$rate" powersgd-r2-ef-hierarchical "$rate" "per_host-2x4-$rate" \
-        configs/digits_accordion.py "${SHORT[@]}" "${PSGD[@]}" "${HIER[@]}"
-    done
     for ss in slow-start no-slow-start; do
       flag=(); [ $ss = no-slow-start ] && flag=(--no_slow_start_after_idle)
       cell "dense-$ss-2x4-100mbit" "dense-$ss" 100mbit none configs/digits_dense.py \
         "${SHORT[@]}" "${flag[@]}"
     done
+    ;;
+  hier)  # PowerSGD (and Accordion) on [("slow", 2), ("fast", 4)]: dense inside a host,
+    # compressed between hosts; round-robin with the flat dense cell, ROUNDS rounds (default 2,
+    # the second in reverse order); each round's cells are their own variant, so the report
+    # takes a cell's compute from the same round's unlimited cell
+    HOSTS=2 DEVICES=4
+    rate=$2
+    HIER=(--set 'mesh=[("slow", 2), ("fast", 4)]')
+    if [ "$rate" = 10mbit ]; then
+      LEN=(--set total_steps=60 --set eval_every=20 --set log_every=20)
+    else
+      LEN=(--set total_steps=300 --set eval_every=25 --set log_every=25)
+    fi
+    calibrate "per_host-2x4-$rate" 2 4 "$rate"
+    cells=(dense-flat powersgd-hier)
+    case "$rate" in unlimited | 100mbit) cells+=(accordion-hier) ;; esac
+    for r in $(seq 1 "${ROUNDS:-2}"); do
+      order=("${cells[@]}")
+      [ $((r % 2)) = 0 ] && order=($(printf '%s\n' "${cells[@]}" | tac))
+      for c in "${order[@]}"; do
+        name="$c-2x4-$rate-r$r" variant="$c-round$r"
+        case "$c" in
+          dense-flat) cell "$name" "$variant" "$rate" "per_host-2x4-$rate" \
+            configs/digits_dense.py "${LEN[@]}" ;;
+          powersgd-hier) cell "$name" "$variant" "$rate" "per_host-2x4-$rate" \
+            configs/digits_accordion.py "${LEN[@]}" "${PSGD[@]}" "${HIER[@]}" ;;
+          accordion-hier) cell "$name" "$variant" "$rate" "per_host-2x4-$rate" \
+            configs/digits_accordion.py "${LEN[@]}" "${HIER[@]}" ;;
+        esac
+      done
+    done
+    ;;
+  nic)  # bytes per step through each host's NIC at RATE (default unlimited): the difference
+    # between a 10-step and a 40-step run (start-up, compiling and the final evaluation cancel),
+    # per host; `nic 10mbit powersgd-flat powersgd-hier` for some cells only
+    rate=${2:-unlimited}
+    shift $(($# > 1 ? 2 : 1))
+    HIER=(--set 'mesh=[("slow", 2), ("fast", 4)]')
+    QUIET=(--set eval_every=0 --set checkpoint_every=0 --set log_every=10)
+    res="$here/nic_bytes-$rate.txt"
+    : > "$res"
+    nic_cells=("$@")
+    [ ${#nic_cells[@]} = 0 ] && nic_cells=(dense-flat dense-hier powersgd-flat powersgd-hier)
+    for c in "${nic_cells[@]}"; do
+      case "$c" in
+        dense-flat) args=(--config configs/digits_dense.py) ;;
+        dense-hier) args=(--config configs/digits_dense.py "${HIER[@]}") ;;
+        powersgd-flat) args=(--config configs/digits_accordion.py "${PSGD[@]}") ;;
+        powersgd-hier) args=(--config configs/digits_accordion.py "${PSGD[@]}" "${HIER[@]}") ;;
+      esac
+      for n in 10 40; do
+        w="$RUNS/nic-$c-$rate-$n"
+        rm -rf "$w" "$w.tx"
+        echo "== nic $c $n steps: load $(cut -d' ' -f1-3 /proc/loadavg)"
+        lab run --hosts 2 --devices 4 --rate "$rate" --timeout 300 --log_dir "$w-logs" -- \
+          "$here/nic_host.sh" "$w.tx" "{process_id}" "$PY" -m jaxcomp.main --workdir "$w" \
+          --cpu_devices "{devices}" "${args[@]}" "${QUIET[@]}" --set total_steps=$n
+        echo "$c $n $(sort "$w.tx" | tr '\n' ' ')" >> "$res"
+      done
+    done
+    cat "$res"
+    ;;
+  10gbit)  # the unlimited rate with a qdisc on the NICs (tbf at 10 Gbit/s), no calibration:
+    # is the hierarchical step's unlimited-rate time the link's or the missing qdisc's?
+    HOSTS=2 DEVICES=4
+    LEN=(--set total_steps=300 --set eval_every=25 --set log_every=25)
+    cell powersgd-hier-2x4-10gbit-r1 powersgd-hier-10gbit 10gbit none \
+      configs/digits_accordion.py "${LEN[@]}" "${PSGD[@]}" --set 'mesh=[("slow", 2), ("fast", 4)]'
+    cell dense-flat-2x4-10gbit-r1 dense-flat-10gbit 10gbit none configs/digits_dense.py "${LEN[@]}"
     ;;
   2x1)  # one device per host: each host's compute on its own core
     HOSTS=2 DEVICES=1
