@@ -91,6 +91,24 @@ def _optimisations_as_declared(request):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored(request):
+    """A test leaves SIGINT's and SIGTERM's handlers as it found them: a handler left behind
+    (SIGINT ignored was, in the full suite of 2026-12-05) is inherited as "ignored" by every
+    process a later test starts, which then never sees the signal. A leak is put right and
+    reported as a warning naming the test."""
+    import signal
+    import warnings
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in before.items():
+        now = signal.getsignal(s)
+        if now is not handler and handler is not None:
+            signal.signal(s, handler)
+            warnings.warn(f"{request.node.nodeid} left {s.name}'s handler as {now!r}", stacklevel=1)
+
+
 #: the trainer setups built by :func:`shared_setups` in this process
 _SETUPS: dict = {}
 

@@ -6,7 +6,8 @@ their namespaces are left, for :func:`jaxcomp.lab.cleanup`). A host that fails s
 the others would wait for it in their next collective until the timeout. Stopping a host sends
 SIGTERM to its group (the trainer then finishes its step, saves and exits), and SIGKILL after a
 grace period. :func:`signals_raise` turns SIGTERM (and SIGHUP) into an exception in the main
-thread, so a ``try/finally`` around a run tears it down on those signals as on Ctrl-C.
+thread and makes sure SIGINT raises ``KeyboardInterrupt``, so a ``try/finally`` around a run
+tears it down on those signals as on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ class HostsResult(NamedTuple):
 
 @contextlib.contextmanager
 def signals_raise():
-    """SIGTERM and SIGHUP raise :class:`Stopped` in the main thread while inside (SIGINT raises
-    ``KeyboardInterrupt`` as always); the previous handlers come back on exit. Outside the main
-    thread (where Python cannot install handlers) it does nothing."""
+    """SIGTERM and SIGHUP raise :class:`Stopped` in the main thread while inside, SIGINT raises
+    ``KeyboardInterrupt`` (installed here too: a process started with SIGINT ignored, as a
+    background job or a test runner's worker is, would otherwise never see it); the previous
+    handlers come back on exit. Outside the main thread (where Python cannot install handlers)
+    it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -65,11 +68,12 @@ def signals_raise():
         raise Stopped(signum)
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         for s, h in old.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_DFL if h is None else h)
 
 
 @contextlib.contextmanager

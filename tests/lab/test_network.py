@@ -73,9 +73,13 @@ with lab.Lab(2, "10mbit") as lb:
 """
 
 
-def _start_lab(tmp_path):
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start_lab(tmp_path, preexec_fn=None):
     proc = subprocess.Popen([sys.executable, "-c", LAB_SCRIPT, str(tmp_path)],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, text=True, preexec_fn=preexec_fn)  # fmt: skip
     lab_id = proc.stdout.readline().strip()
     assert lab_id.startswith(_net.PREFIX), lab_id
     deadline = time.monotonic() + 30
@@ -97,8 +101,12 @@ def _gone(pids, timeout=10.0):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signalled_lab_tears_itself_down(sig, tmp_path):
-    proc, lab_id, hosts = _start_lab(tmp_path)
+@pytest.mark.parametrize("inherited", ["default", "sigint_ignored"])
+def test_a_signalled_lab_tears_itself_down(sig, inherited, tmp_path):
+    # a process started with SIGINT ignored (a background job, a test runner's worker) gets no
+    # KeyboardInterrupt from Python: the lab installs its own handler
+    ignore = _ignore_sigint if inherited == "sigint_ignored" else None
+    proc, lab_id, hosts = _start_lab(tmp_path, ignore)
     proc.send_signal(sig)
     assert proc.wait(timeout=30) != 0
     assert _gone(hosts) and not _ours(lab_id)
