@@ -44,6 +44,8 @@ from jaxcomp.train import _errors
 LOCK = "run.lock"
 HEARTBEAT_S = 10.0  #: how often a run touches its lock
 STALE_AFTER_S = 60.0  #: a lock of another host untouched this long belongs to a dead run
+#: how long a recreated workdir must stay removed while writes of a failed save may still land
+SETTLE_S = 0.25
 _PARTIAL = ".orbax-checkpoint-tmp"  # in the name of a save's folder until it is complete
 
 
@@ -284,19 +286,42 @@ class RunLock:
                     pass
             self._inode = None
 
-    def remove_recreated(self) -> bool:
+    def remove_recreated(self, settle_s: float = SETTLE_S) -> bool:
         """After the workdir was lost during the run: removes what the run's own saves recreated
         there once their writes resumed (orbax's half-written checkpoint folders, and the
         complete ``checkpoints/<step>`` folders of :attr:`own_saves`), so that a deleted workdir
         stays deleted. Call it once those saves ended. Anything else found there (a file at its
         root such as another run's ``run.lock``, another step's folder) is left alone.
 
+        Orbax ends a save at its first failed write while other writes of it are still under
+        way (tensorstore's, each recreating its folders), so while :attr:`own_saves` is not
+        empty the removal is repeated until the workdir stayed gone for ``settle_s`` seconds
+        (for at most ``20 * settle_s``).
+
         Returns:
           Whether a recreated workdir was removed.
         """
-        if self._identity is None or not os.path.isdir(self.workdir):
+        if self._identity is None or not (self._lost or os.path.isdir(self.workdir)):
             return False
-        st = os.stat(self.workdir)
+        removed, start = False, time.monotonic()
+        quiet = start  # since when the workdir is absent
+        while True:
+            if os.path.isdir(self.workdir):
+                if not self._only_own_saves():
+                    return removed
+                shutil.rmtree(self.workdir, ignore_errors=True)
+                removed, quiet = True, time.monotonic()
+            now = time.monotonic()
+            if not self.own_saves or now - quiet >= settle_s or now - start >= 20 * settle_s:
+                return removed and not os.path.isdir(self.workdir)
+            time.sleep(settle_s / 10)
+
+    def _only_own_saves(self) -> bool:
+        """Whether the workdir is a recreated one that holds only what this run's saves wrote."""
+        try:
+            st = os.stat(self.workdir)
+        except FileNotFoundError:
+            return False
         if (st.st_dev, st.st_ino) == self._identity and not self._lost:
             return False  # (a recreated directory may reuse the deleted one's inode)
         own = {str(step) for step in self.own_saves}
@@ -312,7 +337,6 @@ class RunLock:
                 return False
             if parts == ["checkpoints"] and not all(ours(d) for d in dirs):
                 return False
-        shutil.rmtree(self.workdir, ignore_errors=True)
         return True
 
     def __enter__(self) -> RunLock:

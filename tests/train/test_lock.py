@@ -134,8 +134,32 @@ def test_a_recreated_workdir_is_removed_only_when_the_runs_own_saves_are_all_it_
                 (work / path).write_text("")
         lock.own_saves = steps
         lock.release()
-        assert lock.remove_recreated() == removed and work.exists() != removed, other
+        assert lock.remove_recreated(settle_s=0) == removed and work.exists() != removed, other
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_write_of_a_failed_save_landing_after_the_removal_is_removed_too(tmp_path, monkeypatch):
+    """Orbax ends a failed save while tensorstore's writes of it still land: one that
+    recreates the workdir right after its removal is removed in turn."""
+    work = tmp_path / "w"
+    work.mkdir()
+    lock = _lock.RunLock(str(work), heartbeat_s=0.05).acquire()
+    shutil.rmtree(work)
+    straggler = work / "checkpoints/2.orbax-checkpoint-tmp-1/state/d/f"
+    (work / "checkpoints/2/state").mkdir(parents=True)  # recreated by the save's first writes
+    rmtree, calls = shutil.rmtree, []
+
+    def rmtree_then_a_late_write(path, **kwargs):
+        rmtree(path, **kwargs)
+        calls.append(path)
+        if len(calls) == 1:
+            straggler.parent.mkdir(parents=True)
+            straggler.write_text("")
+
+    monkeypatch.setattr(_lock.shutil, "rmtree", rmtree_then_a_late_write)
+    lock.own_saves = {2}
+    lock.release()
+    assert lock.remove_recreated(settle_s=0.05) and not work.exists() and len(calls) == 2
 
 
 def test_a_second_run_is_refused_before_compiling_and_a_killed_one_does_not_block(
