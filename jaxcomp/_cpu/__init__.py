@@ -64,6 +64,7 @@ from jaxcomp._cpu import _init_program
 from jaxcomp._cpu import _lapack
 from jaxcomp._cpu import _order
 from jaxcomp._cpu._compile_cache import UNSAFE_CPU_COMPILE_CACHE as UNSAFE_CPU_COMPILE_CACHE
+from jaxcomp._cpu._compile_cache import compile_cache_allowed as compile_cache_allowed
 from jaxcomp._cpu._compile_cache import refuse_compile_cache as refuse_compile_cache
 from jaxcomp._cpu._malloc import HostMalloc as HostMalloc
 from jaxcomp._cpu._malloc import tune_host_malloc as tune_host_malloc

@@ -20,6 +20,12 @@ import jax
 UNSAFE_CPU_COMPILE_CACHE = "JAXCOMP_UNSAFE_CPU_COMPILE_CACHE"
 
 
+def compile_cache_allowed(platform: str) -> bool:
+    """Whether the persistent cache may be used for ``platform``: not on ``"cpu"`` unless
+    ``JAXCOMP_UNSAFE_CPU_COMPILE_CACHE=1``."""
+    return platform != "cpu" or os.environ.get(UNSAFE_CPU_COMPILE_CACHE) == "1"
+
+
 def refuse_compile_cache(platform: str) -> str | None:
     """Turns JAX's persistent compilation cache off when ``platform`` is ``"cpu"``.
 
@@ -33,9 +39,7 @@ def refuse_compile_cache(platform: str) -> str | None:
       directory set, another backend, or ``JAXCOMP_UNSAFE_CPU_COMPILE_CACHE=1``).
     """
     path = jax.config.jax_compilation_cache_dir
-    if platform != "cpu" or not path or not jax.config.jax_enable_compilation_cache:
-        return None
-    if os.environ.get(UNSAFE_CPU_COMPILE_CACHE) == "1":
+    if compile_cache_allowed(platform) or not path or not jax.config.jax_enable_compilation_cache:
         return None
     jax.config.update("jax_enable_compilation_cache", False)
     return (

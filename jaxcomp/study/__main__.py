@@ -85,8 +85,7 @@ def _compile_cache(args) -> None:
     from jaxcomp import _cpu
     from jaxcomp import main as jaxcomp_main
 
-    unsafe = os.environ.get(_cpu.UNSAFE_CPU_COMPILE_CACHE) == "1"
-    if args.compile_cache is None and jax.default_backend() == "cpu" and not unsafe:
+    if args.compile_cache is None and not _cpu.compile_cache_allowed(jax.default_backend()):
         return
     jaxcomp_main.enable_compile_cache(
         args.compile_cache or os.path.join(args.workdir, ".jax_cache")
