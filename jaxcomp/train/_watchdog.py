@@ -198,7 +198,21 @@ class Watchdog:
             time.sleep(self.interval_s / 2)
         if found:
             return me + "; ".join(found)
-        return me + "another process of the run stopped answering (which one cannot be told)"
+        now = time.monotonic()
+        seen = [
+            f"process {k}'s heartbeat last changed {now - changed:.0f} s ago"
+            for k, (_, changed) in sorted(self._seen.items())
+            if k != self.me.index
+        ]
+        said = [
+            f"this process's own heartbeat calls last answered {now - self._answered:.0f} s ago"
+        ]
+        return (
+            me
+            + "another process of the run stopped answering (which one cannot be told: "
+            + ", ".join(said + seen)
+            + ")"
+        )
 
     def _judge(self) -> list[str]:
         now, stale = time.monotonic(), 3 * self.interval_s
@@ -212,8 +226,10 @@ class Watchdog:
                     what = "exited or was killed" if state == "gone" else "is stopped (SIGSTOP)"
                     out.append(f"{p} {what}")
                 continue
+            # Stale while the coordinator still answered this process: it stopped first, even
+            # if the coordinator's answers stopped since (they may, before the bound fires).
             value, changed = self._seen.get(p.index, (None, self._answered))
-            if now - changed > stale and now - self._answered < stale:
+            if self._answered - changed > stale:
                 out.append(f"{p} stopped sending heartbeats {now - changed:.0f} s ago")
         coordinator = self.team[0]
         if not out and self._client is not None and now - self._answered > stale:

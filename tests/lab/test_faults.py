@@ -102,7 +102,7 @@ def test_a_partition_stops_both_hosts_in_the_bound_and_the_rerun_resumes(tmp_pat
         said = r"^error: no progress for \d+ s after step \d+ \(the bound, --peer_timeout, "
         assert all(re.search(said + rf"is {BOUND} s\)", x) for x in lines), lines
         a0, a1 = lb.net.addresses
-        assert "process 1 (pid" in lines[0] and f"on host {a1}) stopped sending" in lines[0]
+        assert "process 1 (pid" in lines[0] and f"on host {a1}) stopped sending" in lines[0], lines
         assert "process 0 (pid" in lines[1], lines[1]
         assert f"on host {a0}), the coordinator, has not answered" in lines[1], lines[1]
         assert not (work / "checkpoints.damaged").exists()
