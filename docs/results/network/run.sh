@@ -2,7 +2,7 @@
 # The network lab's must-show cells (issue 33), one rate (or the pipeline) per call, each call
 # short enough for one tools/cpu-all window:
 #   tools/cpu-all docs/results/network/run.sh 100mbit      # then 1gbit, 10mbit, unlimited
-#   tools/cpu-all docs/results/network/run.sh pipeline
+#   tools/cpu-all docs/results/network/run.sh pipeline   # PIPE_RATES="10mbit" for other rates
 #   tools/cpu-all docs/results/network/run.sh diagnosis      # where the time goes
 #   tools/cpu-all docs/results/network/run.sh 2x1            # one device per host
 #   tools/cpu-all docs/results/network/run.sh hier RATE      # hierarchical mesh vs flat dense
@@ -156,7 +156,7 @@ case "$what" in
     ONE=(--set 'mesh=[("stage", 4)]' --set total_steps=60 --set eval_every=20
          --set log_every=20 --set checkpoint_every=0)
     IDENTITY=(--set 'pipeline.forward="identity"' --set 'pipeline.backward="identity"')
-    for rate in unlimited 100mbit; do
+    for rate in ${PIPE_RATES:-unlimited 100mbit}; do
       calibrate "per_host-4x1-$rate" 4 1 "$rate"
       cell "pipeline-quantized-4x1-$rate" pipeline-quantized "$rate" "per_host-4x1-$rate" \
         configs/digits_pipeline.py "${ONE[@]}"
