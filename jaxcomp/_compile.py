@@ -88,10 +88,10 @@ def compile_all(lowered: Mapping[str, Any]) -> dict[str, Any]:
       The ``jax.stages.Compiled`` programs, by name, in ``lowered``'s order.
 
     Raises:
-      The error of a program that failed to lower, at once (after the compiles already
-      started end), with a note naming it; else the error of the first program (in
-      ``lowered``'s order) whose compilation failed, once every compilation has ended, with a
-      note naming the program and any other that failed.
+      The error of a program that failed to lower (with a note naming it), or an interrupt,
+      at once: the compiles already started are not waited for; else the error of the first
+      program (in ``lowered``'s order) whose compilation failed, once every compilation has
+      ended, with a note naming the program and any other that failed.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -125,16 +125,18 @@ def compile_all(lowered: Mapping[str, Any]) -> dict[str, Any]:
         results = [compile_one(lower(n), in_thread=False) for n in names]
     else:
         threads = min(len(names), max(os.cpu_count() or 1, 2))
-        with ThreadPoolExecutor(threads, thread_name_prefix="jaxcomp-compile") as pool:
-            futures = []
-            try:
-                for name in names:
-                    futures.append(pool.submit(compile_one, lower(name)))
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="jaxcomp-compile")
+        futures = []
+        try:
+            for name in names:
+                futures.append(pool.submit(compile_one, lower(name)))
             results = [f.result() for f in futures]
+        except BaseException:
+            # an error lowering, or an interrupt (KeyboardInterrupt): the compiles under way
+            # are not waited for (their results are dropped), those not started never start
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
     failed = [(name, error) for name, (_, error) in zip(names, results) if error is not None]
     if failed:
         (name, error), others = failed[0], [n for n, _ in failed[1:]]

@@ -59,6 +59,8 @@ import importlib.util
 import os
 import signal
 import sys
+import threading
+import time
 
 from jaxcomp import _early_signals
 
@@ -373,6 +375,47 @@ def _error(e: BaseException) -> int:
     return EXIT_SETUP
 
 
+#: seconds a CLI run that stopped early waits for the threads it left (a checkpoint save
+#: abandoned when its workdir vanished, compiles under way at a signal) before it exits without
+#: them: the interpreter's exit joins them, and a save's thread waiting for a signal that never
+#: comes waited 300 s (orbax's coordination timeout)
+EXIT_WAIT_S = 1.0
+
+
+def threads_left(wait_s: float) -> list[str]:
+    """The names of the threads (other than this one, not daemons) still running after
+    waiting up to ``wait_s`` seconds in all for them to end: what the interpreter's exit would
+    wait for. Workers of another library's thread pool are not counted (idle ones, such as
+    orbax's, end when the interpreter exits); the trainer's compiles (``jaxcomp-compile``)
+    are."""
+    from concurrent.futures import thread as pools
+
+    deadline = time.monotonic() + wait_s
+    left = []
+    for t in threading.enumerate():
+        if t is threading.current_thread() or t.daemon:
+            continue
+        if t in pools._threads_queues and not t.name.startswith("jaxcomp-compile"):
+            continue
+        t.join(max(deadline - time.monotonic(), 0.0))
+        if t.is_alive():
+            left.append(t.name)
+    return left
+
+
+def _exit_bounded(code: int) -> int:
+    """``code``; the CLI's process exits with it at once (``os._exit``, output flushed) when
+    threads it left would hold the interpreter's exit past :data:`EXIT_WAIT_S` (a call of
+    :func:`main` from a program returns it as it is)."""
+    if _early_signals.started_as_the_cli(getattr(sys, "orig_argv", ())) and threads_left(
+        EXIT_WAIT_S
+    ):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 def _interrupted_early(signum: int) -> int:
     name = signal.Signals(signum).name
     print(f"jaxcomp: interrupted by {name} before training started.", file=sys.stderr, flush=True)
@@ -422,14 +465,14 @@ def _main(argv, early: _early_signals.EarlySignals) -> int:
         if jax.process_count() > 1:  # a failed save's threads wait in barriers, never ending
             sys.stdout.flush()
             os._exit(EXIT_STORAGE)
-        return EXIT_STORAGE
+        return _exit_bounded(EXIT_STORAGE)
     except train.PeerLost as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_PEER_LOST)  # JAX's exit would wait for the lost process
     except train.Interrupted as e:
         print(f"jaxcomp: {e}", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        return _exit_bounded(EXIT_INTERRUPTED)  # compiles under way at a signal are dropped
     except train.Aborted as e:
         print(f"jaxcomp: {e} The last finished checkpoint is kept.", file=sys.stderr, flush=True)
         sys.stdout.flush()

@@ -448,6 +448,25 @@ def test_the_first_signal_asks_to_stop_and_the_second_aborts(first, second):
     assert {s: signal.getsignal(s) for s in before} == before
 
 
+def test_a_signal_while_compiling_stops_the_run_at_once(tmp_path, monkeypatch):
+    """A first signal during the setup's compiles stops the run before they end (it waited
+    for every compile: 5.85 s): the setup here is a wait that only ends after 60 s."""
+    import threading
+
+    ended = []
+
+    def compiling(config, devices=None):
+        os.kill(os.getpid(), signal.SIGINT)
+        threading.Event().wait(60)  # as the main thread waits for a compile's result
+        ended.append(True)
+
+    monkeypatch.setattr(_trainer, "setup", compiling)
+    with pytest.raises(train.Interrupted, match="by SIGINT while compiling, before step 1"):
+        train.train_and_evaluate(tiny(), str(tmp_path))
+    assert not ended
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def _interrupted_at(result: Result, name: str) -> int:
     m = re.search(rf"jaxcomp: interrupted by {name} after step (\d+) of 240; checkpoint saved",
                   result.out)  # fmt: skip
@@ -503,3 +522,18 @@ def test_the_cli_stopped_aborted_and_killed_resumes_bit_identical(tmp_path):
     j2 = json.loads((work / "summary.json").read_text())
     for k in ("final_loss", "final_accuracy", "wire_bytes_per_step", "nonfinite_steps"):
         assert j1[k] == j2[k], k
+
+
+def test_the_clis_exit_waits_for_threads_left_behind_only_up_to_its_bound():
+    """What a CLI process that stopped early waits for before ``os._exit`` (orbax's thread of
+    a save abandoned when its workdir vanished waited 300 s at the interpreter's exit)."""
+    import threading
+
+    release = threading.Event()
+    left = threading.Thread(target=release.wait, args=(60,), name="abandoned-save")
+    left.start()
+    try:
+        assert "abandoned-save" in main.threads_left(0.1)
+    finally:
+        release.set()
+    assert "abandoned-save" not in main.threads_left(5.0)

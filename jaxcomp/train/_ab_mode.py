@@ -49,7 +49,8 @@ Their all-reduces (synchronised) are in the programs' HLO, so in ``wire_bytes``.
 
 A step's metrics: ``phase`` (:class:`~jaxcomp.transforms.ABPhase` of the next step),
 ``compression_ratio``, ``mean_rank`` and ``rank/<path>`` per factorised parameter (a record
-holds the means over its steps), ``wire_bytes`` (the step kind's, from the HLO).
+holds the means over its steps), ``wire_bytes`` (from the HLO: the step kind's programs, and
+the factorisation before the first AB step).
 
 The summary's ``collectives`` lists the run's mean step per collective kind and group size:
 each step kind's programs weighted by how many steps the schedule gives it
@@ -78,6 +79,7 @@ from jaxcomp.ab._layout import build_layout
 from jaxcomp.ab._metrics import collectives_by_role
 from jaxcomp.ab._parallel import kind_bytes as parallel_kind_bytes
 from jaxcomp.ab._programs import PROGRAMS
+from jaxcomp.ab._programs import schedule_programs
 from jaxcomp.models import _staged
 from jaxcomp.train import _batch_stats
 from jaxcomp.train import _collectives
@@ -183,8 +185,9 @@ def _describe(stats, model) -> str:
 def _step_collectives(cfg, sizes, by: dict[str, dict], total_steps: int) -> list[dict]:
     """The collectives of the run's mean step (:mod:`jaxcomp.train._collectives`): each step
     kind's programs weighted by how many of ``total_steps`` the schedule gives it, an AB step's
-    role parts by the share of workers in each role (as ``kind_bytes`` averages them);
-    ``by``: each program's ``collectives_by_role`` reports."""
+    role parts by the share of workers in each role (as ``kind_bytes`` averages them), and
+    the factorisation before the first AB step once; ``by``: each program's
+    ``collectives_by_role`` reports."""
     num_a = num_a_groups(cfg.sync_mode, len(sizes))
     share_a = sum(sizes[:num_a]) / sum(sizes)
     kinds = collections.Counter(cfg.schedule.step_kind(t) for t in range(total_steps))
@@ -201,6 +204,8 @@ def _step_collectives(cfg, sizes, by: dict[str, dict], total_steps: int) -> list
             parts.append(_collectives.from_report(by["refactor"]["shared"], w))
         elif kind == "ab_then_sync":  # the sync runs inside the AB program
             parts.append(_collectives.from_report(by["ab"]["sync"], w))
+    if cfg.schedule.warmup_steps < total_steps:  # the factorisation before the first AB step
+        parts.append(_collectives.from_report(by["refactor"]["shared"], 1 / max(total_steps, 1)))
     return _collectives.merge(*parts)
 
 
@@ -268,6 +273,13 @@ def build_ab(
     def bytes_of(kind: str) -> float:
         return kind_bytes[kind]["all" if kind.startswith("dense") else "mean"]
 
+    factorise = by_role["refactor"]["shared"].total_bytes  # before the first AB step
+
+    def step_bytes(t: int) -> float:
+        """What step ``t`` sends: its kind's programs, and the factorisation where it runs."""
+        first = "factorise" in schedule_programs(cfg, t)
+        return bytes_of(cfg.schedule.step_kind(t)) + (factorise if first else 0.0)
+
     def train_step(state, batch, key, step):
         # The state's own step picks the kind: a skipped (non-finite) step changes nothing,
         # so after one the schedule runs that many steps behind the trainer's (as optax's
@@ -295,7 +307,7 @@ def build_ab(
             "phase": int(workers["phase"].max()),
             "compression_ratio": float(workers["compression_ratio"].min()),
             "mean_rank": float(workers["mean_rank"].max()),
-            "wire_bytes": bytes_of(cfg.schedule.step_kind(t)),
+            "wire_bytes": step_bytes(t),
         }
         # each factorised parameter's rank (the groups agree after a sync; the largest before)
         out.update(zip(rank_names, workers["rank"].max(axis=0).tolist()))

@@ -16,8 +16,9 @@ What the :class:`Checkpointer` guarantees:
 * Retention keeps the ``keep`` newest checkpoints and, whatever their number, the newest one
   known to be good (restored and verified, or read back and verified before anything older is
   deleted).
-* A save left half-written by a crash or an abort (orbax's ``*.orbax-checkpoint-tmp*``
-  folders) is removed when the workdir is opened again.
+* A save left half-written by a crash, an abort or a lost peer (orbax's
+  ``*.orbax-checkpoint-tmp*`` folders; the run does not wait for a save under way then) is
+  removed when the workdir is opened again, never restored.
 * A checkpoint's step is read from its own ``meta`` (covered by its checksum) and must match
   its folder's name: renamed or swapped step folders are refused, never restored under the
   wrong step (and retention, which runs only after a restore, never deletes the real state).
@@ -686,8 +687,14 @@ class Checkpointer:
         return self
 
     def __exit__(self, kind, error, tb) -> None:
-        """After an error: lets pending saves finish, then closes (no retention); after an
-        abort (``KeyboardInterrupt``, :class:`~jaxcomp.train.Aborted`): leaves at once."""
+        """After an error: lets pending saves finish, then closes (no retention).
+
+        After a lost peer (:class:`~jaxcomp.train.PeerLost`), a write failed with several
+        processes, or an abort (``KeyboardInterrupt``, :class:`~jaxcomp.train.Aborted`):
+        leaves at once, without waiting for a save under way (it may wait on the lost process;
+        an abort asks to stop now). Such a save stays in orbax's temporary folder until it
+        commits by itself: never restored, removed by the next start, no checkpoint set aside
+        (the CLI exits at once, so it does not commit there)."""
         if self._closed or kind is None or not issubclass(kind, Exception):
             return
         self._closed = True

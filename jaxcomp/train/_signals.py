@@ -4,20 +4,28 @@ Preemption on clusters is a SIGTERM, and Ctrl-C is a SIGINT. Inside :class:`Stop
 first of either only sets a flag that the training loop reads after each step; a second one
 raises :class:`~jaxcomp.train.Aborted` at once. With several processes the flag is agreed over
 all of them (any process signalled stops every process after the same step), so no process is
-left waiting in a collective.
+left waiting in a collective. In a block with nothing to save (compiling the run's programs)
+a single process stops at once instead (:meth:`StopOnSignal.at_once`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 
+import jax
 import numpy as np
 
 from jaxcomp.train import _processes
 from jaxcomp.train._errors import Aborted
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopNow(KeyboardInterrupt):
+    """A first signal inside :meth:`StopOnSignal.at_once`: leave the block now (the caller
+    turns it into :class:`~jaxcomp.train.Interrupted`)."""
 
 
 class StopOnSignal:
@@ -38,6 +46,7 @@ class StopOnSignal:
     def __init__(self):
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
+        self._at_once = False
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
@@ -62,9 +71,33 @@ class StopOnSignal:
         del frame
         if self.signum is None:
             self.signum = signum  # no printing here: the main thread may be mid-print
+            if self._at_once:
+                raise StopNow
             return
         self._restore()
         raise Aborted(signum)
+
+    @contextlib.contextmanager
+    def at_once(self):
+        """A block that a first signal ends at once with :class:`StopNow` (raised where the
+        main thread is: between two bytecodes, or when a wait such as a compile's result
+        returns), for work with nothing to save, such as compiling the run's programs. In a
+        single process only: with several, the others would wait for this one in their next
+        collective, so the signal stays a flag agreed after the block.
+
+        Raises:
+          StopNow: on a signal received in the block, or before it (recorded, not agreed).
+        """
+        if jax.process_count() > 1 or not self._previous:
+            yield
+            return
+        if self.signum is not None:
+            raise StopNow
+        self._at_once = True
+        try:
+            yield
+        finally:
+            self._at_once = False
 
     @property
     def name(self) -> str:

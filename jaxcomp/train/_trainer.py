@@ -203,7 +203,9 @@ def train_and_evaluate(
     and ``summary.txt`` into ``workdir`` (on process 0), and prints progress and the summary.
     A resumed run continues bit-identically (metrics, accumulators and summary included); a
     finished workdir is left as it is. On SIGTERM or SIGINT the run finishes its step, saves a
-    checkpoint and raises :class:`Interrupted`; a second signal raises ``Aborted`` at once.
+    checkpoint and raises :class:`Interrupted`; a second signal raises ``Aborted`` at once. One
+    received while the programs compile raises :class:`Interrupted` at once, in a single
+    process (nothing to save yet; the compiles under way are dropped).
 
     Args:
       config: an experiment config (see ``configs/``).
@@ -250,8 +252,8 @@ def train_and_evaluate(
         if done is not None:
             say(_workdir.finished_message(workdir, config, done["steps"]))
             return done
+        at = latest[0] if latest else 0
         if stop.should_stop():  # a signal during startup: before compiling anything
-            at = latest[0] if latest else 0
             raise Interrupted(
                 stop.signum, at, f"interrupted by {stop.name} before step {at + 1}; nothing "
                 "new to save."
@@ -260,8 +262,14 @@ def train_and_evaluate(
             f"jaxcomp: {config.mode} | model {config.model_name}, data {config.data_name}, "
             f"batch {config.batch_size}, {config.total_steps} steps, mesh {dict(config.mesh)}"
         )
-        with _progress.compiles_announced(say):
-            s = setup(config, devices=devices)
+        try:  # a signal while compiling stops the run at once (nothing to save yet)
+            with stop.at_once(), _progress.compiles_announced(say):
+                s = setup(config, devices=devices)
+        except _signals.StopNow:
+            raise Interrupted(
+                stop.signum, at, f"interrupted by {stop.name} while compiling, before step "
+                f"{at + 1}; nothing new to save."
+            ) from None  # fmt: skip
         _describe(s, say)
         dog = None
         if jax.process_count() > 1:
@@ -516,7 +524,7 @@ def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> di
         final = _log_eval(s, state, step, writer, progress, write=write, dog=dog)
     _health(lock, ckpt, held, stop, step)
     save(step)
-    ckpt.close()
+    _close_final(ckpt, lock, step)
     wire = run["wire_sum"] / run["wire_count"] if run["wire_count"] else mode.wire_bytes
     wall = wall0 + time.perf_counter() - t_start
     summary = _workdir.summarize(s, final, step, run["nonfinite_total"], wall, wire)
@@ -525,6 +533,34 @@ def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> di
     writer.write_summary(step, summary)
     writer.close()
     return summary
+
+
+def _close_final(ckpt: _checkpoint.Checkpointer, lock: _lock.RunLock, step: int) -> None:
+    """Closes the checkpoints once the final one is saved, and checks that the workdir is
+    still the run's: deleted while that save was written, it was recreated by the save (or
+    made it fail), and nothing more (the summary) may be written.
+
+    Raises:
+      StorageError: the workdir's line (rather than the failed save's, its consequence), or
+        the save's own failure.
+    """
+    try:
+        ckpt.close()
+    except StorageError as e:
+        problem = lock.check()
+        if problem is None:
+            raise
+        raise StorageError(_lost_at_the_end(problem, step)) from e
+    problem = lock.check()
+    if problem is not None:
+        raise StorageError(_lost_at_the_end(problem, step))
+
+
+def _lost_at_the_end(problem: str, step: int) -> str:
+    return (
+        f"{problem} (found while saving the final checkpoint, step {step}); nothing more is "
+        "written, the run stops"
+    )
 
 
 def _compile_ahead(s: Setup, state: RunState, ckpt: _checkpoint.Checkpointer) -> None:

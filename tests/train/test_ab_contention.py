@@ -89,7 +89,10 @@ def test_collectives_per_kind_sum_to_the_schedules_mean_bytes(smoke_setup):
     extra, steps = s.mode.extra, s.config.total_steps
     schedule = _ab_mode.ab_config(s.config, s.mesh).schedule
     kinds = [schedule.step_kind(t) for t in range(steps)]
-    expected = sum(extra[f"hlo_bytes_{k}"] for k in kinds) / steps
+    # the factorisation before the first AB step (the re-factorisation's program)
+    factorise = extra["hlo_bytes_dense_then_refactor"] - extra["hlo_bytes_dense"]
+    assert factorise > 0 and steps > schedule.warmup_steps
+    expected = (sum(extra[f"hlo_bytes_{k}"] for k in kinds) + factorise) / steps
     recs = extra["collectives"]
     assert not any(r["conditional"] for r in recs)
     assert sum(r["bytes_per_execution"] * r["executions"] for r in recs) == pytest.approx(expected)
@@ -98,8 +101,19 @@ def test_collectives_per_kind_sum_to_the_schedules_mean_bytes(smoke_setup):
 
 
 @pytest.mark.slow
-def test_a_state_ahead_of_the_trainer_step_is_an_error(smoke_setup):
+def test_each_steps_wire_bytes_are_its_programs_and_a_state_ahead_is_an_error(smoke_setup):
+    """A step's ``wire_bytes`` are what the HLO meter counts in the programs it runs: the first
+    AB step runs the factorisation too (its bytes were left out); the trainer refuses a state
+    that counts more steps than it."""
     s = smoke_setup
-    state, _ = _step(s, s.mode.init(jax.random.key(0)), 0)
+    extra = s.mode.extra
+    schedule = _ab_mode.ab_config(s.config, s.mesh).schedule
+    state, m0 = _step(s, s.mode.init(jax.random.key(0)), 0)  # the warm-up step
+    assert m0["wire_bytes"] == extra[f"hlo_bytes_{schedule.step_kind(0)}"]
     with pytest.raises(ValueError, match="counts 1 steps but the trainer is at step 0"):
         _step(s, state, 0)
+    _, m1 = _step(s, state, 1)  # the factorisation and the first AB step
+    factorise = extra["hlo_bytes_dense_then_refactor"] - extra["hlo_bytes_dense"]
+    kind = schedule.step_kind(1)
+    assert kind.startswith("ab") and factorise > 0 and schedule.warmup_steps == 1
+    assert m1["wire_bytes"] == extra[f"hlo_bytes_{kind}"] + factorise
