@@ -19,9 +19,12 @@ load before and after. This module reads what the trainer wrote beside it and co
   much the link adds, checked against the measurement; at unlimited rate it is exact by
   construction.
 
-The pipeline's boundary sends are priced per tick on per-host links (:func:`pipeline_sends`):
-the report's ``2 M (S - 1)`` sends one after another (one wire) put the lab's 4-stage pipeline
-at 100 Mbit/s 26% under its prediction (docs/results/network); each boundary has its own NICs.
+The pipeline's boundary sends on per-host links are priced as the compiled tick program runs
+them (:func:`pipeline_send_s`): each host runs its sends in program order, and a send
+starts only when its receiver has reached it too (gloo's send waits for the posted receive), so
+a stage that receives and sends in one tick relays its boundaries one after another. At
+10 Mbit/s the lab's 4-stage GPipe step takes ~20 sends' time, not the 12 ticks of a lockstep
+count nor the 24 of one wire (docs/results/network/pipeline_model.md).
 
 On a hierarchical mesh (``[("slow", hosts), ("fast", devices)]``) each collective is placed by
 its group (:func:`nic_share`): one inside a host never reaches the link (its time is in the
@@ -249,32 +252,71 @@ def communication_s(colls: Sequence[_cost.Collective], fits: Mapping[str, Mappin
     return total
 
 
-def pipeline_sends(
-    colls: Sequence[_cost.Collective], schedule: str, stages: int, microbatches: int
-) -> list[_cost.Collective]:
-    """The pipeline's boundary permutes as the per-host links carry them: one send per tick
-    and direction on the critical path, the other boundaries' sends of that tick on their own
-    links at the same time (jaxcomp's ticks run in lockstep, every boundary in one permute).
+def pipeline_send_s(
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    nbytes: float,
+    link: _cost.NetworkLink,
+    burst_bytes: float = 0.0,
+) -> float:
+    r"""Seconds the boundary sends of one step take on per-host links, played through the tick
+    program's order of sends.
 
-    ``colls`` as :func:`jaxcomp.study._report.collectives_of` gives them: ``2 M (S - 1)``
-    single-pair permutes of one boundary's payload; they become as many executions as the
-    tick table (:func:`jaxcomp.pipeline.ticks`) has ticks sending forward plus ticks sending
-    backward (``2 (M + S - 2)`` for GPipe). Other collectives are kept.
+    Per tick (:func:`jaxcomp.pipeline.ticks`), boundary by boundary ``b = 0 .. S - 2``: the
+    forward send over ``b`` (stage ``b`` to ``b + 1``) if stage ``b`` ran a forward, then the
+    backward send (``b + 1`` to ``b``) if stage ``b + 1`` ran a backward, as
+    :mod:`jaxcomp.pipeline._ticks` emits them and the compiled program keeps them. Each host
+    runs its own sends in that order; a send starts when both its hosts have finished their
+    earlier ones (a rendezvous: gloo sends once the receive is posted) and takes
+    :math:`\alpha + \max(n - k, 0)/\beta`, :math:`k` the tokens left in the sender's and
+    the receiver's bucket (each refills at :math:`\beta` up to ``burst_bytes``; a send takes
+    them all, or ``n``). The step's compute is not played (it is the unlimited run's, added by
+    the caller); bubble ticks send nothing.
+
+    Args:
+      schedule, stages, microbatches: the pipeline (``"gpipe"`` or ``"1f1b"``, ``S``, ``M``).
+      nbytes: one send's payload, bytes.
+      link: the ping-pong's fit.
+      burst_bytes: the links' token bucket (0: none).
+
+    Returns:
+      The time at which the last host finished its last send, seconds.
 
     Example:
-      >>> sends = [_cost.Collective("collective-permute", 100.0, 2, 24)]
-      >>> pipeline_sends(sends, "gpipe", 4, 4)[0].executions
-      12
+      >>> lk = _cost.NetworkLink(bandwidth=1e6, latency=0.0)
+      >>> round(pipeline_send_s("gpipe", 4, 4, 1e4, lk) / 1e-2, 6)  # 20 sends' time
+      20.0
+      >>> round(pipeline_send_s("gpipe", 2, 4, 1e4, lk) / 1e-2, 6)  # one boundary: 2 M
+      8.0
     """
-    table = pipeline.ticks(schedule, stages, microbatches)
-    forward = sum(any(op and op.kind == "F" for op in row[:-1]) for row in table)
-    backward = sum(any(op and op.kind == "B" for op in row[1:]) for row in table)
-    out = []
-    for c in colls:
-        if c.kind == "collective-permute":
-            c = c._replace(group_size=stages, executions=forward + backward)
-        out.append(c)
-    return out
+    if not (nbytes >= 0 and math.isfinite(nbytes)):
+        raise ValueError(f"nbytes must be finite and >= 0; got {nbytes}.")
+    if not (burst_bytes >= 0 and math.isfinite(burst_bytes)):
+        raise ValueError(f"burst_bytes must be finite and >= 0; got {burst_bytes}.")
+    beta = link.bandwidth
+    clock = [0.0] * stages
+    # per host, (tokens, at when) of its outgoing and of its incoming bucket
+    out_bucket = [(burst_bytes, 0.0)] * stages
+    in_bucket = [(burst_bytes, 0.0)] * stages
+
+    def tokens(bucket, t):
+        return min(burst_bytes, bucket[0] + (t - bucket[1]) * beta)
+
+    def send(src, dst):
+        start = max(clock[src], clock[dst])
+        k = min(tokens(out_bucket[src], start), tokens(in_bucket[dst], start))
+        end = start + link.latency + max(nbytes - k, 0.0) / beta
+        out_bucket[src] = in_bucket[dst] = (max(k - nbytes, 0.0), end)
+        clock[src] = clock[dst] = end
+
+    for row in pipeline.ticks(schedule, stages, microbatches):
+        for b in range(stages - 1):
+            if row[b] is not None and row[b].kind == "F":
+                send(b, b + 1)
+            if row[b + 1] is not None and row[b + 1].kind == "B":
+                send(b + 1, b)
+    return max(clock)
 
 
 def measure(
@@ -359,7 +401,17 @@ def _comm(record) -> tuple[float | None, str]:
     ]  # fmt: skip
     pipe = record["measured"].get("pipeline")
     if pipe and record["network"]["topology"] == "per_host":
-        colls = pipeline_sends(colls, pipe["schedule"], pipe["stages"], pipe["microbatches"])
+        sends = [c for c in colls if c.kind == "collective-permute"]
+        colls = [c for c in colls if c.kind != "collective-permute"]
+        if sends:
+            fits = cal["fits"]
+            fit = fits.get("collective-permute", fits["all-reduce"])
+            link = links({"p2p": fit})["p2p"]
+            nbytes = sum(c.bytes_per_execution * c.executions for c in sends)
+            nbytes /= sum(c.executions for c in sends)
+            send_s = pipeline_send_s(pipe["schedule"], pipe["stages"], pipe["microbatches"],
+                                     nbytes, link, float(fit.get("burst_bytes", 0.0)))  # fmt: skip
+            return send_s + communication_s(colls, fits), ""
     return communication_s(colls, cal["fits"]), ""
 
 

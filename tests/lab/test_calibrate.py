@@ -46,6 +46,52 @@ def test_fit_refuses_what_it_cannot_fit(points, match):
         lab.fit_alpha_beta("all-reduce", points, 8)
 
 
+def _bucket_points(alpha=5e-4, beta=1.2e6, burst=3028.0, sizes=(1024, 4096, 16384, 65536)):
+    """A ping-pong through a token bucket: the first ``burst`` bytes pass free."""
+    return [{"bytes": n, "median_s": alpha + max(n - burst, 0) / beta} for n in sizes]
+
+
+def test_the_ping_pong_fit_knows_the_token_bucket():
+    net = {"tbf": {"rate": "10000000bit", "burst": "3028", "latency": "400ms"}}
+    f = _calibrate.point_to_point(_bucket_points(), net)
+    assert f["burst_bytes"] == 3028.0 and f["max_rel_error"] < 1e-9
+    assert f["alpha_s"] == pytest.approx(5e-4) and f["beta_bytes_s"] == pytest.approx(1.2e6)
+    # the affine fit over every probe puts the same link ~35% faster than it is
+    plain = lab.fit_alpha_beta("collective-permute", _bucket_points(), 2)
+    assert plain["beta_bytes_s"] > 1.3 * 1.2e6 and plain["max_rel_error"] > 0.3
+    # no bucket (unlimited), or fewer than two probes beyond it: the affine fit, burst 0
+    for net in ({"tbf": None}, {"tbf": {"burst": "20000"}}):
+        f = _calibrate.point_to_point(_bucket_points(burst=0.0), net)
+        assert f["burst_bytes"] == 0.0 and f["beta_bytes_s"] == pytest.approx(1.2e6)
+
+
+BAD_BURSTS = [
+    ("all-reduce", 1e3, "collective-permute only"),
+    ("collective-permute", -1.0, ">= 0"),
+    ("collective-permute", float("nan"), ">= 0"),
+]
+
+
+@pytest.mark.parametrize("kind, burst, match", BAD_BURSTS)
+def test_a_bad_burst_names_the_problem(kind, burst, match):
+    with pytest.raises(ValueError, match=match):
+        lab.fit_alpha_beta(kind, _bucket_points(), 2, burst)
+
+
+def test_refit_replaces_only_a_ping_pong_fit_made_without_the_bucket():
+    net = {"tbf": {"burst": "3028"}}
+    old = lab.fit_alpha_beta("collective-permute", _bucket_points(), 2)
+    del old["burst_bytes"]  # as calibrations stored before the bucket was modelled
+    ar = lab.fit_alpha_beta("all-reduce", _points("all-reduce", 1e-4, 1e6, 4), 4)
+    cal = {"network": net, "fits": {"all-reduce": ar, "collective-permute": old}}
+    new = _calibrate.refit(cal)
+    assert new["fits"]["all-reduce"] is ar and cal["fits"]["collective-permute"] is old
+    f = new["fits"]["collective-permute"]
+    assert f["beta_bytes_s"] == pytest.approx(1.2e6) and f["burst_bytes"] == 3028.0
+    assert [p["median_s"] for p in f["points"]] == [p["median_s"] for p in old["points"][1:]]
+    assert _calibrate.refit(new) is new
+
+
 def test_sweep_stops_where_a_collective_would_take_too_long():
     assert _calibrate.sweep_sizes(None, 1.75)[-1] == _calibrate.MAX_BYTES
     for rate in (10e6, 100e6, 1e9):

@@ -4,7 +4,9 @@ calibrated links), in the study report."""
 
 import json
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from jaxcomp.study import _cost
 from jaxcomp.study import _network
@@ -88,9 +90,10 @@ def test_the_study_report_shows_lab_cells(tmp_path):
 
 
 @pytest.mark.parametrize("topology", ["per_host", "shared"])
-def test_pipeline_sends_of_one_tick_share_the_wire_only_on_a_shared_link(tmp_path, topology):
-    """S=4, M=4 GPipe: 2 M (S-1) = 24 sends of 32 KiB; per-host links carry a tick's sends at
-    once, so 2 (M + S - 2) = 12 ticks of one send each lie on the path; one wire carries all 24."""
+def test_pipeline_sends_relay_through_the_stages_on_per_host_links(tmp_path, topology):
+    """S=4, M=4 GPipe: 2 M (S-1) = 24 sends of 32 KiB; on per-host links each host runs its
+    sends in program order and a send waits for its receiver, so 20 lie on the path (not a
+    lockstep tick's 12); one wire carries all 24."""
     w = _run(tmp_path / "p", 1e8, 0.05)
     summary = {"mode": "pipeline", "stages": 4, "microbatches": 4, "schedule": "gpipe",
                "boundary_bytes_per_step": 24 * 32768.0, "hlo_collective_bytes_per_step":
@@ -102,7 +105,36 @@ def test_pipeline_sends_of_one_tick_share_the_wire_only_on_a_shared_link(tmp_pat
     (tmp_path / "p" / _network.LAB_FILE).write_text(json.dumps(lab))
     comm, _ = _network._comm(_network.read_lab_run(w))
     one = _cost.collective_time("collective-permute", 32768.0, 2, _cost.NetworkLink(1e7, 1e-4))
-    assert comm == pytest.approx((12 if topology == "per_host" else 24) * one)
+    assert comm == pytest.approx((20 if topology == "per_host" else 24) * one)
+
+
+LINK = _cost.NetworkLink(bandwidth=1e6, latency=1e-4)
+
+
+@hypothesis.given(schedule=st.sampled_from(["gpipe", "1f1b"]), stages=st.integers(2, 6),
+                  micro=st.integers(1, 8))  # fmt: skip
+def test_pipeline_send_time_lies_between_one_link_and_one_wire(schedule, stages, micro):
+    """Without a bucket the sends take a whole number of sends' time: at least boundary 0's
+    2 M (its hosts send one at a time), at most all 2 M (S - 1) one after another."""
+    one = LINK.latency + 1e4 / LINK.bandwidth
+    k = _network.pipeline_send_s(schedule, stages, micro, 1e4, LINK) / one
+    assert k == pytest.approx(round(k))
+    assert 2 * micro <= round(k) <= 2 * micro * (stages - 1)
+
+
+def test_the_bucket_pays_for_a_send_on_an_idle_link_only():
+    """S=2, M=2, a send of exactly the burst: the first forward and the first backward each
+    find their buckets full (free); the second, right after, finds them empty."""
+    link = _cost.NetworkLink(bandwidth=1e6, latency=0.0)
+    assert _network.pipeline_send_s("gpipe", 2, 2, 5e3, link, 5e3) == pytest.approx(2 * 5e-3)
+    assert _network.pipeline_send_s("gpipe", 2, 2, 5e3, link) == pytest.approx(4 * 5e-3)
+
+
+@pytest.mark.parametrize("nbytes, burst", [(-1.0, 0.0), (float("nan"), 0.0), (1.0, -1.0),
+                                           (1.0, float("inf"))])  # fmt: skip
+def test_pipeline_send_time_refuses_bad_sizes(nbytes, burst):
+    with pytest.raises(ValueError, match="must be finite"):
+        _network.pipeline_send_s("gpipe", 4, 4, nbytes, LINK, burst)
 
 
 HIER = [["slow", 2], ["fast", 4]]

@@ -4,6 +4,7 @@
 #   tools/cpu-all docs/results/network/run.sh 100mbit      # then 1gbit, 10mbit, unlimited
 #   tools/cpu-all docs/results/network/run.sh pipeline   # PIPE_RATES="10mbit" for other rates
 #   tools/cpu-all docs/results/network/run.sh diagnosis      # where the time goes
+#   tools/cpu-all docs/results/network/run.sh pipeline-idle  # the pipeline without slow start
 #   tools/cpu-all docs/results/network/run.sh 2x1            # one device per host
 #   tools/cpu-all docs/results/network/run.sh hier RATE      # hierarchical mesh vs flat dense
 #   tools/cpu-all docs/results/network/run.sh nic [RATE [CELL...]]  # NIC bytes per step
@@ -163,6 +164,15 @@ case "$what" in
       cell "pipeline-identity-4x1-$rate" pipeline-identity "$rate" "per_host-4x1-$rate" \
         configs/digits_pipeline.py "${ONE[@]}" "${IDENTITY[@]}"
     done
+    ;;
+  pipeline-idle)  # identity links at 10 Mbit/s without TCP slow start after idle
+    # (docs/results/network/pipeline_model.md): does an idle link's restart cost the sends?
+    HOSTS=4 DEVICES=1
+    cell pipeline-identity-noidle-4x1-10mbit pipeline-identity-noidle 10mbit none \
+      configs/digits_pipeline.py --set 'mesh=[("stage", 4)]' --set total_steps=60 \
+      --set eval_every=20 --set log_every=20 --set checkpoint_every=0 \
+      --set 'pipeline.forward="identity"' --set 'pipeline.backward="identity"' \
+      --no_slow_start_after_idle
     ;;
   *)
     HOSTS=2 DEVICES=4
