@@ -169,31 +169,11 @@ def fake_tfds_dir(tmp_path_factory):
     return d
 
 
-#: The modules whose longest test takes 15 s or more (seconds: the CI run of main 3d8bfd6,
-#: ``pytest -n 2 --durations``), longest first: they run before every other module, so that
-#: neither xdist worker is handed one of them near the end of a run. Update it from a run's
-#: ``tools/suite_profile.py ... workers`` or ``--durations``; its order is only a schedule.
-LONGEST_FIRST = {
-    "tests/train/test_two_processes.py": 97,
-    "tests/test_multihost_faults.py": 45,
-    "tests/test_configs.py": 42,
-    "tests/test_main.py": 30,
-    "tests/test_faults.py": 28,
-    "tests/study/test_cli.py": 27,
-    "tests/train/test_resume_topology.py": 25,
-    "tests/test_compile_cache.py": 22,
-    "tests/lab/test_faults.py": 22,
-    "tests/bench/test_benchmarks.py": 17,
-}
-
-
 def pytest_collection_modifyitems(config, items):
-    """Test ids must be the same in every process (pytest-xdist compares them). The
-    :data:`LONGEST_FIRST` modules run first, then the other modules that hold a ``slow``
-    test, then the rest, each module's tests together (its module fixtures built once):
-    pytest-xdist hands out tests in this order, so the long ones start early and the short
-    ones fill both workers at the end (a 20-second test handed out last kept one worker busy
-    alone)."""
+    """Test ids must be the same in every process (pytest-xdist compares them). The modules
+    that hold a ``slow`` test run first, each module's tests together: pytest-xdist hands out
+    tests in this order, so the long ones start early and the short ones fill both workers
+    at the end (a 20-second test handed out last kept one worker busy alone)."""
     _check_also_under_set_mesh(items)
     unstable = [item.nodeid for item in items if " at 0x" in item.nodeid]
     if unstable:
@@ -201,17 +181,8 @@ def pytest_collection_modifyitems(config, items):
             "test ids contain object addresses, which differ between xdist workers; pass "
             f"ids= to parametrize: {unstable[:3]}"
         )
-    root = pathlib.Path(__file__).parents[1]
-    gone = [m for m in LONGEST_FIRST if not (root / m).is_file()]
-    if gone:
-        raise ValueError(f"tests/conftest.py LONGEST_FIRST names missing modules: {gone}")
     slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-
-    def order(item):
-        module = item.nodeid.split("::")[0]
-        return (module not in slow, -LONGEST_FIRST.get(module, 0))
-
-    items.sort(key=order)  # stable: a module's tests keep their order
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable
 
 
 def _check_also_under_set_mesh(items):

@@ -99,7 +99,7 @@ def _summary(path, by="file", top=40):
     for r in rows:
         key = r["test"].split("::")[0] if by == "file" else r["test"]
         for k, v in r.items():
-            if k not in ("test", "programs"):
+            if k not in ("test", "programs", "worker", "end"):
                 groups[key][k] += v
                 total[k] += v
         groups[key]["tests"] += 1
