@@ -124,6 +124,7 @@ class _Pair:
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
         env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
                    JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1")  # fmt: skip
+        env["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"  # conftest: fast_compiles
         argv = [str(_free_port()), str(DEVICES), str(cases), str(out)]
         self.logs = [open(out / f"process{i}.log", "w+") for i in range(2)]
         self.procs = [
