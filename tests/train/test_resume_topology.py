@@ -135,7 +135,7 @@ def _assert_same_run(got, want):
 
 
 @pytest.mark.slow  # 2 CLI launches of 2 processes, 4 runs in this process
-@pytest.mark.usefixtures("fast_compiles", "shared_setups")  # fast: as the CLI processes
+@pytest.mark.usefixtures("fast_compiles", "shared_setups")  # unoptimised, as the CLI pairs
 def test_resume_on_another_split_matches_an_uninterrupted_run_and_another_count_is_refused(
     tmp_path, capsys
 ):
