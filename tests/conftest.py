@@ -69,7 +69,14 @@ def fast_compiles():
     trainer step and state init is most of such a test's time (tests/pipeline runs so too,
     its conftest's ``_fast_compiles``). In the persistent cache the programs keep keys of their
     own (the options are part of the key); JAX's in-memory caches are cleared at the end, so
-    that no later module's eager op or jitted function runs an executable compiled here."""
+    that no later module's eager op or jitted function runs an executable compiled here.
+
+    A test's JAX subprocess that compiles so (``JAX_DISABLE_MOST_OPTIMIZATIONS=1``: CLI,
+    study, notebook and multi-process runs compared to a tolerance) also takes XLA:CPU's loop
+    emitters, ``XLA_FLAGS=--xla_cpu_use_fusion_emitters=false``: its compiles take ~38% less
+    CPU (docs/results/suite_tiers). XLA reads its flags once per process, so this process
+    cannot switch them per module: in-process, every test compiles with the fusion emitters
+    users get."""
     previous = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", True)
     yield
@@ -125,18 +132,7 @@ def shared_setups():
     from jaxcomp import train
     from jaxcomp.train import _trainer
 
-    real = _trainer.setup
-
-    def setup(config, devices=None):
-        key = (
-            train.with_defaults(config).to_json_best_effort(sort_keys=True),
-            None if devices is None else tuple(d.id for d in devices),
-            jax.config.read("jax_disable_most_optimizations"),
-        )
-        if key not in _SETUPS:
-            _SETUPS[key] = real(config, devices=devices)
-        return _SETUPS[key]
-
+    setup = _load_test_module("shared_setups.py").caching(_trainer.setup, _SETUPS)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_trainer, "setup", setup)
         mp.setattr(train, "setup", setup)

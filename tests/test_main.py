@@ -85,6 +85,7 @@ def _env(devices):
     # two processes compared with one to a tolerance: compiled unoptimised (as the
     # module-scoped ``fast_compiles`` does in-process), each CLI process compiles faster
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+    env["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"  # tests/conftest.py: fast_compiles
     return env
 
 

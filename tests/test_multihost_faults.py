@@ -47,6 +47,7 @@ def _port() -> int:
 def _env():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+    env["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"  # tests/conftest.py: fast_compiles
     return env
 
 

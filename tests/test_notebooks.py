@@ -26,7 +26,10 @@ def test_notebook_is_paired_and_runs(path, tmp_path):
     # the notebook's checks are tolerances and shapes (its committed outputs come from a
     # default-compiled run): its kernel compiles unoptimised, as tests/conftest.fast_compiles
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-    env.pop("XLA_FLAGS", None)  # the notebook sets its own devices, in a fresh kernel
+    # the notebook's own 8 devices (it sets them only where XLA_FLAGS is unset) and XLA:CPU's
+    # loop emitters (tests/conftest.py, ``fast_compiles``)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
     cmd = [sys.executable, "-m", "pytest", "--nbmake", "--nbmake-timeout=600", "-q",
            "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(ipynb)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)

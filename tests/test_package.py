@@ -88,6 +88,7 @@ def test_installed_wheel_runs_the_main_job_by_config_name(dist, tmp_path):
     )  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
     env.update(JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+    env["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"  # tests/conftest.py: fast_compiles
     where = tmp_path / "elsewhere"
     where.mkdir()
     probe = subprocess.run(

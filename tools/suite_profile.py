@@ -7,7 +7,11 @@ Per test (setup, call and teardown together): wall and process CPU seconds; JAX'
 lowering and backend-compile seconds and the number of backend compiles (and the name and
 seconds of each compile of 0.1 s or more); the persistent compilation cache's hits, the
 seconds they saved (as JAX records them) and the seconds spent reading and writing it.
-Summarise with ``python tools/suite_profile.py /tmp/prof.jsonl [file|test|programs]``.
+Summarise with ``python tools/suite_profile.py /tmp/prof.jsonl [file|test|programs|workers]``.
+
+Under pytest-xdist (``-n 2``: the plugin loads in each worker) a row also names its worker and
+the test's end (``time.time()``); ``workers`` shows each worker's busy seconds, its last test's
+end and how long it stood idle while the other still ran (the balance of the two workers).
 """
 
 import collections
@@ -81,6 +85,8 @@ def pytest_runtest_logfinish(nodeid, location):
     row["wall_s"] = round(time.perf_counter() - _current["_wall"], 4)
     row["cpu_s"] = round(time.process_time() - _current["_cpu"], 4)
     row["test"] = nodeid
+    row["worker"] = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    row["end"] = round(time.time(), 3)
     row["programs"] = list(_programs)
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -93,7 +99,7 @@ def _summary(path, by="file", top=40):
     for r in rows:
         key = r["test"].split("::")[0] if by == "file" else r["test"]
         for k, v in r.items():
-            if k not in ("test", "programs"):
+            if k not in ("test", "programs", "worker", "end"):
                 groups[key][k] += v
                 total[k] += v
         groups[key]["tests"] += 1
@@ -119,8 +125,33 @@ def _programs_summary(path, top=40):
         print(f"{t:8.1f} {count[name]:6d} {len(files[name]):5d} {name}")
 
 
+def _workers_summary(path, top=5):
+    """Per xdist worker: tests, busy (the sum of its tests' wall), its first test's start and
+    last test's end from the run's first start, its idle tail (the last end of any worker minus
+    its own), and its longest tests."""
+    rows = [json.loads(line) for line in open(path)]
+    rows = [r for r in rows if "end" in r]
+    start = min(r["end"] - r["wall_s"] for r in rows)
+    last = max(r["end"] for r in rows)
+    by = collections.defaultdict(list)
+    for r in rows:
+        by[r["worker"]].append(r)
+    print(f"{'worker':>8} {'tests':>6} {'busy_s':>8} {'first_s':>8} {'last_s':>8} {'idle_s':>7}")
+    for w, rs in sorted(by.items()):
+        first = min(r["end"] - r["wall_s"] for r in rs) - start
+        end = max(r["end"] for r in rs)
+        busy = sum(r["wall_s"] for r in rs)
+        print(f"{w:>8} {len(rs):6d} {busy:8.1f} {first:8.1f} {end - start:8.1f} {last - end:7.1f}")
+        for r in sorted(rs, key=lambda r: -r["wall_s"])[:top]:
+            began = r["end"] - r["wall_s"] - start
+            print(f"{'':>8} {r['wall_s']:6.1f} s from {began:6.1f} s  {r['test']}")
+    print(f"run: {last - start:.1f} s from the first test's start to the last test's end")
+
+
 if __name__ == "__main__":
     if sys.argv[2:3] == ["programs"]:
         _programs_summary(sys.argv[1])
+    elif sys.argv[2:3] == ["workers"]:
+        _workers_summary(sys.argv[1])
     else:
         _summary(sys.argv[1], *(sys.argv[2:3] or ["file"]))

@@ -16,6 +16,9 @@ from jaxcomp.ab import _programs
 from jaxcomp.ab._forward import Factors
 from jaxcomp.ab._forward import cheaper
 
+#: tolerances between two programs compiled alike and a flop count: unoptimised compiles
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 class Net(nn.Module):
     """8 -> 6 (a tall kernel) -> 10 (a wide one: its tall view is transposed) -> 2 (excluded)."""

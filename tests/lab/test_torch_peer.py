@@ -1,6 +1,7 @@
 """The torch peer (``jaxcomp.lab._torch_peer``): DDP over gloo trains the digits MLP on shares
 of the trainer's global batch; needs the optional ``peers`` extra (torch)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,7 +11,9 @@ import pytest
 
 from jaxcomp.study import _network
 
-pytest.importorskip("torch")
+# found, not imported: importing torch costs every pytest process ~1.4 s at collection, and
+# only the peer's own subprocesses use it
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

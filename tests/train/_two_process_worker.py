@@ -8,11 +8,13 @@ Joins the 2-process JAX system as the trainer's CLI does (``jaxcomp.main.setup_d
 ``{"name", "config", "set", "stop_after"}``, the CLI's ``--config`` and ``--set``) into
 ``OUTDIR/<name>``: first stopped after ``stop_after`` steps (a checkpoint saved), then the same
 command again, which resumes and finishes (``main.main``'s steps, twice in one process: one
-launch per process for every case).
+launch per process for every case; the resumed run reuses the stopped run's setup).
 """
 
+import importlib.util
 import json
 import os
+import pathlib
 import sys
 import time
 
@@ -28,7 +30,16 @@ def main(process_id: int, port: int, devices: int, cases: str, out: str) -> None
 
     assert jax.process_count() == 2 and jax.local_device_count() == devices
     from jaxcomp import train
+    from jaxcomp.train import _trainer
 
+    # the resumed run takes the stopped run's setup (tests/shared_setups.py): its programs
+    # are compiled once per case in each process
+    spec = importlib.util.spec_from_file_location(
+        "shared_setups", pathlib.Path(__file__).parents[1] / "shared_setups.py"
+    )
+    shared = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shared)
+    _trainer.setup = train.setup = shared.caching(_trainer.setup, {})
     with open(cases) as f:
         todo = json.load(f)
     for case in todo:

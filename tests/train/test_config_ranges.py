@@ -77,7 +77,8 @@ def test_a_number_out_of_range_is_named_before_compiling(
     assert not (tmp_path / "checkpoints").exists()
 
 
-@pytest.mark.slow  # 5 short runs, ~8 s
+@pytest.mark.slow  # 7 short runs of 4 configs
+@pytest.mark.usefixtures("fast_compiles", "shared_setups")  # messages and rates, no bits
 def test_the_cosine_horizon_is_part_of_the_experiment(make_config, tmp_path, capsys):
     """Resuming with another total_steps is refused naming the horizon, before compiling;
     a finished cosine run is not 'continued' by raising total_steps; the explicit horizon

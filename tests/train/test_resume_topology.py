@@ -91,6 +91,7 @@ class _Pair:
     def __init__(self, workdir, logs, stop_after=None):
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
         env.update(JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1", PYTHONUNBUFFERED="1")
+        env["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"  # conftest: fast_compiles
         argv = [sys.executable, "-m", "jaxcomp.main", "--config", CONFIG, "--workdir",
                 str(workdir), "--cpu_devices", "4", "--num_processes", "2",
                 "--coordinator_address", f"127.0.0.1:{_port()}",
@@ -134,7 +135,7 @@ def _assert_same_run(got, want):
 
 
 @pytest.mark.slow  # 2 CLI launches of 2 processes, 4 runs in this process
-@pytest.mark.usefixtures("fast_compiles")  # as the CLI processes (JAX_DISABLE_MOST_...)
+@pytest.mark.usefixtures("fast_compiles", "shared_setups")  # unoptimised, as the CLI pairs
 def test_resume_on_another_split_matches_an_uninterrupted_run_and_another_count_is_refused(
     tmp_path, capsys
 ):

@@ -9,6 +9,9 @@ import pytest
 
 from jaxcomp import train
 
+#: messages, files and counts, no bits: unoptimised compiles
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def test_run_writes_metrics_plot_and_summary(make_config, tmp_path, capsys):
     summary = train.train_and_evaluate(make_config(eval_every=8), str(tmp_path))
@@ -32,6 +35,7 @@ def test_run_writes_metrics_plot_and_summary(make_config, tmp_path, capsys):
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 12
 
 
+@pytest.mark.usefixtures("shared_setups")  # a setup per config
 def test_corrupted_latest_checkpoint_falls_back_with_a_warning(make_config, tmp_path, caplog):
     workdir = str(tmp_path)
     train.train_and_evaluate(make_config(total_steps=8), workdir)
@@ -47,6 +51,7 @@ def test_corrupted_latest_checkpoint_falls_back_with_a_warning(make_config, tmp_
     assert summary["steps"] == 12
 
 
+@pytest.mark.usefixtures("shared_setups")  # a setup per config
 def test_workdir_of_another_experiment_is_refused(make_config, tmp_path):
     train.train_and_evaluate(make_config(total_steps=4), str(tmp_path))
     with pytest.raises(ValueError, match=r"holds a checkpoint of another experiment.*'lr'"):

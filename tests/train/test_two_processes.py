@@ -18,7 +18,9 @@ float32 rounding per collective, grown by a few optimizer steps; measured: metri
 1.1e-7 relative, checkpoint leaves within 1.3% of the tolerance, the pipeline's and Accordion's
 on the pair bit-identical).
 Both sides compile with XLA's optimisations off (``fast_compiles``: the comparison is to a
-tolerance, not bits).
+tolerance, not bits), the workers with XLA:CPU's loop emitters too (``XLA_FLAGS``, read once per
+process: this one keeps the fusion emitters); each worker resumes a case with the setup of the
+run it stopped (``tests/shared_setups.py``).
 """
 
 import json
@@ -124,6 +126,7 @@ class _Pair:
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
         env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
                    JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1")  # fmt: skip
+        env["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"  # conftest: fast_compiles
         argv = [str(_free_port()), str(DEVICES), str(cases), str(out)]
         self.logs = [open(out / f"process{i}.log", "w+") for i in range(2)]
         self.procs = [
