@@ -129,6 +129,8 @@ def data_parallel(
     """
     axes = _worker_axes(axis_name, mesh)
     slow = axes[0]  # the axis per-worker optimizer state is sharded over
+    # per-worker optimizer state over slow, per-device parts (a mean sharded over fast) over both
+    placed_over = axes if len(axes) == 2 else slow
     if has_state and len(axes) == 2:
         raise ValueError(
             f"data_parallel(has_state=True) takes one data axis; got the pair {axis_name!r} "
@@ -145,7 +147,7 @@ def data_parallel(
     def init(params, model_state=()):
         params, model_state = _driver.split_model(params, model_state)
         step0, params = _driver.replicate((jnp.zeros((), jnp.int32), params), mesh)
-        opt_state = _placement.place_state(init_opt(params), mesh, slow)
+        opt_state = _placement.place_state(init_opt(params), mesh, placed_over)
         return TrainState(step0, params, opt_state, _place_model_state(model_state))
 
     def _place_model_state(model_state):
@@ -247,8 +249,11 @@ def data_parallel(
         with jax.set_mesh(mesh):
             abstract = jax.eval_shape(tx.init, params)
         shardings = [
-            jax.tree.map(lambda s: s.sharding, _placement.place_state(a, mesh, slow))
-            for a in (abstract, jax.eval_shape(lambda m: m, model_state))
+            jax.tree.map(lambda s: s.sharding, _placement.place_state(a, mesh, over))
+            for a, over in (
+                (abstract, placed_over),
+                (jax.eval_shape(lambda m: m, model_state), slow),
+            )
         ]
         return TrainState(replicated, jax.tree.map(lambda _: replicated, params), *shardings)
 
