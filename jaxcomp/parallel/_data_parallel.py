@@ -175,9 +175,9 @@ def data_parallel(
                 "or transforms.accordion)."
             )
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": lax.pmean(loss, axes), **_bytes_of(opt_state, grads, len(axes) == 2)}
+        metrics = {"loss": _mean(loss, axes), **_bytes_of(opt_state, grads, len(axes) == 2)}
         if has_aux:
-            metrics["aux"] = jax.tree.map(lambda a: lax.pmean(a, axes), aux)
+            metrics["aux"] = jax.tree.map(lambda a: _mean(a, axes), aux)
         if check_finite:  # this worker's own loss and state: no collective
             metrics["finite"] = _driver.all_finite((params, opt_state, model_state), loss)[None]
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
@@ -258,6 +258,15 @@ def data_parallel(
         return TrainState(replicated, jax.tree.map(lambda _: replicated, params), *shardings)
 
     return DataParallel(init, step, shard_batch, state_sharding, mesh, axis_name)
+
+
+def _mean(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """The mean over the workers: over a ``(slow, fast)`` pair inside each host first, then the
+    hosts' means between them (a 2-rank ring on the slow links, where one all-reduce over every
+    device would run a ring of all of them through the slow links)."""
+    for axis in reversed(axes):
+        x = lax.pmean(x, axis)
+    return x
 
 
 def _reducer(opt_state: Any) -> Any:

@@ -21,6 +21,11 @@ PAIR = (SLOW, FAST)
 #: four compressed matrices of different sizes (so that all four devices own one) and a bias
 SHAPES = {"a": (16, 8), "b": (8, 8), "c": (12, 8), "d": (8, 4), "bias": (8,)}
 SCALES = (1.0, 1.0, 3.0, 3.0)  # accordion: interval norms first, same, x3, same -> modes switch
+#: ulps of an array's largest magnitude the sharded run may differ by. compressed_mean's PowerSGD
+#  runs in the main computation unsharded and inside a switch branch sharded, where XLA:CPU
+#  fuses its products and orthogonalisation differently (up to 1.1e-7 of the largest entry
+#  over 4 steps, 2026-12-05); Accordion's PowerSGD sits in a cond branch either way: exact
+ULPS = {"power_sgd_ef": 4, "top_k_ef": 0, "accordion": 0}
 
 
 def _accordion(shard):
@@ -87,33 +92,46 @@ def _reduction_states(state):
     return dict(state.leaves)
 
 
-def _assert_same_state(unsharded, sharded, owner, names):
+def _assert_close(actual, desired, ulps, err_msg):
+    """Equal to ``ulps`` float32 ulps of ``desired``'s largest magnitude (0: bit for bit)."""
+    if ulps == 0:
+        np.testing.assert_array_equal(actual, desired, err_msg=err_msg)
+    else:
+        scale = np.abs(desired).max() if desired.size else 0.0
+        atol = ulps * np.finfo(np.float32).eps * scale
+        np.testing.assert_allclose(actual, desired, rtol=0, atol=atol, err_msg=err_msg)
+
+
+def _assert_same_state(unsharded, sharded, owner, names, ulps):
     for name in names:
         u_leaves = jax.tree.leaves(unsharded[name])
         s_leaves = jax.tree.leaves(sharded[name])
         for u, s in zip(u_leaves, s_leaves, strict=True):
             u, s = np.asarray(u), np.asarray(s)[:, owner[name]]  # [W_slow, ...] of the owner
             if s.shape[1:2] == (1,) and s.shape[2:] == u.shape[1:]:  # per worker: [W_slow, 1, ..]
-                np.testing.assert_array_equal(s[:, 0], u, err_msg=name)
+                _assert_close(s[:, 0], u, ulps, name)
             else:  # replicated: every slow worker's copy equals it
                 for copy in s:
-                    np.testing.assert_array_equal(copy, u, err_msg=name)
+                    _assert_close(copy, u, ulps, name)
 
 
 def _owned_states(state):
     """``{name: tree}`` of the sharded state's PerDevice parts (accordion: the three owned)."""
     out = {}
     for name, part in _reduction_states(state).items():
-        parts = part if isinstance(part, tuple) else (part,)
+        parts = (part,) if isinstance(part, comm.PerDevice) else part
         assert all(isinstance(p, comm.PerDevice) for p in parts), name
         out[name] = [p.value for p in parts]
     return out
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_sharded_equals_unsharded_bit_for_bit(case, runs, grads):
-    """The same means on every step, the owners' states == the unsharded ones, the other
-    devices' copies as init left them, and the same bytes_sent (a host's, over slow)."""
+@pytest.mark.parametrize(
+    "case", ["power_sgd_ef", "top_k_ef", pytest.param("accordion", marks=pytest.mark.slow)]
+)
+def test_sharded_equals_unsharded(case, runs, grads):
+    """The same means on every step (bit for bit, or to ULPS), the owners' states == the
+    unsharded ones, the other devices' copies as init left them, and the same bytes_sent (a
+    host's, over slow)."""
     _, plain, _, _ = runs(case, False)
     first, sharded, _, _ = runs(case, True)
     names = list(SHAPES)
@@ -124,11 +142,11 @@ def test_sharded_equals_unsharded_bit_for_bit(case, runs, grads):
     assert sorted(owner[k] for k in "abcd") == [0, 1, 2, 3]  # every device owns a matrix
     for (m0, s0), (m1, s1) in zip(plain, sharded):
         for k in names:
-            np.testing.assert_array_equal(np.asarray(m1[k]), np.asarray(m0[k]), err_msg=k)
+            _assert_close(np.asarray(m1[k]), np.asarray(m0[k]), ULPS[case], k)
         assert float(s1.bytes_sent) == float(s0.bytes_sent)
         unsharded = {k: jax.tree.map(np.asarray, v) for k, v in _reduction_states(s0).items()}
         owned = _owned_states(s1)
-        _assert_same_state(unsharded, owned, owner, list(owned))
+        _assert_same_state(unsharded, owned, owner, list(owned), ULPS[case])
         if case == "accordion":  # the group's part of the state is the same
             modes = T.accordion_metrics(s1)["modes"]
             assert modes == T.accordion_metrics(s0)["modes"]
