@@ -397,5 +397,7 @@ def build_data_parallel(
             "batch_stats": stats.describe(model.has_batch_stats),
             "batch_stats_bytes": sync_bytes,
             "collectives": _collectives.records(step_c.as_text()),
+            # each parameter's slow collectives run on one device of a host (the study's model)
+            "shard_fast": not has_state,
         },
     )
