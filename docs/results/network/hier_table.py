@@ -29,11 +29,13 @@ def main(tag=None):
     print("| rate | cell | median ms per round | pooled median ms | flat dense / cell | "
           "time to 0.97 s (train) per round | load before per round |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
+    series = f"-{tag}" if tag else ""
     for rate in ("unlimited", "10gbit", "1gbit", "100mbit", "10mbit"):
         pooled = {}
         rows = []
         for cell in CELLS:
-            runs = sorted(glob.glob(os.path.join(HERE, "cells", f"{cell}-2x4-{rate}{'-' + tag if tag else ''}-r*")))
+            pattern = f"{cell}-2x4-{rate}{series}-r*"
+            runs = sorted(glob.glob(os.path.join(HERE, "cells", pattern)))
             if not runs:
                 continue
             recs = [_network.read_lab_run(w) for w in runs]
