@@ -104,9 +104,12 @@ DP_DEFAULTS = {
 TRANSFORMS = ("accordion", "compressed_mean", "accordion_batch_size")
 
 
-def _reducer(cfg: dict, schedule, steps_per_epoch: int, num_samples: int, axis=comm.DATA):
+def _reducer(
+    cfg: dict, schedule, steps_per_epoch: int, num_samples: int, axis=comm.DATA, shard_fast=False
+):
     """``(transform, description)`` for ``config.data_parallel``, averaging over ``axis`` (the
-    data axis or a ``(slow, fast)`` pair)."""
+    data axis or a ``(slow, fast)`` pair; ``shard_fast``: each parameter reduced over slow by
+    one device of a host, see :func:`jaxcomp.transforms.compressed_mean`)."""
     _base_choice("config.data_parallel.transform", cfg["transform"], TRANSFORMS)
     if cfg["transform"] == "accordion":
         low, high = _config.build_codec(cfg["low"]), _config.build_codec(cfg["high"])
@@ -120,7 +123,7 @@ def _reducer(cfg: dict, schedule, steps_per_epoch: int, num_samples: int, axis=c
             axis_name=axis,
             error_feedback=bool(cfg["error_feedback"]),
             min_compression_rate=float(cfg["min_compression_rate"]),
-            shard_fast=not isinstance(axis, str),
+            shard_fast=shard_fast,
         )
         return tx, f"accordion({low.name} / {high.name}, eta={cfg['eta']})"
     channel = _config.build_channel(cfg["codec"], num_samples)
@@ -128,7 +131,7 @@ def _reducer(cfg: dict, schedule, steps_per_epoch: int, num_samples: int, axis=c
         channel,
         axis,
         min_compression_rate=float(cfg["min_compression_rate"]),
-        shard_fast=not isinstance(axis, str),
+        shard_fast=shard_fast,
     )
     return tx, f"compressed_mean({channel.name})"
 
@@ -138,7 +141,9 @@ def _transform(cfg: dict, config, schedule, steps_per_epoch: int, num_samples: i
     ``accordion_batch_size``, the accumulation around ``chain(compressed_mean, optimizer)``."""
     opt = _config.optimizer(config, schedule)
     if cfg["transform"] != "accordion_batch_size":
-        reducer, name = _reducer(cfg, schedule, steps_per_epoch, num_samples, axis)
+        # on a pair the per-device state is placed over both axes (_abstract_state)
+        shard = not isinstance(axis, str)
+        reducer, name = _reducer(cfg, schedule, steps_per_epoch, num_samples, axis, shard)
         return optax.chain(reducer, opt), name
     if not isinstance(axis, str):
         raise ValueError(
