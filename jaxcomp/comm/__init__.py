@@ -9,7 +9,8 @@
   :class:`~jaxcomp.compressors.ReduceProtocol` of one array (the codec's own, or a generic
   ``psum``/``all_gather``/two-phase path, wrapped in the channel's error compensation) and
   :func:`compressed_pmean` runs it inside any ``shard_map`` body;
-* per-worker state on a mesh: :func:`place_state` and :func:`state_specs`;
+* per-worker state on a mesh: :func:`place_state` and :func:`state_specs` (a device's own
+  part on a ``(slow, fast)`` pair: :class:`PerDevice`);
 * a compressed point-to-point send's channel states (:func:`init_channel_states`; the pipeline
   runs its sends, :mod:`jaxcomp.pipeline`);
 * the collective-uniformity check: every ``cond``/``switch``/``while`` holding a collective over
@@ -28,6 +29,7 @@ from jaxcomp.comm._mesh import GROUP
 from jaxcomp.comm._mesh import MEMBER
 from jaxcomp.comm._mesh import STAGE
 from jaxcomp.comm._mesh import make_mesh
+from jaxcomp.comm._placement import PerDevice
 from jaxcomp.comm._placement import place_state
 from jaxcomp.comm._placement import state_specs
 from jaxcomp.comm._reduce import DenseReduce
@@ -63,6 +65,7 @@ __all__ = (
     "GatherReduce",
     "NonUniformCollectiveError",
     "PATHS",
+    "PerDevice",
     "PsumReduce",
     "TwoPhaseReduce",
     "UniformityReport",

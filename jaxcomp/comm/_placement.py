@@ -5,11 +5,20 @@ owns is declared in the state as :class:`~jaxcomp.compressors.PerWorker` (leaves
 axis of size 1, the per-device view); :func:`place_state` stacks those to ``[W, ...]`` sharded
 over the data axis and replicates everything else, and :func:`state_specs` gives the matching
 ``PartitionSpec``s for ``shard_map``.
+
+On a hierarchical ``(slow, fast)`` pair a worker is a fast group (a host): ``PerWorker`` parts
+are sharded over ``slow`` and replicated over ``fast``. What one *device* of a group keeps for
+itself (a sharded mean's state of the parameters that device reduces,
+:mod:`jaxcomp.comm._reduce_shards`) is declared :class:`PerDevice`: leading axes ``[1, 1]``
+from ``init``, placed ``[W_slow, W_fast, ...]`` sharded over both axes, so a state placed on
+another split of the devices has other shapes (a clear error, never a device reading the
+state of parameters it did not reduce).
 """
 
 from __future__ import annotations
 
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,23 +28,60 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp.compressors import _protocol
 
 
+class PerDevice(NamedTuple):
+    """A part of a state owned by one device of a ``(slow, fast)`` pair (not by its group).
+
+    Attributes:
+      value: a pytree whose leaves have two leading axes: ``[1, 1]`` from ``init`` and inside
+        ``shard_map``, ``[W_slow, W_fast]`` once placed on a mesh.
+    """
+
+    value: Any
+
+
+REPLICATED, PER_WORKER, PER_DEVICE = 0, 1, 2
+
+
 def _is_part(node: Any) -> bool:
-    return isinstance(node, _protocol.PerWorker)
+    return isinstance(node, (_protocol.PerWorker, PerDevice))
 
 
 def _map(fn, state: Any) -> Any:
-    """``fn(leaf, per_worker)`` over every array leaf of ``state``."""
+    """``fn(leaf, kind)`` over every array leaf of ``state`` (``kind``: :data:`REPLICATED`,
+    :data:`PER_WORKER` or :data:`PER_DEVICE`, by the outermost part holding it)."""
 
     def visit(node):
+        if isinstance(node, PerDevice):
+            return PerDevice(jax.tree.map(lambda x: fn(x, PER_DEVICE), node.value))
         if _is_part(node):
-            return _protocol.PerWorker(jax.tree.map(lambda x: fn(x, True), node.value))
-        return fn(node, False)
+            return _protocol.PerWorker(jax.tree.map(lambda x: fn(x, PER_WORKER), node.value))
+        return fn(node, REPLICATED)
 
     return jax.tree.map(visit, state, is_leaf=_is_part)
 
 
-def state_specs(state: Any, axis_name: str) -> Any:
+def _axes(axis_name: str | tuple[str, str]) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def _spec(kind: int, axes: tuple[str, ...]) -> P:
+    if kind == PER_WORKER:
+        return P(axes[0])
+    if kind == PER_DEVICE:
+        if len(axes) != 2:
+            raise ValueError(
+                "a state with PerDevice parts (a mean sharded over the fast axis of a (slow, "
+                f"fast) pair) must be placed on the pair; got the axis {axes[0]!r}."
+            )
+        return P(*axes)
+    return P()
+
+
+def state_specs(state: Any, axis_name: str | tuple[str, str]) -> Any:
     """``PartitionSpec``s of ``state``: ``P(axis_name)`` for per-worker leaves, else ``P()``.
+
+    With a ``(slow, fast)`` pair: ``P(slow)`` for per-worker leaves, ``P(slow, fast)`` for
+    :class:`PerDevice` ones.
 
     Use them as ``shard_map`` in/out specs of a placed state (see :func:`place_state`).
 
@@ -47,10 +93,11 @@ def state_specs(state: Any, axis_name: str) -> Any:
       >>> specs.leaves["w"].memory.residual.value
       P('data',)
     """
-    return _map(lambda leaf, per: P(axis_name) if per else P(), state)
+    axes = _axes(axis_name)
+    return _map(lambda leaf, kind: _spec(kind, axes), state)
 
 
-def place_state(state: Any, mesh: jax.sharding.Mesh, axis_name: str) -> Any:
+def place_state(state: Any, mesh: jax.sharding.Mesh, axis_name: str | tuple[str, str]) -> Any:
     """Places a state from ``tx.init`` on ``mesh``: per-worker parts sharded over ``axis_name``.
 
     Leaves inside :class:`~jaxcomp.compressors.PerWorker` (leading axis 1, as ``init`` made
@@ -63,14 +110,16 @@ def place_state(state: Any, mesh: jax.sharding.Mesh, axis_name: str) -> Any:
     Args:
       state: an optimizer state, or its abstract shape.
       mesh: the mesh.
-      axis_name: the data-parallel axis of ``mesh``.
+      axis_name: the data-parallel axis of ``mesh``, or a ``(slow, fast)`` pair (per-worker
+        parts over ``slow``, :class:`PerDevice` parts over both).
 
     Returns:
       The placed state (or ``ShapeDtypeStruct`` tree with shardings).
 
     Raises:
-      ValueError: if ``axis_name`` is not an axis of ``mesh``, or a per-worker leaf has no
-        leading worker axis of size 1 or W.
+      ValueError: if ``axis_name`` is not an axis of ``mesh``, a per-worker leaf has no
+        leading worker axis of size 1 or W, or a :class:`PerDevice` one no leading
+        ``[1, 1]`` or ``[W_slow, W_fast]`` (or it is placed on one axis).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -81,22 +130,36 @@ def place_state(state: Any, mesh: jax.sharding.Mesh, axis_name: str) -> Any:
       >>> state.leaves["w"].memory.residual.value.shape
       (2, 8, 8)
     """
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
-    num = mesh.shape[axis_name]
+    axes = _axes(axis_name)
+    for a in axes:
+        if a not in mesh.axis_names:
+            raise ValueError(f"axis_name {a!r} is not an axis of the mesh {mesh.axis_names}.")
+    num = mesh.shape[axes[0]]
+    grid = tuple(mesh.shape[a] for a in axes)
 
     leaves, treedef = jax.tree.flatten(state)
-    flags = jax.tree.leaves(_map(lambda leaf, per: per, state))
-    shapes = []
-    for leaf, per in zip(leaves, flags):
+    kinds = jax.tree.leaves(_map(lambda leaf, kind: kind, state))
+    shapes, shardings = [], []
+    for leaf, kind in zip(leaves, kinds):
+        spec = _spec(kind, axes)
         shape = tuple(jnp.shape(leaf))
-        if per and (not shape or shape[0] not in (1, num)):
-            raise ValueError(
-                f"a per-worker state leaf of shape {shape} must have a leading worker axis of "
-                f"size 1 (from init) or {num} (placed on {axis_name!r})."
-            )
-        shapes.append((num, *shape[1:]) if per else shape)
-    shardings = [NamedSharding(mesh, P(axis_name) if per else P()) for per in flags]
+        if kind == PER_WORKER:
+            if not shape or shape[0] not in (1, num):
+                raise ValueError(
+                    f"a per-worker state leaf of shape {shape} must have a leading worker axis of "
+                    f"size 1 (from init) or {num} (placed on {axes[0]!r})."
+                )
+            shape = (num, *shape[1:])
+        elif kind == PER_DEVICE:
+            if shape[:2] not in ((1, 1), grid):
+                raise ValueError(
+                    f"a per-device state leaf of shape {shape} must have leading axes (1, 1) "
+                    f"(from init) or {grid} (placed on {axes}): placed on another split of "
+                    "the devices, a device would hold the state of parameters it does not reduce."
+                )
+            shape = (*grid, *shape[2:])
+        shapes.append(shape)
+        shardings.append(NamedSharding(mesh, spec))
     if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
         return treedef.unflatten(
             [

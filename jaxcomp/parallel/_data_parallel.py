@@ -129,6 +129,8 @@ def data_parallel(
     """
     axes = _worker_axes(axis_name, mesh)
     slow = axes[0]  # the axis per-worker optimizer state is sharded over
+    # per-worker optimizer state over slow, per-device parts (a mean sharded over fast) over both
+    placed_over = axes if len(axes) == 2 else slow
     if has_state and len(axes) == 2:
         raise ValueError(
             f"data_parallel(has_state=True) takes one data axis; got the pair {axis_name!r} "
@@ -145,7 +147,7 @@ def data_parallel(
     def init(params, model_state=()):
         params, model_state = _driver.split_model(params, model_state)
         step0, params = _driver.replicate((jnp.zeros((), jnp.int32), params), mesh)
-        opt_state = _placement.place_state(init_opt(params), mesh, slow)
+        opt_state = _placement.place_state(init_opt(params), mesh, placed_over)
         return TrainState(step0, params, opt_state, _place_model_state(model_state))
 
     def _place_model_state(model_state):
@@ -173,9 +175,9 @@ def data_parallel(
                 "or transforms.accordion)."
             )
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": lax.pmean(loss, axes), **_bytes_of(opt_state, grads, len(axes) == 2)}
+        metrics = {"loss": _mean(loss, axes), **_bytes_of(opt_state, grads, len(axes) == 2)}
         if has_aux:
-            metrics["aux"] = jax.tree.map(lambda a: lax.pmean(a, axes), aux)
+            metrics["aux"] = jax.tree.map(lambda a: _mean(a, axes), aux)
         if check_finite:  # this worker's own loss and state: no collective
             metrics["finite"] = _driver.all_finite((params, opt_state, model_state), loss)[None]
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
@@ -247,12 +249,24 @@ def data_parallel(
         with jax.set_mesh(mesh):
             abstract = jax.eval_shape(tx.init, params)
         shardings = [
-            jax.tree.map(lambda s: s.sharding, _placement.place_state(a, mesh, slow))
-            for a in (abstract, jax.eval_shape(lambda m: m, model_state))
+            jax.tree.map(lambda s: s.sharding, _placement.place_state(a, mesh, over))
+            for a, over in (
+                (abstract, placed_over),
+                (jax.eval_shape(lambda m: m, model_state), slow),
+            )
         ]
         return TrainState(replicated, jax.tree.map(lambda _: replicated, params), *shardings)
 
     return DataParallel(init, step, shard_batch, state_sharding, mesh, axis_name)
+
+
+def _mean(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """The mean over the workers: over a ``(slow, fast)`` pair inside each host first, then the
+    hosts' means between them (a 2-rank ring on the slow links, where one all-reduce over every
+    device would run a ring of all of them through the slow links)."""
+    for axis in reversed(axes):
+        x = lax.pmean(x, axis)
+    return x
 
 
 def _reducer(opt_state: Any) -> Any:

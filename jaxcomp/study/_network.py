@@ -187,7 +187,11 @@ def collectives(
     ``"per_nic"`` (:func:`nic_share` on the lab's ``network``; 1 without one).
 
     On a hierarchical mesh the run's mean ``wire_bytes_per_step`` counts the slow axis only, so
-    collectives in branches are scaled against the bytes of those that cross the link.
+    collectives in branches are scaled against the bytes of those that cross the link. A run
+    whose mean is sharded over the fast axis (summary ``shard_fast``) runs each branched slow
+    collective on one device of a host (the parameters' owner): one group through the NIC, not
+    ``devices_per_host``; their latencies are summed, an upper bound where the owners' branches
+    overlap.
     """
     summary = _report._load_json(os.path.join(workdir, "summary.json"), {})
     experiment = _report._load_json(os.path.join(workdir, "experiment.json"), {})
@@ -203,6 +207,10 @@ def collectives(
             ]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"summary.json collectives are damaged ({e!r}).") from e
+        if summary.get("shard_fast"):
+            shares = [
+                1 if x == per_host and r.get("conditional") else x for r, x in zip(recs, shares)
+            ]
         if None in shares:
             return None, (
                 f"a collective's group size does not say which axes of the mesh {mesh} it "

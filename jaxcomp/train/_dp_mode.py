@@ -21,10 +21,12 @@
 ``config.mesh`` is ``[("data", W)]``, or two data axes of a hierarchical cluster, read as
 ``(slow, fast)`` in that order (:func:`jaxcomp.comm.make_mesh` puts the first across hosts),
 e.g. ``[("slow", hosts), ("fast", devices_per_host)]``: the transform averages densely over
-``fast`` (inside a host: NVLink, ICI) and compressed over ``slow`` (between hosts), per-worker
-state belongs to a host, and the step's ``wire_bytes`` are the slow axis's, ``fast_wire_bytes``
-the fast one's. On a pair: ``accordion`` and ``compressed_mean`` (not
-``accordion_batch_size``), models without BatchNorm.
+``fast`` (inside a host: NVLink, ICI) and compressed over ``slow`` (between hosts), each
+parameter by one device of a host (``shard_fast``: the slow links carry its payload once per
+host), per-worker state belongs to a host (the reductions' own state to that device), and
+the step's ``wire_bytes`` are the slow axis's (a host's), ``fast_wire_bytes`` the fast one's.
+On a pair: ``accordion`` and ``compressed_mean`` (not ``accordion_batch_size``), models
+without BatchNorm.
 
 ``accordion_batch_size`` is Accordion's batch-size variant: the same detector chooses how many
 ``batch_size`` micro-batches make one update (``small_steps`` in critical regimes,
@@ -102,9 +104,12 @@ DP_DEFAULTS = {
 TRANSFORMS = ("accordion", "compressed_mean", "accordion_batch_size")
 
 
-def _reducer(cfg: dict, schedule, steps_per_epoch: int, num_samples: int, axis=comm.DATA):
+def _reducer(
+    cfg: dict, schedule, steps_per_epoch: int, num_samples: int, axis=comm.DATA, shard_fast=False
+):
     """``(transform, description)`` for ``config.data_parallel``, averaging over ``axis`` (the
-    data axis or a ``(slow, fast)`` pair)."""
+    data axis or a ``(slow, fast)`` pair; ``shard_fast``: each parameter reduced over slow by
+    one device of a host, see :func:`jaxcomp.transforms.compressed_mean`)."""
     _base_choice("config.data_parallel.transform", cfg["transform"], TRANSFORMS)
     if cfg["transform"] == "accordion":
         low, high = _config.build_codec(cfg["low"]), _config.build_codec(cfg["high"])
@@ -118,11 +123,15 @@ def _reducer(cfg: dict, schedule, steps_per_epoch: int, num_samples: int, axis=c
             axis_name=axis,
             error_feedback=bool(cfg["error_feedback"]),
             min_compression_rate=float(cfg["min_compression_rate"]),
+            shard_fast=shard_fast,
         )
         return tx, f"accordion({low.name} / {high.name}, eta={cfg['eta']})"
     channel = _config.build_channel(cfg["codec"], num_samples)
     tx = transforms.compressed_mean(
-        channel, axis, min_compression_rate=float(cfg["min_compression_rate"])
+        channel,
+        axis,
+        min_compression_rate=float(cfg["min_compression_rate"]),
+        shard_fast=shard_fast,
     )
     return tx, f"compressed_mean({channel.name})"
 
@@ -132,7 +141,9 @@ def _transform(cfg: dict, config, schedule, steps_per_epoch: int, num_samples: i
     ``accordion_batch_size``, the accumulation around ``chain(compressed_mean, optimizer)``."""
     opt = _config.optimizer(config, schedule)
     if cfg["transform"] != "accordion_batch_size":
-        reducer, name = _reducer(cfg, schedule, steps_per_epoch, num_samples, axis)
+        # on a pair the per-device state is placed over both axes (_abstract_state)
+        shard = not isinstance(axis, str)
+        reducer, name = _reducer(cfg, schedule, steps_per_epoch, num_samples, axis, shard)
         return optax.chain(reducer, opt), name
     if not isinstance(axis, str):
         raise ValueError(
@@ -184,7 +195,7 @@ def _layer_modes(opt_state) -> dict[str, jax.Array]:
 
 def _abstract_state(tx, mesh, stats, variables_abs, axes, has_state):
     """The abstract (shapes and shardings) state ``dp.init`` places (``axes``: the data axis
-    or the ``(slow, fast)`` pair; per-worker state over the first)."""
+    or the ``(slow, fast)`` pair; per-worker state over the first, per-device over both)."""
     params, model_state = _mode.split_variables(variables_abs)
     replicated = NamedSharding(mesh, P())
     with jax.set_mesh(mesh):
@@ -193,7 +204,7 @@ def _abstract_state(tx, mesh, stats, variables_abs, axes, has_state):
     return parallel.TrainState(
         jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), params),
-        comm.place_state(opt_state, mesh, axes[0]),
+        comm.place_state(opt_state, mesh, axes if len(axes) == 2 else axes[0]),
         comm.place_state(model_state, mesh, axes[0]),
     )
 
@@ -391,5 +402,7 @@ def build_data_parallel(
             "batch_stats": stats.describe(model.has_batch_stats),
             "batch_stats_bytes": sync_bytes,
             "collectives": _collectives.records(step_c.as_text()),
+            # each parameter's slow collectives run on one device of a host (the study's model)
+            "shard_fast": not has_state,
         },
     )

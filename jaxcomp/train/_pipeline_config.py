@@ -121,7 +121,9 @@ def replica_mean_of(
         "config.pipeline.replica_mean.transform", sub["transform"], REPLICA_TRANSFORMS
     )
     schedule = _config.learning_rate(config)
-    return _dp_mode._reducer(sub, schedule, steps_per_epoch, num_samples, axis)
+    # not sharded over fast: the replicas' states are packed per stage and replica
+    # (pipeline._driver), with no per-device placement of a PerDevice part
+    return _dp_mode._reducer(sub, schedule, steps_per_epoch, num_samples, axis, shard_fast=False)
 
 
 def high_names(links) -> str:

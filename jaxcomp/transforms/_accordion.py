@@ -72,6 +72,7 @@ def accordion(
     min_compression_rate: float = 2.0,
     min_ndim: int = 2,
     seed: int = 0,
+    shard_fast: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Accordion: compressed gradient averaging that compresses less in critical regimes.
 
@@ -114,10 +115,14 @@ def accordion(
     averaged densely over ``fast`` (inside a host or slice), then Accordion runs as above over
     ``slow`` among the fast-group means (as :func:`compressed_mean` with a pair): the
     accumulators, the memory and the codec states belong to a slow worker (place the state
-    with ``comm.place_state(state, mesh, slow)``), the statistic is a group mean's norm
+    with ``comm.place_state(state, mesh, (slow, fast))``), the statistic is a group mean's norm
     (``"worker0"``: slow worker 0's group), identical on every device of the mesh, and only
     the selected codec's payload crosses the slow links. ``bytes_sent`` counts the slow axis,
-    ``fast_bytes_sent`` the dense average over the fast one.
+    ``fast_bytes_sent`` the dense average over the fast one. ``shard_fast=True`` shares the
+    reductions over ``slow`` among a group's devices, one owner per parameter, as
+    :func:`compressed_mean`'s: the memory and the codec states become the owner's
+    (:class:`~jaxcomp.comm.PerDevice`); the accumulators, statistics and modes stay the
+    group's.
 
     Deliberate differences from the reference (SPEC.md §2.9), all documented fixes:
 
@@ -159,6 +164,8 @@ def accordion(
       min_ndim: parameters with fewer dimensions are always averaged uncompressed (the
         reference compresses only ``ndim > 1``).
       seed: key seed for stochastic codecs (Python int).
+      shard_fast: with an axis pair, share the reductions over ``slow`` among the devices of
+        each fast group (see :func:`compressed_mean`); ignored with one axis.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with :class:`AccordionState`; use
@@ -211,6 +218,7 @@ def accordion(
         ),
         min_ndim=_validate.static_int("min_ndim", min_ndim, 0),
         seed=_validate.static_int("seed", seed, 0),
+        shard_fast=_validate.check_bool("shard_fast", shard_fast) and fast is not None,
     )
     return optax.GradientTransformationExtraArgs(
         functools.partial(init_accordion, config), functools.partial(update_accordion, config)

@@ -25,6 +25,7 @@ from jaxcomp._regime import LOW_COMPRESSION
 from jaxcomp.comm import _local
 from jaxcomp.comm import _reduce
 from jaxcomp.comm import _reduce_plan
+from jaxcomp.comm import _reduce_shards
 from jaxcomp.compressors import _protocol
 from jaxcomp.transforms import _compressed_mean as _cm
 
@@ -101,6 +102,7 @@ class AccordionConfig:
     min_compression_rate: float
     min_ndim: int
     seed: int
+    shard_fast: bool = False
 
     def protocols(self, like: Any, name: str = "", quiet: bool = True):
         """``{mode: protocol}`` of one parameter (without the feedback), or ``None`` when both
@@ -132,7 +134,7 @@ def init_leaf(
         return _reduce.DenseReduce()
     wide = jnp.promote_types(like.dtype, jnp.float32)  # an interval's sum, even of bf16
     memory = compressors.EmptyState() if config.feedback is None else config.feedback.init(like)
-    return AccordionLeaf(
+    leaf = AccordionLeaf(
         mode=jnp.asarray(LOW_COMPRESSION, jnp.int32),
         prev_norm=jnp.zeros((), jnp.float32),
         accum=_protocol.per_worker_zeros(like, wide),
@@ -140,6 +142,21 @@ def init_leaf(
         low=protocols[LOW_COMPRESSION].init(like, num_workers),
         high=protocols[HIGH_COMPRESSION].init(like, num_workers),
     )
+    if config.shard_fast:  # the reduction's state is its owner's (jaxcomp.comm._reduce_shards)
+        leaf = leaf._replace(**{f: _reduce_shards.init_per_device(getattr(leaf, f)) for f in OWNED})
+    return leaf
+
+
+#: the fields of an :class:`AccordionLeaf` a sharded mean keeps per device (its owner's)
+OWNED = ("memory", "low", "high")
+
+
+def _owned(leaf: AccordionLeaf) -> tuple:
+    return tuple(getattr(leaf, f) for f in OWNED)
+
+
+def _with_owned(leaf: AccordionLeaf, part: tuple) -> AccordionLeaf:
+    return leaf._replace(**dict(zip(OWNED, part)))
 
 
 def init_accordion(config: AccordionConfig, params: Any) -> AccordionState:
@@ -266,17 +283,21 @@ def update_accordion(
     key = _cm.step_key(state.key, count)
 
     means, new_leaves, detect, protocols_of = [], [], [], {}
+    sharded = config.fast_axis is not None and config.shard_fast
+    keys = {}
     sent = jnp.zeros((), jnp.float32)
     for i, (g, leaf) in enumerate(zip(flat, leaf_states)):
         expected = jax.eval_shape(lambda g=g: init_leaf(config, g, num))
         _validate.check_state_leaves(leaf, expected, names[i], g, "accordion")
         protocols = config.protocols(g)
         if protocols is None:
-            means.append(_protocol.pmean(g, axis_name))
+            means.append(None if sharded else _protocol.pmean(g, axis_name))
             new_leaves.append(leaf)
             if axis_name is not None:
                 sent += _protocol.reduced_bytes(g)
             continue
+        if sharded:
+            leaf = _with_owned(leaf, tuple(map(_reduce_shards.this_device, _owned(leaf))))
         if lr is not None:
             # the reference's decay switch keeps the memory even with --zero-memory
             low_now = jnp.where(lr_drop, LOW_COMPRESSION, leaf.mode)
@@ -284,7 +305,10 @@ def update_accordion(
         down = _regime.interval_scale(config.detector.interval_steps)
         accum = leaf.accum.value + g[None].astype(leaf.accum.value.dtype) * down
         leaf = leaf._replace(accum=_protocol.PerWorker(accum))
-        mean, leaf = reduce_leaf(config, protocols, g, leaf, jax.random.fold_in(key, i))
+        keys[i] = jax.random.fold_in(key, i)
+        mean = None
+        if not sharded:
+            mean, leaf = reduce_leaf(config, protocols, g, leaf, keys[i])
         if axis_name is not None:
             b_low = protocols[LOW_COMPRESSION].wire_bytes(g, num)
             b_high = protocols[HIGH_COMPRESSION].wire_bytes(g, num)
@@ -293,6 +317,22 @@ def update_accordion(
         new_leaves.append(leaf)
         detect.append(i)
         protocols_of[i] = protocols
+
+    if sharded:  # each parameter reduced over the slow axis by its owner on the fast one
+
+        def reduce_one(i, g, part):
+            if i not in protocols_of:
+                return _protocol.pmean(g, axis_name), part
+            leaf = _with_owned(new_leaves[i], part)
+            mean, leaf = reduce_leaf(config, protocols_of[i], g, leaf, keys[i])
+            return mean, _owned(leaf)
+
+        parts = [_owned(new_leaves[i]) if i in protocols_of else () for i in range(len(flat))]
+        pair = (axis_name, config.fast_axis)
+        means, parts = _reduce_shards.reduce_owned(reduce_one, flat, parts, pair)
+        for i in protocols_of:
+            new_leaves[i] = _with_owned(new_leaves[i], parts[i])
+        fast_sent += _reduce_shards.gathered_bytes(flat, _protocol.axis_size(config.fast_axis))
 
     position = _regime.position(config.detector, count)
     end = position[1]
@@ -317,6 +357,11 @@ def update_accordion(
             )
         if axis_name is not None:
             sent += jnp.where(end, 4.0 * len(detect), 0.0)
+    if sharded:
+        pair = (axis_name, config.fast_axis)
+        for i in protocols_of:
+            owned = [_reduce_shards.per_device(p, pair) for p in _owned(new_leaves[i])]
+            new_leaves[i] = _with_owned(new_leaves[i], tuple(owned))
     new_state = AccordionState(
         count=optax.safe_increment(count),
         key=state.key,

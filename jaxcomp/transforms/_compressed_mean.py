@@ -18,6 +18,7 @@ from jaxcomp import feedback
 from jaxcomp.comm import _mesh
 from jaxcomp.comm import _reduce
 from jaxcomp.comm import _reduce_plan
+from jaxcomp.comm import _reduce_shards
 from jaxcomp.compressors import _protocol
 
 
@@ -33,7 +34,12 @@ class CompressedMeanState(NamedTuple):
       bytes_sent: ``float32[]``, bytes this worker put into collectives at the last step
         (with an axis pair: into the compressed reduction over the slow axis).
       fast_bytes_sent: ``float32[]``, bytes this worker put into the dense average over the
-        fast axis of an axis pair at the last step (0 without one).
+        fast axis of an axis pair at the last step (0 without one); sharded, the gather of the
+        owners' means too.
+
+    Sharded over the fast axis (``shard_fast=True``), ``leaves`` holds each parameter's state
+    as a :class:`~jaxcomp.comm.PerDevice` (read by its owner only) and ``bytes_sent`` counts
+    what the whole fast group sends over the slow axis (each device its parameters' share).
     """
 
     count: jax.Array
@@ -90,6 +96,7 @@ class MeanConfig:
     min_ndim: int
     warmup_steps: int
     seed: int
+    shard_fast: bool = False
 
     def protocols(self, tree: Any, quiet: bool) -> list[compressors.ReduceProtocol]:
         """Each parameter's reduction protocol (deterministic: the same in init and update)."""
@@ -116,6 +123,7 @@ def compressed_mean(
     min_ndim: int = 2,
     warmup_steps: int = 0,
     seed: int = 0,
+    shard_fast: bool = False,
 ) -> optax.GradientTransformation:
     r"""Averages per-worker gradients over a data axis, sending only compressed payloads.
 
@@ -152,7 +160,15 @@ def compressed_mean(
       \textstyle\sum_{f} g_{s,f} + e_s\big)\Big)
 
     Only compressed payloads cross the slow links. Per-worker state belongs to a slow worker
-    (a fast group): place it with ``comm.place_state(state, mesh, slow)``.
+    (a fast group): place it with ``comm.place_state(state, mesh, (slow, fast))``.
+
+    With ``shard_fast=True`` the devices of a fast group share the work between hosts instead
+    of each doing all of it (:mod:`jaxcomp.comm._reduce_shards`): each parameter has one owner
+    among them (sizes balanced), only the owner runs its compressed reduction over ``slow``, and
+    an ``all_gather`` over ``fast`` hands the means to the others. The slow links carry each
+    payload once per host instead of :math:`W_{fast}` times, a device computes about
+    :math:`1/W_{fast}` of the compression, and the mean is the unsharded one bit for bit. Each
+    parameter's reduction state is then the owner's (:class:`~jaxcomp.comm.PerDevice`).
 
     **State.** ``init(params)`` runs where optax users call it, outside ``shard_map``. What one
     worker owns (residuals, codec states) is marked :class:`~jaxcomp.compressors.PerWorker`
@@ -179,6 +195,8 @@ def compressed_mean(
       min_ndim: compress only arrays with at least this many dimensions (a Python int).
       warmup_steps: uncompressed steps first (PyTorch's ``start_powerSGD_iter``; Python int).
       seed: seed of the key for stochastic codecs (shared by the workers; Python int).
+      shard_fast: with an axis pair, share the reductions over ``slow`` among the devices of
+        each fast group (one owner per parameter); ignored with one axis.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`CompressedMeanState`; the updates it
@@ -218,6 +236,7 @@ def compressed_mean(
         min_ndim=_validate.static_int("min_ndim", min_ndim, 0),
         warmup_steps=_validate.static_int("warmup_steps", warmup_steps, 0),
         seed=_validate.static_int("seed", seed, 0),
+        shard_fast=_validate.check_bool("shard_fast", shard_fast) and fast is not None,
     )
     return optax.GradientTransformation(
         functools.partial(init_mean, config), functools.partial(update_mean, config)
@@ -230,6 +249,8 @@ def init_mean(config: MeanConfig, params: Any) -> CompressedMeanState:
     flat, treedef = jax.tree.flatten(params)
     protocols = config.protocols(params, quiet=False)
     leaves = [p.init(x, num_workers) for p, x in zip(protocols, flat)]
+    if config.shard_fast:
+        leaves = [_reduce_shards.init_per_device(s) for s in leaves]
     return CompressedMeanState(
         count=jnp.zeros((), jnp.int32),
         key=seed_key(config.seed),
@@ -254,31 +275,43 @@ def update_mean(
     num = _protocol.axis_size(axis_name)
     flat, treedef = jax.tree.flatten(updates)
     leaf_states = treedef.flatten_up_to(state.leaves)
+    if config.shard_fast:
+        leaf_states = [_reduce_shards.this_device(s) for s in leaf_states]
     names = leaf_names(updates)
+    protocols = config.protocols(updates, True)
     key = step_key(state.key, state.count)
     warm = state.count < config.warmup_steps
-    means, new_states, sent = [], [], jnp.zeros((), jnp.float32)
-    for i, (g, s, proto) in enumerate(zip(flat, leaf_states, config.protocols(updates, True))):
+    for i, (g, s, proto) in enumerate(zip(flat, leaf_states, protocols)):
         expected = jax.eval_shape(lambda g=g, proto=proto: proto.init(g, num))
         _validate.check_state_leaves(s, expected, names[i], g, "compressed_mean")
 
-        leaf_key = jax.random.fold_in(key, i)
+    def reduce_one(i, g, s):
+        proto, k = protocols[i], jax.random.fold_in(key, i)
 
-        def compressed(g, s, proto=proto, k=leaf_key):
+        def compressed(g, s):
             return _reduce_plan.compressed_pmean(g, proto, s, k, axis_name)[::2]
 
-        def dense(g, s, proto=proto):
+        def dense(g, s):
             return _reduce_plan.dense_round(g, proto, s, axis_name)
 
         if config.warmup_steps == 0 or isinstance(s, _reduce.DenseReduce):
-            mean, s = compressed(g, s)
-        else:
-            mean, s = lax.cond(warm, dense, compressed, g, s)
-        if axis_name is not None:
+            return compressed(g, s)
+        return lax.cond(warm, dense, compressed, g, s)
+
+    if config.shard_fast:
+        means, new_states = _reduce_shards.reduce_owned(
+            reduce_one, flat, leaf_states, (axis_name, fast)
+        )
+        new_states = [_reduce_shards.per_device(s, (axis_name, fast)) for s in new_states]
+        fast_sent += _reduce_shards.gathered_bytes(flat, _protocol.axis_size(fast))
+    else:
+        pairs = [reduce_one(i, g, s) for i, (g, s) in enumerate(zip(flat, leaf_states))]
+        means, new_states = [m for m, _ in pairs], [s for _, s in pairs]
+    sent = jnp.zeros((), jnp.float32)
+    if axis_name is not None:
+        for g, proto in zip(flat, protocols):
             full = _protocol.reduced_bytes(g)
             sent = sent + jnp.where(warm, full, proto.wire_bytes(g, num)).astype(jnp.float32)
-        means.append(mean)
-        new_states.append(s)
     new_state = CompressedMeanState(
         count=optax.safe_increment(state.count),
         key=state.key,

@@ -114,3 +114,29 @@ def test_a_model_state_with_a_pair_is_refused(mesh):
                      optax.sgd(0.1))  # fmt: skip
     with pytest.raises(ValueError, match=r"has_state=True\) takes one data axis"):
         parallel.data_parallel(loss_fn, tx, mesh, axis_name=(SLOW, FAST), has_state=True)
+
+
+def test_a_sharded_mean_and_the_metrics_leave_no_collective_over_all_eight(mesh):
+    """shard_fast: the per-device state placed over the pair; the loss's mean over fast, then
+    slow (a flat 8-rank ring would cross the slow links 14 hops deep): no collective spans the
+    whole mesh, and the run equals the unsharded one."""
+    ef = feedback.error_feedback(compressors.top_k(0.25))
+    runs = {}
+    for shard in (False, True):
+        tx = optax.chain(transforms.compressed_mean(ef, (SLOW, FAST), shard_fast=shard),
+                         optax.sgd(0.1))  # fmt: skip
+        dp = parallel.data_parallel(loss_fn, tx, mesh, axis_name=(SLOW, FAST))
+        state = dp.init(PARAMS)
+        losses = []
+        for _ in range(2):
+            state, metrics = dp.step(state, BATCH)
+            losses.append(float(metrics["loss"]))
+        runs[shard] = state, losses
+    state, losses = runs[True]
+    residual = state.opt_state[0].leaves["w"].value.memory.residual.value
+    assert residual.shape == (2, 4, 1, 6, 3) and residual.sharding.spec == P(SLOW, FAST)
+    assert losses == runs[False][1]
+    for k in PARAMS:
+        np.testing.assert_array_equal(state.params[k], runs[False][0].params[k])
+    report = comm.measure_collectives(dp.step, state, BATCH)
+    assert {r.group_size for r in report.records} == {2, 4}, report.records

@@ -140,10 +140,11 @@ def test_pipeline_send_time_refuses_bad_sizes(nbytes, burst):
 HIER = [["slow", 2], ["fast", 4]]
 
 
-def _hier(path, colls, wire, mesh=HIER):
+def _hier(path, colls, wire, mesh=HIER, **summary):
     (path / "summary.json").write_text(
         json.dumps(
             {"mode": "data_parallel", "steps": 8, "wire_bytes_per_step": wire, "collectives": colls}
+            | summary
         )
     )
     (path / "experiment.json").write_text(json.dumps({"mesh": mesh}))
@@ -176,6 +177,14 @@ def test_a_hierarchical_mesh_keeps_the_host_inside_off_the_link(tmp_path):
     acc = _hier(tmp_path / "h", [_ar(2, 1000.0, 2.0, True), _ar(4, 6e5)], 1000.0)
     slow = [c for c in acc["measured"]["collectives"] if c["per_nic"]]
     assert [c["executions"] for c in slow] == [pytest.approx(1.0)]
+    # sharded over fast: each owner's branch (one device of a host) sends its own share, the
+    # NIC carries each payload once; what runs outside the branches is unchanged
+    owners = [_ar(2, 3000.0, 1.0, True), _ar(2, 2000.0, 1.0, True), _ar(2, 4.0), _ar(4, 6e5)]
+    sharded = _hier(tmp_path / "h", owners, 5004.0, shard_fast=True)
+    assert [c["per_nic"] for c in sharded["measured"]["collectives"]] == [1, 1, 4, 0]
+    comm, _ = _network._comm(sharded)
+    want = sum(_cost.collective_time("all-reduce", n, 2, link) for n in (3000.0, 2000.0, 16.0))
+    assert comm == pytest.approx(want)
 
 
 def test_a_group_the_mesh_cannot_place_gives_no_prediction(tmp_path):

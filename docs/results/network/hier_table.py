@@ -2,12 +2,15 @@
 and over both rounds' steps pooled, the ratios to flat dense, and time to 0.97 accuracy; the
 bytes per step through each host's NIC (run.sh's `nic` target: a 40-step run less a 10-step one).
 
-  PYTHONPATH=. python docs/results/network/hier_table.py
+  PYTHONPATH=. python docs/results/network/hier_table.py [TAG]
+
+With TAG, the cells of run.sh's ``TAG=... hier RATE`` series (``...-RATE-TAG-rN``).
 """
 
 import glob
 import os
 import statistics
+import sys
 
 from jaxcomp.study import _network
 
@@ -22,15 +25,17 @@ def steps(workdir):
     return [r["step_s"] for r in timing if r["step"] not in set(st["left_out"])]
 
 
-def main():
+def main(tag=None):
     print("| rate | cell | median ms per round | pooled median ms | flat dense / cell | "
           "time to 0.97 s (train) per round | load before per round |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
+    series = f"-{tag}" if tag else ""
     for rate in ("unlimited", "10gbit", "1gbit", "100mbit", "10mbit"):
         pooled = {}
         rows = []
         for cell in CELLS:
-            runs = sorted(glob.glob(os.path.join(HERE, "cells", f"{cell}-2x4-{rate}-r*")))
+            pattern = f"{cell}-2x4-{rate}{series}-r*"
+            runs = sorted(glob.glob(os.path.join(HERE, "cells", pattern)))
             if not runs:
                 continue
             recs = [_network.read_lab_run(w) for w in runs]
@@ -65,5 +70,5 @@ def nic():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else None)
     nic()

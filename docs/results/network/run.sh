@@ -7,6 +7,7 @@
 #   tools/cpu-all docs/results/network/run.sh pipeline-idle  # the pipeline without slow start
 #   tools/cpu-all docs/results/network/run.sh 2x1            # one device per host
 #   tools/cpu-all docs/results/network/run.sh hier RATE      # hierarchical mesh vs flat dense
+#     (ROUNDS=N rounds, default 2; TAG=NAME: cells named ...-RATE-NAME-rN, a new series)
 #   tools/cpu-all docs/results/network/run.sh nic [RATE [CELL...]]  # NIC bytes per step
 #   tools/cpu-all docs/results/network/run.sh 10gbit         # a tbf that never limits
 # Runs go to $RUNS (default /tmp/jaxcomp-lab-runs); each finished cell's small files (lab.json,
@@ -75,7 +76,8 @@ case "$what" in
   hier)  # PowerSGD (and Accordion) on [("slow", 2), ("fast", 4)]: dense inside a host,
     # compressed between hosts; round-robin with the flat dense cell, ROUNDS rounds (default 2,
     # the second in reverse order); each round's cells are their own variant, so the report
-    # takes a cell's compute from the same round's unlimited cell
+    # takes a cell's compute from the same round's unlimited cell; TAG=NAME names a new series
+    # of cells (e.g. TAG=sharded after the hierarchical mean was sharded over fast)
     HOSTS=2 DEVICES=4
     rate=$2
     HIER=(--set 'mesh=[("slow", 2), ("fast", 4)]')
@@ -91,7 +93,7 @@ case "$what" in
       order=("${cells[@]}")
       [ $((r % 2)) = 0 ] && order=($(printf '%s\n' "${cells[@]}" | tac))
       for c in "${order[@]}"; do
-        name="$c-2x4-$rate-r$r" variant="$c-round$r"
+        name="$c-2x4-$rate${TAG:+-$TAG}-r$r" variant="$c${TAG:+-$TAG}-round$r"
         case "$c" in
           dense-flat) cell "$name" "$variant" "$rate" "per_host-2x4-$rate" \
             configs/digits_dense.py "${LEN[@]}" ;;
