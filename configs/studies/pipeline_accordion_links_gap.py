@@ -15,8 +15,9 @@ exploratory single-seed runs of 400 steps the 2/4-bit links reached 0.947 (Adam)
 (SGD-momentum) with compression on, against 0.985 / 0.981 for 8-bit: 2-4 points lower
 (docs/results/text_exploration.md). 3 variants x 2 optimizers x 2 seeds = 12 runs.
 
-Expected runtime: ~4 min on 2 shared CPU cores (measured: 242 s at load average ~5; 12-15 s
-per fixed run, 28-35 s per adaptive run). ``--smoke``: 12 runs of 2 steps.
+Expected runtime: ~4-5 min on 2 shared CPU cores (measured: 262 s at load average 8.5-9.9,
+without a compilation cache; 13-16 s per fixed run, 27-40 s per adaptive run). ``--smoke``: 12
+runs of 2 steps.
 Results: docs/results/pipeline_accordion_links_gap.
 
 Finding tested (beyond the papers: issue 15; Agarwal et al., 2021, applied to Rudakov et al.,

@@ -15,8 +15,9 @@ travel uncompressed (``backward_mode = "independent"``), so that the forward cha
 only difference. Adam lr 3e-3, SGD-momentum lr 0.1, constant, gradient clipping 1.0; evaluated
 every 75 steps. 5 variants x 2 optimizers x 2 seeds = 20 runs.
 
-Expected runtime: ~15 min on 2 shared CPU cores (estimated from single cells; not yet measured
-for the whole study). ``--smoke``: 20 runs of 2 steps.
+Expected runtime: ~16 min on 2 shared CPU cores (measured: 949 s for the 20 runs at load average
+0.5-5.6, without a compilation cache; 33-44 s per run, 78-84 s per AQ-SGD run). ``--smoke``: 20
+runs of 2 steps. Results: docs/results/text_paper1_feedback.
 
 Findings tested (Rudakov et al., 2024, abstract; SPEC.md sections 1.1, 1.5): error feedback
 (EF, EF21, AQ-SGD) does not improve training over plain compression, but it allows inference
