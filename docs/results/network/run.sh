@@ -156,7 +156,7 @@ case "$what" in
     HIER=(--set 'mesh=[("slow", 2), ("fast", 4)]')
     GLEN=(--set "total_steps=${GPT_STEPS:-300}" --set eval_every=25 --set log_every=25
           --set checkpoint_every=0)
-    TARGETS=(--target_loss 2.3 --target_loss 2.1 --target_loss 2.0 --target_loss 1.9)
+    TARGETS=(--target_loss 2.4 --target_loss 2.3 --target_loss 2.2 --target_loss 2.1)
     GPSGD=(--set 'data_parallel.transform="compressed_mean"'
            --set 'data_parallel.codec={"name": "power_sgd", "rank": 4, "feedback": "ef"}')
     calibrate "per_host-2x4-$rate" 2 4 "$rate"
