@@ -12,7 +12,7 @@ import os
 from jaxcomp.study import _network
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RATES = ("unlimited", "100mbit")
+RATES = ("unlimited", "100mbit", "10mbit")
 
 
 def main():
