@@ -6,7 +6,7 @@ rate-limited network built on this machine.
   python -m jaxcomp.lab calibrate --hosts 2 --devices 4 --rate 100mbit --out cal.json
   python -m jaxcomp.lab train --config configs/digits_dense.py --workdir runs/lab/dense \
       --hosts 2 --devices 4 --rate 100mbit [--set KEY=VALUE ...] [--calibration cal.json]
-      [--target 0.97]
+      [--target 0.97] [--target_loss 1.9]
   python -m jaxcomp.lab study accordion_powersgd --workdir runs/lab/acc \
       --rates 100mbit,1gbit --hosts 2 [--smoke] [--set ...] [--cells PATTERN ...]
   python -m jaxcomp.lab run --hosts 2 --devices 4 --rate 100mbit --log_dir D -- python x.py
@@ -76,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "(default: calibrate first; 'none': skip)")  # fmt: skip
     tr.add_argument("--target", type=float, action="append", default=[],
                     help="report the time to this test accuracy (repeatable)")  # fmt: skip
+    tr.add_argument("--target_loss", type=float, action="append", default=[],
+                    help="report the time to this validation loss or less")  # fmt: skip
     tr.add_argument("--variant", default=None,
                     help="a name for the run in reports (runs of one variant at several "
                     "rates share the unlimited one's compute)")  # fmt: skip
@@ -216,12 +218,15 @@ def _train_cmd(args) -> int:
             _print_calibration(cal)
         record = _train.run_config(lab, args.config, args.workdir, overrides=args.set,
                                    calibration=cal, targets=args.target,
-                                   timeout_s=args.timeout, variant=args.variant)  # fmt: skip
+                                   loss_targets=args.target_loss, timeout_s=args.timeout,
+                                   variant=args.variant)  # fmt: skip
     st = record["measured"]["step_time"] or {}
     if st:
         print(f"step time: median {1e3 * st['median_s']:.1f} ms [q25 {1e3 * st['q25_s']:.1f}, "
               f"q75 {1e3 * st['q75_s']:.1f}] over {st['n']} steps")  # fmt: skip
-    for target, hit in record["measured"]["time_to_accuracy"].items():
+    hits = list(record["measured"]["time_to_accuracy"].items())
+    hits += [(f"loss {k}", v) for k, v in record["measured"]["time_to_loss"].items()]
+    for target, hit in hits:
         print(
             f"time to {target}: "
             + (

@@ -73,6 +73,7 @@ def run_config(
     overrides: Sequence[str] = (),
     calibration: dict | None = None,
     targets: Sequence[float] = (),
+    loss_targets: Sequence[float] = (),
     timeout_s: float = 1800.0,
     name: str | None = None,
     variant: str | None = None,
@@ -91,6 +92,7 @@ def run_config(
       overrides: ``KEY=VALUE`` strings, as ``jaxcomp.main --set``.
       calibration: the lab's calibration of this network (stored with the result).
       targets: test accuracies whose time to reach is reported.
+      loss_targets: validation losses whose time to reach (at or below) is reported.
       timeout_s: the run's wall-clock limit.
       name, variant, axes: how a study names the run.
 
@@ -119,6 +121,7 @@ def run_config(
         "network": network,
         "calibration": calibration,
         "targets": list(targets),
+        "loss_targets": list(loss_targets),
         "checkpoint_every": int(cfg.checkpoint_every or 0),
         "eval_every": int(cfg.eval_every or 0),
         "load_before": _lab.load(),

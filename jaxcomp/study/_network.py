@@ -9,8 +9,9 @@ load before and after. This module reads what the trainer wrote beside it and co
   the step's metrics on the host), median and quartiles over the steps after the first
   :data:`WARMUP_STEPS`, leaving out each step that follows an evaluation or a checkpoint (an
   idle gap: cold caches, TCP slow start);
-* **time to accuracy**: the training time (the sum of step times) and the wall time since the
-  run started at the first evaluation reaching each target accuracy;
+* **time to accuracy** (or **to loss**, a language model's): the training time (the sum of
+  step times) and the wall time since the run started at the first evaluation reaching each
+  target accuracy (at or above) or validation loss (at or below);
 * **the prediction**: :math:`T(r) = C + \mathrm{comm}(r)`, :math:`\mathrm{comm}(r)` the cost
   model's time of the step's collectives (``summary.json``'s ``collectives``, as the study
   report reads them) on the links fitted at rate :math:`r`, and the compute :math:`C = T_{meas}
@@ -102,25 +103,39 @@ def step_times(workdir: str, checkpoint_every: int = 0) -> dict[str, Any] | None
     return out
 
 
-def time_to_accuracy(workdir: str, targets: Sequence[float]) -> dict[str, Any]:
-    """``{target: {"step", "train_s", "elapsed_s", "accuracy"} | None}``: the first evaluation
-    at or above each target (with compression on where the mode evaluates both ways)."""
+def _time_to(workdir: str, targets: Sequence[float], key: str, reached) -> dict[str, Any]:
+    """``{target: {"step", key, "train_s", "elapsed_s"} | None}`` at the first evaluation
+    whose finite ``key`` satisfies ``reached(value, target)``."""
     timing = {int(r["step"]): r for r in _jsonl(os.path.join(workdir, TIMING))}
     evals = [r for r in _jsonl(os.path.join(workdir, "metrics.jsonl")) if r.get("split") == "eval"]
     out: dict[str, Any] = {}
     for target in targets:
-        hit = next((r for r in evals if r.get("accuracy", -1) >= target), None)
+        hit = next((r for r in evals if isinstance(r.get(key), (int, float))
+                    and math.isfinite(r[key]) and reached(r[key], target)), None)  # fmt: skip
         if hit is None or int(hit["step"]) not in timing:
             out[f"{target:g}"] = None
             continue
         step = int(hit["step"])
         out[f"{target:g}"] = {
             "step": step,
-            "accuracy": hit["accuracy"],
+            key: hit[key],
             "train_s": sum(r["step_s"] for s, r in timing.items() if s <= step),
             "elapsed_s": timing[step]["elapsed_s"],
         }
     return out
+
+
+def time_to_accuracy(workdir: str, targets: Sequence[float]) -> dict[str, Any]:
+    """``{target: {"step", "train_s", "elapsed_s", "accuracy"} | None}``: the first evaluation
+    at or above each target (with compression on where the mode evaluates both ways)."""
+    return _time_to(workdir, targets, "accuracy", lambda v, t: v >= t)
+
+
+def time_to_loss(workdir: str, targets: Sequence[float]) -> dict[str, Any]:
+    """``{target: {"step", "train_s", "elapsed_s", "loss"} | None}``: the first evaluation
+    whose loss (validation loss; a NaN never counts) is at or below each target, as
+    :func:`time_to_accuracy` (a language model's measure: its accuracy is the next token's)."""
+    return _time_to(workdir, targets, "loss", lambda v, t: v <= t)
 
 
 def accuracy_curve(workdir: str) -> list[tuple[float, float]]:
@@ -332,14 +347,17 @@ def measure(
     targets: Sequence[float] = (),
     checkpoint_every: int = 0,
     network: Mapping[str, Any] | None = None,
+    loss_targets: Sequence[float] = (),
 ) -> dict[str, Any]:
-    """What a lab run measured, from its workdir: step times, time to each target accuracy,
-    bytes and collectives per step (and how many collectives a step issues)."""
+    """What a lab run measured, from its workdir: step times, time to each target accuracy
+    and each target (validation) loss, bytes and collectives per step (and how many
+    collectives a step issues)."""
     summary = _report._load_json(os.path.join(workdir, "summary.json"), {})
     colls, how = collectives(workdir, network)
     return {
         "step_time": step_times(workdir, checkpoint_every),
         "time_to_accuracy": time_to_accuracy(workdir, targets),
+        "time_to_loss": time_to_loss(workdir, loss_targets),
         "final_accuracy": summary.get("final_accuracy"),
         "steps": summary.get("steps"),
         "mode": summary.get("mode"),
@@ -365,6 +383,7 @@ def read_lab_run(workdir: str) -> dict[str, Any] | None:
         record.get("targets", ()),
         int(record.get("checkpoint_every") or 0),
         record.get("network"),
+        record.get("loss_targets", ()),
     )
     return record
 
@@ -462,7 +481,8 @@ def table(records: Sequence[dict[str, Any]]) -> str:
         cal = r.get("calibration") or {}
         fit = (cal.get("fits") or {}).get("all-reduce") or {}
         ach = (cal.get("achieved") or {}).get("bit_s")
-        tta = [v for v in (m.get("time_to_accuracy") or {}).items()]
+        tta = list((m.get("time_to_accuracy") or {}).items())
+        tta += [(f"loss {k}", v) for k, v in (m.get("time_to_loss") or {}).items()]
         tta_s = (
             "; ".join(
                 f"{k}: {v['train_s']:.1f} / {v['elapsed_s']:.1f}" if v else f"{k}: not reached"
@@ -495,7 +515,8 @@ TABLE_NOTE = (
     f"{WARMUP_STEPS} warm-up steps, without the steps after an evaluation or checkpoint); "
     "predicted = compute (the unlimited-rate run's median less the model's communication "
     "there) + the cost model's communication on the links fitted at that rate; time to "
-    "target: training time (sum of step times) / wall time since the run started."
+    "target (an accuracy, or `loss X`: a validation loss at or below X): training time (sum of "
+    "step times) / wall time since the run started."
 )
 
 

@@ -59,6 +59,23 @@ def test_time_to_accuracy_sums_the_steps_up_to_the_first_evaluation_on_target(tm
     assert tta["0.9"]["elapsed_s"] == pytest.approx(10.08)
 
 
+def test_time_to_loss_is_the_first_finite_evaluation_at_or_below_the_target(tmp_path):
+    w = _run(tmp_path / "r", None, 0.01)  # evaluation losses 1 at steps 4 and 8
+    with open(tmp_path / "r" / "metrics.jsonl", "a") as f:  # a NaN loss is not on target
+        f.write(json.dumps({"step": 6, "split": "eval", "loss": float("nan")}) + "\n")
+    ttl = _network.time_to_loss(w, [1.0, 0.5])
+    assert ttl["0.5"] is None
+    assert ttl["1"]["step"] == 4 and ttl["1"]["loss"] == 1
+    assert ttl["1"]["train_s"] == pytest.approx(0.08)  # the slow first step + 3 of 0.01 s
+    assert ttl["1"]["elapsed_s"] == pytest.approx(10.04)
+    assert _network.time_to_loss(w, [float("nan")]) == {"nan": None}
+    lab = json.loads((tmp_path / "r" / _network.LAB_FILE).read_text())
+    (tmp_path / "r" / _network.LAB_FILE).write_text(json.dumps({**lab, "loss_targets": [1.0]}))
+    record = _network.read_lab_run(w)
+    assert record["measured"]["time_to_loss"]["1"]["step"] == 4
+    assert "loss 1: 0.1 / 10.0" in _network.table([record])
+
+
 def test_prediction_takes_compute_from_the_unlimited_run(tmp_path):
     runs = [_network.read_lab_run(_run(tmp_path / n, r, t))
             for n, r, t in (("u", None, 0.05), ("slow", 1e8, 0.2))]  # fmt: skip

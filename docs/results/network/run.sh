@@ -10,6 +10,8 @@
 #     (ROUNDS=N rounds, default 2; TAG=NAME: cells named ...-RATE-NAME-rN, a new series)
 #   tools/cpu-all docs/results/network/run.sh nic [RATE [CELL...]]  # NIC bytes per step
 #   tools/cpu-all docs/results/network/run.sh 10gbit         # a tbf that never limits
+#   tools/cpu-all docs/results/network/run.sh gpt RATE       # the GPT on the embedded text
+#     (issue 35 item 5: time to a target validation loss; language_model.md)
 # Runs go to $RUNS (default /tmp/jaxcomp-lab-runs); each finished cell's small files (lab.json,
 # summary, timing and metrics) are copied into docs/results/network/cells/, which
 # `python -m jaxcomp.lab report docs/results/network/cells --out docs/results/network` reads.
@@ -57,12 +59,14 @@ cell() {  # NAME VARIANT RATE CALIBRATION CONFIG [--set ...]
   echo "== $name: load $(cut -d' ' -f1-3 /proc/loadavg)"
   [ "$cal" = none ] || cal="$here/calibrations/$cal.json"
   lab train --config "$config" --workdir "$RUNS/$name" --variant "$variant" \
-    --hosts "$HOSTS" --devices "$DEVICES" --rate "$rate" --calibration "$cal" --target 0.97 "$@"
+    --hosts "$HOSTS" --devices "$DEVICES" --rate "$rate" --calibration "$cal" \
+    "${TARGETS[@]}" "$@"
   keep "$name"
 }
 
 PSGD=(--set 'data_parallel.transform="compressed_mean"'
       --set 'data_parallel.codec={"name": "power_sgd", "rank": 2, "feedback": "ef"}')
+TARGETS=(--target 0.97)
 SHORT=(--set total_steps=60 --set eval_every=0 --set log_every=20 --set checkpoint_every=0)
 case "$what" in
   diagnosis)  # TCP slow start after idle gaps
@@ -142,6 +146,31 @@ case "$what" in
     cell powersgd-hier-2x4-10gbit-r1 powersgd-hier-10gbit 10gbit none \
       configs/digits_accordion.py "${LEN[@]}" "${PSGD[@]}" --set 'mesh=[("slow", 2), ("fast", 4)]'
     cell dense-flat-2x4-10gbit-r1 dense-flat-10gbit 10gbit none configs/digits_dense.py "${LEN[@]}"
+    ;;
+  gpt)  # the GPT of configs/text_gpt_dense.py on the embedded text (issue 35 item 5): dense on
+    # the flat mesh against PowerSGD rank 4 + EF and Accordion (ranks 4/1, its config) on
+    # [("slow", 2), ("fast", 4)]; same batch (64), steps, seed; time to target validation
+    # losses; GPT_CELLS="..." for some cells only, GPT_STEPS for another length
+    HOSTS=2 DEVICES=4
+    rate=${2:-100mbit}
+    HIER=(--set 'mesh=[("slow", 2), ("fast", 4)]')
+    GLEN=(--set "total_steps=${GPT_STEPS:-300}" --set eval_every=25 --set log_every=25
+          --set checkpoint_every=0)
+    TARGETS=(--target_loss 2.4 --target_loss 2.3 --target_loss 2.2 --target_loss 2.1)
+    GPSGD=(--set 'data_parallel.transform="compressed_mean"'
+           --set 'data_parallel.codec={"name": "power_sgd", "rank": 4, "feedback": "ef"}')
+    calibrate "per_host-2x4-$rate" 2 4 "$rate"
+    for c in ${GPT_CELLS:-gpt-dense-flat gpt-powersgd-hier gpt-accordion-hier}; do
+      case "$c" in
+        gpt-dense-flat) cell "$c-2x4-$rate" "$c" "$rate" "per_host-2x4-$rate" \
+          configs/text_gpt_dense.py "${GLEN[@]}" ;;
+        gpt-powersgd-hier) cell "$c-2x4-$rate" "$c" "$rate" "per_host-2x4-$rate" \
+          configs/text_gpt_accordion.py "${GLEN[@]}" "${GPSGD[@]}" "${HIER[@]}" ;;
+        gpt-accordion-hier) cell "$c-2x4-$rate" "$c" "$rate" "per_host-2x4-$rate" \
+          configs/text_gpt_accordion.py "${GLEN[@]}" "${HIER[@]}" ;;
+        *) echo "unknown GPT cell $c" >&2; exit 2 ;;
+      esac
+    done
     ;;
   2x1)  # one device per host: each host's compute on its own core
     HOSTS=2 DEVICES=1
