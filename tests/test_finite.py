@@ -53,8 +53,11 @@ def _tree(rng, bad_leaf=None, bad_value=None, position=0):
 
 
 CASES = [(None, None, 0)] + [
-    (leaf, value, pos) for leaf in (0, 1, 2, 3, 5, 6, 7) for value in EDGES for pos in (0, 3, -1)
-]
+    pytest.param(leaf, value, pos, marks=[pytest.mark.slow] if pos == 3 else [])
+    for leaf in (0, 1, 2, 3, 5, 6, 7)
+    for value in EDGES
+    for pos in (0, 3, -1)
+]  # the fast tier: each leaf's first and last entry; the slow tier also one inside
 
 
 @pytest.mark.parametrize("leaf,value,pos", CASES)

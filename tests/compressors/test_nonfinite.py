@@ -67,13 +67,13 @@ def _check(case, size, mode, bad, jitted=None):
         assert (~finite).sum() == C.kept_count(y.size, 0.1, None), where  # every such row: 10%
 
 
-def _check_size(case, size):
+def _check_size(case, size, modes=("eager", "jit")):
     round_trip = case.round_trip()  # one program per row and size
 
     def jitted(x, key):
         return round_trip(x, key)[2]
 
-    for mode in ("eager", "jit"):
+    for mode in modes:
         if case.name in _EAGER_SELECT and size == "large" and mode == "eager":
             continue  # test_non_finite_large_input_decodes_non_finite_eagerly_through_the_select
         for bad in sorted(BAD):
@@ -81,8 +81,14 @@ def _check_size(case, size):
 
 
 def test_non_finite_input_decodes_non_finite(codec_case):
-    """Small, eager and jitted, NaN, Inf and -Inf."""
-    _check_size(codec_case, "small")
+    """Small, jitted (as a training step runs it), NaN, Inf and -Inf."""
+    _check_size(codec_case, "small", modes=("jit",))
+
+
+@pytest.mark.slow  # op by op: the same ops, dispatched one at a time
+def test_non_finite_input_decodes_non_finite_eagerly(codec_case):
+    """Small, eager, NaN, Inf and -Inf."""
+    _check_size(codec_case, "small", modes=("eager",))
 
 
 @pytest.mark.slow  # the codecs' large-input paths: the select, the folds

@@ -100,8 +100,15 @@ def _gone(pids, timeout=10.0):
     return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-@pytest.mark.parametrize("inherited", ["default", "sigint_ignored"])
+@pytest.mark.parametrize(
+    "inherited,sig",
+    [
+        ("default", signal.SIGTERM),
+        ("sigint_ignored", signal.SIGINT),
+        pytest.param("default", signal.SIGINT, marks=pytest.mark.slow),
+        pytest.param("sigint_ignored", signal.SIGTERM, marks=pytest.mark.slow),
+    ],
+)
 def test_a_signalled_lab_tears_itself_down(sig, inherited, tmp_path):
     # a process started with SIGINT ignored (a background job, a test runner's worker) gets no
     # KeyboardInterrupt from Python: the lab installs its own handler

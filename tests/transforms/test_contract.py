@@ -289,7 +289,9 @@ def _unmetered(step, state, grads):
     return report.total_bytes - float(compiled(state, grads)[1].bytes_sent)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(
+    "dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)]
+)  # float16 in the fast tier: tests/train/test_precision.py's data-parallel and AB runs
 @pytest.mark.parametrize("case", _params(BF16_CASES))
 def test_16_bit_params(case, dtype, mesh):
     """bfloat16 / float16 parameters and gradients: updates of that dtype, state types kept
