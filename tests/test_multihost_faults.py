@@ -208,14 +208,22 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
     assert [run.code(0), run.code(1)] == [main.EXIT_STORAGE] * 2, run.out(0)[-2000:]
     lines = [_one_line(run.out(i)) for i in (0, 1)]
     assert abs(run.ended[0] - run.ended[1]) < 10, run.ended  # the next step, not a bound
-    full = [i for i in (0, 1) if "cannot be written to" in lines[i]]  # either may meet it
-    assert full, lines
+    # Either process may meet the full disk, in the checkpoint or (under load, when the
+    # save comes late) in another file of the workdir first: both are named, with the path.
+    full = [i for i in (0, 1) if "cannot be written to" in lines[i]]
+    other = [
+        i for i in (0, 1) if f"cannot write {work}" in lines[i] and "No space left" in lines[i]
+    ]
+    assert full or other, lines
     for i in full:
         assert "no space left" in lines[i] and "it needs about" in lines[i], lines[i]
         assert str(work / "checkpoints") in lines[i] and "is intact" in lines[i], lines[i]
-    for i in {0, 1} - set(full):
-        assert f"process {1 - i} cannot write checkpoint step" in lines[i], lines[i]
-        assert "no space left on the device" in lines[i], lines[i]
+    for i in {0, 1} - set(full) - set(other):
+        said = lines[i]
+        assert (
+            f"process {1 - i} cannot write checkpoint step" in said
+            and "no space left on the device" in said
+        ) or f"process {1 - i} could not write its workdir after step" in said, said
     kept = _checkpoints(work)
     assert kept[-1] > last and not any("tmp" in p.name for p in (work / "checkpoints").iterdir())
 
