@@ -5,7 +5,6 @@ the same modes on every device (uniform predicates), compressed bytes only on th
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import comm
@@ -32,21 +31,6 @@ def grads(pair_grads):
     return pair_grads(SHAPE)
 
 
-def _setup(tx, mesh, data_axes, state_axis, grads):
-    """The jitted ``shard_map``'d update, its placed state and the sharded gradients."""
-    with jax.set_mesh(mesh):
-        state = comm.place_state(tx.init(jax.tree.map(lambda x: x[0], grads)), mesh, state_axis)
-    specs = comm.state_specs(state, state_axis)
-
-    def body(g, s):
-        return tx.update(jax.tree.map(lambda x: x[0], g), s)
-
-    step = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(data_axes), specs), out_specs=(P(), specs))
-    )
-    return step, state, NamedSharding(mesh, P(data_axes))
-
-
 def _run(step, state, sharding, grads):
     """Means, modes of ``w`` and states over the steps of ``SCALES``."""
     out = []
@@ -58,17 +42,17 @@ def _run(step, state, sharding, grads):
 
 
 @pytest.fixture(scope="module")
-def pair_run(pair_mesh, grads):
-    step, state, sharding = _setup(_tx((SLOW, FAST)), pair_mesh, (SLOW, FAST), SLOW, grads)
+def pair_run(pair_mesh, grads, pair_update):
+    step, state, sharding = pair_update(_tx((SLOW, FAST)), pair_mesh, (SLOW, FAST), SLOW, grads)
     return step, state, sharding, _run(step, state, sharding, grads)
 
 
-def test_pair_is_accordion_over_slow_of_the_host_means(pair_mesh, grads, pair_run):
+def test_pair_is_accordion_over_slow_of_the_host_means(pair_mesh, grads, pair_run, pair_update):
     """== the same transform over the slow axis alone (2 devices) fed each host's dense mean:
     the same means, modes (switching low, high, low, high) and slow-axis bytes."""
     host = {k: v.reshape(2, 4, *v.shape[1:]).mean(1) for k, v in grads.items()}
     flat = comm.make_mesh([(SLOW, 2)], devices=jax.devices()[:2])
-    ref = _run(*_setup(_tx(SLOW), flat, SLOW, SLOW, host), host)
+    ref = _run(*pair_update(_tx(SLOW), flat, SLOW, SLOW, host), host)
     got = pair_run[3]
     assert [m for _, m, _ in got] == [m for _, m, _ in ref] == MODES
     for (mean, _, s), (ref_mean, _, ref_s) in zip(got, ref):
@@ -84,13 +68,17 @@ def test_pair_is_accordion_over_slow_of_the_host_means(pair_mesh, grads, pair_ru
 
 
 @pytest.mark.parametrize("statistic", ["worker0", "mean"])
-def test_pair_equals_a_flat_axis_of_eight_when_hosts_agree(pair_mesh, grads, statistic):
+def test_pair_equals_a_flat_axis_of_eight_when_hosts_agree(
+    pair_mesh, grads, statistic, pair_update
+):
     """Where every device of a host has the same gradient, the fast mean is exact and the
     8-worker statistics (worker 0's norm, the mean of norms) are the hosts': == a flat axis."""
     same = {k: np.repeat(v[::4], 4, axis=0) for k, v in grads.items()}  # host h: device 4h's
     data = comm.make_mesh([(comm.DATA, 8)])
-    ref = _run(*_setup(_tx(comm.DATA, statistic), data, comm.DATA, comm.DATA, same), same)
-    got = _run(*_setup(_tx((SLOW, FAST), statistic), pair_mesh, (SLOW, FAST), SLOW, same), same)
+    ref = _run(*pair_update(_tx(comm.DATA, statistic), data, comm.DATA, comm.DATA, same), same)
+    got = _run(
+        *pair_update(_tx((SLOW, FAST), statistic), pair_mesh, (SLOW, FAST), SLOW, same), same
+    )
     assert [m for _, m, _ in got] == [m for _, m, _ in ref] == MODES
     for (mean, _, _), (ref_mean, _, _) in zip(got, ref):
         for k in grads:
@@ -127,10 +115,10 @@ def test_bad_pairs_are_named():
         _tx((SLOW, FAST, "x"))
 
 
-def test_a_fast_axis_missing_from_the_mesh_is_named(grads):
+def test_a_fast_axis_missing_from_the_mesh_is_named(grads, pair_update):
     """The pair's fast axis must be an axis of the shard_map (not silently skipped)."""
     flat = comm.make_mesh([(SLOW, 2)], devices=jax.devices()[:2])
     host = {k: v[:2] for k, v in grads.items()}
-    step, state, sharding = _setup(_tx((SLOW, FAST)), flat, SLOW, SLOW, host)
+    step, state, sharding = pair_update(_tx((SLOW, FAST)), flat, SLOW, SLOW, host)
     with pytest.raises(Exception, match="fast"):
         step(jax.device_put(host, sharding), state)

@@ -7,8 +7,6 @@ once per host instead of 4 times (the HLO meter)."""
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxcomp import comm
 from jaxcomp import compressors as C
@@ -50,26 +48,12 @@ def grads():
     return {k: rng.standard_normal((8, *s)).astype(np.float32) for k, s in SHAPES.items()}
 
 
-def _setup(tx, mesh, grads):
-    with jax.set_mesh(mesh):
-        state = comm.place_state(tx.init(jax.tree.map(lambda x: x[0], grads)), mesh, PAIR)
-    specs = comm.state_specs(state, PAIR)
-
-    def body(g, s):
-        return tx.update(jax.tree.map(lambda x: x[0], g), s)
-
-    step = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(PAIR), specs), out_specs=(P(), specs))
-    )
-    return step, state, NamedSharding(mesh, P(PAIR))
-
-
 @pytest.fixture(scope="module")
-def runs(pair_mesh, grads):
+def runs(pair_mesh, grads, pair_update):
     """Per case and sharding: (initial state, [(means, state)] over the steps, step, g)."""
 
     def run(case, shard):
-        step, state, sharding = _setup(CASES[case](shard), pair_mesh, grads)
+        step, state, sharding = pair_update(CASES[case](shard), pair_mesh, PAIR, PAIR, grads)
         first, out = state, []
         for scale in SCALES:
             g = jax.device_put(jax.tree.map(lambda x, c=scale: x * c, grads), sharding)
