@@ -72,3 +72,78 @@ def move_as_bits(move: Callable[[Any], Any], tree: Any) -> Any:
         for g, x, c in zip(got, leaves, carriers)
     ]
     return jax.tree.unflatten(treedef, back)
+
+
+def _byte_view(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8).reshape(-1)
+    dtype = np.dtype(x.dtype)
+    if jnp.issubdtype(dtype, jnp.integer) and jnp.iinfo(dtype).bits < 8 or (
+        jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 8 * dtype.itemsize
+    ):
+        raise TypeError(f"to_bytes: sub-byte dtype {dtype} has no byte view.")
+    return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)  # wider: [..., itemsize]
+
+
+def byte_size(tree: Any) -> int:
+    """Bytes :func:`to_bytes` makes of ``tree`` (arrays or ``ShapeDtypeStruct``s): the sum of
+    ``size * itemsize`` over its leaves."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def to_bytes(tree: Any, size: int | None = None) -> jax.Array:
+    r"""Every leaf of ``tree`` as its bytes, concatenated in leaf order into one ``uint8``
+    vector, zero-padded to ``size`` bytes.
+
+    Moving pytrees of different structures in one collective (every device hands it one array
+    of one shape): each goes as its bytes, padded to the largest; the padding crosses too.
+    :func:`from_bytes` is the inverse, bit for bit (NaN payloads and signed zeros included).
+
+    Args:
+      tree: a pytree of arrays of whole-byte dtypes (``bool`` goes as one byte, 0 or 1).
+      size: the vector's length, at least :func:`byte_size` of ``tree`` (``None``: exactly it).
+
+    Returns:
+      ``uint8[size]``.
+
+    Raises:
+      TypeError: a leaf of a sub-byte dtype (``int4``, ``float4_e2m1fn``).
+      ValueError: ``size`` below the tree's bytes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp._bits import to_bytes, from_bytes
+      >>> tree = {"codes": jnp.arange(3, dtype=jnp.uint8), "scale": jnp.float32(2.0)}
+      >>> v = to_bytes(tree, 8)
+      >>> v.shape, float(from_bytes(v, tree)["scale"])
+      ((8,), 2.0)
+    """
+    parts = [_byte_view(x) for x in jax.tree.leaves(tree)]
+    n = sum(int(p.shape[0]) for p in parts)
+    size = n if size is None else size
+    if size < n:
+        raise ValueError(f"to_bytes: size {size} is below the tree's {n} bytes.")
+    if size > n:
+        parts.append(jnp.zeros((size - n,), jnp.uint8))
+    return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
+
+
+def from_bytes(vector: jax.Array, like: Any) -> Any:
+    """The pytree shaped as ``like`` (arrays or ``ShapeDtypeStruct``s) whose bytes lead
+    ``vector`` (a :func:`to_bytes` output; the padding after them is ignored)."""
+    leaves, treedef = jax.tree.flatten(like)
+    if byte_size(leaves) > vector.shape[0]:
+        raise ValueError(f"from_bytes: {vector.shape[0]} bytes, the tree needs {byte_size(like)}.")
+    out, at = [], 0
+    for x in leaves:
+        dtype, shape = np.dtype(x.dtype), tuple(x.shape)
+        n = int(np.prod(shape)) * dtype.itemsize
+        piece = vector[at : at + n]
+        at += n
+        if dtype == np.bool_:
+            out.append(piece.reshape(shape) != 0)
+        elif dtype.itemsize == 1:
+            out.append(lax.bitcast_convert_type(piece, dtype).reshape(shape))
+        else:
+            out.append(lax.bitcast_convert_type(piece.reshape(*shape, dtype.itemsize), dtype))
+    return jax.tree.unflatten(treedef, out)

@@ -164,8 +164,41 @@ class StateEnd(NamedTuple):
         return out, store._replace(**{self.field: jax.tree.map(write, state, flags, new)})
 
 
+def encode(channel, x, store, send_end, key, ids, is_sender, compress):
+    """The sender's half of :func:`exchange`: ``(payload, store)``, the payload zeros where
+    ``is_sender`` is false (``x`` itself when ``compress`` is false, the channel observing it)."""
+    if not compress:  # dense: the channel only observes x (EF21/AQ-SGD copy it)
+        _, store = send_end.run(
+            is_sender, lambda st, i: (None, channel.dense_send(x, st, i)), lambda: None,
+            store, ids, x,
+        )  # fmt: skip
+        return x, store
+    payload_struct = _base.payload_shape(channel.codec, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return send_end.run(
+        is_sender, lambda st, i: channel.send(x, st, key, i), lambda: _zeros(payload_struct, x),
+        store, ids, x,
+    )  # fmt: skip
+
+
+def decode(channel, received, x, store, recv_end, ids, is_receiver, compress):
+    """The receiver's half of :func:`exchange`: ``(decoded, store)`` from the moved payload
+    (zeros where ``is_receiver`` is false; ``x``: what was sent, for its shape and dtype)."""
+    if not compress:
+        _, store = recv_end.run(
+            is_receiver, lambda st, i: (None, channel.dense_receive(received, st, i)),
+            lambda: None, store, ids, x,
+        )  # fmt: skip
+        return received, store
+    like = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return recv_end.run(
+        is_receiver, lambda st, i: channel.receive(received, st, like, i),
+        lambda: jnp.zeros_like(x), store, ids, x,
+    )  # fmt: skip
+
+
 def exchange(channel, x, store, ends, key, ids, is_sender, is_receiver, move, compress):
-    """One channel's ``send -> move -> receive``, each end working only where it lives.
+    """One channel's ``send -> move -> receive`` (:func:`encode`, ``move``, :func:`decode`),
+    each end working only where it lives.
 
     Args:
       channel: the :class:`~jaxcomp.feedback.Channel`.
@@ -181,34 +214,27 @@ def exchange(channel, x, store, ends, key, ids, is_sender, is_receiver, move, co
       ``(decoded, store, payload sent, payload received)`` (payloads ``None`` when dense).
     """
     send_end, recv_end = ends
-    if not compress:  # dense: the channel only observes x (EF21/AQ-SGD copy it)
-        _, store = send_end.run(
-            is_sender, lambda st, i: (None, channel.dense_send(x, st, i)), lambda: None,
-            store, ids, x,
-        )  # fmt: skip
-        received = move(x)
-        _, store = recv_end.run(
-            is_receiver, lambda st, i: (None, channel.dense_receive(received, st, i)),
-            lambda: None, store, ids, x,
-        )  # fmt: skip
-        return received, store, None, None
-
-    like = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    payload_struct = _base.payload_shape(channel.codec, like)
-    payload, store = send_end.run(
-        is_sender, lambda st, i: channel.send(x, st, key, i), lambda: _zeros(payload_struct, x),
-        store, ids, x,
-    )  # fmt: skip
+    payload, store = encode(channel, x, store, send_end, key, ids, is_sender, compress)
     received = move(payload)
-    y, store = recv_end.run(
-        is_receiver, lambda st, i: channel.receive(received, st, like, i),
-        lambda: jnp.zeros_like(x), store, ids, x,
-    )  # fmt: skip
+    y, store = decode(channel, received, x, store, recv_end, ids, is_receiver, compress)
+    if not compress:
+        return y, store, None, None
     return y, store, payload, received
 
 
+def forward_encode(forward, compress, x, store, ends, key, ids, roles):
+    """The source's half of :func:`send_forward`: ``(payload, store)``."""
+    return encode(forward, x, store, ends[0], fold_keys(key)[0], ids, roles[0], compress)
+
+
+def forward_decode(forward, compress, received, x, store, ends, ids, roles):
+    """The target's half of :func:`send_forward`: ``(decoded, store)``."""
+    return decode(forward, received, x, store, ends[1], ids, roles[1], compress)
+
+
 def send_forward(forward, mode, compress, x, store, ends, key, ids, roles, move):
-    """A link's forward: ``x`` over the forward channel from the source to the target.
+    """A link's forward: ``x`` over the forward channel from the source to the target
+    (:func:`forward_encode`, ``move``, :func:`forward_decode`).
 
     ``roles`` is ``(is_source, is_target)``, ``move(tree, reverse)`` carries a payload (back
     when ``reverse``), ``key`` is the send's key (its forward key is ``fold_in(key, 0)``).
@@ -217,16 +243,54 @@ def send_forward(forward, mode, compress, x, store, ends, key, ids, roles, move)
       ``(decoded, store, (sent, received))``: the payloads the shared-mask backward of this
       microbatch needs (``(None, None)`` otherwise).
     """
-    y, store, sent, received = exchange(
-        forward, x, store, ends, fold_keys(key)[0], ids, *roles, lambda t: move(t, False),
-        compress,
-    )  # fmt: skip
+    sent, store = forward_encode(forward, compress, x, store, ends, key, ids, roles)
+    received = move(sent, False)
+    y, store = forward_decode(forward, compress, received, x, store, ends, ids, roles)
     return y, store, (sent, received) if mode == "shared_mask" and compress else (None, None)
+
+
+def backward_encode(forward, backward, mode, compress, g, store, ends, payloads, key, ids, roles):
+    """The target's half of :func:`send_backward`: ``(payload, store)``."""
+    is_target = roles[1]
+    if mode == "shared_mask" and compress:
+        received = payloads[1]
+        like = jax.ShapeDtypeStruct(g.shape, g.dtype)
+
+        def gather():
+            def decode(v):
+                return forward.codec.decompress(received._replace(values=v), like)
+
+            return jax.vjp(decode, received.values)[1](g)[0]
+
+        return gated(is_target, gather, lambda: jnp.zeros_like(received.values)), store
+    if backward is None:
+        return g, store
+    return encode(backward, g, store, ends[0], fold_keys(key)[1], ids, is_target, compress)
+
+
+def backward_decode(forward, backward, mode, compress, moved, g, store, ends, payloads, ids,
+                    roles):  # fmt: skip
+    """The source's half of :func:`send_backward`: ``(decoded gradient, store)`` from the
+    ``moved`` payload (``g``: the gradient sent, for its shape and dtype)."""
+    is_source = roles[0]
+    if mode == "shared_mask" and compress:
+        sent = payloads[0]
+        like = jax.ShapeDtypeStruct(g.shape, g.dtype)
+        dx = gated(
+            is_source,
+            lambda: forward.codec.decompress(sent._replace(values=moved), like),
+            lambda: jnp.zeros_like(g),
+        )
+        return dx, store
+    if backward is None:
+        return moved, store
+    return decode(backward, moved, g, store, ends[1], ids, is_source, compress)
 
 
 def send_backward(forward, backward, mode, compress, g, store, ends, payloads, key, ids, roles,
                   move):  # fmt: skip
-    """A link's backward: the gradient ``g`` from the target back to the source.
+    """A link's backward: the gradient ``g`` from the target back to the source
+    (:func:`backward_encode`, ``move``, :func:`backward_decode`).
 
     ``"shared_mask"`` mode sends ``g`` at the forward's kept positions (the transpose of
     decoding the target's received payload's values; the source decodes them at its sent
@@ -236,32 +300,10 @@ def send_backward(forward, backward, mode, compress, g, store, ends, payloads, k
     Returns:
       ``(decoded gradient on the source, store)``.
     """
-    is_source, is_target = roles
-    if mode == "shared_mask" and compress:
-        sent, received = payloads
-        like = jax.ShapeDtypeStruct(g.shape, g.dtype)
-
-        def gather():
-            def decode(v):
-                return forward.codec.decompress(received._replace(values=v), like)
-
-            return jax.vjp(decode, received.values)[1](g)[0]
-
-        vals = gated(is_target, gather, lambda: jnp.zeros_like(received.values))
-        vals = move(vals, True)
-        dx = gated(
-            is_source,
-            lambda: forward.codec.decompress(sent._replace(values=vals), like),
-            lambda: jnp.zeros_like(g),
-        )
-        return dx, store
-    if backward is None:
-        return move(g, True), store
-    dx, store, _, _ = exchange(
-        backward, g, store, ends, fold_keys(key)[1], ids, is_target, is_source,
-        lambda t: move(t, True), compress,
-    )  # fmt: skip
-    return dx, store
+    args = (forward, backward, mode, compress)
+    payload, store = backward_encode(*args, g, store, ends, payloads, key, ids, roles)
+    moved = move(payload, True)
+    return backward_decode(*args, moved, g, store, ends, payloads, ids, roles)
 
 
 def make_link(forward, backward, mode, compress, transport, roles, slots):

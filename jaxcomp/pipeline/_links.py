@@ -256,3 +256,38 @@ def send_backward(
         lk.forward, lk.backward, lk.mode, compress, g, buffers, ends, payloads, key, ids, roles,
         wire.move,
     )  # fmt: skip
+
+
+def forward_halves(lk: _config.Link, boundary: int, layout, roles: tuple, compress: bool):
+    """:func:`send_forward` as its two ends, for a caller that moves many boundaries' payloads
+    in one collective (one device's link-state buffers; ``roles``: ``(is_source,
+    is_target)``): ``encode(x, buffers, key, ids) -> (payload, buffers)`` on the source,
+    ``decode(received, x, buffers, ids) -> (decoded, buffers)`` on the target. The shared-mask
+    backward's payloads are ``(payload, received)``."""
+    ends = _ends(layout, "forward", boundary, False)
+
+    def encode(x, buffers, key, ids):
+        return _send_vjp.forward_encode(lk.forward, compress, x, buffers, ends, key, ids, roles)
+
+    def decode(received, x, buffers, ids):
+        return _send_vjp.forward_decode(
+            lk.forward, compress, received, x, buffers, ends, ids, roles
+        )
+
+    return encode, decode
+
+
+def backward_halves(lk: _config.Link, boundary: int, layout, roles: tuple, compress: bool):
+    """:func:`send_backward` as its two ends (see :func:`forward_halves`):
+    ``encode(g, buffers, payloads, key, ids) -> (payload, buffers)`` on the target,
+    ``decode(moved, g, buffers, payloads, ids) -> (decoded, buffers)`` on the source."""
+    ends = _ends(layout, "backward", boundary, False)
+    args = (lk.forward, lk.backward, lk.mode, compress)
+
+    def encode(g, buffers, payloads, key, ids):
+        return _send_vjp.backward_encode(*args, g, buffers, ends, payloads, key, ids, roles)
+
+    def decode(moved, g, buffers, payloads, ids):
+        return _send_vjp.backward_decode(*args, moved, g, buffers, ends, payloads, ids, roles)
+
+    return encode, decode

@@ -35,7 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp._bits import byte_size
+from jaxcomp._bits import from_bytes
 from jaxcomp._bits import move_as_bits
+from jaxcomp._bits import to_bytes
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
 from jaxcomp.pipeline import _links
@@ -258,42 +261,86 @@ def _tick(prog, plan, ops, sends, carry, t, kinds, local, x, labels, ids, key, t
 
     acts, cotangents = list(carry.acts), list(carry.cotangents)
     states, masks = carry.states, carry.masks
-    for b, lk in enumerate(prog.links):
-        ends = (stage == b, stage == b + 1)
-        if kinds[b] == F:
+    ids_of = (lambda m: None) if ids is None else (lambda m: _take(ids, m))  # noqa: E731
+    ends = [(stage == b, stage == b + 1) for b in range(num - 1)]
+    # forward: every sending boundary encodes, all payloads move in one ppermute, each decodes
+    fwd = tuple(b for b in range(num - 1) if kinds[b] == F)
+    if fwd:
+        sent = {}
+        for b in fwd:
             m = row_f[b]
-            acts[b], states, payloads = sends.forward[b](
-                out["ys"][b], states, _links.link_key(key, b, m),
-                None if ids is None else _take(ids, m), *ends,
-            )  # fmt: skip
-            if payloads[0] is not None and prog.train:
+            sent[b], states = sends.forward_encode[b](
+                out["ys"][b], states, _links.link_key(key, b, m), ids_of(m), *ends[b]
+            )
+        got = sends.move(fwd, False)(stage, tuple(sent[b] for b in fwd))
+        for b, received in zip(fwd, got):
+            m = row_f[b]
+            acts[b], states = sends.forward_decode[b](
+                received, out["ys"][b], states, ids_of(m), *ends[b]
+            )
+            if prog.links[b].mode == "shared_mask" and prog.compress and prog.train:
                 sender, receiver = _mask_refs(prog, b)
-                masks = _write_payload(masks, sender, payloads[0], m % slots, stage == b)
-                masks = _write_payload(masks, receiver, payloads[1], m % slots, stage == b + 1)
-        if kinds[b + 1] == B:
+                masks = _write_payload(masks, sender, sent[b], m % slots, stage == b)
+                masks = _write_payload(masks, receiver, received, m % slots, stage == b + 1)
+    bwd = tuple(b for b in range(num - 1) if kinds[b + 1] == B)
+    if bwd:
+        sent, payloads = {}, {}
+        for b in bwd:
             m = row_b[b + 1]
-            payloads = (None, None)
-            if lk.mode == "shared_mask" and prog.compress:
+            payloads[b] = (None, None)
+            if prog.links[b].mode == "shared_mask" and prog.compress:
                 sender, receiver = _mask_refs(prog, b)
                 struct = st.payloads[b]
-                payloads = (
+                payloads[b] = (
                     _read_payload(masks, sender, struct, m % slots),
                     _read_payload(masks, receiver, struct, m % slots),
                 )
-            cotangents[b], states = sends.backward[b](
-                out["dxs"][b], states, payloads, _links.link_key(key, b, m),
-                None if ids is None else _take(ids, m), *ends,
+            sent[b], states = sends.backward_encode[b](
+                out["dxs"][b], states, payloads[b], _links.link_key(key, b, m), ids_of(m),
+                *ends[b],
             )  # fmt: skip
+        got = sends.move(bwd, True)(stage, tuple(sent[b] for b in bwd))
+        for b, moved in zip(bwd, got):
+            cotangents[b], states = sends.backward_decode[b](
+                moved, out["dxs"][b], states, payloads[b], ids_of(row_b[b + 1]), *ends[b]
+            )
     return Carry(
         tuple(acts), tuple(cotangents), residuals, masks, grads, states, loss, metrics, outputs,
         model,
     )  # fmt: skip
 
 
-def _move(b: int):
-    def move(tree, reverse):
-        pairs = [(b + 1, b)] if reverse else [(b, b + 1)]
-        return move_as_bits(lambda t: lax.ppermute(t, _mesh.STAGE, pairs), tree)
+def move_boundaries(boundaries: tuple[int, ...], reverse: bool) -> Any:
+    """One ``ppermute`` that moves the payloads of every boundary in ``boundaries`` (pairs
+    ``(b, b + 1)``, or ``(b + 1, b)`` when ``reverse``), as ``move(stage, payloads) ->
+    received`` (tuples in the order of ``boundaries``).
+
+    Every device hands the collective one array: the stage that sends over ``b`` selects
+    ``b``'s payload. Payloads of one structure (shapes and dtypes) move as they are (8- and
+    16-bit floats as their bits, :func:`jaxcomp._bits.move_as_bits`); otherwise each moves as
+    its bytes, zero-padded to the largest (:func:`jaxcomp._bits.to_bytes`): every pair then
+    carries the largest payload's bytes, ``len(boundaries) * max_b |payload_b|`` per move,
+    which is what :func:`jaxcomp.pipeline._links.step_bytes` counts.
+    """
+    pairs = [(b + 1, b) if reverse else (b, b + 1) for b in boundaries]
+
+    def ppermute(tree):
+        return lax.ppermute(tree, _mesh.STAGE, pairs)
+
+    def move(stage, payloads):
+        structs = [jax.tree.map(_struct, p) for p in payloads]
+        uniform = all(s == structs[0] for s in structs)
+        size = max(byte_size(s) for s in structs)
+        sender = stage - 1 if reverse else stage  # the boundary this device sends over
+        items = payloads if uniform else tuple(to_bytes(p, size) for p in payloads)
+        chosen = items[0]
+        for b, item in zip(boundaries[1:], items[1:]):
+            chosen = jax.tree.map(lambda new, old, b=b: jnp.where(sender == b, new, old),
+                                  item, chosen)  # fmt: skip
+        if uniform:
+            return (move_as_bits(ppermute, chosen),) * len(boundaries)
+        got = ppermute(chosen)
+        return tuple(from_bytes(got, s) for s in structs)
 
     return move
 
@@ -355,7 +402,7 @@ def run(prog: Program, local, x, labels, ids, key, states, model=None) -> Carry:
     carry = _local.to_varying(carry, axes)
 
     # each stage's ops and each boundary's sends traced once, for every tick
-    ops, sends = stage_ops(prog, plan), link_ops(prog, _move)
+    ops, sends = stage_ops(prog, plan), link_ops(prog)
 
     def tick(c, t, kinds):
         return _tick(prog, plan, ops, sends, c, t, kinds, local, x, labels, ids, key, tables)
@@ -456,42 +503,58 @@ def stage_ops(prog: Any, plan: _residuals.ResidualPlan | None) -> StageOps:
 
 
 class LinkOps(NamedTuple):
-    """One program's sends, per boundary (tuples of ``S - 1`` callables).
+    """One program's sends, per boundary (tuples of ``S - 1`` callables), split at the move
+    so that a tick moves every boundary's payload in one collective per direction.
 
     Attributes:
-      forward: ``(x, states, key, ids, is_source, is_target) -> (decoded, states, payloads)``
-        (:func:`jaxcomp.pipeline._links.send_forward`).
-      backward: ``(g, states, payloads, key, ids, is_source, is_target) -> (decoded,
-        states)`` (:func:`jaxcomp.pipeline._links.send_backward`).
+      forward_encode: ``(x, states, key, ids, is_source, is_target) -> (payload, states)``
+        (:func:`jaxcomp.pipeline._links.forward_halves`).
+      forward_decode: ``(received, x, states, ids, is_source, is_target) -> (decoded,
+        states)``.
+      backward_encode: ``(g, states, payloads, key, ids, is_source, is_target) -> (payload,
+        states)`` (:func:`jaxcomp.pipeline._links.backward_halves`; ``payloads``: the
+        forward's ``(sent, received)`` of the microbatch in shared-mask mode).
+      backward_decode: ``(moved, g, states, payloads, ids, is_source, is_target) -> (decoded,
+        states)``.
+      move: ``move(boundaries, reverse) -> (stage, payloads) -> received``: one tick's
+        ``ppermute`` (:func:`move_boundaries`), one per set of boundaries and direction.
     """
 
-    forward: tuple
-    backward: tuple
+    forward_encode: tuple
+    forward_decode: tuple
+    backward_encode: tuple
+    backward_decode: tuple
+    move: Any
 
 
-def link_ops(prog: Any, move: Any) -> LinkOps:
-    """The sends of every boundary of ``prog``; ``move(b)`` is boundary ``b``'s payload move
-    (``move(tree, reverse) -> tree``). Make them once per program trace, as :func:`stage_ops`.
-    """
-    layout, compress = prog.static.state_layout, prog.compress
+def link_ops(prog: Any) -> LinkOps:
+    """The sends of every boundary of ``prog``. Make them once per program trace, as
+    :func:`stage_ops`."""
+    layout, compress, links = prog.static.state_layout, prog.compress, prog.links
 
-    def forward(b, lk):
-        def op(x, states, key, ids, is_source, is_target):
-            wire = _links.Wire(is_source, is_target, move(b), False)
-            return _links.send_forward(lk, b, x, states, layout, key, ids, wire, compress)
+    def halves(b, direction, roles):
+        make = _links.forward_halves if direction == F else _links.backward_halves
+        return make(links[b], b, layout, roles, compress)
 
-        return _inline(op)
+    def op(b, direction, half):
+        def fn(*args):
+            *args, is_source, is_target = args
+            return halves(b, direction, (is_source, is_target))[half](*args)
 
-    def backward(b, lk):
-        def op(g, states, payloads, key, ids, is_source, is_target):
-            wire = _links.Wire(is_source, is_target, move(b), False)
-            return _links.send_backward(
-                lk, b, g, states, layout, payloads, key, ids, wire, compress
-            )
+        return _inline(fn)
 
-        return _inline(op)
+    movers = {}
 
-    links = tuple(enumerate(prog.links))
+    def move(boundaries, reverse):
+        if (boundaries, reverse) not in movers:
+            movers[boundaries, reverse] = _inline(move_boundaries(boundaries, reverse))
+        return movers[boundaries, reverse]
+
+    bs = range(len(links))
     return LinkOps(
-        tuple(forward(b, lk) for b, lk in links), tuple(backward(b, lk) for b, lk in links)
+        tuple(op(b, F, 0) for b in bs),
+        tuple(op(b, F, 1) for b in bs),
+        tuple(op(b, B, 0) for b in bs),
+        tuple(op(b, B, 1) for b in bs),
+        move,
     )
