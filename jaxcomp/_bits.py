@@ -78,8 +78,10 @@ def _byte_view(x: jax.Array) -> jax.Array:
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint8).reshape(-1)
     dtype = np.dtype(x.dtype)
-    if jnp.issubdtype(dtype, jnp.integer) and jnp.iinfo(dtype).bits < 8 or (
-        jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 8 * dtype.itemsize
+    if (
+        jnp.issubdtype(dtype, jnp.integer)
+        and jnp.iinfo(dtype).bits < 8
+        or (jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 8 * dtype.itemsize)
     ):
         raise TypeError(f"to_bytes: sub-byte dtype {dtype} has no byte view.")
     return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)  # wider: [..., itemsize]

@@ -12,6 +12,7 @@ and ids), with each end's state read from and written to the compact link-state 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -20,12 +21,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxcomp.comm import _hlo
 from jaxcomp.comm import _send
 from jaxcomp.comm import _send_vjp
 from jaxcomp.compressors import _base
 from jaxcomp.feedback import _channel
 from jaxcomp.pipeline import _config
 from jaxcomp.pipeline import _link_state
+from jaxcomp.pipeline import _schedule
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
@@ -156,28 +159,85 @@ def step_bytes(
     shapes: Sequence[Any],
     num_microbatches: int,
     compress: bool,
-    train: bool = True,
+    train: bool,
+    schedule: str,
 ) -> dict[str, int]:
-    """Theoretical bytes per step and pipeline replica (see :func:`jaxcomp.pipeline.distribute`).
+    r"""Bytes per step and pipeline replica that cross the boundaries (see
+    :func:`jaxcomp.pipeline.distribute`).
+
+    Each tick moves the payloads of its sending boundaries in one ``ppermute`` per direction
+    (:func:`jaxcomp.pipeline._ticks.move_boundaries`): every pair carries the largest of them
+    (payloads of different shapes go padded), so a tick and direction with sending boundaries
+    :math:`A` costs :math:`|A| \max_{b \in A} |\mathrm{payload}_b|`; with every boundary's
+    payload of one size that is :math:`M \sum_b |\mathrm{payload}_b|` per direction.
+
+    Args:
+      links, shapes: the boundaries' links and activation shapes.
+      num_microbatches: ``M``.
+      compress: the compressed program (``False``: dense payloads).
+      train: with the backward sends (``False``: evaluation's forward ticks).
+      schedule: ``"gpipe"`` or ``"1f1b"`` (which boundaries send together).
 
     Returns:
-      ``{"wire_bytes", "forward_bytes", "backward_bytes", "dense_bytes"}``: ``M`` times the sum
-      over boundaries of each microbatch's payload bytes (``wire_bytes = forward + backward``;
-      backward is 0 when ``train=False``), and what the same sends cost uncompressed.
+      ``{"wire_bytes", "forward_bytes", "backward_bytes", "dense_bytes"}``
+      (``wire_bytes = forward + backward``; backward is 0 when ``train=False``;
+      ``dense_bytes``: what the same ticks send uncompressed).
     """
-    fwd = bwd = dense = 0
-    for lk, shape in zip(links, shapes):
-        f, b = link_bytes(lk, shape, compress)
-        fwd += f
-        bwd += b if train else 0
-        dense += _base.dense_bytes(shape) * (2 if train else 1)
-    m = num_microbatches
+    sizes = [link_bytes(lk, shape, compress) for lk, shape in zip(links, shapes)]
+    dense = [_base.dense_bytes(shape) for shape in shapes]
+    fwd = bwd = dense_total = 0
+    for row in _schedule.ticks(schedule, len(links) + 1, num_microbatches, train):
+        kinds = [None if op is None else op.kind for op in row]
+        for back in (False, True):
+            kind = _schedule.BACKWARD if back else _schedule.FORWARD
+            active = [b for b in range(len(links)) if kinds[b + back] == kind]
+            if not active:
+                continue
+            sent = len(active) * max(sizes[b][back] for b in active)
+            fwd, bwd = (fwd, bwd + sent) if back else (fwd + sent, bwd)
+            dense_total += len(active) * max(dense[b] for b in active)
     return {
-        "wire_bytes": m * (fwd + bwd),
-        "forward_bytes": m * fwd,
-        "backward_bytes": m * bwd,
-        "dense_bytes": m * dense,
+        "wire_bytes": fwd + bwd,
+        "forward_bytes": fwd,
+        "backward_bytes": bwd,
+        "dense_bytes": dense_total,
     }
+
+
+def hlo_sent_bytes(hlo_text: str) -> dict[str, float]:
+    """Bytes that cross the boundaries in a compiled pipeline program, read from its HLO.
+
+    The HLO meter (:func:`jaxcomp.comm.collective_report`) counts a ``collective-permute``'s
+    operand once per execution (what one device sends); a tick's permute carries one payload
+    per source-target pair, so each is counted here times its pairs, forward (``(b, b + 1)``)
+    or backward (``(b + 1, b)``).
+
+    Args:
+      hlo_text: ``compiled.as_text()`` of a pipeline step or evaluation on a stage mesh.
+
+    Returns:
+      ``{"forward", "backward", "permutes"}``: bytes per direction and the number of
+      ``collective-permute`` instructions.
+
+    Raises:
+      ValueError: a permute whose pairs are not all forward or all backward neighbours.
+    """
+    permutes = re.findall(
+        r"%([\w.\-]+) = [^\n]*collective-permute[^\n]*"
+        r"source_target_pairs=\{(\{[\d,{}]*\})\}",
+        hlo_text,
+    )
+    pairs = {name: re.findall(r"\{(\d+),(\d+)\}", found) for name, found in permutes}
+    out = {"forward": 0.0, "backward": 0.0, "permutes": 0}
+    for r in _hlo.collective_report(hlo_text).records:
+        if r.kind != "collective-permute":
+            continue
+        steps = {int(d) - int(s) for s, d in pairs[r.name]}
+        if steps not in ({1}, {-1}):
+            raise ValueError(f"{r.name}: pairs {pairs[r.name]} are not one direction's neighbours")
+        out["forward" if steps == {1} else "backward"] += r.total_bytes * len(pairs[r.name])
+        out["permutes"] += r.executions
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

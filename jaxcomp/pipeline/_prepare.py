@@ -141,10 +141,16 @@ def check_compress(compress: Any) -> bool:
 
 
 def with_bytes(
-    metrics: dict, static: Static, links, num_microbatches: int, compress: bool, train: bool
+    metrics: dict,
+    static: Static,
+    links,
+    num_microbatches: int,
+    compress: bool,
+    train: bool,
+    schedule: str,
 ) -> dict:
     """``metrics`` plus the static byte counts of the step (float32 scalars)."""
-    counts = _links.step_bytes(links, static.shapes, num_microbatches, compress, train)
+    counts = _links.step_bytes(links, static.shapes, num_microbatches, compress, train, schedule)
     return {**metrics, **{k: jnp.asarray(v, jnp.float32) for k, v in counts.items()}}
 
 

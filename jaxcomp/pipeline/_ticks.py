@@ -315,12 +315,15 @@ def move_boundaries(boundaries: tuple[int, ...], reverse: bool) -> Any:
     ``(b, b + 1)``, or ``(b + 1, b)`` when ``reverse``), as ``move(stage, payloads) ->
     received`` (tuples in the order of ``boundaries``).
 
-    Every device hands the collective one array: the stage that sends over ``b`` selects
-    ``b``'s payload. Payloads of one structure (shapes and dtypes) move as they are (8- and
-    16-bit floats as their bits, :func:`jaxcomp._bits.move_as_bits`); otherwise each moves as
-    its bytes, zero-padded to the largest (:func:`jaxcomp._bits.to_bytes`): every pair then
-    carries the largest payload's bytes, ``len(boundaries) * max_b |payload_b|`` per move,
-    which is what :func:`jaxcomp.pipeline._links.step_bytes` counts.
+    Every device hands the collective one array (a payload of several leaves, e.g. a
+    quantizer's codes and scale, would be one ``collective-permute`` per leaf): the stage that
+    sends over ``b`` selects ``b``'s payload. Payloads that are one array of one shape and dtype
+    move as they are (8- and 16-bit floats as their bits, :func:`jaxcomp._bits.move_as_bits`);
+    any other moves as its bytes (:func:`jaxcomp._bits.to_bytes`), zero-padded to the largest
+    of the move: every pair then carries the largest payload's bytes, ``len(boundaries) *
+    max_b |payload_b|`` per move, which is what :func:`jaxcomp.pipeline._links.step_bytes`
+    counts. Padding costs only where boundaries differ in payload size within a tick (and
+    nothing in one that sends over one boundary).
     """
     pairs = [(b + 1, b) if reverse else (b, b + 1) for b in boundaries]
 
@@ -329,7 +332,7 @@ def move_boundaries(boundaries: tuple[int, ...], reverse: bool) -> Any:
 
     def move(stage, payloads):
         structs = [jax.tree.map(_struct, p) for p in payloads]
-        uniform = all(s == structs[0] for s in structs)
+        uniform = all(s == structs[0] for s in structs) and len(jax.tree.leaves(structs[0])) == 1
         size = max(byte_size(s) for s in structs)
         sender = stage - 1 if reverse else stage  # the boundary this device sends over
         items = payloads if uniform else tuple(to_bytes(p, size) for p in payloads)

@@ -23,20 +23,24 @@ def _mse(y, labels):
     return jnp.mean((y - labels) ** 2)
 
 
-def make_mlp(num_microbatches=4, microbatch=2, width=16, seed=0, num_stages=NUM_STAGES):
-    """A homogeneous stack of tanh(x W + b) stages with an MSE loss."""
+def make_mlp(
+    num_microbatches=4, microbatch=2, width=16, seed=0, num_stages=NUM_STAGES, widths=None
+):
+    """A homogeneous stack of tanh(x W + b) stages with an MSE loss (``widths``: the
+    ``num_stages + 1`` widths of a heterogeneous one, inputs to outputs)."""
     rng = np.random.default_rng(seed)  # numpy: no per-op compiles in test setup
+    widths = (width,) * (num_stages + 1) if widths is None else tuple(widths)
     params = [
         {
-            "w": jnp.asarray(rng.normal(size=(width, width)) / np.sqrt(width), jnp.float32),
-            "b": jnp.asarray(0.1 * rng.normal(size=(width,)), jnp.float32),
+            "w": jnp.asarray(rng.normal(size=(i, o)) / np.sqrt(i), jnp.float32),
+            "b": jnp.asarray(0.1 * rng.normal(size=(o,)), jnp.float32),
         }
-        for _ in range(num_stages)
+        for i, o in zip(widths[:-1], widths[1:])
     ]
     n = num_microbatches * microbatch
     batch = {
-        "x": jnp.asarray(rng.normal(size=(n, width)), jnp.float32),
-        "label": jnp.asarray(rng.normal(size=(n, width)), jnp.float32),
+        "x": jnp.asarray(rng.normal(size=(n, widths[0])), jnp.float32),
+        "label": jnp.asarray(rng.normal(size=(n, widths[-1])), jnp.float32),
         "ids": jnp.arange(n, dtype=jnp.int32),
     }
     model = pipeline.StagedModel((_mlp_stage,) * num_stages, _mse)

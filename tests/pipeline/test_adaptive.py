@@ -2,8 +2,6 @@
 scripted norms, bytes follow the modes (HLO == theory per program), distributed == simulate,
 the shared error-feedback state across a switch, and the errors."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +14,7 @@ from jaxcomp import feedback as F
 from jaxcomp import pipeline
 from jaxcomp import transforms
 from jaxcomp.pipeline import _adaptive
+from jaxcomp.pipeline import _links
 
 L, H = pipeline.LOW_COMPRESSION, pipeline.HIGH_COMPRESSION
 STEP_ARGS = ("compress", "modes")
@@ -182,18 +181,6 @@ def test_a_switch_keeps_the_error_feedback_residual(mlp):
 # Distributed == simulate, and each program's HLO bytes == its theory
 
 
-def _bytes_by_direction(text):
-    report = comm.collective_report(text)
-    pairs = dict(re.findall(r"%([\w.\-]+) = [^\n]*collective-permute[^\n]*"
-                            r"source_target_pairs=\{\{(\d+,\d+)\}\}", text))  # fmt: skip
-    out = {"forward": 0.0, "backward": 0.0}
-    for r in report.records:
-        if r.kind == "collective-permute":
-            src, dst = map(int, pairs[r.name].split(","))
-            out["forward" if dst == src + 1 else "backward"] += r.total_bytes
-    return out, report.bytes_by_kind()
-
-
 @pytest.mark.slow
 def test_distributed_equals_simulate_and_each_program_sends_its_theory(
     mlp, stage_mesh, pack, tools
@@ -226,10 +213,11 @@ def test_distributed_equals_simulate_and_each_program_sends_its_theory(
     for modes in (seen[0], seen[-1], ((H, L), (L, H), (L, L))):
         compiled = step.lower(packed, mlp.batch, states, None, modes=modes).compile()
         counts = pipe.bytes_per_step(packed, mlp.batch, modes=modes)
-        directions, by_kind = _bytes_by_direction(compiled.as_text())
-        assert directions["forward"] == counts["forward_bytes"], modes
-        assert directions["backward"] == counts["backward_bytes"], modes
-        assert by_kind.pop("collective-permute") == counts["wire_bytes"]
+        text = compiled.as_text()
+        sent, by_kind = _links.hlo_sent_bytes(text), comm.collective_report(text).bytes_by_kind()
+        assert sent["forward"] == counts["forward_bytes"], modes
+        assert sent["backward"] == counts["backward_bytes"], modes
+        by_kind.pop("collective-permute")
         # the loss and the detector's 2 (S - 1) float32 statistics: nothing else
         assert by_kind == {"all-reduce": 4.0 + 4.0 * 2 * (num - 1)}, by_kind
 

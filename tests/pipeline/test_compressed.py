@@ -1,8 +1,6 @@
 """Compressed links: distributed == simulated (loss, grads, link states over several steps),
 and the bytes the compiled program sends == the theoretical payload bytes."""
 
-import re
-
 import jax
 import numpy as np
 import pytest
@@ -11,6 +9,7 @@ from jaxcomp import comm
 from jaxcomp import compressors as C
 from jaxcomp import feedback as F
 from jaxcomp import pipeline
+from jaxcomp.pipeline import _links
 
 N = 8  # samples in the test batch (per-sample buffers)
 
@@ -82,18 +81,6 @@ def test_distributed_equals_simulated_and_sends_theory_bytes(
         states, sim_states = new_states, s_states
 
 
-def _bytes_by_direction(report, hlo_text):
-    """Collective-permute bytes per direction, from each op's single source-target pair."""
-    pairs = dict(re.findall(r"%([\w.\-]+) = [^\n]*collective-permute[^\n]*"
-                            r"source_target_pairs=\{\{(\d+,\d+)\}\}", hlo_text))  # fmt: skip
-    out = {"forward": 0.0, "backward": 0.0}
-    for r in report.records:
-        if r.kind == "collective-permute":
-            src, dst = map(int, pairs[r.name].split(","))
-            out["forward" if dst == src + 1 else "backward"] += r.total_bytes
-    return out
-
-
 def _check_bytes(compiled, pipe, sim, params, batch, compress):
     """The program's sends, read from its compiled HLO, are the theoretical payload bytes, in
     each direction."""
@@ -101,11 +88,11 @@ def _check_bytes(compiled, pipe, sim, params, batch, compress):
     assert counts == sim.bytes_per_step(params, batch, compress=compress)
     text = compiled.as_text()
     report = comm.collective_report(text)
-    directions = _bytes_by_direction(report, text)
-    assert directions["forward"] == counts["forward_bytes"]
-    assert directions["backward"] == counts["backward_bytes"]
+    sent = _links.hlo_sent_bytes(text)
+    assert sent["forward"] == counts["forward_bytes"]
+    assert sent["backward"] == counts["backward_bytes"]
     by_kind = report.bytes_by_kind()
-    assert by_kind.pop("collective-permute") == counts["wire_bytes"]
+    by_kind.pop("collective-permute")
     assert by_kind == {"all-reduce": 4.0}  # the loss: no dense fallback anywhere
     if compress:
         assert counts["wire_bytes"] < counts["dense_bytes"]
@@ -208,8 +195,9 @@ def test_compressed_evaluation_applies_each_forward_codec_with_the_documented_ke
     np.testing.assert_allclose(loss, s_loss, rtol=1e-5)
     forward_only = pipe.bytes_per_step(params, mlp.batch, compress=True, train=False)
     assert metrics["wire_bytes"] == forward_only["wire_bytes"] < forward_only["dense_bytes"]
-    sent = comm.collective_report(compiled.as_text()).bytes_by_kind()["collective-permute"]
-    assert sent == forward_only["wire_bytes"] == forward_only["forward_bytes"]
+    sent = _links.hlo_sent_bytes(compiled.as_text())
+    assert sent["forward"] == forward_only["wire_bytes"] == forward_only["forward_bytes"]
+    assert sent["backward"] == 0
 
     dense_loss, _, dense_out = jax.jit(sim.evaluate)(params, mlp.batch)  # compress=False
     assert not np.allclose(np.asarray(out), np.asarray(dense_out))
