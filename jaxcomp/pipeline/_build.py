@@ -140,19 +140,23 @@ def distribute(
     boundary's microbatches in order ``0 .. M - 1`` in both directions, so they give the same
     numbers. Bubble ticks run no stage, send nothing and leave every state untouched.
 
-    **Bytes.** Boundary ``b`` is one ``ppermute`` per direction and microbatch with the single
-    pair ``(b, b+1)``, carrying the channel's payload in its wire dtypes. The theoretical bytes
-    per step and pipeline replica are
+    **Bytes.** Each tick moves the payloads of every boundary that sends in it in one
+    ``ppermute`` per direction, with one source-target pair per boundary
+    (:func:`jaxcomp.pipeline._ticks.move_boundaries`); a payload that is not one array, or whose
+    tick moves payloads of different sizes, crosses as its bytes, padded to that tick's largest.
+    The bytes per step and pipeline replica are
 
     .. math::
-      M \sum_b \big(|\mathrm{payload}^{fwd}_b| + |\mathrm{payload}^{bwd}_b|\big)
+      \sum_{\text{ticks, directions}} |A| \max_{b \in A} |\mathrm{payload}_b|
 
-    (``Pipeline.bytes_per_step``, also in the step's metrics as ``wire_bytes``). The HLO meter
-    (:func:`jaxcomp.comm.measure_collectives`) counts each ``collective-permute``'s operand once
-    per execution, which for a single-pair permute is exactly the bytes that cross the wire;
-    on a stage-only mesh its collective-permute total equals ``wire_bytes``. The only other
-    collectives of a step are scalar all-reduces of the loss and metrics (and, with a data
-    axis, the gradient average's collectives).
+    over the boundaries :math:`A` that send (``Pipeline.bytes_per_step``, also in the step's
+    metrics as ``wire_bytes``): with every boundary's payload of one size,
+    :math:`M \sum_b (|\mathrm{payload}^{fwd}_b| + |\mathrm{payload}^{bwd}_b|)`. The HLO
+    meter (:func:`jaxcomp.comm.measure_collectives`) counts each ``collective-permute``'s
+    operand once per execution; times its pairs
+    (:func:`jaxcomp.pipeline._links.hlo_sent_bytes`) that is ``wire_bytes`` on a stage-only
+    mesh. The only other collectives of a step are scalar all-reduces of the loss and metrics
+    (and, with a data axis, the gradient average's collectives).
 
     **Keys.** The send of microbatch ``m`` at boundary ``b`` uses
     ``fold_in(fold_in(key, b), m)`` (then ``fold_in(., 0)`` forward, ``fold_in(., 1)``

@@ -7,7 +7,8 @@ encodes with the link's forward channel, the payload moves to ``b + 1``, which d
 ``"shared_mask"`` mode takes it at the forward's kept positions, and ``b`` decodes it). They are the
 functions :func:`jaxcomp.comm._send.compressed_ppermute` is made of (the same channel calls, keys
 and ids), with each end's state read from and written to the compact link-state buffers
-(:mod:`jaxcomp.pipeline._link_state`).
+(:mod:`jaxcomp.pipeline._link_state`). The tick program runs each as its two halves
+(:func:`forward_halves`, :func:`backward_halves`) around one move per tick and direction.
 """
 
 from __future__ import annotations
@@ -205,22 +206,21 @@ def step_bytes(
 
 
 def hlo_sent_bytes(hlo_text: str) -> dict[str, float]:
-    """Bytes that cross the boundaries in a compiled pipeline program, read from its HLO.
+    """Bytes that cross in the ``collective-permute`` ops of a compiled pipeline program.
 
     The HLO meter (:func:`jaxcomp.comm.collective_report`) counts a ``collective-permute``'s
     operand once per execution (what one device sends); a tick's permute carries one payload
-    per source-target pair, so each is counted here times its pairs, forward (``(b, b + 1)``)
-    or backward (``(b + 1, b)``).
+    per source-target pair, so each is counted here times its pairs.
 
     Args:
-      hlo_text: ``compiled.as_text()`` of a pipeline step or evaluation on a stage mesh.
+      hlo_text: ``compiled.as_text()`` of a pipeline step or evaluation.
 
     Returns:
-      ``{"forward", "backward", "permutes"}``: bytes per direction and the number of
-      ``collective-permute`` instructions.
-
-    Raises:
-      ValueError: a permute whose pairs are not all forward or all backward neighbours.
+      ``{"total", "forward", "backward", "permutes"}``: the bytes of every pair of every
+      permute (on a mesh with ``R`` data replicas, ``R`` times one pipeline replica's), of
+      those whose pairs all go one stage up (``(b, b + 1)``) or all one down (on a
+      stage-only mesh, every boundary send is one or the other), and the number of
+      ``collective-permute`` executions.
     """
     permutes = re.findall(
         r"%([\w.\-]+) = [^\n]*collective-permute[^\n]*"
@@ -228,14 +228,15 @@ def hlo_sent_bytes(hlo_text: str) -> dict[str, float]:
         hlo_text,
     )
     pairs = {name: re.findall(r"\{(\d+),(\d+)\}", found) for name, found in permutes}
-    out = {"forward": 0.0, "backward": 0.0, "permutes": 0}
+    out = {"total": 0.0, "forward": 0.0, "backward": 0.0, "permutes": 0}
     for r in _hlo.collective_report(hlo_text).records:
         if r.kind != "collective-permute":
             continue
+        sent = r.total_bytes * len(pairs[r.name])
         steps = {int(d) - int(s) for s, d in pairs[r.name]}
-        if steps not in ({1}, {-1}):
-            raise ValueError(f"{r.name}: pairs {pairs[r.name]} are not one direction's neighbours")
-        out["forward" if steps == {1} else "backward"] += r.total_bytes * len(pairs[r.name])
+        out["total"] += sent
+        if steps in ({1}, {-1}):
+            out["forward" if steps == {1} else "backward"] += sent
         out["permutes"] += r.executions
     return out
 

@@ -4,10 +4,17 @@ Per tick (:mod:`jaxcomp.pipeline._schedule`), a ``lax.switch`` on the device's s
 *only its own stage's op*: a forward (saving its residuals into the ring-buffer slot of the
 microbatch, :mod:`jaxcomp.pipeline._residuals`), a backward (from the saved residuals,
 accumulating the parameter gradient), or nothing. Then every boundary whose sender worked this
-tick sends, one ``ppermute`` with the single pair per boundary and direction
-(:func:`jaxcomp.pipeline._links.send_forward`); the receiver consumes it in the next tick. Only
-the stages active in a tick are compiled into its switch, and only the boundaries active in it
-send, so bubble ticks send nothing and touch no state.
+tick sends: each encodes its payload, **one** ``ppermute`` per direction carries all of them
+(one source-target pair per boundary, :func:`move_boundaries`), each decodes
+(:func:`jaxcomp.pipeline._links.forward_halves`); the receiver consumes it in the next tick.
+Only the stages active in a tick are compiled into its switch, and only the boundaries active
+in it send, so bubble ticks send nothing and touch no state.
+
+**One permute per tick.** gloo (the CPU collectives between processes) sends only once the
+receiver has posted its receive, and each host runs its permutes in program order: with one
+single-pair permute per boundary, a middle stage relayed a tick's boundaries one after another
+(a 4-stage, 4-microbatch GPipe step cost 20 sends' time on a slow link; 12 with one permute
+per tick and direction, ``docs/results/network/pipeline_model.md``).
 
 **Each op traced once.** The ops of one tick program are traced once and reused by every tick that
 runs them (:func:`stage_ops`, :func:`link_ops`). A schedule runs stage ``s``'s forward in ``M``
@@ -20,9 +27,9 @@ every later tick with the same abstract inputs gets JAX's cached jaxpr, **inline
 the one the per-tick traces gave.
 
 A stage op takes this device's packed parameters and running state (``{dtype: [L]}``) and
-unpacks its stage's share inside, so the (un)packing is traced once too. A boundary's sends
-(codec, feedback, link-state reads and writes, the ``ppermute``) are traced once per direction
-the same way (:class:`LinkOps`).
+unpacks its stage's share inside, so the (un)packing is traced once too. A boundary's encode
+and decode (codec, feedback, link-state reads and writes) are traced once per direction the
+same way, and a tick's move once per set of boundaries and direction (:class:`LinkOps`).
 """
 
 from __future__ import annotations

@@ -72,6 +72,7 @@ from jaxcomp import pipeline
 from jaxcomp._compile import compile_all
 from jaxcomp._compile import lower_later
 from jaxcomp.models import _staged
+from jaxcomp.pipeline import _links
 from jaxcomp.train import _batch_stats
 from jaxcomp.train import _config
 from jaxcomp.train import _dense
@@ -314,7 +315,11 @@ def build_pipeline(
         lowered[f"eval_step(compress={c})"] = lower_later(eval_jit, state_abs, eval_abs, c, low)
     done = compile_all(lowered)
     compiled.update({(c, low): done[f"train_step(compress={c})"] for c in starts})
-    hlo = _mode.compiled_text_bytes(program(True, low))
+    # a tick's permute carries one payload per pair: its bytes per pipeline replica
+    text = program(True, low).as_text()
+    report, sent = comm.collective_report(text), _links.hlo_sent_bytes(text)
+    hlo = report.total_bytes - report.bytes_by_kind().get("collective-permute", 0.0)
+    hlo += sent["total"] / replicas
     counts = pipe.bytes_per_step(
         params_abs, batch_abs, compress=True, train=True, modes=low, states=link_abs
     )

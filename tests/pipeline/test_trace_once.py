@@ -37,10 +37,10 @@ def test_each_stage_and_send_is_traced_once_per_program(
     tools, stage_mesh, schedule, num_microbatches, monkeypatch
 ):
     """Training: each stage 3 times (the residual plan, its forward, its backward), each
-    boundary's send once per direction; evaluation: each stage once. Before the ops were
-    shared, every tick traced them again (9 and 4 traces per stage)."""
+    boundary's encode and decode once per direction; evaluation: each stage once. Before the
+    ops were shared, every tick traced them again (9 and 4 traces per stage)."""
     counts, sends = collections.Counter(), collections.Counter()
-    for name in ("send_forward", "send_backward"):
+    for name in ("forward_halves", "backward_halves"):
         original = getattr(_links, name)
 
         def counted(lk, b, *args, _name=name, _original=original):
@@ -57,9 +57,11 @@ def test_each_stage_and_send_is_traced_once_per_program(
     counts.clear()
     jax.jit(pipe.step).trace(params, fx.batch, states, jax.random.key(0))
     assert dict(counts) == {s: 3 for s in range(4)}
-    assert dict(sends) == {(n, b): 1 for n in ("send_forward", "send_backward") for b in range(3)}
+    assert dict(sends) == {
+        (n, b): 2 for n in ("forward_halves", "backward_halves") for b in range(3)
+    }
     counts.clear()
     sends.clear()
     jax.jit(pipe.evaluate, static_argnames="compress").trace(params, fx.batch, compress=True)
     assert dict(counts) == {s: 1 for s in range(4)}
-    assert dict(sends) == {("send_forward", b): 1 for b in range(3)}
+    assert dict(sends) == {("forward_halves", b): 2 for b in range(3)}
