@@ -22,10 +22,11 @@ load before and after. This module reads what the trainer wrote beside it and co
 
 The pipeline's boundary sends on per-host links are priced as the compiled tick program runs
 them (:func:`pipeline_send_s`): each host runs its sends in program order, and a send
-starts only when its receiver has reached it too (gloo's send waits for the posted receive), so
-a stage that receives and sends in one tick relays its boundaries one after another. At
-10 Mbit/s the lab's 4-stage GPipe step takes ~20 sends' time, not the 12 ticks of a lockstep
-count nor the 24 of one wire (docs/results/network/pipeline_model.md).
+starts only when its receiver has reached it too (gloo's send waits for the posted receive).
+With one ``ppermute`` per boundary (runs before 2026-12-05), a stage that receives and sends in
+one tick relayed its boundaries one after another: the lab's 4-stage GPipe step took ~20 sends'
+time, not the 12 of its ticks nor the 24 of one wire; with one ``ppermute`` per tick and
+direction the model plays 12 (docs/results/network/pipeline_model.md).
 
 On a hierarchical mesh (``[("slow", hosts), ("fast", devices)]``) each collective is placed by
 its group (:func:`nic_share`): one inside a host never reaches the link (its time is in the
@@ -282,33 +283,40 @@ def pipeline_send_s(
     nbytes: float,
     link: _cost.NetworkLink,
     burst_bytes: float = 0.0,
+    moves: str = "tick",
 ) -> float:
     r"""Seconds the boundary sends of one step take on per-host links, played through the tick
     program's order of sends.
 
-    Per tick (:func:`jaxcomp.pipeline.ticks`), boundary by boundary ``b = 0 .. S - 2``: the
-    forward send over ``b`` (stage ``b`` to ``b + 1``) if stage ``b`` ran a forward, then the
-    backward send (``b + 1`` to ``b``) if stage ``b + 1`` ran a backward, as
-    :mod:`jaxcomp.pipeline._ticks` emits them and the compiled program keeps them. Each host
-    runs its own sends in that order; a send starts when both its hosts have finished their
-    earlier ones (a rendezvous: gloo sends once the receive is posted) and takes
-    :math:`\alpha + \max(n - k, 0)/\beta`, :math:`k` the tokens left in the sender's and
-    the receiver's bucket (each refills at :math:`\beta` up to ``burst_bytes``; a send takes
-    them all, or ``n``). The step's compute is not played (it is the unlimited run's, added by
-    the caller); bubble ticks send nothing.
+    Per tick (:func:`jaxcomp.pipeline.ticks`): the forward sends (stage ``b`` to ``b + 1``, for
+    each ``b`` that ran a forward), then the backward sends (``b + 1`` to ``b``, for each
+    ``b + 1`` that ran a backward). ``moves="tick"`` (the tick program since 2026-12-05, one
+    ``ppermute`` per tick and direction carrying every boundary's pair): the sends of one move
+    run together, each starting when both its hosts have finished their earlier moves.
+    ``moves="boundary"`` (before: one single-pair ``ppermute`` per boundary, boundary by
+    boundary ``b = 0 .. S - 2``, forward then backward): each host runs its sends in that
+    order, a send starting when both its hosts have finished their earlier ones (a
+    rendezvous: gloo sends once the receive is posted), so a middle stage relays a tick's
+    boundaries one after another. A send takes :math:`\alpha + \max(n - k, 0)/\beta`,
+    :math:`k` the tokens left in the sender's and the receiver's bucket (each refills at
+    :math:`\beta` up to ``burst_bytes``; a send takes them all, or ``n``). The step's compute
+    is not played (it is the unlimited run's, added by the caller); bubble ticks send nothing.
 
     Args:
       schedule, stages, microbatches: the pipeline (``"gpipe"`` or ``"1f1b"``, ``S``, ``M``).
       nbytes: one send's payload, bytes.
       link: the ping-pong's fit.
       burst_bytes: the links' token bucket (0: none).
+      moves: ``"tick"`` or ``"boundary"``: the program whose sends are played (above).
 
     Returns:
       The time at which the last host finished its last send, seconds.
 
     Example:
       >>> lk = _cost.NetworkLink(bandwidth=1e6, latency=0.0)
-      >>> round(pipeline_send_s("gpipe", 4, 4, 1e4, lk) / 1e-2, 6)  # 20 sends' time
+      >>> round(pipeline_send_s("gpipe", 4, 4, 1e4, lk) / 1e-2, 6)  # 2 (M + S - 2) moves
+      12.0
+      >>> round(pipeline_send_s("gpipe", 4, 4, 1e4, lk, moves="boundary") / 1e-2, 6)
       20.0
       >>> round(pipeline_send_s("gpipe", 2, 4, 1e4, lk) / 1e-2, 6)  # one boundary: 2 M
       8.0
@@ -317,6 +325,8 @@ def pipeline_send_s(
         raise ValueError(f"nbytes must be finite and >= 0; got {nbytes}.")
     if not (burst_bytes >= 0 and math.isfinite(burst_bytes)):
         raise ValueError(f"burst_bytes must be finite and >= 0; got {burst_bytes}.")
+    if moves not in ("tick", "boundary"):
+        raise ValueError(f"moves must be 'tick' or 'boundary'; got {moves!r}.")
     beta = link.bandwidth
     clock = [0.0] * stages
     # per host, (tokens, at when) of its outgoing and of its incoming bucket
@@ -326,19 +336,32 @@ def pipeline_send_s(
     def tokens(bucket, t):
         return min(burst_bytes, bucket[0] + (t - bucket[1]) * beta)
 
-    def send(src, dst):
-        start = max(clock[src], clock[dst])
-        k = min(tokens(out_bucket[src], start), tokens(in_bucket[dst], start))
-        end = start + link.latency + max(nbytes - k, 0.0) / beta
-        out_bucket[src] = in_bucket[dst] = (max(k - nbytes, 0.0), end)
-        clock[src] = clock[dst] = end
+    def move(pairs):  # sends that start together, from the hosts' clocks before the move
+        ends = []
+        for src, dst in pairs:
+            start = max(clock[src], clock[dst])
+            k = min(tokens(out_bucket[src], start), tokens(in_bucket[dst], start))
+            end = start + link.latency + max(nbytes - k, 0.0) / beta
+            ends.append((src, dst, end, max(k - nbytes, 0.0)))
+        for src, dst, end, left in ends:
+            out_bucket[src] = in_bucket[dst] = (left, end)
+            clock[src], clock[dst] = max(clock[src], end), max(clock[dst], end)
 
     for row in pipeline.ticks(schedule, stages, microbatches):
+        fwd = [(b, b + 1) for b in range(stages - 1) if row[b] is not None and row[b].kind == "F"]
+        bwd = [
+            (b + 1, b)
+            for b in range(stages - 1)
+            if row[b + 1] is not None and row[b + 1].kind == "B"
+        ]
+        if moves == "tick":
+            for pairs in (fwd, bwd):
+                move(pairs)
+            continue
         for b in range(stages - 1):
-            if row[b] is not None and row[b].kind == "F":
-                send(b, b + 1)
-            if row[b + 1] is not None and row[b + 1].kind == "B":
-                send(b + 1, b)
+            for pair in ((b, b + 1), (b + 1, b)):
+                if pair in fwd or pair in bwd:
+                    move([pair])
     return max(clock)
 
 
@@ -365,7 +388,11 @@ def measure(
         "collectives_per_step": None if colls is None else sum(c["executions"] for c in colls),
         "collectives": colls,
         "collectives_how": how,
-        "pipeline": {k: summary.get(k) for k in ("schedule", "stages", "microbatches")}
+        "pipeline": {
+            **{k: summary.get(k) for k in ("schedule", "stages", "microbatches")},
+            # runs before one permute per tick (2026-12-05) record no permute count
+            "moves": "tick" if summary.get("permutes_per_step") is not None else "boundary",
+        }
         if summary.get("mode") == "pipeline"
         else None,
     }
@@ -436,8 +463,10 @@ def _comm(record) -> tuple[float | None, str]:
             link = links({"p2p": fit})["p2p"]
             nbytes = sum(c.bytes_per_execution * c.executions for c in sends)
             nbytes /= sum(c.executions for c in sends)
-            send_s = pipeline_send_s(pipe["schedule"], pipe["stages"], pipe["microbatches"],
-                                     nbytes, link, float(fit.get("burst_bytes", 0.0)))  # fmt: skip
+            send_s = pipeline_send_s(
+                pipe["schedule"], pipe["stages"], pipe["microbatches"], nbytes, link,
+                float(fit.get("burst_bytes", 0.0)), pipe.get("moves", "boundary"),
+            )  # fmt: skip
             return send_s + communication_s(colls, fits), ""
     return communication_s(colls, cal["fits"]), ""
 

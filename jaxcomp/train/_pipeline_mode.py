@@ -345,6 +345,7 @@ def build_pipeline(
         "boundary_bytes_per_step": float(counts["wire_bytes"]),
         "boundary_dense_bytes_per_step": float(counts["dense_bytes"]),
         "hlo_collective_bytes_per_step": hlo,
+        "permutes_per_step": sent["permutes"],
         "microbatches": m,
         "links": names,
         "schedule": cfg["schedule"],

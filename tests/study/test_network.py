@@ -106,15 +106,23 @@ def test_the_study_report_shows_lab_cells(tmp_path):
     assert {"accuracy_vs_time", "measured_vs_predicted"} <= set(paths)
 
 
-@pytest.mark.parametrize("topology", ["per_host", "shared"])
-def test_pipeline_sends_relay_through_the_stages_on_per_host_links(tmp_path, topology):
-    """S=4, M=4 GPipe: 2 M (S-1) = 24 sends of 32 KiB; on per-host links each host runs its
-    sends in program order and a send waits for its receiver, so 20 lie on the path (not a
-    lockstep tick's 12); one wire carries all 24."""
+@pytest.mark.parametrize(
+    "topology, permutes, sends",
+    [("per_host", None, 20), ("per_host", 12, 12), ("shared", None, 24), ("shared", 12, 24)],
+)
+def test_pipeline_sends_relay_through_the_stages_on_per_host_links(
+    tmp_path, topology, permutes, sends
+):
+    """S=4, M=4 GPipe: 2 M (S-1) = 24 sends of 32 KiB. On per-host links each host runs its
+    sends in program order and a send waits for its receiver: one permute per boundary (a run
+    that records no ``permutes_per_step``, before 2026-12-05) puts 20 on the path, one permute
+    per tick and direction 12 (its 12 moves); one wire carries all 24 either way."""
     w = _run(tmp_path / "p", 1e8, 0.05)
     summary = {"mode": "pipeline", "stages": 4, "microbatches": 4, "schedule": "gpipe",
                "boundary_bytes_per_step": 24 * 32768.0, "hlo_collective_bytes_per_step":
                24 * 32768.0, "wire_bytes_per_step": 24 * 32768.0}  # fmt: skip
+    if permutes is not None:
+        summary["permutes_per_step"] = permutes
     (tmp_path / "p" / "summary.json").write_text(json.dumps(summary))
     (tmp_path / "p" / "experiment.json").write_text(json.dumps({"mesh": [["stage", 4]]}))
     lab = json.loads((tmp_path / "p" / _network.LAB_FILE).read_text())
@@ -122,7 +130,7 @@ def test_pipeline_sends_relay_through_the_stages_on_per_host_links(tmp_path, top
     (tmp_path / "p" / _network.LAB_FILE).write_text(json.dumps(lab))
     comm, _ = _network._comm(_network.read_lab_run(w))
     one = _cost.collective_time("collective-permute", 32768.0, 2, _cost.NetworkLink(1e7, 1e-4))
-    assert comm == pytest.approx((20 if topology == "per_host" else 24) * one)
+    assert comm == pytest.approx(sends * one)
 
 
 LINK = _cost.NetworkLink(bandwidth=1e6, latency=1e-4)
@@ -132,11 +140,18 @@ LINK = _cost.NetworkLink(bandwidth=1e6, latency=1e-4)
                   micro=st.integers(1, 8))  # fmt: skip
 def test_pipeline_send_time_lies_between_one_link_and_one_wire(schedule, stages, micro):
     """Without a bucket the sends take a whole number of sends' time: at least boundary 0's
-    2 M (its hosts send one at a time), at most all 2 M (S - 1) one after another."""
+    2 M (its hosts send one at a time), at most all 2 M (S - 1) one after another; one move
+    per tick and direction never costs more than one per boundary, and under GPipe exactly
+    its 2 (M + S - 2) moves (every move starts when the one before it ends)."""
     one = LINK.latency + 1e4 / LINK.bandwidth
     k = _network.pipeline_send_s(schedule, stages, micro, 1e4, LINK) / one
-    assert k == pytest.approx(round(k))
-    assert 2 * micro <= round(k) <= 2 * micro * (stages - 1)
+    relay = _network.pipeline_send_s(schedule, stages, micro, 1e4, LINK, moves="boundary") / one
+    for n in (k, relay):
+        assert n == pytest.approx(round(n))
+        assert 2 * micro <= round(n) <= 2 * micro * (stages - 1)
+    assert round(k) <= round(relay)
+    if schedule == "gpipe":
+        assert round(k) == 2 * (micro + stages - 2)
 
 
 def test_the_bucket_pays_for_a_send_on_an_idle_link_only():
@@ -152,6 +167,11 @@ def test_the_bucket_pays_for_a_send_on_an_idle_link_only():
 def test_pipeline_send_time_refuses_bad_sizes(nbytes, burst):
     with pytest.raises(ValueError, match="must be finite"):
         _network.pipeline_send_s("gpipe", 4, 4, nbytes, LINK, burst)
+
+
+def test_pipeline_send_time_refuses_an_unknown_program():
+    with pytest.raises(ValueError, match="moves must be"):
+        _network.pipeline_send_s("gpipe", 4, 4, 1.0, LINK, moves="wire")
 
 
 HIER = [["slow", 2], ["fast", 4]]
