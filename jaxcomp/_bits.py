@@ -8,7 +8,9 @@ worker receives is not bit for bit what its peer sent. A collective that only mo
 (``ppermute``, ``all_gather``, ``all_to_all``) does the same on the bit pattern, so
 :func:`move_as_bits` hands it such leaves as unsigned integers of their width and views what arrives
 as floats again: the bytes on the wire are the payload's on every backend, and the values are the
-sent ones bit for bit. Reductions (``psum``) add values and cannot go through it. The module imports
+sent ones bit for bit. Reductions (``psum``) add values and cannot go through it. Pytrees of
+different structures that must cross in one collective go as one ``uint8`` vector of their
+bytes (:func:`to_bytes`, :func:`from_bytes`). The module imports
 only JAX: every package (codecs to trainer) may use it.
 """
 

@@ -1,5 +1,6 @@
 """_bits.move_as_bits: 8- and 16-bit floats cross data-moving collectives as their bit
-patterns (XLA:CPU widens them: twice the bytes, NaN payloads canonicalised)."""
+patterns (XLA:CPU widens them: twice the bytes, NaN payloads canonicalised); to_bytes /
+from_bytes: a pytree as one byte vector and back."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,10 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp._bits import _carrier
+from jaxcomp._bits import byte_size
+from jaxcomp._bits import from_bytes
 from jaxcomp._bits import move_as_bits
+from jaxcomp._bits import to_bytes
 
 # a signalling-style NaN payload (0x7f81), -0.0, infinities, a subnormal, a tie of magnitudes
 BF16_BITS = np.array([0x7F81, 0xFFC1, 0x8000, 0x7F80, 0xFF80, 0x0001, 0x3F80, 0xBF80], np.uint16)
@@ -76,3 +80,33 @@ def test_a_bf16_top_k_reduction_sends_the_bytes_its_protocol_counts():
     fn = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P(), out_specs=(P(), P())))
     report = comm.measure_collectives(fn, x)
     assert report.total_bytes == float(fn(x)[1]) == 16 * (2 + 1)  # bf16 value + u8 index
+
+
+def test_to_bytes_and_back_is_bit_for_bit_padded_and_refuses_what_has_no_byte_view():
+    """A pytree of mixed dtypes (a NaN payload, -0.0, bools, bfloat16, int8) becomes one
+    uint8 vector of its bytes, zero-padded, and comes back bit for bit, under jit too; a
+    sub-byte leaf or a size below the bytes is refused, and a vector too short to hold the
+    tree is refused (not read past its end)."""
+    tree = {
+        "f": jnp.asarray(
+            np.array([0x7FC00001, 0x80000000, 0x3F800000], np.uint32).view(np.float32)
+        ),
+        "h": jnp.asarray(BF16_BITS[:3].view(jnp.bfloat16)),
+        "m": jnp.asarray([True, False]),
+        "i": jnp.asarray([-128, 127], jnp.int8),
+    }
+    assert byte_size(tree) == 12 + 6 + 2 + 2
+    v = to_bytes(tree, 25)
+    assert v.dtype == jnp.uint8 and v.shape == (25,) and not np.asarray(v[22:]).any()
+    for back in (from_bytes(v, tree), jax.jit(lambda u: from_bytes(u, tree))(v)):
+        for k in tree:
+            assert back[k].dtype == tree[k].dtype and back[k].shape == tree[k].shape
+            assert np.asarray(back[k]).tobytes() == np.asarray(tree[k]).tobytes(), k
+    assert to_bytes(tree).shape == (22,)
+    with pytest.raises(ValueError, match="below the tree's 22 bytes"):
+        to_bytes(tree, 21)
+    with pytest.raises(ValueError, match="the tree needs 22"):
+        from_bytes(v[:21], tree)
+    for dtype in (jnp.int4, jnp.float4_e2m1fn):
+        with pytest.raises(TypeError, match="sub-byte"):
+            to_bytes({"x": jnp.zeros(4, dtype)})

@@ -3,6 +3,7 @@
 # short enough for one tools/cpu-all window:
 #   tools/cpu-all docs/results/network/run.sh 100mbit      # then 1gbit, 10mbit, unlimited
 #   tools/cpu-all docs/results/network/run.sh pipeline   # PIPE_RATES="10mbit" for other rates
+#     (TAG=NAME: a new series of pipeline cells)
 #   tools/cpu-all docs/results/network/run.sh diagnosis      # where the time goes
 #   tools/cpu-all docs/results/network/run.sh pipeline-idle  # the pipeline without slow start
 #   tools/cpu-all docs/results/network/run.sh 2x1            # one device per host
@@ -188,12 +189,15 @@ case "$what" in
     ONE=(--set 'mesh=[("stage", 4)]' --set total_steps=60 --set eval_every=20
          --set log_every=20 --set checkpoint_every=0)
     IDENTITY=(--set 'pipeline.forward="identity"' --set 'pipeline.backward="identity"')
+    # TAG=NAME: a new series, cells ...-RATE-NAME and variants pipeline-*-NAME (TAG=tick: one
+    # permute per tick and direction, docs/results/network/pipeline_model.md)
     for rate in ${PIPE_RATES:-unlimited 100mbit}; do
       calibrate "per_host-4x1-$rate" 4 1 "$rate"
-      cell "pipeline-quantized-4x1-$rate" pipeline-quantized "$rate" "per_host-4x1-$rate" \
-        configs/digits_pipeline.py "${ONE[@]}"
-      cell "pipeline-identity-4x1-$rate" pipeline-identity "$rate" "per_host-4x1-$rate" \
-        configs/digits_pipeline.py "${ONE[@]}" "${IDENTITY[@]}"
+      for v in quantized identity; do
+        links=(); [ $v = identity ] && links=("${IDENTITY[@]}")
+        cell "pipeline-$v-4x1-$rate${TAG:+-$TAG}" "pipeline-$v${TAG:+-$TAG}" "$rate" \
+          "per_host-4x1-$rate" configs/digits_pipeline.py "${ONE[@]}" "${links[@]}"
+      done
     done
     ;;
   pipeline-idle)  # identity links at 10 Mbit/s without TCP slow start after idle
