@@ -144,6 +144,10 @@ def test_bfloat16_pipeline_sends_16_bit_boundaries_and_keeps_float32_parameters(
     s = train.setup(config)
     # 3 boundaries x 2 directions x 32 rows x 16 features, 2 bytes each (float32: 12288)
     assert s.mode.extra["boundary_bytes_per_step"] == 6144
+    # GPipe 4 x 4: one permute per tick and direction (12), counted times its pairs in the
+    # HLO bytes, beside the loss's and metrics' all-reduces
+    assert s.mode.extra["permutes_per_step"] == 12
+    assert 6144 < s.mode.extra["hlo_collective_bytes_per_step"] <= 6144 + 64
     state = s.mode.init(jax.random.key(0))
     batch = _first_batch(s)
     losses = []
