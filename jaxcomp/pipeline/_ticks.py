@@ -268,7 +268,10 @@ def _tick(prog, plan, ops, sends, carry, t, kinds, local, x, labels, ids, key, t
 
     acts, cotangents = list(carry.acts), list(carry.cotangents)
     states, masks = carry.states, carry.masks
-    ids_of = (lambda m: None) if ids is None else (lambda m: _take(ids, m))  # noqa: E731
+
+    def ids_of(m):
+        return None if ids is None else _take(ids, m)
+
     ends = [(stage == b, stage == b + 1) for b in range(num - 1)]
     # forward: every sending boundary encodes, all payloads move in one ppermute, each decodes
     fwd = tuple(b for b in range(num - 1) if kinds[b] == F)
