@@ -246,13 +246,14 @@ def hlo_sent_bytes(hlo_text: str) -> dict[str, float]:
 
 
 class Wire(NamedTuple):
-    """How one boundary's ends meet.
+    """How one boundary's ends meet in :func:`send_forward` and :func:`send_backward` (the
+    simulation's; the tick program moves many boundaries at once, see :func:`forward_halves`).
 
     Attributes:
       is_source: stage ``b`` is here (``True`` in the simulation, a traced bool per device).
       is_target: stage ``b + 1`` is here.
       move: ``move(tree, reverse) -> tree``: the payload from ``b`` to ``b + 1`` (``reverse``:
-        back); a ``ppermute`` with the single pair, or nothing in the simulation.
+        back): nothing in the simulation, or a ``ppermute`` with the boundary's pair.
       stacked: link-state buffers are ``[S, ...]`` (the simulation) rather than one device's.
     """
 
