@@ -1,7 +1,7 @@
 """Sends of 32 KiB at once on per-host links (docs/results/network/pipeline_model.md): one pair,
 two disjoint pairs, and chains in which a middle host sends and receives in the same permute.
 
-Run once per host by the lab (4 hosts x 1 device)::
+Run once per host by the lab (4 hosts x 1 device; the repository on ``PYTHONPATH``)::
 
   python -m jaxcomp.lab run --hosts 4 --devices 1 --rate 10mbit --log_dir DIR -- \\
     python docs/results/network/duplex_probe.py OUT.json [BYTES]
@@ -14,7 +14,8 @@ import json
 import os
 import statistics
 import sys
-import time
+
+from jaxcomp.lab import _probe
 
 PATTERNS = {
     "one": [(0, 1)],
@@ -54,13 +55,7 @@ def main(out_path: str, nbytes: int) -> None:
             return v
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-        for _ in range(2):
-            jax.block_until_ready(f(x))
-        times = []
-        for _ in range(REPS):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x))
-            times.append((time.perf_counter() - t0) / PERMUTES)
+        times = [t / PERMUTES for t in _probe._timed(f, x, REPS)]  # after 2 warm-up calls
         out[name] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times)}
     if jax.process_index() == 0:
         with open(out_path, "w") as f:
