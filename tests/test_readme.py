@@ -33,9 +33,25 @@ def python_blocks() -> list[tuple[str, str]]:
 
 BLOCKS = python_blocks()
 
+#: what a block that builds a mesh runs first, so that it runs as written in a plain
+#: ``python`` on a one-device CPU (the suite's process has 8 devices already)
+CPU_DEVICES = 'jax.config.update("jax_num_cpu_devices", 8)'
+USES_DEVICES = re.compile(r"jax\.devices\(|make_mesh\(|pipeline_mesh\(|ab_mesh\(")
+MESH_BLOCKS = [(n, s) for n, s in BLOCKS if USES_DEVICES.search(s)]
+
 
 def test_the_readme_has_python_blocks():
     assert len(BLOCKS) >= 8, [name for name, _ in BLOCKS]
+    assert len(MESH_BLOCKS) >= 8, [name for name, _ in MESH_BLOCKS]
+
+
+@pytest.mark.parametrize("source", [s for _, s in MESH_BLOCKS], ids=[n for n, _ in MESH_BLOCKS])
+def test_a_block_that_needs_devices_asks_for_them_before_any_jax_call(source):
+    lines = source.splitlines()
+    assert any(line.startswith(CPU_DEVICES) for line in lines), "no jax_num_cpu_devices line"
+    first = next(i for i, line in enumerate(lines) if line.startswith(CPU_DEVICES))
+    before = [line for line in lines[:first] if line.strip()]
+    assert all(line.startswith(("import ", "from ")) for line in before), before
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 #: the public subpackages, in the layers' order (imports only go down)
 PACKAGES = ("compressors", "feedback", "comm", "pipeline", "transforms", "parallel", "models",
-            "data", "train", "study")  # fmt: skip
+            "data", "train", "study", "lab")  # fmt: skip
 
 
 def public_names(package: str | None = None) -> list[str]:

@@ -88,8 +88,8 @@ def fit(kind: str, points: list[dict], group_size: int, burst_bytes: float = 0.0
         (:math:`t(n) = \alpha + \max(n - b, 0)/\beta`); ``collective-permute`` only.
 
     Returns:
-      ``{"alpha_s", "beta_bytes_s", "beta_bit_s", "burst_bytes", "max_rel_error", "points":
-      [..., with "predicted_s"]}``.
+      A dict with ``alpha_s``, ``beta_bytes_s``, ``beta_bit_s``, ``burst_bytes``,
+      ``max_rel_error`` and ``points`` (the input points, each with ``predicted_s``).
 
     Example:
       >>> pts = [{"bytes": n, "median_s": 1e-3 + n / 1e6} for n in (1e3, 1e4, 1e5)]
@@ -211,8 +211,8 @@ def calibrate(lab: _lab.Lab, out_dir: str, *, reps: int = 7, timeout_s: float = 
       timeout_s: the probe run's limit.
 
     Returns:
-      ``{"network", "achieved", "sweeps", "fits": {"all-reduce": ..., "collective-permute":
-      ...}, "load_before", "load_after"}`` (JSON-able).
+      A JSON-able dict with ``network``, ``achieved``, ``sweeps``, ``fits`` (``all-reduce``
+      and ``collective-permute``: :func:`fit`'s dicts), ``load_before`` and ``load_after``.
     """
     if lab.spec.hosts < 2:
         raise ValueError("calibration needs at least 2 hosts (a link between them).")

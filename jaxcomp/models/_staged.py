@@ -340,6 +340,10 @@ def make_staged(
     (or ``cls``, a subclass such as the NNX one)."""
     segments = tuple(segments)
     names = [n for n, _ in segments]
+    twins = sorted({n for n in names if names.count(n) > 1})
+    if twins:
+        counts = ", ".join(f"{n!r} appears {names.count(n)} times" for n in twins)
+        raise ValueError(f"{name}: segment names must be distinct; {counts}.")
     cuts = tuple(default_cuts if cuts is None else cuts)
     allowed = names[:-1]
     for c in cuts:

@@ -48,9 +48,9 @@ the workers' running means and variances, :class:`jaxcomp.train._batch_stats.Bat
 Their all-reduces (synchronised) are in the programs' HLO, so in ``wire_bytes``.
 
 A step's metrics: ``phase`` (:class:`~jaxcomp.transforms.ABPhase` of the next step),
-``compression_ratio``, ``mean_rank`` and ``rank/<path>`` per factorised parameter (a record
-holds the means over its steps), ``wire_bytes`` (from the HLO: the step kind's programs, and
-the factorisation before the first AB step).
+``compression_ratio``, ``mean_rank`` and ``rank/<name>`` per factorised parameter
+(``rank/fc2/Dense_0/kernel``; a record holds the means over its steps), ``wire_bytes`` (from
+the HLO: the step kind's programs, and the factorisation before the first AB step).
 
 The summary's ``collectives`` lists the run's mean step per collective kind and group size:
 each step kind's programs weighted by how many steps the schedule gives it
@@ -209,6 +209,13 @@ def _step_collectives(cfg, sizes, by: dict[str, dict], total_steps: int) -> list
     return _collectives.merge(*parts)
 
 
+def rank_metric_names(params, exclude) -> tuple[str, ...]:
+    """``rank/<name>`` per factorised parameter, in the layout's order (names:
+    :func:`jaxcomp.train._mode.parameter_name`)."""
+    specs = build_layout(params, exclude).specs
+    return tuple(f"rank/{_mode.parameter_name(spec.path)}" for spec in specs)
+
+
 def build_ab(
     config: ml_collections.ConfigDict,
     model: _staged.StagedModel,
@@ -235,7 +242,7 @@ def build_ab(
     key_abs = jax.eval_shape(jax.random.key, 0)  # as the trainer's key, never placed
     params_abs, model_state_abs = _mode.split_variables(jax.eval_shape(model.init, key_abs))
     state_abs = dp.abstract_state(params_abs, model_state_abs)
-    rank_names = tuple(f"rank/{spec.path}" for spec in build_layout(params_abs, cfg.exclude).specs)
+    rank_names = rank_metric_names(params_abs, cfg.exclude)
     batch_abs = _dense.abstract_batch(model, config.batch_size, batch_sharding)
     eval_abs = _dense.abstract_batch(model, config.eval_batch_size, batch_sharding, True)
 

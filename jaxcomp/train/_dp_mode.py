@@ -39,8 +39,9 @@ step that completes no update sends nothing, and the detector's interval is
 Parameters are replicated; each worker differentiates its shard of the batch with no hidden
 all-reduce (:func:`jaxcomp.comm.local_value_and_grad`) and the transform's payloads are the
 only gradient traffic. Accordion's metrics: ``low_compression_leaves`` (how many parameters
-are in the low-compression mode) and ``layer_mode/<path>`` per parameter it compresses (0 low,
-1 high; a record holds the mean over its steps). The step is compiled when the mode is built;
+are in the low-compression mode) and ``layer_mode/<name>`` per parameter it compresses (0 low,
+1 high; a record holds the mean over its steps; ``<name>`` is :func:`_mode.parameter_name`:
+``layer_mode/fc2/Dense_0/kernel``). The step is compiled when the mode is built;
 its HLO gives the summary's ``collectives`` (per kind and group size, those inside Accordion's
 mode branches marked: :mod:`jaxcomp.train._collectives`), and the transform reports each step's
 bytes.
@@ -181,13 +182,14 @@ def _reducer_state(opt_state):
 
 def _layer_modes(opt_state) -> dict[str, jax.Array]:
     """Accordion's mode of each parameter it compresses (in either mode), by the metric's name
-    ``layer_mode/<path>`` (0 low compression, 1 high)."""
+    ``layer_mode/<name>`` (0 low compression, 1 high)."""
     is_state = lambda x: isinstance(x, transforms.AccordionState)  # noqa: E731
     (state,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
     is_leaf = lambda x: isinstance(x, transforms.AccordionLeaf)  # noqa: E731
     flat = jax.tree_util.tree_flatten_with_path(state.leaves, is_leaf=is_leaf)[0]
     return {
-        "layer_mode/" + jax.tree_util.keystr(path, simple=True, separator="/"): leaf.mode
+        "layer_mode/"
+        + _mode.parameter_name(jax.tree_util.keystr(path, simple=True, separator="/")): leaf.mode
         for path, leaf in flat
         if is_leaf(leaf)
     }

@@ -153,6 +153,21 @@ def join_variables(params: tuple, rest: tuple) -> tuple[dict, ...]:
     return tuple({"params": p, **r} for p, r in zip(params, rest))
 
 
+def parameter_name(path: str) -> str:
+    """A parameter's name in the run's metrics (and TensorBoard tags): its ``/``-joined path in
+    the per-stage tuple of parameters without the stage index, as ``exclude`` and the model's
+    segments spell it (``"1/fc2/Dense_0/kernel"`` -> ``"fc2/Dense_0/kernel"``). A staged
+    model's segment names are distinct, so the name is unique.
+
+    Raises:
+      ValueError: if ``path`` does not start with a stage index.
+    """
+    stage, sep, rest = path.partition("/")
+    if not (stage.isdigit() and sep):
+        raise ValueError(f"expected a parameter path that starts with a stage index; got {path!r}.")
+    return rest
+
+
 def compiled_text_bytes(compiled) -> float:
     """Per-device collective bytes of one call of an AOT-compiled function, from its HLO."""
     from jaxcomp import comm

@@ -7,12 +7,13 @@ One config switch, ``config.writers``, names them (default: none)::
 
 Every record the run writes to ``metrics.jsonl`` goes to each writer as scalars tagged
 ``<split>/<key>`` at the record's step (``train/loss``, ``train/wire_bytes``,
-``train/fast_wire_bytes``, ``train/phase``, Accordion's ``train/layer_mode/<path>``, AB's
-``train/rank/<path>``, ``eval/accuracy_uncompressed``, ...), with the mean
-wall time of a training step in the window (``train/step_time_s``, not kept in
-``metrics.jsonl``, so that a resumed run's files stay identical to an uninterrupted one's). At
-the end the summary's numbers go as ``summary/<key>`` and its collectives as bytes per mean step
-per kind and group size (``collectives/all-reduce/8``).
+``train/fast_wire_bytes``, ``train/phase``, Accordion's ``train/layer_mode/<name>``, AB's
+``train/rank/<name>`` (a parameter named by its path in the model, ``fc2/Dense_0/kernel``),
+``eval/accuracy_uncompressed``, ...), with the mean wall time of a training step in the
+window (``train/step_time_s``, not kept in ``metrics.jsonl``, so that a resumed run's files
+stay identical to an uninterrupted one's). At the end the summary's numbers go as
+``summary/<key>`` and its collectives as bytes per mean step per kind and group size
+(``collectives/all-reduce/8``).
 
 TensorBoard events are written by ``tensorboardX`` (no TensorFlow) into
 ``<workdir>/tensorboard``: ``tensorboard --logdir runs/`` shows every run by its workdir. A run

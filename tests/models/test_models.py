@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxcomp import models
+from jaxcomp.models import _staged
 from jaxcomp.train import _mode
 
 #: each test compares two programs compiled alike (stages == the whole model, to a tolerance) or
@@ -142,3 +143,13 @@ def test_bad_names_raise_clear_errors():
         models.resnet18(cuts=("layer3", "layer1"))
     with pytest.raises(ValueError, match="norm must be one of"):
         models.resnet18(norm="instance")
+
+
+def test_segment_names_must_be_distinct():
+    """A parameter is named by its segment (metrics, ``exclude``, cut points): two segments of
+    one name would make two parameters one name."""
+    block = models.mlp().segments[0][1]
+    with pytest.raises(ValueError, match=r"segment names must be distinct; 'fc' appears 2 times"):
+        _staged.make_staged("twin", [("fc", block), ("fc", block), ("head", block)], None, (),
+                            input_shape=(64,), input_dtype=jnp.float32, num_outputs=10,
+                            task="classification")  # fmt: skip

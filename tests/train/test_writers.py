@@ -3,9 +3,16 @@ tensorboard's own reader; W&B in offline mode where it is installed."""
 
 import importlib.util
 
+import jax
 import pytest
 
+from jaxcomp import compressors
+from jaxcomp import models
 from jaxcomp import train
+from jaxcomp import transforms
+from jaxcomp.train import _ab_mode
+from jaxcomp.train import _dp_mode
+from jaxcomp.train import _mode
 from jaxcomp.train import _writers
 
 
@@ -64,3 +71,25 @@ def test_wandb_offline_logs_every_record(tmp_path, monkeypatch):
     w.close()
     run_id = (tmp_path / "wandb_run_id").read_text()
     assert run_id and list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
+
+
+def _digits_params():
+    """The digits MLP's parameters as the trainer holds them: one dict per stage."""
+    variables = jax.eval_shape(models.mlp().init, jax.random.key(0))
+    return _mode.split_variables(variables)[0]
+
+
+def test_per_layer_metrics_are_named_by_parameter_path_without_the_stage_index():
+    """Accordion's ``layer_mode/...`` and AB's ``rank/...`` (and so their TensorBoard tags)
+    name a parameter as ``exclude`` and the model's segments do (``fc2/Dense_0/kernel``), not
+    by its position in the per-stage tuple (``1/fc2/...``), which a data-parallel run has no
+    use for."""
+    params = _digits_params()
+    codec = compressors.power_sgd(1)
+    tx = transforms.accordion(codec, codec, interval_steps=2)
+    modes = _dp_mode._layer_modes(jax.eval_shape(tx.init, params))
+    assert list(modes) == [f"layer_mode/{s}/Dense_0/kernel" for s in ("fc1", "fc2", "fc3", "head")]
+    ranks = _ab_mode.rank_metric_names(params, ("fc1", "head"))
+    assert ranks == ("rank/fc2/Dense_0/kernel", "rank/fc3/Dense_0/kernel")
+    with pytest.raises(ValueError, match=r"stage index.*'fc1/Dense_0/kernel'"):
+        _mode.parameter_name("fc1/Dense_0/kernel")
