@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 #: The exit status of a process that ``SIGPIPE`` ended (Python ignores the signal and raises
 #: ``BrokenPipeError`` instead; a CLI answers as the shell's own tools do).
