@@ -69,4 +69,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxcomp._broken_pipe import run_cli
+
+    sys.exit(run_cli(main))

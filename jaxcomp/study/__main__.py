@@ -169,4 +169,6 @@ def main(argv=None, *, compile_cache: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(compile_cache=True))
+    from jaxcomp._broken_pipe import run_cli
+
+    sys.exit(run_cli(main, compile_cache=True))

@@ -280,6 +280,7 @@ def aggregate(
     for run in runs:
         groups.setdefault((run.variant, tuple(run.axes.get(a) for a in axes)), []).append(run)
     notes: list[str] = []
+    hows: dict[str, set[str]] = {}  # how each run's collectives were priced: its variants
     base_variant = manifest.get("baseline")
     rows = []
     for (variant, combo), members in groups.items():
@@ -310,7 +311,11 @@ def aggregate(
             if base and base["wire_bytes"] and row["wire_bytes"]
             else None
         )
-        _predict(row, base, links, compute_s, notes)
+        _predict(row, base, links, compute_s, notes, hows)
+    notes += [
+        f"collectives for the cost model ({', '.join(sorted(vs))}): {how}."
+        for how, vs in hows.items()
+    ]
     for row in rows:
         row.pop("_done")
     return rows, sorted(set(notes))
@@ -326,7 +331,7 @@ def _mean_by_kind(runs: list[Run]) -> dict[str, float] | None:
     return {k: statistics.fmean(d.get(k, 0.0) for d in kinds) for k in keys}
 
 
-def _predict(row, base, links, compute_s, notes) -> None:
+def _predict(row, base, links, compute_s, notes, hows) -> None:
     for g in links:
         row[f"speedup_{g:g}gbit"] = None
     if base is None or not base["_done"] or not row["_done"]:
@@ -357,7 +362,7 @@ def _predict(row, base, links, compute_s, notes) -> None:
                 if colls is None:
                     notes.append(f"no prediction for {r.name}: {how}.")
                     break
-                notes.append(f"collectives for the cost model: {how}.")
+                hows.setdefault(how, set()).add(r.variant)
                 ts.append(_cost.step_time(step_compute, colls, lk))
             times[name] = statistics.fmean(ts) if ts and len(ts) == len(group["_done"]) else None
         if times["base"] and times["row"]:

@@ -357,6 +357,28 @@ def test_adaptive_pipeline_links_are_priced_at_the_runs_mean_boundary_bytes():
     assert colls is None and "adaptive" in how
 
 
+def test_each_cost_model_note_names_the_variants_it_prices():
+    # a fixed and an adaptive pipeline variant are priced two ways: one note per way, naming
+    # its variants (two unlabelled "collectives for the cost model" lines were ambiguous)
+    summary = {"mode": "pipeline", "microbatches": 4, "stages": 4, "final_loss": 0.1,
+               "boundary_bytes_per_step": 104496.0, "hlo_collective_bytes_per_step": 707754.0,
+               "wire_bytes_per_step": 104496.0, "wall_time_s": 1.0, "steps": 10}  # fmt: skip
+    adaptive = {**summary, "adaptive": "interval 11 steps", "wire_bytes_per_step": 62552.96}
+    runs = [
+        _report.Run(f"{v}-{i}", v, {}, i, "done", s, [], [], {"mesh": [["stage", 4]]})
+        for v, s in (("fixed", summary), ("adaptive", adaptive))
+        for i in range(2)
+    ]
+    _, notes = study.aggregate({"axes": [], "baseline": "fixed"}, runs, compute_s=0.01)
+    cost = [n for n in notes if n.startswith("collectives for the cost model")]
+    assert cost == [
+        "collectives for the cost model (adaptive): boundary permutes (the run's mean boundary "
+        "bytes) + data-axis all-reduce of the rest of the HLO bytes.",
+        "collectives for the cost model (fixed): boundary permutes + data-axis all-reduce of "
+        "the rest of the HLO bytes.",
+    ]
+
+
 def test_report_state_plot_for_adaptive_methods(finished):
     cell = os.path.join(finished, "dense__optimizer=adam__seed0", "metrics.jsonl")
     with open(cell, "a") as f:
