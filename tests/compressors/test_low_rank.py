@@ -167,10 +167,7 @@ OWN_SHAPE_SLOW = ("rank1_tall", "rank3_zero_block")
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(c, marks=pytest.mark.slow) if c in OWN_SHAPE_SLOW else c
-        for c in sorted(CASES)
-    ],
+    [pytest.param(c, marks=pytest.mark.slow) if c in OWN_SHAPE_SLOW else c for c in sorted(CASES)],
 )
 def test_rank_deficient_reconstruction_is_the_best_rank_r_approximation(
     case, warm, magnitude, steppers

@@ -160,15 +160,17 @@ def _put(tree, mesh):
     return jax.device_put(tree, NamedSharding(mesh, P(AXIS)))
 
 
-def _run(case, tx, mesh, grads_seq, params=PARAMS):
-    """Updates of ``tx`` (built from ``case``) on each per-worker gradient in ``grads_seq``."""
+def _run(case, tx, mesh, grads_seq, params=PARAMS, every_state=False):
+    """Updates of ``tx`` (built from ``case``) on each per-worker gradient in ``grads_seq``,
+    and the last state (``every_state``: the state after each step)."""
     state = comm.place_state(_init(case, tx, params, mesh), mesh, AXIS)
     step = _runner(tx, state, mesh)
-    out = []
+    out, states = [], []
     for grads in grads_seq:
         updates, state = step(state, _put(grads, mesh))
         out.append(jax.tree.map(np.asarray, updates))
-    return out, state
+        states.append(state)
+    return out, states if every_state else state
 
 
 GRADS = [_worker_grads(1), _worker_grads(2), _worker_grads(3)]
@@ -299,7 +301,7 @@ def test_16_bit_params(case, dtype, mesh):
     precision, and ``bytes_sent`` what crosses the compiled collectives (a ``bfloat16`` psum
     crosses as ``float32`` on the CPU backend: counted so)."""
     exact = [_exact_grads(10 + i) for i in range(3)]
-    want, _ = _run(case, case.build(), mesh, exact)
+    want, want_states = _run(case, case.build(), mesh, exact, every_state=True)
     assert _moved(want[:1])
     params = jax.tree.map(lambda p: p.astype(dtype), PARAMS)
     tx = case.build()
@@ -311,7 +313,7 @@ def test_16_bit_params(case, dtype, mesh):
         if i == 1 and hasattr(state, "bytes_sent"):  # without the psum case's warm-up round
             metered = case.build(**({"warmup_steps": 0} if "warmup_steps" in case.kwargs else {}))
             got = _unmetered(_runner(metered, state, mesh), state, grads)
-            ref_state = _run(case, case.build(), mesh, exact[:1])[1]  # float32, after step 0
+            ref_state = want_states[0]  # float32, after step 0
             ref = _unmetered(_runner(metered, ref_state, mesh), ref_state, _put(exact[1], mesh))
             assert got == ref and (ref == 0) == ("accordion" not in case.name), (got, ref)
         updates, state = step(state, grads)
