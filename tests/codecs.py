@@ -22,6 +22,13 @@ Each row says what its codec documents for the checks that depend on the codec:
 * ``bound``: for the codecs that keep every entry, the bound on ``|x_hat - x|`` per entry as a
   function of ``x`` (float64) at any magnitude, before float32 rounding of the decoded value
   (quantizers: one step of the scale that travelled; ``None``: no per-entry bound).
+
+* ``fast``: the row runs in the fast tier (``-m "not slow"``). The fast rows hold every codec,
+  every wire format (each bit width that packs differently, the tensor, min-max and feature
+  scales, stochastic rounding, per-sample and blockwise selection, a composition); a row that
+  combines options another fast row already has (``fast=False``: a second scale dtype, a
+  second block size, the cold start, the unbiased RandK, ...) runs in the slow tier only, in
+  every test of the table.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class CodecCase(NamedTuple):
     codec: C.Codec
     nonfinite: str
     bound: Callable[[np.ndarray], np.ndarray] | None = None
+    fast: bool = True
 
     def round_trip(self):
         """The row's jitted ``(x, key) -> (payload, state, decoded)`` from a fresh state: one
@@ -99,6 +107,7 @@ CODEC_TABLE = (
         C.quantize(3, scale="minmax", rounding="stochastic"),
         "all",
         _minmax(3, True),
+        fast=False,
     ),
     CodecCase(
         "quantize4_stochastic", C.quantize(4, rounding="stochastic"), "all", _symmetric(4, False)
@@ -114,6 +123,7 @@ CODEC_TABLE = (
         C.quantize(4, scale="feature", rounding="stochastic"),
         "feature",
         _symmetric(4, True, 2.0**-7),
+        fast=False,
     ),
     CodecCase("quantize5", C.quantize(5), "all", _symmetric(5, False)),
     CodecCase("quantize8", C.quantize(8), "all", _symmetric(8, False)),
@@ -127,28 +137,43 @@ CODEC_TABLE = (
         _symmetric(8, True),
     ),
     CodecCase(
-        "quantize8_feature_fp16", C.quantize(8, scale="feature", scale_dtype=jnp.float16), "feature"
+        "quantize8_feature_fp16",
+        C.quantize(8, scale="feature", scale_dtype=jnp.float16),
+        "feature",
+        fast=False,
     ),
     CodecCase("sign", C.sign(), "all"),
-    CodecCase("sign_rms", C.sign(scale="rms"), "all"),
+    CodecCase("sign_rms", C.sign(scale="rms"), "all", fast=False),
     CodecCase("top_k", C.top_k(0.1), "kept"),
     CodecCase("top_k_per_sample", C.top_k(0.25, per_sample=True), "kept"),
     CodecCase("top_k_blockwise", C.top_k(0.1, method="blockwise"), "kept"),
-    CodecCase("top_k_blockwise_64", C.top_k(0.1, method="blockwise", block_size=64), "kept"),
     CodecCase(
-        "top_k_count_blockwise_64", C.top_k(count=8, method="blockwise", block_size=64), "kept"
+        "top_k_blockwise_64",
+        C.top_k(0.1, method="blockwise", block_size=64),
+        "kept",
+        fast=False,
     ),
     CodecCase(
-        "top_k_per_sample_blockwise", C.top_k(0.25, per_sample=True, method="blockwise"), "kept"
+        "top_k_count_blockwise_64",
+        C.top_k(count=8, method="blockwise", block_size=64),
+        "kept",
+        fast=False,
+    ),
+    CodecCase(
+        "top_k_per_sample_blockwise",
+        C.top_k(0.25, per_sample=True, method="blockwise"),
+        "kept",
+        fast=False,
     ),
     CodecCase("rand_k", C.rand_k(0.1), "kept_all"),
-    CodecCase("rand_k_unbiased", C.rand_k(0.1, unbiased=True), "kept_all"),
+    CodecCase("rand_k_unbiased", C.rand_k(0.1, unbiased=True), "kept_all", fast=False),
     CodecCase("power_sgd", C.power_sgd(2), "all"),
-    CodecCase("power_sgd_cold", C.power_sgd(2, warm_start=False), "all"),
+    CodecCase("power_sgd_cold", C.power_sgd(2, warm_start=False), "all", fast=False),
     CodecCase("top_k+quantize8", C.compose(C.top_k(0.1), C.quantize(8)), "kept_all"),
     CodecCase(
         "rand_k+quantize4_stochastic",
         C.compose(C.rand_k(0.1), C.quantize(4, rounding="stochastic")),
         "kept_all",
+        fast=False,
     ),
 )

@@ -256,7 +256,9 @@ def pytest_generate_tests(metafunc):
         marker = metafunc.definition.get_closest_marker("codec_rows")
         keep = marker.args[0] if marker else (lambda case: True)
         rows = [case for case in _codec_table() if keep(case)]
-        metafunc.parametrize("codec_case", rows, ids=[case.name for case in rows])
+        slow = [pytest.mark.slow]
+        rows = [pytest.param(c, id=c.name, marks=() if c.fast else slow) for c in rows]
+        metafunc.parametrize("codec_case", rows)
     if metafunc.definition.nodeid.split("[")[0] in ALSO_UNDER_SET_MESH:
         metafunc.fixturenames.append("under_set_mesh")
         metafunc.parametrize(

@@ -83,10 +83,11 @@ def test_config_documents_its_run_and_smoke_trains_two_steps(path, tmp_path):
 
 @pytest.mark.slow
 def test_gpt_lm_config_smoke_trains_on_pydoc_and_on_a_tfds_text_corpus(tmp_path, fake_tfds_dir):
-    # one test, so that the second run's programs (same shapes) come from the compilation
-    # cache of the same process (each pytest-xdist worker has its own)
     _documents_its_run_and_smoke_trains_two_steps(GPT, tmp_path / "pydoc")
-    c = load(GPT).get_config("smoke")
+    # the tfds text source through the trainer: the smallest GPT config (dense, 2 blocks), not
+    # a second compile of the 4-stage pipeline (the suite has no compilation cache); the
+    # pipeline config's tfds wiring: the prepare-message test below
+    c = load(GPT.with_name("text_gpt_dense.py")).get_config("smoke")
     c.data_name = "tfds_text"  # tiny_shakespeare by default
     c.data.data_dir = fake_tfds_dir
     c.eval_data = {}

@@ -23,10 +23,13 @@ def test_the_library_has_examples():
     assert count > 100
 
 
-#: the modules whose examples compile a pipeline or a factorisation (seconds each): the slow tier
+#: the modules whose examples compile a pipeline or a factorisation, or run PowerSGD or RandK
+#: eagerly (op by op: 1-2 s each; both codecs run eagerly in the fast tier's
+#: tests/compressors/test_low_rank.py and test_sparse.py): the slow tier
 SLOW = {"jaxcomp.models._staged", "jaxcomp.pipeline._gpipe", "jaxcomp.pipeline._build",
         "jaxcomp.compressors._low_rank", "jaxcomp.ab._transform",
-        "jaxcomp.comm._reduce_plan"}  # fmt: skip
+        "jaxcomp.comm._reduce_plan", "jaxcomp.compressors._power_sgd",
+        "jaxcomp.compressors._rand_k"}  # fmt: skip
 
 
 @pytest.mark.parametrize(

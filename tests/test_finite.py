@@ -60,6 +60,12 @@ CASES = [(None, None, 0)] + [
 ]  # the fast tier: each leaf's first and last entry; the slow tier also one inside
 
 
+#: replicated -> ``all_finite_global`` with it; one function each for the module, so that
+#: every case's tree (the same shapes) runs the program the first case compiled
+GLOBAL = {r: functools.partial(_finite.all_finite_global, replicated=r) for r in (True, False)}
+GLOBAL_JIT = {r: jax.jit(check) for r, check in GLOBAL.items()}
+
+
 @pytest.mark.parametrize("leaf,value,pos", CASES)
 def test_matches_the_per_leaf_reference_eager_and_jit(leaf, value, pos):
     tree = _tree(np.random.default_rng(0), leaf, value, pos)
@@ -68,9 +74,8 @@ def test_matches_the_per_leaf_reference_eager_and_jit(leaf, value, pos):
     assert int(_finite.all_finite(tree)) == want
     assert int(jax.jit(_finite.all_finite)(tree)) == want
     for replicated in (True, False):
-        check = functools.partial(_finite.all_finite_global, replicated=replicated)
-        assert bool(check(tree)) == bool(want)
-        assert bool(jax.jit(check)(tree["f"], tree)) == bool(want)
+        assert bool(GLOBAL[replicated](tree)) == bool(want)
+        assert bool(GLOBAL_JIT[replicated](tree["f"], tree)) == bool(want)
 
 
 @pytest.mark.parametrize("value", EDGES)

@@ -31,7 +31,6 @@ class Net(nn.Module):
 
 
 NET = Net()
-PARAMS = NET.init(jax.random.key(0), jnp.zeros((1, 8)))["params"]
 
 
 def fit_loss(params, batch):
@@ -61,7 +60,8 @@ def runs():
     config = transforms.ABConfig(0.1, warmup_steps=1, sync_every=4, full_rank_steps=1,
                                  exclude=("head",), inner=optax.trace(0.9))  # fmt: skip
     dp = parallel.ab_data_parallel(loss_fn, config, mesh, donate=False)
-    state = dp.init(PARAMS)
+    params = NET.init(jax.random.key(0), jnp.zeros((1, 8)))["params"]  # here, not at collection
+    state = dp.init(params)
     state = dp.step(state, _batch(0))[0]  # the warm-up step
     out = {}
     for name, hook in (("dense", None), ("factored", models.factored_dense)):
@@ -76,7 +76,7 @@ def runs():
         programs = _programs.Programs(config, fit_loss, mesh, donate=False, factored_forward=hook)
         args = programs._args("ab", out["factored"][0], dp.shard_batch(_batch(1)))
         flops[name] = programs.compiled("ab", *args).cost_analysis()["flops"]
-    out["flops"] = flops
+    out["flops"], out["params"] = flops, params
     return out
 
 
@@ -90,7 +90,8 @@ def test_factored_steps_give_the_dense_paths_numbers_up_to_summation_order(runs)
         b = dict((jax.tree_util.keystr(p), v) for p, v in b)[jax.tree_util.keystr(path)]
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6,
                                    err_msg=jax.tree_util.keystr(path))  # fmt: skip
-    moved = np.abs(np.asarray(fact.params["tall"]["kernel"]) - PARAMS["tall"]["kernel"]).max()
+    initial = runs["params"]["tall"]["kernel"]
+    moved = np.abs(np.asarray(fact.params["tall"]["kernel"]) - initial).max()
     assert moved > 1e-3  # the steps did train
 
 

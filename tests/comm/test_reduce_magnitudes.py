@@ -7,6 +7,8 @@ scaled by a power of two); the paths that sum whole arrays (``dense``'s ``pmean`
 mean (a prescale cost the dense mean 8-11% and flushed terms near 1e-38; a rescue pass cost EF
 + quantize a leaf-sized temporary)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +47,7 @@ def _low_rank_workers(num):
     return np.einsum("i,wj->wij", u, v) / 3
 
 
+@functools.cache  # one program per codec object, path and worker count for the module
 def _reducer(codec, path, num):
     mesh = comm.make_mesh([(comm.DATA, num)], devices=jax.devices()[:num])
 
@@ -87,7 +90,7 @@ def test_mean_is_exact_up_to_float32s_largest(name, num):
 def test_power_sgd_beyond_its_range_is_loud(rank):
     """Documented limit: a worker whose own ``M Q`` or ``M^T P`` overflows (max|M| near
     ``3e38 / cols``) gives a non-finite mean and keeps its warm start, never a finite one."""
-    fn = _reducer(compressors.power_sgd(rank), "codec", 8)
+    fn = _reducer(CASES[f"power_sgd{rank}"][0], "codec", 8)  # the program of the test above
     g = np.asarray(_low_rank_workers(8) * 1.5e38, np.float32)
     mean, bad = fn(g)
     assert not np.isfinite(np.asarray(mean)).all() and int(bad) == 0

@@ -7,6 +7,8 @@ magnitude (and above inf), the value itself with its sign (``-0.0`` too), and a 
 never chosen, even when every real entry of the last block is ``-0.0`` or ``0``.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,8 +59,15 @@ def _input(shape, per_sample, seed):
     return x
 
 
+@functools.cache
+def _compress(codec):
+    """The codec's jitted compress from a fresh state (one per codec object: a test that checks
+    several inputs of one shape with one codec compiles once)."""
+    return jax.jit(lambda v: codec.compress(v, codec.init(v), None))
+
+
 def _check(codec, x, per_sample):
-    payload, _ = jax.jit(lambda v: codec.compress(v, codec.init(v), None))(jnp.asarray(x))
+    payload, _ = _compress(codec)(jnp.asarray(x))
     flat = x.reshape(x.shape[0], -1) if per_sample else x.reshape(1, -1)
     d = flat.shape[1]
     kept = payload.values.shape[-1]
@@ -89,12 +98,15 @@ def test_one_per_block_with_a_short_last_block_is_the_padded_argmax(shape, count
     _check(codec, _input(shape, per_sample, 1), per_sample)
 
 
+TAIL = compressors.top_k(count=30, method="blockwise")
+
+
 @pytest.mark.parametrize("fill", [-0.0, 0.0, np.nan, 1.0])
 def test_last_block_of_zeros_nans_or_ties_keeps_its_first_real_entry(fill):
     x = _input((1000,), False, 2)
     x[-14:] = fill  # the whole last block (14 long; padded to 34 with zeros)
     x[33] = np.nan if fill != fill else x[33]  # a NaN in a full block too
-    _check(compressors.top_k(count=30, method="blockwise"), x, False)
+    _check(TAIL, x, False)
 
 
 def test_nan_beats_inf_only_by_position_and_both_beat_finite():

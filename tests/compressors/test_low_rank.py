@@ -158,9 +158,17 @@ def steppers():
     return out
 
 
+#: the cases of their own shape beyond one matrix (12 x 9: four cases, one compile) and one
+#: conv kernel (3 x 4 x 10): a compile each, in the slow tier
+OWN_SHAPE_SLOW = ("rank1_tall", "rank3_zero_block")
+
+
 @pytest.mark.parametrize("magnitude", MAGNITUDES, ids=lambda m: f"{m:g}")
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.slow) if c in OWN_SHAPE_SLOW else c for c in sorted(CASES)],
+)
 def test_rank_deficient_reconstruction_is_the_best_rank_r_approximation(
     case, warm, magnitude, steppers
 ):
@@ -202,7 +210,15 @@ def test_dead_columns_keep_the_previous_query_and_a_new_direction_is_found():
     assert np.all(np.isfinite(np.asarray(state.q)))
 
 
-@pytest.mark.parametrize("case", ["rank1", "rank2_zero_cols", "rank4_exact", "all_zero"])
+@pytest.mark.parametrize(
+    "case",
+    [  # eager PowerSGD compiles op by op: one case in the fast tier, the one with dead columns
+        pytest.param("rank1", marks=pytest.mark.slow),
+        "rank2_zero_cols",
+        pytest.param("rank4_exact", marks=pytest.mark.slow),
+        pytest.param("all_zero", marks=pytest.mark.slow),
+    ],
+)
 def test_jit_and_eager_agree(case):
     codec = compressors.power_sgd(RANK)
     x = jnp.asarray(CASES[case], jnp.float32)

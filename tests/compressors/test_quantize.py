@@ -1,5 +1,6 @@
 """Quantization and sign codecs: hand-worked outputs, error bounds, packing, bad input."""
 
+import functools
 import math
 
 import hypothesis.extra.numpy as hnp
@@ -79,6 +80,14 @@ FEATURE_PATHS = [((5, 255), (0,)), ((5, 256), (0,)), ((64, 1024), (0,)), ((2, 3,
 FEATURE_PATHS += [((4, 300), (1,))]
 
 
+@functools.cache
+def _feature_round_trip(axes):
+    """The jitted round trip of 4-bit feature scales over ``axes``: one function for every case
+    of the axes, so that the cases of one shape run the program its first case compiled."""
+    codec = compressors.quantize(4, scale="feature", axes=axes, scale_dtype=jnp.float32)
+    return jax.jit(lambda x: roundtrip(codec, x))
+
+
 @pytest.mark.parametrize("bad", ["none", "nan_last", "inf_both_signs"])
 @pytest.mark.parametrize("shape, axes", FEATURE_PATHS)
 def test_feature_scale_is_the_exact_absmax_on_every_path(shape, axes, bad):
@@ -95,8 +104,7 @@ def test_feature_scale_is_the_exact_absmax_on_every_path(shape, axes, bad):
     elif bad == "inf_both_signs":  # two groups: +inf in one, -inf in another
         flat[0], flat[-1] = np.inf, -np.inf
     x = x.astype(np.float32)
-    codec = compressors.quantize(4, scale="feature", axes=axes, scale_dtype=jnp.float32)
-    payload, y = jax.jit(lambda x: roundtrip(codec, x))(jnp.asarray(x))
+    payload, y = _feature_round_trip(axes)(jnp.asarray(x))
     expect = np.abs(x).max(axis=axes)
     if np.isnan(x).any():  # a NaN anywhere: every scale inf
         expect = np.full(expect.shape, np.inf, np.float32)
@@ -110,6 +118,9 @@ def test_feature_scale_is_the_exact_absmax_on_every_path(shape, axes, bad):
 # the per-tensor scale's paths: below the fold threshold, sizes that 8 rows do not divide (one
 # max reduction and a NaN test), and leaves folded as 8 rows (the absmax and NaN in one pass)
 TENSOR_PATHS = [(7,), (2047,), (3, 1001), (2048,), (24, 1024)]
+_TENSOR_CODEC = compressors.quantize(8, scale_dtype=jnp.float32)
+#: one jitted round trip for every case (one compile per shape)
+_tensor_round_trip = jax.jit(lambda x: roundtrip(_TENSOR_CODEC, x))
 
 
 @pytest.mark.parametrize(
@@ -133,8 +144,7 @@ def test_tensor_scale_is_the_exact_absmax_on_every_path(shape, bad):
         flat[: flat.size // 2] = 5e37  # (below 2**126: 1 / scale must stay a normal float)
         flat[flat.size // 2 :] = -5e37
     x = x.astype(np.float32)
-    codec = compressors.quantize(8, scale_dtype=jnp.float32)
-    payload, y = jax.jit(lambda x: roundtrip(codec, x))(jnp.asarray(x))
+    payload, y = _tensor_round_trip(jnp.asarray(x))
     expect = np.inf if np.isnan(x).any() else np.abs(x).max()
     np.testing.assert_array_equal(scales(payload), expect)
     y = np.asarray(y, np.float64)

@@ -47,10 +47,16 @@ def test_error_feedback_telescopes(x, e, codec):
     )
 
 
+def _normal(seed, shape):
+    """float32 standard normal test data from numpy: an eager ``jax.random.normal`` compiles a
+    program per shape (~1 s each at these shapes)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
 def test_error_feedback_sum_of_received_tracks_sum_of_sent():
     channel = feedback.error_feedback(TOPK)
     step = EF_STEPS["topk"]
-    xs = jax.random.normal(KEY, (50, 8, 6))
+    xs = _normal(0, (50, 8, 6))
     send, recv = channel.init(xs[0])
     received = jnp.zeros((8, 6))
     for x in xs:
@@ -82,7 +88,7 @@ def test_error_feedback_decay():
 @pytest.mark.parametrize("codec", [TOPK, Q4, compressors.rand_k(0.25)], ids=lambda c: c.name)
 def test_ef21_mirrors_stay_identical_and_track_the_signal(codec):
     channel = feedback.ef21(codec)
-    xs = jnp.cumsum(0.05 * jax.random.normal(KEY, (80, 8, 6)), axis=0) + 1.0  # slowly drifting
+    xs = jnp.cumsum(0.05 * _normal(1, (80, 8, 6)), axis=0) + 1.0  # slowly drifting
 
     def body(carry, inp):
         send, recv = carry
@@ -149,7 +155,7 @@ def test_ef21_and_aq_sgd_mirrors_stay_equal_over_many_steps(codec, num_samples, 
 def test_aq_sgd_warm_up_fills_both_caches_then_deltas_travel():
     num_samples, batch = 10, 4
     channel = feedback.aq_sgd(compressors.quantize(4, scale="feature"), num_samples)
-    data = jax.random.normal(KEY, (num_samples, 3, 5))
+    data = _normal(2, (num_samples, 3, 5))
     send, recv = channel.init(data[:batch])
     assert send.estimate.dtype == jnp.float16 and send.estimate.shape == (num_samples, 3, 5)
     ids = jnp.arange(num_samples).reshape(-1, 2)  # warm-up "epoch" in micro-batches of 2
@@ -159,7 +165,7 @@ def test_aq_sgd_warm_up_fills_both_caches_then_deltas_travel():
     np.testing.assert_array_equal(send.estimate, data.astype(jnp.float16))
     np.testing.assert_array_equal(recv.estimate, send.estimate)
 
-    drift = data + 0.01 * jax.random.normal(jax.random.key(1), data.shape)
+    drift = data + 0.01 * _normal(3, data.shape)
     step = jax.jit(lambda x, s, r, i: _aq_step(channel, x, s, r, i))
     for _ in range(3):
         for i in ids[::-1]:

@@ -1,6 +1,8 @@
 """Flax NNX models through local gradients, compressed_mean, data_parallel and AB-Training: the
 same weights as a Linen model give the same gradients, updates and losses."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -49,14 +51,18 @@ class NNXMLP(nnx.Module):
         return self.fc2(jnp.tanh(self.fc1(x)))
 
 
-PARAMS = LinenMLP().init(jax.random.key(0), BATCH[0])["params"]
+@functools.cache
+def params():
+    """The Linen model's initial parameters (built by the first test that asks, not at
+    collection: every xdist worker collects every module)."""
+    return LinenMLP().init(jax.random.key(0), BATCH[0])["params"]
 
 
 def nnx_model():
     """An NNX model holding the Linen model's weights."""
     model = NNXMLP(nnx.Rngs(1))
     state = nnx.state(model)
-    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.array, PARAMS))
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.array, params()))
     nnx.update(model, state)
     return model
 
@@ -82,19 +88,19 @@ def powersgd_ef():
 
 def test_local_gradients_of_a_module_equal_linen_and_pass_compressed_mean(mesh):
     tx = powersgd_ef()
-    state = comm.place_state(tx.init(PARAMS), mesh, comm.DATA)
+    state = comm.place_state(tx.init(params()), mesh, comm.DATA)
     specs = comm.state_specs(state, comm.DATA)
     batch = jax.device_put(BATCH, NamedSharding(mesh, P(comm.DATA)))
 
     def linen(state, batch):
-        loss, grads = comm.local_value_and_grad(linen_loss, comm.DATA)(PARAMS, batch)
-        mean, state = tx.update(grads, state, PARAMS)
+        loss, grads = comm.local_value_and_grad(linen_loss, comm.DATA)(params(), batch)
+        mean, state = tx.update(grads, state, params())
         return jax.tree.map(lambda g: g[None], grads), mean, state
 
     def nnx_(model, state, batch):
         loss, grads = comm.local_value_and_grad(nnx_loss, comm.DATA)(model, batch)
         grads = nnx.to_pure_dict(grads)  # an nnx.State, as nnx.value_and_grad gives
-        mean, state = tx.update(grads, state, PARAMS)
+        mean, state = tx.update(grads, state, params())
         return jax.tree.map(lambda g: g[None], grads), mean, state
 
     out_specs = (P(comm.DATA), P(), specs)
@@ -117,18 +123,18 @@ def test_data_parallel_from_a_module_equals_linen(mesh):
     linen = parallel.data_parallel(linen_loss, tx, mesh, check_finite=True)
     nnx_dp = parallel.data_parallel(nnx_loss, tx, mesh, check_finite=True)
     model = nnx_model()
-    a, b = linen.init(PARAMS), nnx_dp.init(model)
+    a, b = linen.init(params()), nnx_dp.init(model)
     for _ in range(2):
         a, metrics_a = linen.step(a, BATCH)
         b, metrics_b = nnx_dp.step(b, BATCH)
         assert float(metrics_a["loss"]) == pytest.approx(float(metrics_b["loss"]), rel=1e-6)
         np.testing.assert_array_equal(metrics_b["finite"], 1)
     assert_close((b.params, b.opt_state), (a.params, a.opt_state))
-    assert not np.array_equal(b.params["fc1"]["kernel"], PARAMS["fc1"]["kernel"])
+    assert not np.array_equal(b.params["fc1"]["kernel"], params()["fc1"]["kernel"])
     trained = b.module()  # merged back: a module with the new weights
     assert isinstance(trained, NNXMLP)
     assert_close(trained(BATCH[0]), LinenMLP().apply({"params": a.params}, BATCH[0]))
-    np.testing.assert_array_equal(model.fc1.kernel[...], PARAMS["fc1"]["kernel"])  # untouched
+    np.testing.assert_array_equal(model.fc1.kernel[...], params()["fc1"]["kernel"])  # untouched
     with pytest.raises(ValueError, match="not made from an NNX module"):
         a.module()
     with pytest.raises(ValueError, match="carries its own state"):
@@ -161,7 +167,7 @@ def test_ab_training_from_a_module_equals_linen():
     config = transforms.ABConfig(1e-2, warmup_steps=1, sync_every=2, full_rank_steps=1)
     linen = parallel.ab_data_parallel(linen_loss, config, mesh, donate=False)
     nnx_dp = parallel.ab_data_parallel(nnx_loss, config, mesh, donate=False)
-    a, b = linen.init(PARAMS), nnx_dp.init(nnx_model())
+    a, b = linen.init(params()), nnx_dp.init(nnx_model())
     for _ in range(3):  # warm-up, re-factorisation, an AB step
         a, metrics_a = linen.step(a, BATCH)
         b, metrics_b = nnx_dp.step(b, BATCH)

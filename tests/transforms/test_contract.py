@@ -115,10 +115,24 @@ CASES = [
 BF16_CASES = [c for c in CASES if c.same_plan_in_bfloat16]
 
 
-def _params(cases):
-    """The cases as parameters; Accordion's (seconds of compile each) in the slow tier."""
+#: the compressed mean's paths whose composition with optax's wrappers (chain,
+#: inject_hyperparams, MultiSteps, cond) runs in the slow tier only: the wrappers see the
+#: transform's state, not its collectives, and the fast tier keeps a stateless channel path
+#: (dense), the mesh-sized state (two_phase) and EF21's (auto); every path's own collectives
+#: and bytes stay in the fast tier (test_16_bit_params, tests/comm/test_reduce.py)
+WRAPPED_SLOW = ("compressed_mean/psum", "compressed_mean/all_gather", "compressed_mean/codec")
+
+
+def _params(cases, slow_too=()):
+    """The cases as parameters; Accordion's (seconds of compile each) and ``slow_too`` in the
+    slow tier."""
     slow = [pytest.mark.slow]
-    return [pytest.param(c, id=c.name, marks=slow if "accordion" in c.name else ()) for c in cases]
+    return [
+        pytest.param(
+            c, id=c.name, marks=slow if "accordion" in c.name or c.name in slow_too else ()
+        )
+        for c in cases
+    ]
 
 
 def _worker_grads(seed, dtype=jnp.float32):
@@ -160,15 +174,17 @@ def _put(tree, mesh):
     return jax.device_put(tree, NamedSharding(mesh, P(AXIS)))
 
 
-def _run(case, tx, mesh, grads_seq, params=PARAMS):
-    """Updates of ``tx`` (built from ``case``) on each per-worker gradient in ``grads_seq``."""
+def _run(case, tx, mesh, grads_seq, params=PARAMS, every_state=False):
+    """Updates of ``tx`` (built from ``case``) on each per-worker gradient in ``grads_seq``,
+    and the last state (``every_state``: the state after each step)."""
     state = comm.place_state(_init(case, tx, params, mesh), mesh, AXIS)
     step = _runner(tx, state, mesh)
-    out = []
+    out, states = [], []
     for grads in grads_seq:
         updates, state = step(state, _put(grads, mesh))
         out.append(jax.tree.map(np.asarray, updates))
-    return out, state
+        states.append(state)
+    return out, states if every_state else state
 
 
 GRADS = [_worker_grads(1), _worker_grads(2), _worker_grads(3)]
@@ -216,7 +232,7 @@ def test_init_outside_shard_map_is_abstractly_stable(case, mesh):
     assert jax.tree.structure(placed) == jax.tree.structure(state)
 
 
-@pytest.mark.parametrize("case", _params(CASES))
+@pytest.mark.parametrize("case", _params(CASES, WRAPPED_SLOW))
 def test_in_optax_chain(case, mesh, reference):
     want = reference(case)
     assert _moved(want[:1])
@@ -226,7 +242,7 @@ def test_in_optax_chain(case, mesh, reference):
         _assert_trees_equal(g, jax.tree.map(lambda u: -LR * u, w), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("case", _params(CASES))
+@pytest.mark.parametrize("case", _params(CASES, WRAPPED_SLOW))
 def test_inject_hyperparams(case, mesh, reference):
     tx = optax.inject_hyperparams(case.factory, static_args=case.static)(*case.args, **case.kwargs)
     state = _init(case, tx, PARAMS, mesh)
@@ -237,7 +253,7 @@ def test_inject_hyperparams(case, mesh, reference):
         _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("case", _params(CASES))
+@pytest.mark.parametrize("case", _params(CASES, WRAPPED_SLOW))
 def test_multisteps(case, mesh, reference):
     """MultiSteps(k=2): a zero update, then the reference's first update on the two
     micro-batches' running mean (optax accumulates per worker, so its accumulator is placed
@@ -299,7 +315,7 @@ def test_16_bit_params(case, dtype, mesh):
     precision, and ``bytes_sent`` what crosses the compiled collectives (a ``bfloat16`` psum
     crosses as ``float32`` on the CPU backend: counted so)."""
     exact = [_exact_grads(10 + i) for i in range(3)]
-    want, _ = _run(case, case.build(), mesh, exact)
+    want, want_states = _run(case, case.build(), mesh, exact, every_state=True)
     assert _moved(want[:1])
     params = jax.tree.map(lambda p: p.astype(dtype), PARAMS)
     tx = case.build()
@@ -311,7 +327,7 @@ def test_16_bit_params(case, dtype, mesh):
         if i == 1 and hasattr(state, "bytes_sent"):  # without the psum case's warm-up round
             metered = case.build(**({"warmup_steps": 0} if "warmup_steps" in case.kwargs else {}))
             got = _unmetered(_runner(metered, state, mesh), state, grads)
-            ref_state = _run(case, case.build(), mesh, exact[:1])[1]  # float32, after step 0
+            ref_state = want_states[0]  # float32, after step 0
             ref = _unmetered(_runner(metered, ref_state, mesh), ref_state, _put(exact[1], mesh))
             assert got == ref and (ref == 0) == ("accordion" not in case.name), (got, ref)
         updates, state = step(state, grads)
@@ -321,7 +337,7 @@ def test_16_bit_params(case, dtype, mesh):
         _assert_trees_equal(updates, w, rtol=2e-2, atol=1e-2 * scale)
 
 
-@pytest.mark.parametrize("case", _params(CASES))
+@pytest.mark.parametrize("case", _params(CASES, WRAPPED_SLOW))
 def test_state_types_stable_under_cond(case, mesh, reference):
     tx = case.build()
     state = comm.place_state(_init(case, tx, PARAMS, mesh), mesh, AXIS)
