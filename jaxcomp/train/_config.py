@@ -53,7 +53,7 @@ DEFAULTS: dict[str, Any] = {
     "keep_checkpoints": 2,
     "max_nonfinite_in_a_row": 10,
     "link_probe_every": 0,  # with several processes: time each host's link (train/_link_probe.py)
-    "link_probe_bytes": 1 << 20,
+    "link_probe_bytes": 1 << 18,
     "writers": (),  # metric writers beside the files: "tensorboard", "wandb" (train/_writers.py)
     "compute_dtype": "float32",
     "pipeline": {},
