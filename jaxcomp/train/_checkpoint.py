@@ -18,7 +18,9 @@ What the :class:`Checkpointer` guarantees:
   deleted).
 * A save left half-written by a crash, an abort or a lost peer (orbax's
   ``*.orbax-checkpoint-tmp*`` folders; the run does not wait for a save under way then) is
-  removed when the workdir is opened again, never restored.
+  removed when the workdir is opened again, never restored; opened again by the same process
+  (a library user's restart), it is first waited for (:data:`ABANDONED_WAIT_S`) or the folder
+  is refused naming it, never removed under its writer.
 * A checkpoint's step is read from its own ``meta`` (covered by its checksum) and must match
   its folder's name: renamed or swapped step folders are refused, never restored under the
   wrong step (and retention, which runs only after a restore, never deletes the real state).
