@@ -61,6 +61,7 @@ import signal
 import sys
 import threading
 import time
+from typing import NoReturn
 
 from jaxcomp import _early_signals
 
@@ -383,24 +384,28 @@ EXIT_WAIT_S = 1.0
 
 
 def threads_left(wait_s: float) -> list[str]:
-    """The names of the threads (other than this one, not daemons) still running after
-    waiting up to ``wait_s`` seconds in all for them to end: what the interpreter's exit would
-    wait for. Workers of another library's thread pool are not counted (idle ones, such as
-    orbax's, end when the interpreter exits); the trainer's compiles (``jaxcomp-compile``)
-    are."""
-    from concurrent.futures import thread as pools
-
+    """The names of the threads (other than this one and the main one, not daemons) still
+    running after waiting up to ``wait_s`` seconds in all for them to end: what the
+    interpreter's exit would wait for. An idle worker of a thread pool (one that ends when the
+    interpreter exits) counts too: it costs the wait, then :func:`_exit_bounded`'s immediate
+    exit, which is what such an exit does anyway."""
     deadline = time.monotonic() + wait_s
     left = []
     for t in threading.enumerate():
-        if t is threading.current_thread() or t.daemon:
-            continue
-        if t in pools._threads_queues and not t.name.startswith("jaxcomp-compile"):
+        if t in (threading.current_thread(), threading.main_thread()) or t.daemon:
             continue
         t.join(max(deadline - time.monotonic(), 0.0))
         if t.is_alive():
             left.append(t.name)
     return left
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Ends the process at once with ``code``, its output flushed (``os._exit``: neither the
+    threads left behind nor JAX's shutdown, which waits for lost processes, are waited for)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _exit_bounded(code: int) -> int:
@@ -410,9 +415,7 @@ def _exit_bounded(code: int) -> int:
     if _early_signals.started_as_the_cli(getattr(sys, "orig_argv", ())) and threads_left(
         EXIT_WAIT_S
     ):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_now(code)
     return code
 
 
@@ -463,20 +466,17 @@ def _main(argv, early: _early_signals.EarlySignals) -> int:
         import jax
 
         if jax.process_count() > 1:  # a failed save's threads wait in barriers, never ending
-            sys.stdout.flush()
-            os._exit(EXIT_STORAGE)
+            _exit_now(EXIT_STORAGE)
         return _exit_bounded(EXIT_STORAGE)
     except train.PeerLost as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(EXIT_PEER_LOST)  # JAX's exit would wait for the lost process
+        _exit_now(EXIT_PEER_LOST)  # JAX's exit would wait for the lost process
     except train.Interrupted as e:
         print(f"jaxcomp: {e}", file=sys.stderr, flush=True)
         return _exit_bounded(EXIT_INTERRUPTED)  # compiles under way at a signal are dropped
     except train.Aborted as e:
         print(f"jaxcomp: {e} The last finished checkpoint is kept.", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(128 + e.signum)  # do not wait for background save threads
+        _exit_now(128 + e.signum)  # do not wait for background save threads
     except KeyboardInterrupt:
         return _interrupted_early(early.signum or signal.SIGINT)
     return 0

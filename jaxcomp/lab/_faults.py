@@ -33,15 +33,25 @@ def set_link(net: _net.Network, host: int, up: bool) -> None:
         _net._sh("ip", "-n", ns, "link", "set", dev, "up" if up else "down")
 
 
-def set_rate(net: _net.Network, host: int, rate) -> None:
-    """Changes host ``host``'s link rate (both directions) to ``rate`` (as :class:`Lab`'s:
-    ``"10mbit"``, bit/s, ``None`` for unlimited); the other hosts' links keep theirs.
+#: which ends of a host's link :func:`set_rate` changes: what it sends (its NIC's egress), what it
+#: receives (the switch port's egress towards it), or both
+DIRECTIONS = ("both", "out", "in")
+
+
+def set_rate(net: _net.Network, host: int, rate, direction: str = "both") -> None:
+    """Changes host ``host``'s link rate to ``rate`` (as :class:`Lab`'s: ``"10mbit"``, bit/s,
+    ``None`` for unlimited) in ``direction`` (:data:`DIRECTIONS`: ``"out"`` slows only what the
+    host sends, as a NIC whose transmit side is throttled); the other hosts' links keep theirs.
 
     Example:
       >>> # with Lab(2, "1gbit") as lb: set_rate(lb.net, 1, "100mbit")  # a straggler
     """
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}; got {direction!r}.")
     rate_bit_s = rate if isinstance(rate, (int, float)) or rate is None else _net.parse_rate(rate)
-    for ns, dev in _ends(net, host):
+    ends = _ends(net, host)
+    ends = {"both": ends, "out": ends[:1], "in": ends[1:]}[direction]
+    for ns, dev in ends:
         if rate_bit_s is None:
             _net._sh("sh", "-c", f"ip netns exec {ns} tc qdisc del dev {dev} root || true")
             continue

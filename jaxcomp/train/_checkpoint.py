@@ -18,7 +18,9 @@ What the :class:`Checkpointer` guarantees:
   deleted).
 * A save left half-written by a crash, an abort or a lost peer (orbax's
   ``*.orbax-checkpoint-tmp*`` folders; the run does not wait for a save under way then) is
-  removed when the workdir is opened again, never restored.
+  removed when the workdir is opened again, never restored; opened again by the same process
+  (a library user's restart), it is first waited for (:data:`ABANDONED_WAIT_S`) or the folder
+  is refused naming it, never removed under its writer.
 * A checkpoint's step is read from its own ``meta`` (covered by its checksum) and must match
   its folder's name: renamed or swapped step folders are refused, never restored under the
   wrong step (and retention, which runs only after a restore, never deletes the real state).
@@ -42,6 +44,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from typing import Any
 
@@ -59,6 +62,46 @@ CHECKSUM = "checksum"  #: the meta key holding the checksums
 LAYOUT = "layout"  #: the meta key listing every leaf's path, shape and dtype
 DAMAGED = "checkpoints.damaged"  #: where damaged checkpoints are moved (beside ``checkpoints``)
 _PARTIAL = ".orbax-checkpoint-tmp"
+#: seconds a new :class:`Checkpointer` waits for a save that a run of this process left
+#: behind in the same folder (stopped at once: a lost peer, an abort) before refusing the folder
+ABANDONED_WAIT_S = 60.0
+
+
+class _LeftSave(threading.Thread):
+    """Waits in the background for a save that a run stopping at once did not wait for, then
+    closes its manager; a later :class:`Checkpointer` on the same folder waits for it
+    (:func:`_wait_for_left_saves`). A daemon: it never holds the interpreter's exit."""
+
+    def __init__(self, manager, directory: str, step: int, cause: str):
+        super().__init__(name=f"jaxcomp-left-save-{step}", daemon=True)
+        self.manager, self.directory, self.step, self.cause = manager, directory, step, cause
+
+    def run(self) -> None:
+        try:
+            self.manager.wait_until_finished()
+            self.manager.close()
+        except Exception as e:  # noqa: BLE001 - orbax logged it; never restored half-written
+            log.warning("a checkpoint save left by a stopped run failed: %s", _reason(e))
+
+
+def _wait_for_left_saves(directory: str, wait_s: float) -> None:
+    """Waits up to ``wait_s`` in all for the saves into ``directory`` that runs of this process
+    left when they stopped at once (a library user calling the trainer again).
+
+    Raises:
+      WorkdirInUse: naming the save still being written after the wait.
+    """
+    deadline = time.monotonic() + wait_s
+    for t in threading.enumerate():
+        if isinstance(t, _LeftSave) and t.directory == directory:
+            t.join(max(deadline - time.monotonic(), 0.0))
+            if t.is_alive():
+                raise _errors.WorkdirInUse(
+                    f"checkpoint step {t.step} in {directory}, left by an earlier run of this "
+                    f"process when it stopped at once ({t.cause}), is still being written after "
+                    f"{wait_s:g} s: call again once it ends (it commits or fails by itself; "
+                    "it is never restored half-written), or use another workdir."
+                )
 
 
 class DamagedCheckpoint(Exception):
@@ -243,6 +286,7 @@ class Checkpointer:
         self.workdir = os.path.abspath(workdir)
         self.directory = os.path.join(self.workdir, "checkpoints")
         self.keep = max(int(keep), 2)
+        _wait_for_left_saves(self.directory, ABANDONED_WAIT_S)  # before removing its folder
         if jax.process_index() == 0 and os.path.isdir(self.directory):
             for name in os.listdir(self.directory):
                 if _PARTIAL in name:  # a save that never finished (crash, abort)
@@ -694,13 +738,22 @@ class Checkpointer:
         leaves at once, without waiting for a save under way (it may wait on the lost process;
         an abort asks to stop now). Such a save stays in orbax's temporary folder until it
         commits by itself: never restored, removed by the next start, no checkpoint set aside
-        (the CLI exits at once, so it does not commit there)."""
-        if self._closed or kind is None or not issubclass(kind, Exception):
+        (the CLI exits at once, so it does not commit there). In a program that goes on, a
+        later Checkpointer on the same folder waits for it (:data:`ABANDONED_WAIT_S`), then
+        refuses the folder naming it, so a restart in the same process never removes or
+        resumes a folder under its writer."""
+        if self._closed or kind is None:
             return
+        at_once = not issubclass(kind, Exception) or issubclass(kind, _errors.PeerLost)
         self._closed = True
         logging.getLogger("absl").removeFilter(self._quiet)
-        if issubclass(kind, _errors.PeerLost) or self.stuck:
-            return  # a save under way waits on a lost process or a failed write: do not wait
+        if not (at_once or self.stuck):
+            self._close_after_error()
+        elif self.manager.is_saving_in_progress():  # waits on a lost process, a failed write
+            step = self._pending[0] if self._pending else self._step
+            _LeftSave(self.manager, self.directory, step, kind.__name__).start()
+
+    def _close_after_error(self) -> None:
         try:  # the error that ends the run is the one to report, not a save's after it
             self.manager.wait_until_finished()
             self.manager.close()

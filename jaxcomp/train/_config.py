@@ -52,6 +52,8 @@ DEFAULTS: dict[str, Any] = {
     "checkpoint_every": 0,
     "keep_checkpoints": 2,
     "max_nonfinite_in_a_row": 10,
+    "link_probe_every": 0,  # with several processes: time each host's link (train/_link_probe.py)
+    "link_probe_bytes": 1 << 18,
     "writers": (),  # metric writers beside the files: "tensorboard", "wandb" (train/_writers.py)
     "compute_dtype": "float32",
     "pipeline": {},
@@ -72,6 +74,8 @@ RUN_ONLY_KEYS = (
     "checkpoint_every",
     "keep_checkpoints",
     "max_nonfinite_in_a_row",
+    "link_probe_every",
+    "link_probe_bytes",
     "eval_batch_size",
     "eval_data",
     "writers",
@@ -139,6 +143,8 @@ NUMBERS: dict[str, tuple[str, float, float | None, bool]] = {
     "checkpoint_every": ("int", 0, None, False),
     "keep_checkpoints": ("int", 1, None, False),
     "max_nonfinite_in_a_row": ("int", 1, None, False),
+    "link_probe_every": ("int", 0, None, False),
+    "link_probe_bytes": ("int", 1024, None, False),
 }
 
 

@@ -30,9 +30,12 @@ def _plain(v: Any) -> Any:
 class MetricWriter:
     """Appends one record per call to ``metrics.jsonl`` and per split to ``<split>.csv``.
 
-    Records are ``{"step": int, "split": "train" | "eval", **scalars}``. A run that starts
-    calls :meth:`truncate_after` with the step it resumes from (0 for a fresh start), so the
-    files never hold a step twice nor rows of an earlier attempt.
+    Records are ``{"step": int, "split": "train" | "eval" | "links", **scalars}``. A run that
+    starts calls :meth:`truncate_after` with the step it resumes from (0 for a fresh start), so
+    the files never hold a step twice nor rows of an earlier attempt. A resumed run repeats the
+    train and eval records bit for bit; ``links`` records (the link probe's times,
+    :mod:`jaxcomp.train._link_probe`, written only when ``config.link_probe_every`` asks) are
+    wall-clock measurements, measured afresh.
 
     Every record also goes to the writers named in ``writers`` (:mod:`jaxcomp.train._writers`:
     ``"tensorboard"``, ``"wandb"``), opened by :meth:`truncate_after`, as ``<split>/<key>``

@@ -28,6 +28,7 @@ from jaxcomp import data
 from jaxcomp import models
 from jaxcomp.train import _checkpoint
 from jaxcomp.train import _config
+from jaxcomp.train import _link_probe
 from jaxcomp.train import _lock
 from jaxcomp.train import _metrics
 from jaxcomp.train import _mode
@@ -446,6 +447,9 @@ def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> di
     if stop.should_stop():
         interrupt(f"before step {step + 1}; nothing new to save.")
     _compile_ahead(s, state, ckpt)
+    probe = _link_probe.for_run(
+        cfg.link_probe_every, cfg.link_probe_bytes, list(s.mesh.devices.flat), say
+    )
     if dog is not None:  # from here on, every step is bounded
         dog.start()
     progress = _progress.Progress(cfg.total_steps, step, enabled=lead)
@@ -499,6 +503,14 @@ def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> di
             logged, step_seconds = step, 0.0
             progress.update(step, avg, final=step == cfg.total_steps)
             run["window"] = []
+        if probe is not None and step % cfg.link_probe_every == 0:
+            links, line = _link_probe.record(probe, step, dog.team if dog else None)
+            if dog is not None:
+                dog.beat(step)
+            with held.catching():
+                writer.write(step, "links", links)
+            if line:
+                progress.message(line)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.total_steps:
             with held.catching():
                 _log_eval(s, state, step, writer, progress, dog=dog)

@@ -2,8 +2,9 @@
 of a 2-process ``digits_dense`` run. Both processes exit within the bound (``--peer_timeout``,
 well under 120 s), non-zero, with one line each; the last checkpoint stays intact and the same
 command resumes and finishes once the link is back, that host now a straggler (its link at a
-tenth of the other's rate). Which host is slow is not asserted: with 2 hosts every step waits
-for the same all-reduce on both (docs/results/faults/).
+tenth of the other's rate). Which host is slow is not asserted here: with 2 hosts every step
+waits for the same all-reduce on both, and a link slow both ways slows both directions of the
+one path between them; the link probe names a host that sends slowly (test_straggler.py).
 
 Before (2026-12-04, a loopback taken down at 30 s): both processes aborted 78 s later with exit
 134 and a C++ "Check failure stack trace" from JAX's coordination service, no line of ours.

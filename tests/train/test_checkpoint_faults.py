@@ -9,12 +9,14 @@ holds) was reported as damaged, without saying what differs.
 import logging
 import os
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from jaxcomp import train
+from jaxcomp.train import _checkpoint
 
 
 def _saved(tmp_path, steps=(4, 8)):
@@ -94,3 +96,50 @@ def test_a_write_failed_on_one_of_several_processes_is_reported_at_once(tmp_path
         "process 1 cannot write checkpoint step 8: no space left on the device"
     )
     assert other.stuck
+
+
+@pytest.mark.usefixtures("shared_setups")
+@pytest.mark.parametrize(
+    "stop",
+    [
+        pytest.param(lambda: train.PeerLost("process 1 is gone"), id="peer_lost"),
+        pytest.param(KeyboardInterrupt, id="keyboard_interrupt", marks=pytest.mark.slow),
+    ],
+)
+def test_a_restart_in_the_same_process_waits_for_the_save_the_stopped_run_left(
+    stop, tmp_path, monkeypatch, make_config, load_test_module
+):
+    """A library user's run stops at once while step 4's save is written but not committed
+    (the save is left to finish in the background); the user calls the trainer again on the
+    same workdir, in the same process. It refuses, naming that save, while the save goes on
+    past the wait's bound (the half-written folder is left to its writer), and waits for it
+    otherwise: it resumes from the committed step 4, never from a folder half written or
+    removed under its writer."""
+    faults = load_test_module("train/test_workdir_faults.py")
+    work = tmp_path / "run"
+    release, written = faults._held_commit(monkeypatch, 4)
+
+    def fault():  # in the first run only
+        if not release.is_set() and not refused:
+            assert written.wait(60)  # step 4's files written, its commit held
+            raise stop()
+
+    refused = []
+    faults._at_step(monkeypatch, 5, fault)
+    config = make_config(total_steps=8, checkpoint_every=2)
+    try:
+        with pytest.raises((train.PeerLost, KeyboardInterrupt)):
+            train.train_and_evaluate(config, str(work))
+        monkeypatch.setattr(_checkpoint, "ABANDONED_WAIT_S", 0.2)
+        refused.append(True)
+        with pytest.raises(train.WorkdirInUse) as info:
+            train.train_and_evaluate(config, str(work))
+        assert "checkpoint step 4" in str(info.value), info.value
+        assert "still being written" in str(info.value), info.value
+        assert [n for n in os.listdir(work / "checkpoints") if "tmp" in n], "left to its writer"
+    finally:
+        threading.Timer(0.5, release.set).start()
+    monkeypatch.setattr(_checkpoint, "ABANDONED_WAIT_S", 60.0)
+    assert train.train_and_evaluate(config, str(work), stop_after=1) == {"stopped_at": 5}
+    assert sorted(os.listdir(work / "checkpoints"), key=int) == ["4", "5"]
+    assert not (work / "checkpoints.damaged").exists()
