@@ -23,6 +23,14 @@ lets its ``burst`` :math:`b` through at the veth's speed, so one message costs
 (those within it time the veth and the stack, not the link). The affine fit over every probe
 put a 10 Mbit/s link at 15.6 Mbit/s (45% error: its 1 and 4 KiB probes pass within the burst);
 with the bucket, 9.8 Mbit/s and 2% (docs/results/network/pipeline_model.md).
+
+The chain probe (three hosts or more) times one ``ppermute`` whose middle host receives and
+sends against one with a single pair. gloo sends a message once its receiver has posted the
+receive (a go-ahead on the same TCP connection); a host that sends and receives in one
+permute posts its receive's go-ahead after its own send has started, so the go-ahead waits in
+its ``tbf`` queue behind its outgoing data, and the upstream send starts that much later
+(:func:`chain`: :math:`d(n) = \min(\max(n - o, 0), c)/\beta`, :math:`o` what has left the
+queue before the go-ahead is posted, :math:`c` the most the queue holds ahead of it).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from jaxcomp.lab import _lab
 from jaxcomp.lab import _probe
 from jaxcomp.lab import _xfer
 from jaxcomp.study import _cost
+from jaxcomp.study import _network
 
 #: the largest all-reduce / ping-pong message, bytes per device
 MAX_BYTES = 4 << 20
@@ -151,6 +160,74 @@ def point_to_point(points: list[dict], network: dict) -> dict:
     return fit("collective-permute", points, 2)
 
 
+def chain_sizes(rate_bit_s: float | None) -> list[int]:
+    """The chain probe's message sizes: 4 KiB, 8 KiB, ... doubling up to 4 MiB or what two
+    sends take :data:`SWEEP_SECONDS` for at the rate (the delay bends where the queue ahead
+    fills).
+
+    Example:
+      >>> chain_sizes(10e6)
+      [4096, 8192, 16384, 32768, 65536, 131072]
+    """
+    cap = MAX_BYTES if rate_bit_s is None else min(MAX_BYTES, SWEEP_SECONDS * rate_bit_s / 16)
+    sizes, n = [], 4 << 10
+    while n <= cap:
+        sizes.append(n)
+        n *= 2
+    return sizes
+
+
+def chain(points: list[dict], beta_bytes_s: float) -> dict:
+    r"""Fits the chain probe's extra time per send (module docstring):
+    :math:`d(n) = \min(\max(n - o, 0), c)/eta`, ``d`` the chained permute's median less the
+    single pair's at each size, :math:`eta` the ping-pong's (the queue drains at the link's
+    rate); least squares in seconds over a grid of :math:`o` (with the best :math:`c` for each).
+
+    Args:
+      points: ``[{"bytes": n, "one_s": t1, "chain_s": t2}, ...]`` (at least two sizes).
+      beta_bytes_s: the link's bandwidth, bytes/s.
+
+    Returns:
+      A dict with ``offset_bytes``, ``cap_bytes`` (``inf``: no cap seen), ``beta_bytes_s``,
+      ``max_abs_error_s`` and ``points`` (each with ``delay_s`` and ``predicted_delay_s``).
+
+    Example:
+      >>> pts = [{"bytes": n, "one_s": n / 1e6, "chain_s": n / 1e6 + min(max(n - 4e3, 0), 5e4)
+      ...         / 1e6} for n in (4096, 8192, 16384, 32768, 65536, 131072)]
+      >>> f = chain(pts, 1e6)
+      >>> round(f["offset_bytes"], -2), round(f["cap_bytes"], -2)
+      (4000.0, 50000.0)
+    """
+    if len(points) < 2:
+        raise ValueError(f"fitting the chain needs at least two message sizes; got {len(points)}.")
+    if not (math.isfinite(beta_bytes_s) and beta_bytes_s > 0):
+        raise ValueError(f"beta_bytes_s must be finite and > 0; got {beta_bytes_s}.")
+    n = np.array([p["bytes"] for p in points], float)
+    d = np.array([p["chain_s"] - p["one_s"] for p in points], float)
+    if not np.all(np.isfinite(d)):
+        raise ValueError(f"chain probe times must be finite; got {points}.")
+    ahead = d * beta_bytes_s  # bytes the go-ahead waited behind
+    weight = 1.0 / np.array([p["one_s"] for p in points], float)
+    best = (math.inf, 0.0, math.inf)
+    for o in np.linspace(0.0, float(n.max()), 1025):
+        for c in [math.inf, *np.maximum(ahead, 0.0)]:
+            miss = (np.minimum(np.maximum(n - o, 0.0), c) - ahead) * weight
+            sse = float(np.sum(miss**2))
+            if sse < best[0] - 1e-9:
+                best = (sse, float(o), float(c))
+    _, offset, cap = best
+    fitted = {"offset_bytes": offset, "cap_bytes": cap, "beta_bytes_s": float(beta_bytes_s)}
+    predicted = [_network.chain_delay_s(fitted, x) for x in n]
+    return {
+        **fitted,
+        "max_abs_error_s": float(np.max(np.abs(np.array(predicted) - d))),
+        "points": [
+            {**p, "delay_s": float(x), "predicted_delay_s": q}
+            for p, x, q in zip(points, d, predicted, strict=True)
+        ],  # fmt: skip
+    }
+
+
 def refit(calibration: dict) -> dict:
     """``calibration`` with its ping-pong fitted by :func:`point_to_point` from the probes it
     stored, where its fit predates the token bucket (no ``"burst_bytes"``); else unchanged.
@@ -212,7 +289,8 @@ def calibrate(lab: _lab.Lab, out_dir: str, *, reps: int = 7, timeout_s: float = 
 
     Returns:
       A JSON-able dict with ``network``, ``achieved``, ``sweeps``, ``fits`` (``all-reduce``
-      and ``collective-permute``: :func:`fit`'s dicts), ``load_before`` and ``load_after``.
+      and ``collective-permute``: :func:`fit`'s dicts), ``chain`` (:func:`chain`'s fit; on 3
+      hosts or more), ``load_before`` and ``load_after``.
     """
     if lab.spec.hosts < 2:
         raise ValueError("calibration needs at least 2 hosts (a link between them).")
@@ -225,7 +303,8 @@ def calibrate(lab: _lab.Lab, out_dir: str, *, reps: int = 7, timeout_s: float = 
     pings = sweep_sizes(rate, 2.0)
     out = os.path.join(out_dir, "probe.json")
     argv = [sys.executable, "-m", _probe.__name__, out, "--sizes", ",".join(map(str, sizes)),
-            "--pingpong_sizes", ",".join(map(str, pings)), "--reps", str(reps)]  # fmt: skip
+            "--pingpong_sizes", ",".join(map(str, pings)), "--reps", str(reps),
+            "--chain_sizes", ",".join(map(str, chain_sizes(rate)))]  # fmt: skip
     result = lab.run(argv, out_dir, timeout_s=timeout_s)
     if not result.ok:
         raise _lab_error("the calibration probe", result)
@@ -234,11 +313,16 @@ def calibrate(lab: _lab.Lab, out_dir: str, *, reps: int = 7, timeout_s: float = 
     fits = {"all-reduce": fit("all-reduce", sweeps["all-reduce"], world)}
     if len(sweeps["collective-permute"]) >= 2:
         fits["collective-permute"] = point_to_point(sweeps["collective-permute"], lab.describe())
+    extra = {}
+    if len(sweeps.get("chain", ())) >= 2:
+        beta = fits.get("collective-permute", fits["all-reduce"])["beta_bytes_s"]
+        extra["chain"] = chain(sweeps["chain"], beta)
     return {
         "network": lab.describe(),
         "achieved": achieved,
         "sweeps": sweeps,
         "fits": fits,
+        **extra,
         "load_before": before,
         "load_after": _lab.load(),
     }

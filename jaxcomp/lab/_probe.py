@@ -25,6 +25,9 @@ import statistics
 import sys
 import time
 
+#: dependent permutes per timed call of the chain probe
+CHAIN_PERMUTES = 4
+
 
 def _timed(fn, x, reps: int) -> list[float]:
     import jax
@@ -44,6 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("out")
     p.add_argument("--sizes", required=True, help="bytes per device, comma-separated")
     p.add_argument("--pingpong_sizes", default="", help="bytes per message, comma-separated")
+    p.add_argument("--chain_sizes", default="", help="bytes per message, comma-separated")
     p.add_argument("--reps", type=int, default=7)
     args = p.parse_args(argv)
     import jax
@@ -91,6 +95,28 @@ def main(argv=None) -> int:
             results["collective-permute"].append(
                 {"bytes": n, "median_s": statistics.median(ts), "times": ts}
             )
+    chain_sizes = [int(s) for s in args.chain_sizes.split(",") if s]
+    if chain_sizes and jax.process_count() >= 3:
+        results["chain"] = []
+        first = [(0, local)]
+        chained = [(0, local), (local, 2 * local)]  # host 1 receives and sends
+
+        def repeated(pairs):
+            def body(x):
+                for _ in range(CHAIN_PERMUTES):
+                    x = lax.ppermute(x, "d", perm=pairs) + 1.0
+                return x
+
+            return spmd(body)
+
+        one, chain = repeated(first), repeated(chained)
+        for n in chain_sizes:
+            x = array(n)
+            t1 = [t / CHAIN_PERMUTES for t in _timed(one, x, args.reps)]
+            t2 = [t / CHAIN_PERMUTES for t in _timed(chain, x, args.reps)]
+            results["chain"].append({"bytes": n, "one_s": statistics.median(t1),
+                                     "chain_s": statistics.median(t2), "one_times": t1,
+                                     "chain_times": t2})  # fmt: skip
     if jax.process_index() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)

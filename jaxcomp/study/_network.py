@@ -284,6 +284,7 @@ def pipeline_send_s(
     link: _cost.NetworkLink,
     burst_bytes: float = 0.0,
     moves: str = "tick",
+    chain_s: float = 0.0,
 ) -> float:
     r"""Seconds the boundary sends of one step take on per-host links, played through the tick
     program's order of sends.
@@ -299,7 +300,11 @@ def pipeline_send_s(
     rendezvous: gloo sends once the receive is posted), so a middle stage relays a tick's
     boundaries one after another. A send takes :math:`\alpha + \max(n - k, 0)/\beta`,
     :math:`k` the tokens left in the sender's and the receiver's bucket (each refills at
-    :math:`\beta` up to ``burst_bytes``; a send takes them all, or ``n``). The step's compute
+    :math:`\beta` up to ``burst_bytes``; a send takes them all, or ``n``). In a move whose
+    receiver also sends (a chain: stage ``b`` receives from ``b - 1`` and sends to ``b + 1``)
+    the send starts ``chain_s`` later: the receiver's go-ahead waits in its link's queue behind
+    its own outgoing data (the calibration's chain probe,
+    :func:`chain_delay_s`). The step's compute
     is not played (it is the unlimited run's, added by the caller); bubble ticks send nothing.
 
     Args:
@@ -308,6 +313,7 @@ def pipeline_send_s(
       link: the ping-pong's fit.
       burst_bytes: the links' token bucket (0: none).
       moves: ``"tick"`` or ``"boundary"``: the program whose sends are played (above).
+      chain_s: the extra seconds of a send whose receiver sends in the same move (0: none).
 
     Returns:
       The time at which the last host finished its last send, seconds.
@@ -320,6 +326,8 @@ def pipeline_send_s(
       20.0
       >>> round(pipeline_send_s("gpipe", 2, 4, 1e4, lk) / 1e-2, 6)  # one boundary: 2 M
       8.0
+      >>> round(pipeline_send_s("gpipe", 4, 4, 1e4, lk, chain_s=5e-3) / 1e-2, 6)
+      16.0
     """
     if not (nbytes >= 0 and math.isfinite(nbytes)):
         raise ValueError(f"nbytes must be finite and >= 0; got {nbytes}.")
@@ -327,6 +335,8 @@ def pipeline_send_s(
         raise ValueError(f"burst_bytes must be finite and >= 0; got {burst_bytes}.")
     if moves not in ("tick", "boundary"):
         raise ValueError(f"moves must be 'tick' or 'boundary'; got {moves!r}.")
+    if not (chain_s >= 0 and math.isfinite(chain_s)):
+        raise ValueError(f"chain_s must be finite and >= 0; got {chain_s}.")
     beta = link.bandwidth
     clock = [0.0] * stages
     # per host, (tokens, at when) of its outgoing and of its incoming bucket
@@ -338,8 +348,9 @@ def pipeline_send_s(
 
     def move(pairs):  # sends that start together, from the hosts' clocks before the move
         ends = []
+        senders = {src for src, _ in pairs}
         for src, dst in pairs:
-            start = max(clock[src], clock[dst])
+            start = max(clock[src], clock[dst]) + (chain_s if dst in senders else 0.0)
             k = min(tokens(out_bucket[src], start), tokens(in_bucket[dst], start))
             end = start + link.latency + max(nbytes - k, 0.0) / beta
             ends.append((src, dst, end, max(k - nbytes, 0.0)))
@@ -466,9 +477,27 @@ def _comm(record) -> tuple[float | None, str]:
             send_s = pipeline_send_s(
                 pipe["schedule"], pipe["stages"], pipe["microbatches"], nbytes, link,
                 float(fit.get("burst_bytes", 0.0)), pipe.get("moves", "boundary"),
+                chain_delay_s(cal.get("chain"), nbytes),
             )  # fmt: skip
             return send_s + communication_s(colls, fits), ""
     return communication_s(colls, cal["fits"]), ""
+
+
+def chain_delay_s(chain_fit: Mapping[str, float] | None, nbytes: float) -> float:
+    """The seconds a send of ``nbytes`` starts late when its receiver also sends ``nbytes``
+    in the same permute, by a calibration's chain fit (:func:`jaxcomp.lab._calibrate.chain`:
+    ``min(max(n - offset, 0), cap) / beta``); 0 without one (a calibration made before the
+    chain probe keeps the prediction it gave).
+
+    Example:
+      >>> f = {"offset_bytes": 4e3, "cap_bytes": 5e4, "beta_bytes_s": 1e6}
+      >>> [round(chain_delay_s(f, n), 6) for n in (1e3, 3.2e4, 1e6)], chain_delay_s(None, 1e6)
+      ([0.0, 0.028, 0.05], 0.0)
+    """
+    if not chain_fit:
+        return 0.0
+    ahead = min(max(nbytes - chain_fit["offset_bytes"], 0.0), chain_fit["cap_bytes"])
+    return ahead / chain_fit["beta_bytes_s"]
 
 
 def _prediction(record, ref) -> dict[str, Any]:

@@ -92,6 +92,35 @@ def test_refit_replaces_only_a_ping_pong_fit_made_without_the_bucket():
     assert _calibrate.refit(new) is new
 
 
+def _chain_points(offset, cap, beta=1.2e6, sizes=(4096, 8192, 16384, 32768, 65536, 131072)):
+    one = [1e-3 + n / beta for n in sizes]
+    ahead = [min(max(n - offset, 0), cap) / beta for n in sizes]
+    return [{"bytes": n, "one_s": t, "chain_s": t + d} for n, t, d in zip(sizes, one, ahead)]
+
+
+@pytest.mark.parametrize("offset, cap", [(5e3, 5e4), (2e4, float("inf")), (0.0, 3e3)])
+def test_the_chain_fit_recovers_what_waits_ahead_of_the_go_ahead(offset, cap):
+    f = _calibrate.chain(_chain_points(offset, cap), 1.2e6)
+    assert f["offset_bytes"] == pytest.approx(offset, abs=200)
+    if cap < float("inf"):
+        assert f["cap_bytes"] == pytest.approx(cap, rel=0.02)
+    else:  # no cap within the sizes probed: any at or past the largest fits
+        assert f["cap_bytes"] >= 131072 - offset - 200
+    assert f["max_abs_error_s"] < 2e-4
+    assert [p["predicted_delay_s"] for p in f["points"]] == pytest.approx(
+        [p["delay_s"] for p in f["points"]], abs=2e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize("points, beta, match", [
+    (_chain_points(5e3, 5e4)[:1], 1e6, "at least two"),
+    (_chain_points(5e3, 5e4), 0.0, "beta_bytes_s"),
+    ([{"bytes": 1, "one_s": float("nan"), "chain_s": 1.0}] * 2, 1e6, "finite"),
+])  # fmt: skip
+def test_the_chain_fit_refuses_what_it_cannot_fit(points, beta, match):
+    with pytest.raises(ValueError, match=match):
+        _calibrate.chain(points, beta)
+
+
 def test_sweep_stops_where_a_collective_would_take_too_long():
     assert _calibrate.sweep_sizes(None, 1.75)[-1] == _calibrate.MAX_BYTES
     for rate in (10e6, 100e6, 1e9):

@@ -133,7 +133,45 @@ def test_pipeline_sends_relay_through_the_stages_on_per_host_links(
     assert comm == pytest.approx(sends * one)
 
 
+def test_a_chain_calibration_prices_the_moves_whose_receiver_also_sends(tmp_path):
+    """GPipe 4 x 4, one permute per tick and direction: 8 of its 12 moves are chains (2 or 3
+    consecutive boundaries), each a send's go-ahead behind 32 KiB less the fit's offset; a
+    calibration without the chain probe keeps the lockstep price."""
+    w = _run(tmp_path / "p", 1e8, 0.05)
+    summary = {"mode": "pipeline", "stages": 4, "microbatches": 4, "schedule": "gpipe",
+               "boundary_bytes_per_step": 24 * 32768.0, "hlo_collective_bytes_per_step":
+               24 * 32768.0, "wire_bytes_per_step": 24 * 32768.0,
+               "permutes_per_step": 12}  # fmt: skip
+    (tmp_path / "p" / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "p" / "experiment.json").write_text(json.dumps({"mesh": [["stage", 4]]}))
+    record = _network.read_lab_run(w)
+    plain, _ = _network._comm(record)
+    chain = {"offset_bytes": 768.0, "cap_bytes": 1e6, "beta_bytes_s": 1e7}
+    record["calibration"] = {**record["calibration"], "chain": chain}
+    chained, _ = _network._comm(record)
+    one = _cost.collective_time("collective-permute", 32768.0, 2, _cost.NetworkLink(1e7, 1e-4))
+    assert plain == pytest.approx(12 * one)
+    assert chained == pytest.approx(12 * one + 8 * 32000 / 1e7)
+
+
 LINK = _cost.NetworkLink(bandwidth=1e6, latency=1e-4)
+
+
+@pytest.mark.parametrize("stages, chain_moves, on_path", [(2, 0, 0), (4, 8, 8), (5, 12, 10)])
+def test_only_a_move_whose_receiver_also_sends_pays_the_chain(stages, chain_moves, on_path):
+    """GPipe, M=4: a move of one boundary pays nothing more; a move of adjacent boundaries
+    (``chain_moves`` of them) delays its upstream sends, which lie on the step's path in
+    ``on_path`` of them (S = 5: not in two, whose delayed pair ends before the move's last).
+    The program of one permute per boundary has no chains."""
+    base = _network.pipeline_send_s("gpipe", stages, 4, 1e4, LINK)
+    chained = _network.pipeline_send_s("gpipe", stages, 4, 1e4, LINK, chain_s=1e-3)
+    assert chained - base == pytest.approx(on_path * 1e-3)
+    assert on_path <= chain_moves
+    relay = _network.pipeline_send_s("gpipe", stages, 4, 1e4, LINK, moves="boundary")
+    assert (
+        _network.pipeline_send_s("gpipe", stages, 4, 1e4, LINK, moves="boundary", chain_s=1e-3)
+        == relay
+    )
 
 
 @hypothesis.given(schedule=st.sampled_from(["gpipe", "1f1b"]), stages=st.integers(2, 6),
@@ -167,6 +205,11 @@ def test_the_bucket_pays_for_a_send_on_an_idle_link_only():
 def test_pipeline_send_time_refuses_bad_sizes(nbytes, burst):
     with pytest.raises(ValueError, match="must be finite"):
         _network.pipeline_send_s("gpipe", 4, 4, nbytes, LINK, burst)
+
+
+def test_pipeline_send_time_refuses_a_bad_chain_delay():
+    with pytest.raises(ValueError, match="chain_s must be finite"):
+        _network.pipeline_send_s("gpipe", 4, 4, 1.0, LINK, chain_s=float("nan"))
 
 
 def test_pipeline_send_time_refuses_an_unknown_program():
