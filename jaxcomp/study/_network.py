@@ -26,7 +26,9 @@ starts only when its receiver has reached it too (gloo's send waits for the post
 With one ``ppermute`` per boundary (runs before 2026-12-05), a stage that receives and sends in
 one tick relayed its boundaries one after another: the lab's 4-stage GPipe step took ~20 sends'
 time, not the 12 of its ticks nor the 24 of one wire; with one ``ppermute`` per tick and
-direction the model plays 12 (docs/results/network/pipeline_model.md).
+direction the model plays 12, and a send whose receiver also sends in the same move (a chain)
+starts later by the calibration's chain fit (:func:`chain_delay_s`: the receiver's go-ahead
+waits behind its own outgoing data; docs/results/network/pipeline_model.md).
 
 On a hierarchical mesh (``[("slow", hosts), ("fast", devices)]``) each collective is placed by
 its group (:func:`nic_share`): one inside a host never reaches the link (its time is in the
@@ -472,8 +474,9 @@ def _comm(record) -> tuple[float | None, str]:
             fits = cal["fits"]
             fit = fits.get("collective-permute", fits["all-reduce"])
             link = links({"p2p": fit})["p2p"]
+            # one boundary's send: a permute of the tick program carries several
             nbytes = sum(c.bytes_per_execution * c.executions for c in sends)
-            nbytes /= sum(c.executions for c in sends)
+            nbytes /= 2 * int(pipe["microbatches"]) * (int(pipe["stages"]) - 1)
             send_s = pipeline_send_s(
                 pipe["schedule"], pipe["stages"], pipe["microbatches"], nbytes, link,
                 float(fit.get("burst_bytes", 0.0)), pipe.get("moves", "boundary"),

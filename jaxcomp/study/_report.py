@@ -172,9 +172,11 @@ def collectives_of(run: Run) -> tuple[list[_cost.Collective] | None, str]:
     makes the step's bytes equal the run's measured mean ``wire_bytes_per_step`` (the bytes are
     then exact up to the few bytes of the loss and metric means the transform does not count;
     the split between branches, hence the message count, is estimated). For the pipeline mode
-    otherwise rebuilt from ``boundary_bytes_per_step`` (``2 M (S-1)`` single-pair permutes,
-    every boundary carrying the same payload; with adaptive links, whose modes change during the
-    run, the run's measured mean ``wire_bytes_per_step`` instead) and
+    otherwise rebuilt from ``boundary_bytes_per_step`` (``permutes_per_step`` permutes, each
+    with the mean bytes, where the run records it: one per tick and direction; else ``2 M
+    (S-1)`` single-pair permutes, every boundary carrying the same payload; with adaptive
+    links, whose modes change during the run, the run's measured mean ``wire_bytes_per_step``
+    instead) and
     ``hlo_collective_bytes_per_step`` (the rest: the gradient mean over the ``data`` axis, an
     all-reduce); ``None`` otherwise.
     """
@@ -193,7 +195,15 @@ def collectives_of(run: Run) -> tuple[list[_cost.Collective] | None, str]:
             how = how.replace(
                 "boundary permutes", "boundary permutes (the run's mean boundary bytes)"
             )
-        out = [_cost.Collective("collective-permute", boundary / max(sends, 1), 2, sends)]
+        # a run since one permute per tick and direction (2026-12-05) records how many ran:
+        # each carries every sending boundary's pair, its bytes the mean per permute
+        permutes = sends
+        if s.get("permutes_per_step") is not None:
+            permutes = _finite(s["permutes_per_step"])
+            if permutes is None or permutes < 1:
+                raise ValueError(f"summary.json permutes_per_step is damaged: "
+                                 f"{s['permutes_per_step']!r}.")  # fmt: skip
+        out = [_cost.Collective("collective-permute", boundary / max(permutes, 1), 2, permutes)]
         rest = float(s.get("hlo_collective_bytes_per_step", rest_base)) - rest_base
         replicas = _data_axis_size(run.experiment)
         if rest > 0 and replicas != 1:

@@ -357,6 +357,26 @@ def test_adaptive_pipeline_links_are_priced_at_the_runs_mean_boundary_bytes():
     assert colls is None and "adaptive" in how
 
 
+@pytest.mark.parametrize("permutes, count", [(None, 24), (12, 12), (-1, None), ("x", None)])
+def test_a_pipeline_run_counts_the_permutes_it_ran_with_its_bytes_exact(permutes, count):
+    """GPipe 4 x 4: 24 boundary sends; a run of one permute per tick and direction records
+    12 permutes (each carrying every sending boundary's pair); a damaged count is refused."""
+    boundary = 24 * 32768.0
+    summary = {"mode": "pipeline", "microbatches": 4, "stages": 4,
+               "boundary_bytes_per_step": boundary,
+               "hlo_collective_bytes_per_step": boundary}  # fmt: skip
+    if permutes is not None:
+        summary["permutes_per_step"] = permutes
+    run = _report.Run("cell", "p", {}, 0, "done", summary, [], [], {"mesh": [["stage", 4]]})
+    if count is None:
+        with pytest.raises(ValueError, match="permutes_per_step is damaged"):
+            _report.collectives_of(run)
+        return
+    colls, _ = _report.collectives_of(run)
+    assert sum(c.executions for c in colls) == count
+    assert _report.bytes_by_kind(colls) == {"collective-permute/2": pytest.approx(boundary)}
+
+
 def test_each_cost_model_note_names_the_variants_it_prices():
     # a fixed and an adaptive pipeline variant are priced two ways: one note per way, naming
     # its variants (two unlabelled "collectives for the cost model" lines were ambiguous)
