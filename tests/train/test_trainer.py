@@ -37,9 +37,11 @@ def test_run_writes_metrics_plot_and_summary(make_config, tmp_path, capsys):
 
 @pytest.mark.usefixtures("shared_setups")  # a setup per config
 def test_corrupted_latest_checkpoint_falls_back_with_a_warning(make_config, tmp_path, caplog):
+    """The final checkpoint (12) damaged: the rerun of the same config restores 8 and trains
+    8 -> 12 (one config: one setup's compiles, where a first run to 8 compiled a second)."""
     workdir = str(tmp_path)
-    train.train_and_evaluate(make_config(total_steps=8), workdir)
-    ckpt_dir = tmp_path / "checkpoints" / "8" / "state"
+    train.train_and_evaluate(make_config(total_steps=12), workdir)
+    ckpt_dir = tmp_path / "checkpoints" / "12" / "state"
     for root, _, files in os.walk(ckpt_dir):
         for f in files:
             if not f.startswith("_"):
@@ -47,7 +49,8 @@ def test_corrupted_latest_checkpoint_falls_back_with_a_warning(make_config, tmp_
                     fh.write(b"garbage")
     with caplog.at_level(logging.WARNING):
         summary = train.train_and_evaluate(make_config(total_steps=12), workdir)
-    assert "checkpoint step 8" in caplog.text and "falling back" in caplog.text
+    assert "checkpoint step 12" in caplog.text and "falling back" in caplog.text
+    assert "resumed from the older checkpoint step 8" in caplog.text
     assert summary["steps"] == 12
 
 
