@@ -56,8 +56,9 @@ def test_corrupted_latest_checkpoint_falls_back_with_a_warning(make_config, tmp_
 
 @pytest.mark.usefixtures("shared_setups")  # a setup per config
 def test_workdir_of_another_experiment_is_refused(make_config, tmp_path):
-    train.train_and_evaluate(make_config(total_steps=4), str(tmp_path))
+    # 12 steps: the config (and setup) of the corrupted-checkpoint test
+    train.train_and_evaluate(make_config(total_steps=12), str(tmp_path))
     with pytest.raises(ValueError, match=r"holds a checkpoint of another experiment.*'lr'"):
-        train.train_and_evaluate(make_config(total_steps=4, lr=0.5), str(tmp_path))
+        train.train_and_evaluate(make_config(total_steps=12, lr=0.5), str(tmp_path))
     # run-length keys may change: continuing the same experiment for longer is allowed
-    assert train.train_and_evaluate(make_config(total_steps=8), str(tmp_path))["steps"] == 8
+    assert train.train_and_evaluate(make_config(total_steps=16), str(tmp_path))["steps"] == 16
