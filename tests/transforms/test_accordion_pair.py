@@ -43,12 +43,8 @@ def _run(step, state, sharding, grads):
 
 @pytest.fixture(scope="module")
 def pair_run(pair_mesh, grads, pair_update):
-    """The pair's jitted step, its initial state, the gradients' sharding, the run over
-    ``SCALES`` and the step compiled ahead (what ran: the HLO test reads it, and the
-    flat-axis test's worker-0 case runs it again, instead of compiling it twice more)."""
     step, state, sharding = pair_update(_tx((SLOW, FAST)), pair_mesh, (SLOW, FAST), SLOW, grads)
-    compiled = step.lower(jax.device_put(grads, sharding), state).compile()
-    return step, state, sharding, _run(compiled, state, sharding, grads), compiled
+    return step, state, sharding, _run(step, state, sharding, grads)
 
 
 def test_pair_is_accordion_over_slow_of_the_host_means(pair_mesh, grads, pair_run, pair_update):
@@ -80,9 +76,8 @@ def test_pair_equals_a_flat_axis_of_eight_when_hosts_agree(
     same = {k: np.repeat(v[::4], 4, axis=0) for k, v in grads.items()}  # host h: device 4h's
     data = comm.make_mesh([(comm.DATA, 8)])
     ref = _run(*pair_update(_tx(comm.DATA, statistic), data, comm.DATA, comm.DATA, same), same)
-    if statistic == "worker0":  # the pair's program of pair_run (the default statistic)
-        _, state, sharding, _, compiled = pair_run
-        got = _run(compiled, state, sharding, same)
+    if statistic == "worker0":  # pair_run's program (the default statistic): not compiled again
+        got = _run(*pair_run[:3], same)
     else:
         got = _run(
             *pair_update(_tx((SLOW, FAST), statistic), pair_mesh, (SLOW, FAST), SLOW, same), same
@@ -95,13 +90,14 @@ def test_pair_equals_a_flat_axis_of_eight_when_hosts_agree(
 
 
 def test_every_mode_switch_is_uniform_over_both_axes(pair_run, grads):
-    step, state, sharding, _, _ = pair_run
+    step, state, sharding, _ = pair_run
     report = comm.check_collective_uniformity(step, jax.device_put(grads, sharding), state)
     assert report.branches >= 2  # the mode conds of w and the statistic's cond
 
 
-def test_hlo_dense_on_fast_compressed_on_slow(pair_run):
-    report = comm.collective_report(pair_run[4].as_text())
+def test_hlo_dense_on_fast_compressed_on_slow(pair_run, grads):
+    step, state, sharding, _ = pair_run
+    report = comm.measure_collectives(step, jax.device_put(grads, sharding), state)
     fast = [r for r in report.records if r.group_size == 4]
     slow = [r for r in report.records if r.group_size == 2]
     assert len(fast) + len(slow) == len(report.records), report.table()  # none over all 8

@@ -50,22 +50,25 @@ def grads():
 
 @pytest.fixture(scope="module")
 def runs(pair_mesh, grads, pair_update):
-    """Per case and sharding: (initial state, [(means, state)] over the steps, the compiled
-    step). Compiled ahead once: the HLO test reads the program that ran (measuring the jitted
-    step compiled it a second time)."""
+    """Per case and sharding: (initial state, [(means, state)] over the steps, step, g)."""
 
     def run(case, shard):
         step, state, sharding = pair_update(CASES[case](shard), pair_mesh, PAIR, PAIR, grads)
-        first, out, compiled = state, [], None
+        first, out = state, []
         for scale in SCALES:
             g = jax.device_put(jax.tree.map(lambda x, c=scale: x * c, grads), sharding)
-            compiled = compiled or step.lower(g, state).compile()
-            mean, state = compiled(g, state)
+            mean, state = step(g, state)
             out.append((mean, state))
-        return first, out, compiled
+        return first, out, step, g
 
     cache = {}
-    return lambda case, shard: cache.setdefault((case, shard), run(case, shard))
+
+    def cached(case, shard):  # (a dict.setdefault ran every case again on each call)
+        if (case, shard) not in cache:
+            cache[case, shard] = run(case, shard)
+        return cache[case, shard]
+
+    return cached
 
 
 def _reduction_states(state):
@@ -119,8 +122,8 @@ def test_sharded_equals_unsharded(case, runs, grads):
     """The same means on every step (bit for bit, or to ULPS), the owners' states == the
     unsharded ones, the other devices' copies as init left them, and the same bytes_sent (a
     host's, over slow)."""
-    _, plain, _ = runs(case, False)
-    first, sharded, _ = runs(case, True)
+    _, plain, _, _ = runs(case, False)
+    first, sharded, _, _ = runs(case, True)
     names = list(SHAPES)
     owner = dict(
         zip(names, _reduce_shards.owners([jax.ShapeDtypeStruct(s, np.float32) for s in
@@ -153,7 +156,8 @@ def test_slow_bytes_per_host_cut_4x(case, runs):
     devices' branches (one runs per device) together send it once; over fast one more gather."""
     reports = {}
     for shard in (False, True):
-        reports[shard] = comm.collective_report(runs(case, shard)[2].as_text())
+        _, out, step, g = runs(case, shard)
+        reports[shard] = comm.measure_collectives(step, g, out[-1][1])
 
     def by_group(report, size):
         return sum(r.total_bytes for r in report.records if r.group_size == size)
