@@ -71,23 +71,39 @@ MUTATIONS = {
         ["tests/transforms/test_accordion.py", "tests/pipeline/test_adaptive.py"],
     ),
     "ab_schedule_off_by_one": (
-        "jaxcomp/transforms/_ab_schedule.py",
+        ("jaxcomp/transforms/_ab_schedule.py", "jaxcomp/ab/_schedule.py"),
         "cycle = jnp.where(count % self.sync_every < self.full_rank_steps, ABPhase.FULL, "
         "ABPhase.AB)",
         "cycle = jnp.where(count % self.sync_every <= self.full_rank_steps, ABPhase.FULL, "
         "ABPhase.AB)",
-        ["tests/transforms/test_ab_schedule.py", "tests/transforms/test_ab_training.py"],
+        [
+            "tests/transforms/test_ab_schedule.py",
+            "tests/transforms/test_ab_training.py",
+            "tests/ab/test_schedule.py",
+            "tests/ab/test_transform.py",
+        ],
     ),
     "ab_sync_skipped": (
-        "jaxcomp/transforms/_ab_sync.py",
+        ("jaxcomp/transforms/_ab_sync.py", "jaxcomp/ab/_sync.py"),
         "        a, b = topo.sync_mean((a, b))",
         "        a, b = a, b",
-        ["tests/transforms/test_ab_sync.py", "tests/transforms/test_ab_training.py"],
+        [
+            "tests/transforms/test_ab_sync.py",
+            "tests/transforms/test_ab_training.py",
+            "tests/ab/test_sync.py",
+            "tests/ab/test_transform.py",
+        ],
     ),
     "pipeline_send_direction": (
-        "jaxcomp/pipeline/_ticks.py",
-        "pairs = [(b + 1, b)] if reverse else [(b, b + 1)]",
-        "pairs = [(b, b + 1)] if reverse else [(b + 1, b)]",
+        ("jaxcomp/pipeline/_ticks.py", "jaxcomp/pipeline/_ticks.py"),
+        (
+            "pairs = [(b + 1, b)] if reverse else [(b, b + 1)]",
+            "pairs = [(b + 1, b) if reverse else (b, b + 1) for b in boundaries]",
+        ),
+        (
+            "pairs = [(b, b + 1)] if reverse else [(b + 1, b)]",
+            "pairs = [(b, b + 1) if reverse else (b + 1, b) for b in boundaries]",
+        ),
         ["tests/pipeline/test_gpipe.py"],
     ),
     "1f1b_schedule_off_by_one": (

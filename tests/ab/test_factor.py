@@ -1,5 +1,7 @@
 """AB-Training factorisation: layout, 2-D views, SVD split, factor gradients, moment surgery."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,22 +54,37 @@ def test_name_matching_uses_whole_components():
     assert not name_matches("", "params/Conv_0/kernel")
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("split_sigma,sigma_on_a", [(True, True), (False, True), (False, False)])
-def test_untruncated_factors_reproduce_the_weight(shape, split_sigma, sigma_on_a):
+SPLITS = [(True, True), (False, True), (False, False)]
+
+
+@functools.cache
+def _all_factors(shape):
+    """One program per shape giving every ``(split_sigma, sigma_on_a)`` placement's factors
+    and reconstruction (a program per case compiled the same SVD three times)."""
     spec = _spec(shape)
-    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
 
     @jax.jit
     def factors(x):
         u, s, vh = F.svd(F.to_matrix(x, spec))
-        a, b = F.factors_from_svd(
-            u, s, vh, spec.cols, spec.cols, split_sigma=split_sigma, sigma_on_a=sigma_on_a,
-            dtype=jnp.float32,
-        )  # fmt: skip
-        return a, b, F.reconstruct(a, b, spec)
+        out = {}
+        for split_sigma, sigma_on_a in SPLITS:
+            a, b = F.factors_from_svd(
+                u, s, vh, spec.cols, spec.cols, split_sigma=split_sigma, sigma_on_a=sigma_on_a,
+                dtype=jnp.float32,
+            )  # fmt: skip
+            out[split_sigma, sigma_on_a] = a, b, F.reconstruct(a, b, spec)
+        return out
 
-    a, b, w = (np.asarray(y) for y in factors(x))
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    return x, jax.tree.map(np.asarray, factors(x))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("split_sigma,sigma_on_a", SPLITS)
+def test_untruncated_factors_reproduce_the_weight(shape, split_sigma, sigma_on_a):
+    spec = _spec(shape)
+    x, out = _all_factors(shape)
+    a, b, w = out[split_sigma, sigma_on_a]
     np.testing.assert_allclose(w, x, rtol=1e-5, atol=1e-5)
     if split_sigma:  # sqrt(Sigma) on both: A^T A == B B^T == Sigma
         np.testing.assert_allclose(a.T @ a, b @ b.T, rtol=1e-4, atol=1e-5)

@@ -2,6 +2,7 @@
 lay the whole state out column-major (XLA:CPU then copied the dense moments into column-major
 and back on every step), and taking LAPACK's operand from ``w @ I`` must not change the SVD."""
 
+import functools
 import re
 
 import jax
@@ -38,11 +39,16 @@ def _matrices():
     }
 
 
+#: one program per form and shape for every case (a lambda jitted per case compiled both SVDs
+#: again for each of the 11 cases: 22 compiles of 4 programs)
+_plain_svd = jax.jit(F.svd)
+_branch_svd = jax.jit(functools.partial(F.svd, in_branch=True))
+
+
 @pytest.mark.parametrize("name", list(_matrices()))
 def test_the_svd_of_a_branch_is_bit_identical_to_the_plain_svd(name):
     w = jnp.asarray(_matrices()[name])
-    plain = jax.jit(lambda x: F.svd(x))(w)
-    branch = jax.jit(lambda x: F.svd(x, in_branch=True))(w)
+    plain, branch = _plain_svd(w), _branch_svd(w)
     for want, got in zip(plain, branch, strict=True):
         want, got = np.asarray(want), np.asarray(got)
         np.testing.assert_array_equal(got, want)  # equal values (-0 == +0)
@@ -56,8 +62,7 @@ def test_the_svd_of_a_branch_is_bit_identical_to_the_plain_svd(name):
 def test_a_non_finite_weight_gives_a_non_finite_svd_in_a_branch_too(bad):
     w = _matrices()["gaussian"].copy()
     w[5, 2] = bad
-    plain = jax.jit(lambda x: F.svd(x))(jnp.asarray(w))
-    branch = jax.jit(lambda x: F.svd(x, in_branch=True))(jnp.asarray(w))
+    plain, branch = _plain_svd(jnp.asarray(w)), _branch_svd(jnp.asarray(w))
     # the harness reports a re-factorisation whose factors are not finite (the step is then
     # discarded): both must be caught, whatever LAPACK makes of the non-finite entry
     assert not all(np.isfinite(np.asarray(x)).all() for x in plain)

@@ -3,7 +3,9 @@ stage's gradient over ``data`` with an optax transform, exactly as that transfor
 hand to the replicas' gradients; the data-axis bytes are reported and are what the program
 sends."""
 
+import functools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -47,24 +49,49 @@ def setup(tools):
     return mlp, batch, mesh
 
 
-def _by_hand(tx, mlp, batch, keys):
+@pytest.fixture(scope="module")
+def programs(setup):
+    """The programs several tests run, compiled once for the module: the simulated step of the
+    reference and the plain (no transform) distributed step, jitted; ``distributed(name)``:
+    the transform, its pipeline and its compiled step (the fast tier's HLO test and the slow
+    tier's equivalence share PowerSGD's)."""
+    mlp, batch, mesh = setup
+    config = pipeline.PipelineConfig(mlp.M, LINK, schedule="1f1b")
+    plain = pipeline.distribute(mlp.model, config, mesh)
+
+    @functools.cache
+    def distributed(name, user=None):
+        tx = TRANSFORMS[name](user)
+        pipe = pipeline.distribute(mlp.model, config._replace(replica_mean=tx), mesh)
+        args = (mlp.params, batch, pipe.init(mlp.params, batch), jax.random.key(0))
+        return tx, pipe, jax.jit(pipe.step).lower(*args).compile()
+
+    sim = pipeline.simulate(mlp.model, pipeline.PipelineConfig(mlp.M, LINK))
+    return types.SimpleNamespace(
+        sim=sim,
+        sim_step=jax.jit(sim.step),
+        plain=plain,
+        plain_step=jax.jit(plain.step),
+        distributed=distributed,
+    )
+
+
+def _by_hand(tx, mlp, batch, keys, sim, step):
     """Per replica, the simulated pipeline's gradients on its half batch (key fold_in(key, r));
     then per stage the transform's update in a shard_map over a 2-device data mesh."""
-    sim = pipeline.simulate(mlp.model, pipeline.PipelineConfig(mlp.M, LINK))
-    step = jax.jit(sim.step)
     half = batch["x"].shape[0] // 2
     parts = [{k: v[r * half : (r + 1) * half] for k, v in batch.items()} for r in range(2)]
     link_states = [sim.init(mlp.params, p) for p in parts]
     mesh = comm.make_mesh([(comm.DATA, 2)], jax.devices()[:2])
     states = [comm.place_state(tx.init(p), mesh, comm.DATA) for p in mlp.params]
-    specs = [comm.state_specs(tx.init(p), comm.DATA) for p in mlp.params]
-    updates = [
-        jax.jit(jax.shard_map(
-            lambda st, g: tx.update(jax.tree.map(lambda x: x[0], g), st),
-            mesh=mesh, in_specs=(sp, P(comm.DATA)), out_specs=(P(), sp),
-        ))
-        for sp in specs
-    ]  # fmt: skip
+    specs = comm.state_specs(tx.init(mlp.params[0]), comm.DATA)
+    # the stages are alike (one width): one program for every stage's update (one per stage
+    # compiled the same program four times)
+    assert all(comm.state_specs(tx.init(p), comm.DATA) == specs for p in mlp.params)
+    update = jax.jit(jax.shard_map(
+        lambda st, g: tx.update(jax.tree.map(lambda x: x[0], g), st),
+        mesh=mesh, in_specs=(specs, P(comm.DATA)), out_specs=(P(), specs),
+    ))  # fmt: skip
     out = []
     for key in keys:
         grads = []
@@ -76,7 +103,7 @@ def _by_hand(tx, mlp, batch, keys):
         averaged = []
         for s in range(4):
             g = jax.tree.map(lambda a, b: jnp.stack([a, b]), grads[0][s], grads[1][s])
-            u, states[s] = updates[s](states[s], jax.device_put(g, NamedSharding(mesh, P("data"))))
+            u, states[s] = update(states[s], jax.device_put(g, NamedSharding(mesh, P("data"))))
             averaged.append(u)
         out.append((averaged, sum(float(st.bytes_sent) for st in _bytes_states(states))))
     return out
@@ -95,24 +122,22 @@ def _bytes_states(states):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_replica_averaging_equals_the_transform_applied_by_hand(
-    name, setup, tools, load_test_module
+    name, setup, programs, tools, load_test_module
 ):
     mlp, batch, mesh = setup
-    tx = TRANSFORMS[name](load_test_module("transforms/test_user_protocol.py"))
-    config = pipeline.PipelineConfig(mlp.M, LINK, schedule="1f1b", replica_mean=tx)
-    pipe = pipeline.distribute(mlp.model, config, mesh)
+    user = load_test_module("transforms/test_user_protocol.py") if name.startswith("user") else None
+    tx, pipe, step = programs.distributed(name, user)
     states = pipe.init(mlp.params, batch)
     keys = [jax.random.key(i) for i in range(STEPS)]
-    step = jax.jit(pipe.step)
-    expected = _by_hand(tx, mlp, batch, keys)
+    expected = _by_hand(tx, mlp, batch, keys, programs.sim, programs.sim_step)
     for key, (want, sent) in zip(keys, expected):
         loss, grads, states, metrics = step(mlp.params, batch, states, key)
         got, want = ([np.asarray(x) for x in jax.tree.leaves(tree)] for tree in (grads, want))
         tools.close(got, want, rtol=1e-5, atol=1e-6)
         assert float(metrics["data_wire_bytes"]) == sent < float(metrics["data_dense_bytes"])
     # the averaged gradients differ from a plain mean (the transform did run)
-    plain = pipeline.distribute(mlp.model, config._replace(replica_mean=None), mesh)
-    _, dense, _, dense_metrics = jax.jit(plain.step)(
+    plain = programs.plain
+    _, dense, _, dense_metrics = programs.plain_step(
         mlp.params, batch, plain.init(mlp.params, batch), keys[0]
     )
     assert dense_metrics["data_wire_bytes"] == dense_metrics["data_dense_bytes"]
@@ -123,15 +148,12 @@ def test_replica_averaging_equals_the_transform_applied_by_hand(
     assert any(differs)
 
 
-def test_data_axis_bytes_in_the_program_are_the_reported_bytes(setup):
+def test_data_axis_bytes_in_the_program_are_the_reported_bytes(setup, programs):
     """The HLO's gradient collectives over ``data`` (one per stage, each run by its stage's
     devices) carry the transform's payloads: PowerSGD's factors, no dense gradient."""
     mlp, batch, mesh = setup
-    tx = _power_sgd_ef()
-    config = pipeline.PipelineConfig(mlp.M, LINK, schedule="1f1b", replica_mean=tx)
-    pipe = pipeline.distribute(mlp.model, config, mesh)
+    _, pipe, compiled = programs.distributed("power_sgd_ef")
     states = pipe.init(mlp.params, batch)
-    compiled = jax.jit(pipe.step).lower(mlp.params, batch, states, jax.random.key(0)).compile()
     report = comm.collective_report(compiled.as_text())
     data = [r for r in report.records if r.group_size == 2 and r.kind != "collective-permute"]
     # the loss and metric means over data are scalars: every other record is a gradient payload

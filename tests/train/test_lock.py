@@ -20,6 +20,9 @@ import pytest
 from jaxcomp import train
 from jaxcomp.train import _lock
 
+#: the one trainer run here checks the lock and the step count, no bits: unoptimised compiles
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def _record(**changes):
     return {**_lock.this_process(), **changes}

@@ -37,24 +37,28 @@ def test_run_writes_metrics_plot_and_summary(make_config, tmp_path, capsys):
 
 @pytest.mark.usefixtures("shared_setups")  # a setup per config
 def test_corrupted_latest_checkpoint_falls_back_with_a_warning(make_config, tmp_path, caplog):
+    """The newest checkpoint (12) damaged: the run continued to 16 restores 8 and trains
+    8 -> 16 (the configs, and setups, of the next test: 12 steps, then 16)."""
     workdir = str(tmp_path)
-    train.train_and_evaluate(make_config(total_steps=8), workdir)
-    ckpt_dir = tmp_path / "checkpoints" / "8" / "state"
+    train.train_and_evaluate(make_config(total_steps=12), workdir)
+    ckpt_dir = tmp_path / "checkpoints" / "12" / "state"
     for root, _, files in os.walk(ckpt_dir):
         for f in files:
             if not f.startswith("_"):
                 with open(os.path.join(root, f), "wb") as fh:
                     fh.write(b"garbage")
     with caplog.at_level(logging.WARNING):
-        summary = train.train_and_evaluate(make_config(total_steps=12), workdir)
-    assert "checkpoint step 8" in caplog.text and "falling back" in caplog.text
-    assert summary["steps"] == 12
+        summary = train.train_and_evaluate(make_config(total_steps=16), workdir)
+    assert "checkpoint step 12" in caplog.text and "falling back" in caplog.text
+    assert "resumed from the older checkpoint step 8" in caplog.text
+    assert summary["steps"] == 16
 
 
 @pytest.mark.usefixtures("shared_setups")  # a setup per config
 def test_workdir_of_another_experiment_is_refused(make_config, tmp_path):
-    train.train_and_evaluate(make_config(total_steps=4), str(tmp_path))
+    # 12 steps, then 16: the configs (and setups) of the corrupted-checkpoint test
+    train.train_and_evaluate(make_config(total_steps=12), str(tmp_path))
     with pytest.raises(ValueError, match=r"holds a checkpoint of another experiment.*'lr'"):
-        train.train_and_evaluate(make_config(total_steps=4, lr=0.5), str(tmp_path))
+        train.train_and_evaluate(make_config(total_steps=12, lr=0.5), str(tmp_path))
     # run-length keys may change: continuing the same experiment for longer is allowed
-    assert train.train_and_evaluate(make_config(total_steps=8), str(tmp_path))["steps"] == 8
+    assert train.train_and_evaluate(make_config(total_steps=16), str(tmp_path))["steps"] == 16

@@ -23,6 +23,7 @@ through ``inject_hyperparams``, state types under ``lax.cond``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -404,11 +405,11 @@ def _ab_held(mesh):
     return transforms.ABConfig(AB_LR, **AB_OPTIONS).state_axes(mesh)
 
 
-def _ab_run(tx, mesh, grads_seq, state=None):
-    """Updates of ``tx`` on each per-worker gradient (params move by them), and the state."""
+@functools.cache
+def _ab_step(tx, mesh):
+    """The jitted per-worker step of ``tx``: one program per transform object, whatever the
+    gradients (a closure per run compiled the reference's program again for each)."""
     held = _ab_held(mesh)
-    state = tx.init(AB_PARAMS) if state is None else state  # outside shard_map
-    params, state = parallel.stack_per_worker((AB_PARAMS, state), mesh, held)
 
     def body(params, state, grads):
         params, state = _local((params, state))
@@ -416,8 +417,15 @@ def _ab_run(tx, mesh, grads_seq, state=None):
         new = optax.apply_updates(params, updates)
         return jax.tree.map(lambda x: x[None], (new, updates, state))
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(held), P(held), P(AB_WORKERS)),
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(held), P(held), P(AB_WORKERS)),
                                  out_specs=(P(held), P(held), P(held))))  # fmt: skip
+
+
+def _ab_run(tx, mesh, grads_seq, state=None):
+    """Updates of ``tx`` on each per-worker gradient (params move by them), and the state."""
+    state = tx.init(AB_PARAMS) if state is None else state  # outside shard_map
+    params, state = parallel.stack_per_worker((AB_PARAMS, state), mesh, _ab_held(mesh))
+    step = _ab_step(tx, mesh)
     out = []
     for grads in grads_seq:
         grads = jax.device_put(grads, NamedSharding(mesh, P(AB_WORKERS)))
@@ -427,8 +435,14 @@ def _ab_run(tx, mesh, grads_seq, state=None):
 
 
 @pytest.fixture(scope="module")
-def ab_reference(ab_mesh):
-    return _ab_run(transforms.ab_training(AB_LR, **AB_OPTIONS), ab_mesh, AB_GRADS)[0]
+def ab_tx():
+    """The reference transform (one object: its program is compiled once, ``_ab_step``)."""
+    return transforms.ab_training(AB_LR, **AB_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def ab_reference(ab_mesh, ab_tx):
+    return _ab_run(ab_tx, ab_mesh, AB_GRADS)[0]
 
 
 def test_ab_steps_cover_every_kind_and_move_the_parameters(ab_reference):
@@ -446,10 +460,10 @@ def test_ab_init_outside_shard_map_is_abstractly_stable(ab_mesh):
     assert jax.tree.structure(placed) == jax.tree.structure(state)
 
 
-def test_ab_last_in_an_optax_chain(ab_mesh, ab_reference):
+def test_ab_last_in_an_optax_chain(ab_mesh, ab_tx, ab_reference):
     """``chain(scale(0.5), ab_training)`` == ab_training on half the gradients (exact: 0.5 is a
     power of two), and ``chain(identity, ab_training)`` == ab_training."""
-    tx = transforms.ab_training(AB_LR, **AB_OPTIONS)
+    tx = ab_tx
     halved = [jax.tree.map(lambda g: g * 0.5, g) for g in AB_GRADS]
     want, _ = _ab_run(tx, ab_mesh, halved)
     got, _ = _ab_run(optax.chain(optax.scale(0.5), tx), ab_mesh, AB_GRADS)
