@@ -3,8 +3,9 @@ run is gone.
 
 ``workdir/run.lock`` is created with ``O_EXCL`` (one run wins) and holds JSON: the holder's
 pid, host, boot id, the kernel's start time of that pid, when the run started and its command
-line. While the run lives, a thread touches the file every ``heartbeat_s`` seconds; the run
-removes it when it ends. A run that finds the file decides whether its holder is alive:
+line. While the run lives, a thread touches the file every ``heartbeat_s`` seconds (through
+the descriptor the run created it with, so never a file that replaced it); the run removes it
+when it ends. A run that finds the file decides whether its holder is alive:
 
 * **on the same host** (same hostname and boot id): alive iff a process with that pid exists
   and started when the recorded one did (a reused pid is not the holder). Exact: a run killed
@@ -175,6 +176,8 @@ class RunLock:
         self.own_saves: Collection[int] = ()
         self._lost = False  # check() found the workdir or its lock gone during the run
         self._inode: int | None = None
+        self._fd: int | None = None  # the lock file this run created, kept open (read-only):
+        # the heartbeat touches it through this descriptor, never a file that replaced it
         self._mtime_ns = 0  # the lock's mtime as this run last set it
         self._touch = threading.Lock()
         self._stop = threading.Event()
@@ -197,9 +200,17 @@ class RunLock:
             except FileExistsError:
                 self._judge()
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f)
-            self._inode = os.stat(self.path).st_ino
+            try:
+                os.write(fd, json.dumps(record).encode())
+                # kept open read-only (a file open for writing would stop a read-only remount)
+                ro = os.open(self.path, os.O_RDONLY)
+                if os.fstat(ro).st_ino != os.fstat(fd).st_ino:  # replaced in between
+                    os.close(ro)
+                    continue
+            finally:
+                os.close(fd)
+            self._fd = ro
+            self._inode = os.fstat(ro).st_ino
             self._beat_once()
             self._thread = threading.Thread(target=self._beat, name="jaxcomp-lock", daemon=True)
             self._thread.start()
@@ -233,8 +244,11 @@ class RunLock:
     def _beat_once(self) -> None:
         with self._touch:
             now = time.time_ns()
-            os.utime(self.path, ns=(now, now))
-            self._mtime_ns = os.stat(self.path).st_mtime_ns  # as the file system keeps it
+            if os.utime in os.supports_fd:
+                os.utime(self._fd, ns=(now, now))
+            else:  # pragma: no cover (every POSIX platform JAX runs on touches by descriptor)
+                os.utime(self.path, ns=(now, now))
+            self._mtime_ns = os.fstat(self._fd).st_mtime_ns  # as the file system keeps it
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
@@ -285,6 +299,9 @@ class RunLock:
                 except OSError:  # a read-only disk: the lock stays, stale once this pid is gone
                     pass
             self._inode = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def remove_recreated(self, settle_s: float = SETTLE_S) -> bool:
         """After the workdir was lost during the run: removes what the run's own saves recreated

@@ -116,6 +116,26 @@ def test_the_heartbeat_keeps_the_lock_fresh_and_check_sees_a_lost_workdir(tmp_pa
     assert "replaced by another directory" in watch.check()
 
 
+def test_a_heartbeat_after_a_takeover_touches_only_its_own_file(tmp_path):
+    """The heartbeat firing between another run's replacement of the lock and this run's next
+    check (the replacement may reuse the freed inode) must not adopt the other run's file:
+    check() says taken over and release() leaves it (once seen under load: release() removed
+    the other run's lock)."""
+    work = tmp_path / "w"
+    work.mkdir()
+    lock = _lock.RunLock(str(work), heartbeat_s=3600).acquire()
+    path = work / _lock.LOCK
+    for _ in range(20):  # inode reuse is up to the file system: try until it happens or not
+        path.unlink()
+        _write(work, _record(pid=4242, host="elsewhere"))
+        before = path.stat().st_mtime_ns
+        lock._beat_once()  # the heartbeat at the worst moment
+        assert path.stat().st_mtime_ns == before  # the other run's file is not touched
+        assert "taken over by pid 4242 on host elsewhere" in lock.check()
+    lock.release()
+    assert path.exists()  # not ours: left alone
+
+
 def test_a_recreated_workdir_is_removed_only_when_the_runs_own_saves_are_all_it_holds(tmp_path):
     """A deleted workdir that the run's saves under way recreated (a half-written folder, the
     complete folder of a step in flight) is removed; with anything else in it, it stays."""
