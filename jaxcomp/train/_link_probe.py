@@ -129,7 +129,8 @@ class LinkProbe:
 
     Example:
       >>> probe = LinkProbe(hosts_of(), 1 << 20)  # doctest: +SKIP
-      >>> times = probe.measure()  # seconds, one per host
+      >>> times = probe.measure()  # doctest: +SKIP
+      >>> # times: seconds, one per host
       >>> slow_hosts(times)  # doctest: +SKIP
     """
 
