@@ -266,6 +266,8 @@ def build_pipeline(
             out["data_fast_wire_bytes"] = metrics["data_fast_wire_bytes"]
         if detector is not None:
             out.update(_adaptive_metrics(metrics, mask))
+        elif not compress:  # a warm-up step sends dense: its own bytes, not the run's
+            out["wire_bytes"] = metrics["wire_bytes"]
         return new, out
 
     def eval_step(state, batch, compress, modes):

@@ -120,6 +120,10 @@ def test_aq_sgd_warm_up_fills_the_caches_then_compresses(make_config):
     state, m1 = s.mode.train_step(state, place(batch), _key(s, 1), steps_per_epoch)
     assert m0["finite"] == 1 and m1["finite"] == 1
     assert s.mode.wire_bytes < s.mode.dense_bytes
+    # each step reports what it sent: the warm-up the dense bytes (it logged the compressed
+    # run's figure, 904,512 for 1.50 MiB, in a study), the compressed steps the run's
+    assert float(m0["wire_bytes"]) == s.mode.dense_bytes
+    assert float(m1.get("wire_bytes", s.mode.wire_bytes)) == s.mode.wire_bytes
 
 
 @pytest.mark.parametrize(
