@@ -18,8 +18,9 @@ sample meets its cache only when it lands on the same replica again (about half 
 every revisit finds its cache. Adam lr 3e-3, SGD-momentum lr 0.1, constant, gradient clipping
 1.0; evaluated every 75 steps. 4 variants x 2 optimizers x 2 seeds = 16 runs.
 
-Expected runtime: ~17 min on 2 shared CPU cores (estimated from ``text_paper1_feedback``'s
-runs: ~40 s per plain or EF21 run, ~80 s per AQ-SGD run). ``--smoke``: 16 runs of 2 steps.
+Expected runtime: ~18 min on 2 shared CPU cores (measured: 1,090 s for the 16 runs at load
+average 2.7-6.8, without a compilation cache; 39-49 s per plain or EF21 run, 78-97 s per AQ-SGD
+run). ``--smoke``: 16 runs of 2 steps.
 Results: docs/results/text_paper1_aqsgd_warmup.
 
 Finding tested (Rudakov et al., 2024; SPEC.md sections 1.1, 1.5): with its warm-up, AQ-SGD
