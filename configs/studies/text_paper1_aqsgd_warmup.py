@@ -1,0 +1,55 @@
+r"""Paper 1, AQ-SGD with its uncompressed warm-up epoch on a language model: TopK 10% on the
+activations with AQ-SGD after one uncompressed epoch, on 2 data replicas (a sample's cache only
+on the replica that last saw it) and on one (every cache current), against plain TopK and EF21
+with the same warm-up, with Adam and SGD-momentum.
+
+  python -m jaxcomp.study run text_paper1_aqsgd_warmup --workdir runs/text_paper1_aqsgd_warmup
+  python -m jaxcomp.study report runs/text_paper1_aqsgd_warmup
+
+The setting of ``text_paper1_feedback`` (its cells without a warm-up, and its dense baseline:
+8.00 / 10.19 ppl), with ``pipeline.warmup_epochs = 1``: the byte-level GPT of
+``configs/text_gpt_pipeline.py`` in 4 pipeline stages, the training split cut to 3,200 windows
+(an epoch is 50 steps of 64), 150 steps: one uncompressed epoch that fills AQ-SGD's per-sample
+caches (SPEC.md section 1.5), then 2 compressed epochs in which each sample is sent twice.
+Activation-gradients travel uncompressed (``independent``). The trainer's loader shuffles the
+whole split every epoch and the mesh's 2 data replicas take one half of each batch, so a
+sample meets its cache only when it lands on the same replica again (about half the sends); the
+``1 replica`` cell runs the same batch on one pipeline (``stage`` 4, 4 of the 8 devices), where
+every revisit finds its cache. Adam lr 3e-3, SGD-momentum lr 0.1, constant, gradient clipping
+1.0; evaluated every 75 steps. 4 variants x 2 optimizers x 2 seeds = 16 runs.
+
+Expected runtime: ~18 min on 2 shared CPU cores (measured: 1,090 s for the 16 runs at load
+average 2.7-6.8, without a compilation cache; 39-49 s per plain or EF21 run, 78-97 s per AQ-SGD
+run). ``--smoke``: 16 runs of 2 steps.
+Results: docs/results/text_paper1_aqsgd_warmup.
+
+Finding tested (Rudakov et al., 2024; SPEC.md sections 1.1, 1.5): with its warm-up, AQ-SGD
+trains the pipeline with compressed activations better than plain compression and than the
+other feedback (``text_paper1_feedback`` found EF21 ahead of AQ-SGD without the warm-up).
+"""
+
+from jaxcomp.study import optimizer_axis
+
+CONFIG = "text_gpt_pipeline"
+COMMON = {
+    "total_steps": 150,
+    "eval_every": 75,
+    "checkpoint_every": 75,
+    "log_every": 25,
+    "data.max_train_windows": 3200,
+    "pipeline.backward_mode": "independent",
+    "pipeline.warmup_epochs": 1,
+}
+TOPK = {"name": "top_k", "fraction": 0.1, "per_sample": True}
+VARIANTS = {
+    "topk10 warm": {"pipeline.forward": TOPK},
+    "topk10 ef21 warm": {"pipeline.forward": {**TOPK, "feedback": "ef21"}},
+    "topk10 aq-sgd warm": {"pipeline.forward": {**TOPK, "feedback": "aq_sgd"}},
+    "topk10 aq-sgd warm 1 replica": {
+        "pipeline.forward": {**TOPK, "feedback": "aq_sgd"},
+        "mesh": [("stage", 4)],
+    },
+}
+AXES = {"optimizer": optimizer_axis("adam", "sgdm", lr={"adam": 3e-3, "sgdm": 0.1})}
+SEEDS = (0, 1)
+BASELINE = "topk10 warm"
