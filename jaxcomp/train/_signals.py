@@ -11,6 +11,7 @@ a single process stops at once instead (:meth:`StopOnSignal.at_once`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import signal
 import threading
 
@@ -68,10 +69,10 @@ class StopOnSignal:
         self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
-        del frame
         if self.signum is None:
             self.signum = signum  # no printing here: the main thread may be mid-print
-            if self._at_once:
+            # where Python would print StopNow and drop it, the block's end raises it
+            if self._at_once and not _dropping(frame):
                 raise StopNow
             return
         self._restore()
@@ -81,8 +82,10 @@ class StopOnSignal:
     def at_once(self):
         """A block that a first signal ends at once with :class:`StopNow` (raised where the
         main thread is: between two bytecodes, or when a wait such as a compile's result
-        returns), for work with nothing to save, such as compiling the run's programs. In a
-        single process only: with several, the others would wait for this one in their next
+        returns), for work with nothing to save, such as compiling the run's programs; a
+        signal handled in a garbage-collector callback or a ``__del__`` (where Python would
+        print the exception and drop it) ends the block at its end instead. In a single
+        process only: with several, the others would wait for this one in their next
         collective, so the signal stays a flag agreed after the block.
 
         Raises:
@@ -98,6 +101,8 @@ class StopOnSignal:
             yield
         finally:
             self._at_once = False
+        if self.signum is not None:  # received in the block where it could not be raised
+            raise StopNow
 
     @property
     def name(self) -> str:
@@ -126,3 +131,14 @@ class StopOnSignal:
         if self.signum is None and signums.max() > 0:  # another process was signalled
             self.signum = int(signums[signums > 0][0])
         return codes[:, 1]
+
+
+def _dropping(frame) -> bool:
+    """Whether an exception raised in ``frame`` would be printed and dropped by Python: the
+    frame runs (or is called from) a garbage-collector callback or a ``__del__``."""
+    callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False

@@ -139,7 +139,7 @@ def check_experiment(workdir: str, fp: dict[str, Any], latest: tuple[int, dict] 
             _refuse_horizon(workdir, keys, old, fp)
             raise _errors.SetupError(
                 f"workdir {workdir!r} holds a checkpoint of another experiment "
-                f"(config differs in {keys[:6]}); use a new --workdir."
+                f"(config differs in {_listed(keys)}); use a new --workdir."
             )
     if latest is None:
         return
@@ -151,13 +151,21 @@ def check_experiment(workdir: str, fp: dict[str, Any], latest: tuple[int, dict] 
         _refuse_horizon(workdir, keys, saved, fp)
         raise _errors.SetupError(
             f"workdir {workdir!r} holds a checkpoint (step {step}) of another experiment"
-            f"{missing}: the config differs in {keys[:6]}; use a new --workdir."
+            f"{missing}: the config differs in {_listed(keys)}; use a new --workdir."
         )
     if isinstance(saved, str) and saved != _config.fingerprint_hash(fp):
         raise _errors.SetupError(
             f"workdir {workdir!r} holds a checkpoint (step {step}) of another experiment"
             f"{missing}: its config fingerprint differs from this config's; use a new --workdir."
         )
+
+
+def _listed(keys: list[str], most: int = 6) -> str:
+    """The differing keys for a line, top-level keys first (a changed ``mode`` is named
+    before its sub-keys), at most ``most`` of them and how many more."""
+    keys = sorted(keys, key=lambda k: k.count("."))
+    more = f" and {len(keys) - most} more" if len(keys) > most else ""
+    return f"{keys[:most]}{more}"
 
 
 def _refuse_horizon(workdir: str, keys: list[str], old: dict, fp: dict) -> None:

@@ -29,6 +29,7 @@ from jaxcomp import train
 from jaxcomp.train import _checkpoint
 from jaxcomp.train import _lock
 from jaxcomp.train import _trainer
+from jaxcomp.train import _workdir
 
 ROOT = pathlib.Path(__file__).parents[2]
 CONFIG = str(ROOT / "configs" / "digits_dense.py") + ":smoke"
@@ -385,6 +386,17 @@ def test_resuming_with_another_mesh_mode_codec_or_model_is_refused_by_name(two_c
         with pytest.raises(train.SetupError, match=rf"config differs in \[.*'{key}"):
             train.train_and_evaluate(other, str(base))
     assert sorted(os.listdir(base / "checkpoints"), key=int) == ["4", "8"]
+
+
+def test_a_changed_mode_is_named_when_more_sub_keys_differ_than_the_line_shows(tmp_path):
+    """digits_dense's workdir resumed with digits_accordion named 6 ``data_parallel.*`` keys
+    and not ``mode`` (the list was cut at 6, sorted; 2026-12-05)."""
+    old = {"lr": 0.001, "mode": "dense", "data_parallel": {}}
+    new = {"lr": 0.001, "mode": "data_parallel", "data_parallel": dict.fromkeys("abcdefg", 1)}
+    _workdir.write_experiment(str(tmp_path), old)
+    with pytest.raises(train.SetupError, match=r"differs in \['mode', 'data_parallel.a', .*\] "
+                       r"and 2 more\); use a new --workdir"):  # fmt: skip
+        _workdir.check_experiment(str(tmp_path), new, None)
 
 
 @pytest.mark.slow  # 4 CLI subprocesses
