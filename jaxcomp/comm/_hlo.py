@@ -60,6 +60,9 @@ class CollectiveRecord(NamedTuple):
     bytes_per_execution: float
     executions: int
     computation: str
+    #: a ``collective-permute``'s ``(source, target)`` pairs (each pair carries the operand);
+    #: empty for other kinds
+    pairs: tuple[tuple[int, int], ...] = ()
 
     @property
     def total_bytes(self) -> float:
@@ -141,6 +144,12 @@ def _tuple_elements(text: str) -> list[str]:
             out.append(text[start:i])
             start = i + 1
     return [e.strip() for e in out if e.strip()]
+
+
+def _permute_pairs(line: str) -> tuple[tuple[int, int], ...]:
+    m = re.search(r"source_target_pairs=\{(\{[\d,{}]*\})\}", line)
+    found = re.findall(r"\{(\d+),(\d+)\}", m.group(1)) if m else ()
+    return tuple((int(a), int(b)) for a, b in found)
 
 
 def _group_size(line: str, num_devices: int) -> int:
@@ -230,8 +239,11 @@ def collective_report(hlo_text: str) -> CollectiveReport:
                 nbytes /= group
             elif kind == "reduce-scatter" and not is_start:
                 nbytes *= group
+            pairs = _permute_pairs(line) if kind == "collective-permute" else ()
             records.append(
-                CollectiveRecord(name, kind, shape.strip(), group, nbytes, multiplier[comp], comp)
+                CollectiveRecord(
+                    name, kind, shape.strip(), group, nbytes, multiplier[comp], comp, pairs
+                )
             )
     return CollectiveReport(tuple(records), tuple(unknown))
 

@@ -13,7 +13,6 @@ and ids), with each end's state read from and written to the compact link-state 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -222,18 +221,12 @@ def hlo_sent_bytes(hlo_text: str) -> dict[str, float]:
       stage-only mesh, every boundary send is one or the other), and the number of
       ``collective-permute`` executions.
     """
-    permutes = re.findall(
-        r"%([\w.\-]+) = [^\n]*collective-permute[^\n]*"
-        r"source_target_pairs=\{(\{[\d,{}]*\})\}",
-        hlo_text,
-    )
-    pairs = {name: re.findall(r"\{(\d+),(\d+)\}", found) for name, found in permutes}
     out = {"total": 0.0, "forward": 0.0, "backward": 0.0, "permutes": 0}
     for r in _hlo.collective_report(hlo_text).records:
         if r.kind != "collective-permute":
             continue
-        sent = r.total_bytes * len(pairs[r.name])
-        steps = {int(d) - int(s) for s, d in pairs[r.name]}
+        sent = r.total_bytes * len(r.pairs)
+        steps = {d - s for s, d in r.pairs}
         out["total"] += sent
         if steps in ({1}, {-1}):
             out["forward" if steps == {1} else "backward"] += sent
