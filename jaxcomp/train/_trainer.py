@@ -239,8 +239,11 @@ def train_and_evaluate(
     with setup_phase():
         config = _config.with_defaults(config)
         fp = _config.fingerprint(config)
-        _workdir.prepare(workdir)
-    with _signals.StopOnSignal() as stop, _holding(workdir, say) as lock:
+    with (
+        _workdir.prepared(workdir),
+        _signals.StopOnSignal() as stop,
+        _holding(workdir, say) as lock,
+    ):
         with setup_phase():
             latest = None
             if _workdir.has_checkpoints(workdir):

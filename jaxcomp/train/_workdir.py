@@ -25,6 +25,24 @@ EXPERIMENT = "experiment.json"
 SUMMARY = "summary.json"
 
 
+@contextlib.contextmanager
+def prepared(workdir: str):
+    """Creates ``workdir`` if missing (:func:`prepare`) for the enclosed run; if the run ends
+    in an error and this call created the workdir, which is still empty (a config refused
+    before the first step), removes it. A workdir that existed before, or holds anything,
+    stays.
+    """
+    created = not os.path.exists(workdir)
+    prepare(workdir)
+    try:
+        yield
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):  # not empty, or another process removed it
+                os.rmdir(workdir)
+        raise
+
+
 def prepare(workdir: str) -> None:
     """Creates ``workdir`` if missing.
 

@@ -71,10 +71,27 @@ def no_compiling(monkeypatch):
 def test_a_number_out_of_range_is_named_before_compiling(
     make_config, tmp_path, no_compiling, overrides, match
 ):
+    work = tmp_path / "run"
     with pytest.raises(train.SetupError, match=match) as info:
-        train.train_and_evaluate(make_config(**overrides), str(tmp_path))
+        train.train_and_evaluate(make_config(**overrides), str(work))
     assert "\n" not in str(info.value)
-    assert not (tmp_path / "checkpoints").exists()
+    assert not work.exists(), "a refused run left the workdir it created"
+
+
+def test_a_refused_run_keeps_a_workdir_it_did_not_create(make_config, tmp_path, no_compiling):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(train.SetupError, match="num_microbatches"):
+        train.train_and_evaluate(
+            make_config(**PIPELINE, pipeline={"num_microbatches": 0}), str(tmp_path)
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(train.SetupError, match="num_microbatches"):
+        train.train_and_evaluate(
+            make_config(**PIPELINE, pipeline={"num_microbatches": 0}), str(empty)
+        )
+    assert empty.is_dir()
 
 
 @pytest.mark.slow  # 7 short runs of 4 configs
