@@ -225,7 +225,11 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
             and "no space left on the device" in said
         ) or f"process {1 - i} could not write its workdir after step" in said, said
     kept = _checkpoints(work)
-    assert kept[-1] > last and not any("tmp" in p.name for p in (work / "checkpoints").iterdir())
+    assert kept[-1] > last
+    # A save under way when the disk filled may stay in orbax's temporary folder: a process
+    # whose write failed with several processes leaves at once (the Checkpointer's contract).
+    # It is never restored (the resume below starts from kept[-1]) and the next start removes it.
+    partial = [p.name for p in (work / "checkpoints").iterdir() if "tmp" in p.name]
 
     # --- space freed: the same command resumes from the last good checkpoint, finishes ------
     (disk / "filler").unlink()
@@ -237,3 +241,5 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
     assert [run.code(0), run.code(1)] == [0, 0], run.out(0)[-3000:] + run.out(1)[-2000:]
     assert f"resumed from step {kept[-1]}" in run.out(0), run.out(0)[-2000:]
     assert (work / "summary.json").exists()
+    left = [p.name for p in (work / "checkpoints").iterdir() if "tmp" in p.name]
+    assert not left, f"half-written saves {left} outlived the restart (after the fault: {partial})"
