@@ -5,6 +5,7 @@ import functools
 import importlib.util
 import os
 import pathlib
+import warnings
 
 import hypothesis
 import pytest
@@ -12,7 +13,21 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    flags += " --xla_force_host_platform_device_count=8"
+
+#: The env var that makes a pytest process compile with XLA:CPU's fusion emitters, the ones users
+#: get, and run the ``user_numerics`` tests in-process (``tests/test_user_numerics.py`` starts
+#: such a process; by hand: ``JAXCOMP_TEST_FUSION_EMITTERS=1 pytest -m user_numerics``).
+FUSION_EMITTERS_ENV = "JAXCOMP_TEST_FUSION_EMITTERS"
+LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+FUSION_EMITTERS = os.environ.get(FUSION_EMITTERS_ENV) == "1"
+# Every other pytest process compiles with XLA:CPU's loop emitters (~25% less compile CPU for an
+# optimised program, ~38% for an unoptimised one; the suite is compile-bound:
+# docs/results/suite_tiers). The tests that pin XLA:CPU's numerics as users get them (marked
+# ``user_numerics``) are deselected here and run in the fusion-emitter process instead. XLA reads
+# its flags once, when the backend starts: set before JAX is imported.
+flags = " ".join(f for f in flags.split() if f != LOOP_EMITTERS)
+os.environ["XLA_FLAGS"] = flags if FUSION_EMITTERS else f"{flags} {LOOP_EMITTERS}".strip()
 
 # Property tests are deterministic (the team rule: no flaky test): every run draws the same
 # examples, few of them (``ci``, the default: a property test costs about one example test).
@@ -74,9 +89,8 @@ def fast_compiles():
     A test's JAX subprocess that compiles so (``JAX_DISABLE_MOST_OPTIMIZATIONS=1``: CLI,
     study, notebook and multi-process runs compared to a tolerance) also takes XLA:CPU's loop
     emitters, ``XLA_FLAGS=--xla_cpu_use_fusion_emitters=false``: its compiles take ~38% less
-    CPU (docs/results/suite_tiers). XLA reads its flags once per process, so this process
-    cannot switch them per module: in-process, every test compiles with the fusion emitters
-    users get."""
+    CPU (docs/results/suite_tiers), as the pytest processes themselves do (above: all but the
+    ``user_numerics`` run)."""
     previous = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", True)
     yield
@@ -176,11 +190,15 @@ def fake_tfds_dir(tmp_path_factory):
     return d
 
 
+@pytest.hookimpl(trylast=True)  # after ``-m`` and ``-k`` have deselected theirs
 def pytest_collection_modifyitems(config, items):
-    """Test ids must be the same in every process (pytest-xdist compares them). The modules
-    that hold a ``slow`` test run first, each module's tests together: pytest-xdist hands out
-    tests in this order, so the long ones start early and the short ones fill both workers
-    at the end (a 20-second test handed out last kept one worker busy alone)."""
+    """Test ids must be the same in every process (pytest-xdist compares them). The tests of
+    the other emitters are deselected (:func:`_deselect_by_emitters`). The user-numerics runner
+    (the longest test: a pytest subprocess), then the modules that hold a ``slow`` test run
+    first, each module's tests together: pytest-xdist hands out tests in this order, so the long
+    ones start early and the short ones fill both workers at the end (a 20-second test handed
+    out last kept one worker busy alone)."""
+    _deselect_by_emitters(config, items)
     _check_also_under_set_mesh(items)
     unstable = [item.nodeid for item in items if " at 0x" in item.nodeid]
     if unstable:
@@ -190,6 +208,43 @@ def pytest_collection_modifyitems(config, items):
         )
     slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable
+    items.sort(key=lambda item: not item.nodeid.startswith(USER_NUMERICS_RUNNER))
+
+
+#: the test that runs the ``user_numerics`` tests in a fusion-emitter process
+USER_NUMERICS_RUNNER = "tests/test_user_numerics.py::"
+_DESELECTED = pytest.StashKey[list]()
+
+
+def _deselect_by_emitters(config, items):
+    """The loop-emitter processes deselect the ``user_numerics`` tests (kept, for
+    :func:`user_numerics_deselected`, for the runner that runs them with the fusion emitters);
+    the fusion-emitter process deselects the runner."""
+    if FUSION_EMITTERS:
+        drop = [item for item in items if item.nodeid.startswith(USER_NUMERICS_RUNNER)]
+    else:
+        drop = [item for item in items if item.get_closest_marker("user_numerics")]
+    config.stash[_DESELECTED] = [item.nodeid for item in drop]
+    if drop:
+        ids = set(config.stash[_DESELECTED])
+        items[:] = [item for item in items if item.nodeid not in ids]
+        config.hook.pytest_deselected(items=drop)
+    if not FUSION_EMITTERS and drop:
+        if not any(item.nodeid.startswith(USER_NUMERICS_RUNNER) for item in items):
+            warnings.warn(
+                f"{len(drop)} user_numerics tests deselected and not run (their runner, "
+                f"{USER_NUMERICS_RUNNER.rstrip(':')}, is not in this run): run them with "
+                f"{FUSION_EMITTERS_ENV}=1 pytest -m user_numerics ...",
+                pytest.PytestWarning,
+                stacklevel=1,
+            )
+
+
+@pytest.fixture(scope="session")
+def user_numerics_deselected(request):
+    """The ids of the ``user_numerics`` tests this process collected and deselected (empty in
+    the fusion-emitter process, which runs them)."""
+    return [] if FUSION_EMITTERS else list(request.config.stash.get(_DESELECTED, []))
 
 
 def _check_also_under_set_mesh(items):

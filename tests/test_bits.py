@@ -17,6 +17,8 @@ from jaxcomp._bits import from_bytes
 from jaxcomp._bits import move_as_bits
 from jaxcomp._bits import to_bytes
 
+pytestmark = pytest.mark.user_numerics
+
 # a signalling-style NaN payload (0x7f81), -0.0, infinities, a subnormal, a tie of magnitudes
 BF16_BITS = np.array([0x7F81, 0xFFC1, 0x8000, 0x7F80, 0xFF80, 0x0001, 0x3F80, 0xBF80], np.uint16)
 

@@ -20,6 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _finite
 
+pytestmark = pytest.mark.user_numerics
+
 EDGES = [np.nan, np.inf, -np.inf]
 FINITE_EDGES = [0.0, -0.0, 1e-10, -1e-10, 1e6, -1e6, 3.0e38, -3.0e38, 1e-45]
 

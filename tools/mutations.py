@@ -4,7 +4,8 @@
     python tools/mutations.py run REV OUT.jsonl [--fast] [NAME ...]
 
 ``run`` checks ``REV`` out in a scratch worktree (``/tmp/jaxcomp-mutants-<pid>``), and for
-each mutation: applies it, runs ``pytest -x`` on the mutation's test files through
+each mutation: applies it, runs ``pytest -x`` on the mutation's test files (and
+``tests/test_user_numerics.py``, which runs their ``user_numerics`` tests) through
 ``tools/cpu-slot`` (``--fast``: first with ``-m "not slow"``, the fast tier, then, if that
 passes, without), records whether the run failed and the first failing test, and restores the
 file. A mutation "caught" is a failing run
@@ -23,6 +24,9 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PYTHON = os.environ.get("JAXCOMP_PYTHON", "/work/main/.venv/bin/python")
+#: the test that runs the listed files' ``user_numerics`` tests with XLA:CPU's fusion emitters
+#: (the other pytest processes deselect them: tests/conftest.py); added to every run
+RUNNER = "tests/test_user_numerics.py"
 
 #: name: (file, old line fragment (exactly once in the file), new fragment, test paths). Where
 #: a change since moved the line, ``file``, ``old`` and ``new`` are tuples of alternatives, one
@@ -169,6 +173,25 @@ MUTATIONS = {
         "byte = byte | (field[j] << (j * width + 1))",
         ["tests/compressors/test_quantize.py"],
     ),
+    # three that only user_numerics tests catch (run with the fusion emitters: tests/conftest.py)
+    "finite_sum_not_zeroed": (
+        "jaxcomp/_finite.py",
+        "zeros = [jnp.sum(jnp.concatenate(g) * 0) for g in groups]",
+        "zeros = [jnp.sum(jnp.concatenate(g)) for g in groups]",
+        ["tests/test_finite.py"],
+    ),
+    "quantize_no_shrink": (
+        "jaxcomp/compressors/_quantize.py",
+        "jnp.where(s > _SHRINK_ABOVE, 1.0 / _SHRINK_ABOVE, 1.0)",
+        "jnp.where(s > _SHRINK_ABOVE, 1.0, 1.0)",
+        ["tests/compressors/test_magnitudes.py"],
+    ),
+    "bits_moved_as_floats": (
+        "jaxcomp/_bits.py",
+        "    if not any(c is not None for c in carriers):",
+        "    if True:",
+        ["tests/test_bits.py"],
+    ),
     "checkpoint_checksum_ignored": (
         "jaxcomp/train/_checkpoint.py",
         "wrong = [p for p, a, b in zip(_integrity.leaf_paths(state), sums, saved) if a != b]",
@@ -220,7 +243,11 @@ def check() -> int:
 
 
 def _first_failure(out: str) -> str | None:
+    """The first failing test; inside the user_numerics runner's run where that failed."""
     m = re.search(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    inner = re.search(r"^E\s+(?:FAILED|ERROR) (\S+)", out, re.M)
+    if m and m.group(1).startswith(RUNNER) and inner:
+        return inner.group(1)
     return m.group(1) if m else None
 
 
@@ -231,6 +258,8 @@ def run(rev: str, out_path: str, fast: bool, names: list[str]) -> int:
     try:
         for name in names or list(MUTATIONS):
             tests = [t for t in MUTATIONS[name][3] if (tree / t).exists()]  # this revision's
+            if (tree / RUNNER).exists():  # runs the files' user_numerics tests
+                tests.append(RUNNER)
             path, original = _apply(tree, name)
             # --fast: the fast tier first, and the full files only if it misses
             for tier in ("fast", "full") if fast else ("full",):

@@ -7,7 +7,8 @@ Per test (setup, call and teardown together): wall and process CPU seconds; JAX'
 lowering and backend-compile seconds and the number of backend compiles (and the name and
 seconds of each compile of 0.1 s or more); the persistent compilation cache's hits, the
 seconds they saved (as JAX records them) and the seconds spent reading and writing it.
-Summarise with ``python tools/suite_profile.py /tmp/prof.jsonl [file|test|programs|workers]``.
+Summarise with ``python tools/suite_profile.py /tmp/prof.jsonl [file|dir|test|programs|workers]``
+(``dir``: per test directory).
 
 Under pytest-xdist (``-n 2``: the plugin loads in each worker) a row also names its worker and
 the test's end (``time.time()``); ``workers`` shows each worker's busy seconds, its last test's
@@ -97,7 +98,8 @@ def _summary(path, by="file", top=40):
     total = collections.Counter()
     groups = collections.defaultdict(collections.Counter)
     for r in rows:
-        key = r["test"].split("::")[0] if by == "file" else r["test"]
+        key = r["test"].split("::")[0] if by != "test" else r["test"]
+        key = key.rsplit("/", 1)[0] if by == "dir" else key
         for k, v in r.items():
             if k not in ("test", "programs", "worker", "end"):
                 groups[key][k] += v

@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp._cpu import _order
 
+pytestmark = pytest.mark.user_numerics
+
 EDGES = np.array([np.nan, -0.0, 0.0, np.inf, -np.inf, 1e-10, -1e6, 3.5], np.float32)
 
 

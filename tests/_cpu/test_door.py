@@ -8,6 +8,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
@@ -69,6 +70,7 @@ def test_the_hook_lowers_each_platform_its_own_branch():
         assert "stablehlo.cosine" in text and "stablehlo.sine" not in text, platform
 
 
+@pytest.mark.user_numerics
 def test_the_door_wrappers_give_the_plain_values_and_types_under_shard_map():
     mesh = comm.make_mesh([("data", 2)], jax.devices()[:2])
     x = jnp.array([[-0.0, jnp.nan, 3.0], [1.0, -jnp.inf, 2.0]])

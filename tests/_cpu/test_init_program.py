@@ -47,6 +47,7 @@ def test_every_registered_model_is_covered():
     assert set(SMALL) == set(models.MODELS)
 
 
+@pytest.mark.user_numerics
 @pytest.mark.parametrize(
     "name", [n if n == "mlp" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(SMALL)]
 )
@@ -60,6 +61,7 @@ def test_every_models_init_has_the_default_compiles_bits(name):
     assert any(np.std(np.asarray(x)) > 0.005 for x in jax.tree.leaves(variables))
 
 
+@pytest.mark.user_numerics
 @pytest.mark.slow
 def test_the_initializers_have_the_default_compiles_bits_on_small_and_large_shapes():
     """The initializers the models use (Dense/Conv: lecun_normal, GPT: normal(0.02)) on small
@@ -177,6 +179,7 @@ def test_inside_a_trace_it_is_the_callers_program():
     assert shapes["w"].shape == (5, 3) and shapes["bits"].dtype == jnp.uint32
 
 
+@pytest.mark.user_numerics
 def test_the_key_part_gives_the_same_integers_at_every_compile_level_and_eagerly():
     """What makes the split exact: A's outputs are integers (and keys), the same compiled at
     the low level, at XLA's default, or run op by op."""

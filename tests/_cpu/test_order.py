@@ -7,6 +7,8 @@ import pytest
 
 from jaxcomp._cpu import _order
 
+pytestmark = pytest.mark.user_numerics
+
 EDGES = np.array([0.0, -0.0, np.nan, -np.nan, np.inf, -np.inf, 1e-10, -1e6, 3.5], np.float32)
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from jaxcomp.ab import _factor as F
 
+pytestmark = pytest.mark.user_numerics
+
 
 def _slice_gather(x, index, sign, axis, first_moment):
     """The formula before: ``take`` of whole slices along ``axis``."""

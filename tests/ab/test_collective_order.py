@@ -110,6 +110,7 @@ def _run(config, mesh, data):
     return out
 
 
+@pytest.mark.user_numerics
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, {"reset_opt": True, "sync_mode": "only-learned"}])
 def test_every_state_and_metric_leaf_is_bit_identical_to_the_loss_mean_after_the_forward(

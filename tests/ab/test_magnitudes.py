@@ -17,6 +17,8 @@ from jaxcomp.ab import _transform
 from jaxcomp.comm import GROUP
 from jaxcomp.comm import MEMBER
 
+pytestmark = pytest.mark.user_numerics
+
 MAGNITUDES = [1e-30, 1e-10, 1.0, 1e6, 1e30, 3e38]
 CUTOFF = 0.15
 ROWS, COLS = 8, 4

@@ -401,6 +401,7 @@ def test_a_program_compiles_again_for_another_dtype_or_weak_type():
     assert program(f16).dtype == np.float16 and program(weak).weak_type
 
 
+@pytest.mark.user_numerics
 def test_the_refactorisation_compiles_fast_wherever_it_compiles_with_the_default_bits(grouped):
     """The re-factorisation (a few calls a run) compiles at XLA:CPU's backend level 0, the
     steps at the default: the options travel with the program (``compile_all`` and a compile

@@ -45,6 +45,7 @@ _plain_svd = jax.jit(F.svd)
 _branch_svd = jax.jit(functools.partial(F.svd, in_branch=True))
 
 
+@pytest.mark.user_numerics
 @pytest.mark.parametrize("name", list(_matrices()))
 def test_the_svd_of_a_branch_is_bit_identical_to_the_plain_svd(name):
     w = jnp.asarray(_matrices()[name])

@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import compressors
 
+pytestmark = pytest.mark.user_numerics
+
 SHAPE = (16, 32)
 # max |x| over the workers: 6.1 * magnitude (3.1e38 at 5e37); the sum of 8 overflows from 1e37
 MAGNITUDES = (1e-30, 1.0, 1e30, 1e37, 5e37)

@@ -15,6 +15,8 @@ from jaxcomp import compressors as C
 from jaxcomp import transforms as T
 from jaxcomp.comm import _reduce_shards
 
+pytestmark = pytest.mark.user_numerics
+
 PAIR = ("slow", "fast")
 
 

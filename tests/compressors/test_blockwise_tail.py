@@ -16,6 +16,8 @@ import pytest
 
 from jaxcomp import compressors
 
+pytestmark = pytest.mark.user_numerics
+
 
 def _reference(flat, blk, nb):
     """Payload of one-per-block TopK by padding and an argmax, in numpy (rows ``[b, d]``)."""

@@ -14,6 +14,8 @@ import pytest
 
 from jaxcomp import compressors
 
+pytestmark = pytest.mark.user_numerics
+
 SHAPE = (16, 64)
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from jaxcomp import compressors as C
 
+pytestmark = pytest.mark.user_numerics
+
 MAGNITUDES = (1e-30, 1e-10, 1e-8, 1e-6, 1e-3, 1.0, 1e3, 1e6, 1e30)
 # near float32's largest, for the quantizers and TopK: 5e37 and 8e37 put |x| up to 2e38 and
 # 3.1e38, scales above 2**126 (their float32 reciprocal is subnormal, flushed to 0 on XLA:CPU:

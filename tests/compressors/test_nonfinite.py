@@ -20,6 +20,8 @@ import pytest
 from jaxcomp import compressors as C
 from jaxcomp.compressors import _low_rank
 
+pytestmark = pytest.mark.user_numerics
+
 SIZES = {"small": ((16, 64), (1, 3)), "large": ((24, 1024), (17, 777))}  # shape, bad position
 BAD = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
 

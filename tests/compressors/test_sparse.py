@@ -144,6 +144,7 @@ SELECT_CASES = [
 ]
 
 
+@pytest.mark.user_numerics
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "shape, fraction, per_sample, x",

@@ -33,7 +33,10 @@ from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import feedback
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.user_numerics,
+]
 
 W = 2
 SHAPE = (96, 160)

@@ -31,7 +31,10 @@ from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import feedback
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.user_numerics,
+]
 
 W = 2
 SHAPE = (256, 512)  # 131072 entries: exact TopK 1% takes the bracketed select (d > 65536)

@@ -47,6 +47,7 @@ def test_compressed_mean_data_parallel_sends_less_than_dense(make_config, tmp_pa
     assert total == summary["wire_bytes_per_step"] + 8
 
 
+@pytest.mark.user_numerics
 @pytest.mark.parametrize(
     "mode",
     ["dense", *(pytest.param(m, marks=pytest.mark.slow) for m in ("data_parallel", "pipeline"))],

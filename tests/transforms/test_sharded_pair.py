@@ -115,6 +115,7 @@ def _owned_states(state):
     return out
 
 
+@pytest.mark.user_numerics
 @pytest.mark.parametrize(
     "case", ["power_sgd_ef", "top_k_ef", pytest.param("accordion", marks=pytest.mark.slow)]
 )
