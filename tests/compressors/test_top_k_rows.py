@@ -149,3 +149,17 @@ def test_a_damaged_index_past_its_row_is_dropped_not_written_into_the_next_row()
     expect = np.asarray(y).copy()
     expect[0, 0, int(payload.indices[0, 0, 1])] = 0.0
     np.testing.assert_array_equal(z, expect)
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_decode_sum_and_add_decoded_equal_the_dense_decode(axis):
+    # the fast paths a receiver of gathered payloads and error feedback use scatter at flat
+    # positions of the rows' layout: back in the input's layout for any axis
+    codec, f = _round_trip(None, 2, axis)
+    x, other = jnp.asarray(X3), jnp.asarray(X3[::-1] * 2)
+    (p, decoded), (q, decoded_other) = f(x), f(other)
+    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), p, q)
+    total = np.asarray(decoded, np.float64) + np.asarray(decoded_other, np.float64)
+    np.testing.assert_allclose(_base.decode_sum(codec, stacked, x), total, rtol=1e-6)
+    np.testing.assert_array_equal(_base.add_decoded(codec, other, p, -1), other - decoded)
+    np.testing.assert_array_equal(_base.add_decoded(codec, other, p, 1), other + decoded)
