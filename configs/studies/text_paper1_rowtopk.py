@@ -13,11 +13,13 @@ cut to 3,200 windows, 150 steps of 64, activation-gradients uncompressed
 clipping 1.0; evaluated and checkpointed every 75 steps. 2 variants x 2 optimizers x 2 seeds =
 8 runs; the dense baseline is ``text_paper1_feedback``'s (the same cells).
 
-Expected runtime: ~6 min on 2 shared CPU cores (35-45 s per run). ``--smoke``: 8 runs of 2
-steps. Results: docs/results/text_paper1_rowtopk.
+Expected runtime: ~10 min on 2 shared CPU cores (measured: 571 s for the 8 runs at load average
+3.0-7.2, without a compilation cache; 44-53 s per run). ``--smoke``: 8 runs of 2 steps.
+Results: docs/results/text_paper1_rowtopk.
 
-Question (not a paper finding; TopK by rows is a variant): does a TopK that never zeroes a whole
-token row train the GPT where per-sample TopK blows up, at no more bytes?
+Finding tested (not a paper's: TopK by rows is a variant): a TopK that never zeroes a whole token
+row trains the GPT where per-sample TopK blows up (paper 1's GPT-2 summary: independent
+compression of activations and gradients "may lead to divergence"), at no more bytes.
 """
 
 from jaxcomp.study import optimizer_axis
