@@ -25,10 +25,10 @@ Each row says what its codec documents for the checks that depend on the codec:
 
 * ``fast``: the row runs in the fast tier (``-m "not slow"``). The fast rows hold every codec,
   every wire format (each bit width that packs differently, the tensor, min-max and feature
-  scales, stochastic rounding, per-sample and blockwise selection, a composition); a row that
-  combines options another fast row already has (``fast=False``: a second scale dtype, a
-  second block size, the cold start, the unbiased RandK, ...) runs in the slow tier only, in
-  every test of the table.
+  scales, stochastic rounding, per-sample, by-row and blockwise selection, a composition); a
+  row that combines options another fast row already has (``fast=False``: a second scale
+  dtype, a second block size, the cold start, the unbiased RandK, ...) runs in the slow tier
+  only, in every test of the table.
 """
 
 from __future__ import annotations
@@ -162,6 +162,13 @@ CODEC_TABLE = (
     CodecCase(
         "top_k_per_sample_blockwise",
         C.top_k(0.25, per_sample=True, method="blockwise"),
+        "kept",
+        fast=False,
+    ),
+    CodecCase("top_k_rows", C.top_k(0.1, row_axis=-1), "kept"),
+    CodecCase(
+        "top_k_rows_axis0_blockwise",
+        C.top_k(0.25, row_axis=0, method="blockwise", block_size=4),
         "kept",
         fast=False,
     ),

@@ -12,6 +12,8 @@ parameter gradient (what gradient clipping sees, before it) and each stage's sha
 * ``topk, zero rows dense``: the same, but a token row that TopK leaves all zero is sent dense
   (the rest of the sample stays TopK'd): if the blow-up is LayerNorm's ``1/sqrt(var + 1e-6)``
   on all-zero rows (1e3 per boundary, compounding through the residual stream), this removes it.
+* ``topk by rows``: TopK 10% of each token row (``compressors.top_k(0.1, row_axis=-1)``, the
+  remedy of ``text_paper1_rowtopk``), straight-through backward.
 
   PYTHONPATH=. tools/cpu-slot python docs/results/text_paper1_feedback/blowup_probe.py \
       runs/text_paper1_aqsgd_warmup/topk10-warm__optimizer=adam__seed0/checkpoints/150/state
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxcomp import compressors
 from jaxcomp import models
 from jaxcomp.data._text import pydoc_documents
 from jaxcomp.data._text import token_windows
@@ -47,9 +50,14 @@ def topk(a, fraction=0.1):
     return jnp.where(jnp.abs(flat) >= pivot, flat, 0).reshape(a.shape)
 
 
+rows = compressors.top_k(0.1, row_axis=-1)
+
+
 def send(a, how):
     if how == "dense":
         return a
+    if how == "topk by rows":
+        return a + jax.lax.stop_gradient(rows.decompress(rows.compress(a, (), None)[0], a) - a)
     c = topk(a)
     if how == "topk, zero rows dense":
         c = jnp.where(jnp.all(c == 0, axis=-1, keepdims=True), a, c)
@@ -75,7 +83,7 @@ for b in (1, 2, 3):
         f"zero rows by position {dict(zip(where.tolist(), count.tolist()))}"
     )
     a = fns[b](stages[b], c)
-for how in ("dense", "topk", "topk, zero rows dense"):
+for how in ("dense", "topk", "topk, zero rows dense", "topk by rows"):
     value, grads = jax.value_and_grad(loss)(stages, how)
     per_stage = [float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(s)))) for s in grads]
     total = float(np.sqrt(sum(n**2 for n in per_stage)))
