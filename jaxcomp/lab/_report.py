@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 
@@ -48,10 +49,14 @@ def find_calibrations(paths: Sequence[str]) -> list[dict]:
 
 
 def calibration_table(calibrations: Sequence[dict]) -> str:
-    """Markdown: one line per calibrated network, the achieved TCP rate and each kind's fit."""
+    """Markdown: one line per calibrated network, the achieved TCP rate, each kind's fit and the
+    chain fit of a calibration on 3 hosts or more (:func:`jaxcomp.lab._calibrate.chain`: a
+    send whose receiver also sends starts ``min(max(n - o, 0), c) / beta`` late; ``—`` where
+    none was probed)."""
     head = ["topology", "hosts x devices", "rate", "achieved Mbit/s", "all-reduce alpha us",
             "all-reduce beta Mbit/s", "max error", "permute alpha us", "permute beta Mbit/s",
-            "max error", "load before / after"]  # fmt: skip
+            "max error", "chain o bytes", "chain c bytes", "chain max error ms",
+            "load before / after"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in calibrations:
         net, fits = c["network"], c["fits"]
@@ -64,6 +69,13 @@ def calibration_table(calibrations: Sequence[dict]) -> str:
                 continue
             cells += [f"{1e6 * f['alpha_s']:.0f}", f"{f['beta_bit_s'] / 1e6:.1f}",
                       f"{100 * f['max_rel_error']:.0f}%"]  # fmt: skip
+        chain = c.get("chain")
+        if chain:
+            cap = chain["cap_bytes"]
+            cells += [f"{chain['offset_bytes']:,.0f}", "none" if cap == math.inf else f"{cap:,.0f}",
+                      f"{1e3 * chain['max_abs_error_s']:.1f}"]  # fmt: skip
+        else:
+            cells += ["—"] * 3
         cells.append(f"{c['load_before'][0]} / {c['load_after'][0]}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -86,8 +98,9 @@ def write(paths: Sequence[str], out_dir: str) -> str:
     calibrations = [_calibrate.refit(c) for c in find_calibrations(paths)]
     if calibrations:
         lines += ["Calibrations (cost model fits on the lab's links; alpha per message, beta "
-                  "the bandwidth the collective achieves):", "", calibration_table(calibrations),
-                  ""]  # fmt: skip
+                  "the bandwidth the collective achieves; chain: a send whose receiver also "
+                  "sends in the same permute starts min(max(n - o, 0), c) / beta later, fitted "
+                  "on 3 hosts or more):", "", calibration_table(calibrations), ""]  # fmt: skip
     notes = sorted({f"{r['name']}: no prediction ({r['prediction']['why']})" for r in records
                     if r["prediction"].get("step_s") is None})  # fmt: skip
     if notes:

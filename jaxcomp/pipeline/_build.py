@@ -142,16 +142,15 @@ def distribute(
 
     **Bytes.** Each tick moves the payloads of every boundary that sends in it in one
     ``ppermute`` per direction, with one source-target pair per boundary
-    (:func:`jaxcomp.pipeline._ticks.move_boundaries`); a payload that is not one array, or whose
-    tick moves payloads of different sizes, crosses as its bytes, padded to that tick's largest.
-    The bytes per step and pipeline replica are
+    (:func:`jaxcomp.pipeline._ticks.move_boundaries`); payloads of different sizes are cut at
+    their sizes instead (one permute per distinct size, each carrying the next piece of every
+    payload that long), so no pair carries padding. The bytes per step and pipeline replica are
+    the payloads'
 
     .. math::
-      \sum_{\text{ticks, directions}} |A| \max_{b \in A} |\mathrm{payload}_b|
+      M \sum_b \big(|\mathrm{payload}^{fwd}_b| + |\mathrm{payload}^{bwd}_b|\big)
 
-    over the boundaries :math:`A` that send (``Pipeline.bytes_per_step``, also in the step's
-    metrics as ``wire_bytes``): with every boundary's payload of one size,
-    :math:`M \sum_b (|\mathrm{payload}^{fwd}_b| + |\mathrm{payload}^{bwd}_b|)`. The HLO
+    (``Pipeline.bytes_per_step``, also in the step's metrics as ``wire_bytes``). The HLO
     meter (:func:`jaxcomp.comm.measure_collectives`) counts each ``collective-permute``'s
     operand once per execution; times its pairs
     (:func:`jaxcomp.pipeline._links.hlo_sent_bytes`) that is ``wire_bytes`` on a stage-only

@@ -267,9 +267,7 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True, modes=
             grads = _params.PackedParams(grads, layout)
         else:
             grads = type(params)(layout.unpack(grads))
-    metrics = _prepare.with_bytes(
-        {"loss": loss, **metrics}, static, spec.links, m_, compress, True, spec.schedule
-    )
+    metrics = _prepare.with_bytes({"loss": loss, **metrics}, static, spec.links, m_, compress, True)
     if spec.replicas > 1:  # the dense reference of the data axis: every stage's float gradient
         dense = sum(layout.stage_bytes(s) for s in range(spec.model.num_stages))
         metrics["data_dense_bytes"] = jnp.asarray(dense, jnp.float32)
@@ -320,9 +318,7 @@ def evaluate(
             _stage_buffers(spec, params, static.layout), parsed.inputs, parsed.labels, model,
             key, None,
         )  # fmt: skip
-    metrics = _prepare.with_bytes(
-        {"loss": loss, **metrics}, static, elinks, m_, compress, False, spec.schedule
-    )
+    metrics = _prepare.with_bytes({"loss": loss, **metrics}, static, elinks, m_, compress, False)
     return loss, metrics, outputs
 
 
@@ -335,9 +331,7 @@ def bytes_per_step(
         spec, params, batch, need_ids=False, model_layout=_params.model_layout_of(states)
     )
     use = spec.links if train else _links.eval_links(spec.links)
-    return _links.step_bytes(
-        use, prep.static.shapes, spec.num_microbatches, compress, train, spec.schedule
-    )
+    return _links.step_bytes(use, prep.static.shapes, spec.num_microbatches, compress, train)
 
 
 @functools.lru_cache(maxsize=64)

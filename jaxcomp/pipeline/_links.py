@@ -28,7 +28,6 @@ from jaxcomp.compressors import _base
 from jaxcomp.feedback import _channel
 from jaxcomp.pipeline import _config
 from jaxcomp.pipeline import _link_state
-from jaxcomp.pipeline import _schedule
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
@@ -160,47 +159,39 @@ def step_bytes(
     num_microbatches: int,
     compress: bool,
     train: bool,
-    schedule: str,
 ) -> dict[str, int]:
     r"""Bytes per step and pipeline replica that cross the boundaries (see
-    :func:`jaxcomp.pipeline.distribute`).
+    :func:`jaxcomp.pipeline.distribute`): every send's payload once,
 
-    Each tick moves the payloads of its sending boundaries in one ``ppermute`` per direction
-    (:func:`jaxcomp.pipeline._ticks.move_boundaries`): every pair carries the largest of them
-    (payloads of different shapes go padded), so a tick and direction with sending boundaries
-    :math:`A` costs :math:`|A| \max_{b \in A} |\mathrm{payload}_b|`; with every boundary's
-    payload of one size that is :math:`M \sum_b |\mathrm{payload}_b|` per direction.
+    .. math::
+      M \sum_b \big(|\mathrm{payload}^{fwd}_b| + |\mathrm{payload}^{bwd}_b|\big)
+
+    whatever the schedule (a tick's moves carry exactly its sending boundaries' payloads,
+    none padded: :func:`jaxcomp.pipeline._ticks.move_boundaries`).
 
     Args:
       links, shapes: the boundaries' links and activation shapes.
       num_microbatches: ``M``.
       compress: the compressed program (``False``: dense payloads).
       train: with the backward sends (``False``: evaluation's forward ticks).
-      schedule: ``"gpipe"`` or ``"1f1b"`` (which boundaries send together).
 
     Returns:
       ``{"wire_bytes", "forward_bytes", "backward_bytes", "dense_bytes"}``
       (``wire_bytes = forward + backward``; backward is 0 when ``train=False``;
-      ``dense_bytes``: what the same ticks send uncompressed).
+      ``dense_bytes``: what the same sends cost uncompressed).
     """
-    sizes = [link_bytes(lk, shape, compress) for lk, shape in zip(links, shapes)]
-    dense = [_base.dense_bytes(shape) for shape in shapes]
-    fwd = bwd = dense_total = 0
-    for row in _schedule.ticks(schedule, len(links) + 1, num_microbatches, train):
-        kinds = [None if op is None else op.kind for op in row]
-        for back in (False, True):
-            kind = _schedule.BACKWARD if back else _schedule.FORWARD
-            active = [b for b in range(len(links)) if kinds[b + back] == kind]
-            if not active:
-                continue
-            sent = len(active) * max(sizes[b][back] for b in active)
-            fwd, bwd = (fwd, bwd + sent) if back else (fwd + sent, bwd)
-            dense_total += len(active) * max(dense[b] for b in active)
+    fwd = bwd = dense = 0
+    for lk, shape in zip(links, shapes):
+        f, b = link_bytes(lk, shape, compress)
+        fwd += f
+        bwd += b if train else 0
+        dense += _base.dense_bytes(shape) * (2 if train else 1)
+    m = num_microbatches
     return {
-        "wire_bytes": fwd + bwd,
-        "forward_bytes": fwd,
-        "backward_bytes": bwd,
-        "dense_bytes": dense_total,
+        "wire_bytes": m * (fwd + bwd),
+        "forward_bytes": m * fwd,
+        "backward_bytes": m * bwd,
+        "dense_bytes": m * dense,
     }
 
 

@@ -141,16 +141,10 @@ def check_compress(compress: Any) -> bool:
 
 
 def with_bytes(
-    metrics: dict,
-    static: Static,
-    links,
-    num_microbatches: int,
-    compress: bool,
-    train: bool,
-    schedule: str,
+    metrics: dict, static: Static, links, num_microbatches: int, compress: bool, train: bool
 ) -> dict:
     """``metrics`` plus the static byte counts of the step (float32 scalars)."""
-    counts = _links.step_bytes(links, static.shapes, num_microbatches, compress, train, schedule)
+    counts = _links.step_bytes(links, static.shapes, num_microbatches, compress, train)
     return {**metrics, **{k: jnp.asarray(v, jnp.float32) for k, v in counts.items()}}
 
 

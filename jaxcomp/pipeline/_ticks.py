@@ -5,7 +5,8 @@ Per tick (:mod:`jaxcomp.pipeline._schedule`), a ``lax.switch`` on the device's s
 microbatch, :mod:`jaxcomp.pipeline._residuals`), a backward (from the saved residuals,
 accumulating the parameter gradient), or nothing. Then every boundary whose sender worked this
 tick sends: each encodes its payload, **one** ``ppermute`` per direction carries all of them
-(one source-target pair per boundary, :func:`move_boundaries`), each decodes
+(one source-target pair per boundary; payloads of different sizes cut at their sizes, one
+permute per distinct size, no padding: :func:`move_boundaries`), each decodes
 (:func:`jaxcomp.pipeline._links.forward_halves`); the receiver consumes it in the next tick.
 Only the stages active in a tick are compiled into its switch, and only the boundaries active
 in it send, so bubble ticks send nothing and touch no state.
@@ -321,39 +322,63 @@ def _tick(prog, plan, ops, sends, carry, t, kinds, local, x, labels, ids, key, t
 
 
 def move_boundaries(boundaries: tuple[int, ...], reverse: bool) -> Any:
-    """One ``ppermute`` that moves the payloads of every boundary in ``boundaries`` (pairs
+    r"""The ``ppermute`` ops that move the payloads of every boundary in ``boundaries`` (pairs
     ``(b, b + 1)``, or ``(b + 1, b)`` when ``reverse``), as ``move(stage, payloads) ->
-    received`` (tuples in the order of ``boundaries``).
+    received`` (tuples in the order of ``boundaries``), sending exactly the payloads' bytes.
 
-    Every device hands the collective one array (a payload of several leaves, e.g. a
-    quantizer's codes and scale, would be one ``collective-permute`` per leaf): the stage that
-    sends over ``b`` selects ``b``'s payload. Payloads that are one array of one shape and dtype
-    move as they are (8- and 16-bit floats as their bits, :func:`jaxcomp._bits.move_as_bits`);
-    any other moves as its bytes (:func:`jaxcomp._bits.to_bytes`), zero-padded to the largest
-    of the move: every pair then carries the largest payload's bytes, ``len(boundaries) *
-    max_b |payload_b|`` per move, which is what :func:`jaxcomp.pipeline._links.step_bytes`
-    counts. Padding costs only where boundaries differ in payload size within a tick (and
-    nothing in one that sends over one boundary).
+    Every device hands a collective one array of one shape (a payload of several leaves, e.g.
+    a quantizer's codes and scale, would be one ``collective-permute`` per leaf): the stage
+    that sends over ``b`` selects ``b``'s payload. Payloads that are one array of one shape and
+    dtype move as they are, in one permute (8- and 16-bit floats as their bits,
+    :func:`jaxcomp._bits.move_as_bits`). Any other moves as its bytes
+    (:func:`jaxcomp._bits.to_bytes`) cut at the move's distinct payload sizes
+    :math:`n_1 < \dots < n_k`: permute :math:`j` carries bytes :math:`[n_{j-1}, n_j)` of every
+    payload of at least :math:`n_j` bytes (:math:`n_0 = 0`), and each receiver joins its
+    pieces. The first permute carries every pair, each later one only the larger payloads'
+    rest: nothing is padded, a move sends :math:`\sum_b |\mathrm{payload}_b|`
+    (:func:`jaxcomp.pipeline._links.step_bytes`) in as many permutes as it has distinct
+    payload sizes (one for boundaries alike).
+
+    Cut rather than grouped by size (one permute per size, each with its boundaries' whole
+    payloads): gloo sends a message only once its receiver has posted the receive, and a host
+    runs its permutes in program order, so a middle stage whose incoming and outgoing payloads
+    went in different permutes would relay them one after the other (the relay of
+    ``docs/results/network/pipeline_model.md``); cut, the common bytes of every pair cross
+    together and only the rest is relayed.
     """
     pairs = [(b + 1, b) if reverse else (b, b + 1) for b in boundaries]
 
-    def ppermute(tree):
-        return lax.ppermute(tree, _mesh.STAGE, pairs)
+    def select(sender, items, members):
+        chosen = items[0]
+        for i, item in zip(members[1:], items[1:]):
+            b = boundaries[i]
+            chosen = jax.tree.map(lambda new, old, b=b: jnp.where(sender == b, new, old),
+                                  item, chosen)  # fmt: skip
+        return chosen
 
     def move(stage, payloads):
         structs = [jax.tree.map(_struct, p) for p in payloads]
-        uniform = all(s == structs[0] for s in structs) and len(jax.tree.leaves(structs[0])) == 1
-        size = max(byte_size(s) for s in structs)
         sender = stage - 1 if reverse else stage  # the boundary this device sends over
-        items = payloads if uniform else tuple(to_bytes(p, size) for p in payloads)
-        chosen = items[0]
-        for b, item in zip(boundaries[1:], items[1:]):
-            chosen = jax.tree.map(lambda new, old, b=b: jnp.where(sender == b, new, old),
-                                  item, chosen)  # fmt: skip
-        if uniform:
-            return (move_as_bits(ppermute, chosen),) * len(boundaries)
-        got = ppermute(chosen)
-        return tuple(from_bytes(got, s) for s in structs)
+        members = list(range(len(boundaries)))
+        if all(s == structs[0] for s in structs) and len(jax.tree.leaves(structs[0])) == 1:
+            chosen = select(sender, payloads, members)
+            got = move_as_bits(lambda x: lax.ppermute(x, _mesh.STAGE, pairs), chosen)
+            return (got,) * len(boundaries)
+        sizes = [byte_size(s) for s in structs]
+        vectors = [to_bytes(p) for p in payloads]
+        pieces = [[] for _ in boundaries]
+        low = 0
+        for high in sorted(set(sizes) - {0}):
+            members = [i for i, n in enumerate(sizes) if n >= high]
+            chosen = select(sender, [vectors[i][low:high] for i in members], members)
+            got = lax.ppermute(chosen, _mesh.STAGE, [pairs[i] for i in members])
+            for i in members:
+                pieces[i].append(got)
+            low = high
+        return tuple(
+            from_bytes(jnp.concatenate(p) if p else jnp.zeros((0,), jnp.uint8), s)
+            for p, s in zip(pieces, structs)
+        )
 
     return move
 
