@@ -118,6 +118,13 @@ def optimizer(
     return optax.chain(optax.clip_by_global_norm(float(config.grad_clip_norm)), inner)
 
 
+def _sample_shards(links, replicas: int) -> int:
+    """The training loader's per-replica shards: ``replicas`` when a link keeps per-sample
+    buffers (each replica its own, so each sample must come back to its replica), else 1."""
+    plain = [x for lk in links for x in (lk if isinstance(lk, pipeline.AdaptiveLink) else (lk,))]
+    return replicas if _links.needs_ids(plain) else 1
+
+
 def _loss_fn(model: _staged.StagedModel):
     def loss_fn(y, labels):
         if isinstance(labels, dict):  # float16: the loss scale rides along with the labels
@@ -208,6 +215,7 @@ def build_pipeline(
     replicated = NamedSharding(mesh, P())
     stage_sharding = NamedSharding(mesh, P(comm.STAGE)) if not cfg["simulate"] else replicated
     split = replicas > 1 and not cfg["simulate"]
+    sample_shards = _sample_shards(links, replicas if split else 1)
     batch_sharding = NamedSharding(mesh, P(data) if split else P())
     batch_abs = _dense.abstract_batch(model, config.batch_size, batch_sharding)
 
@@ -384,4 +392,5 @@ def build_pipeline(
         description=f"{model.num_stages}-stage pipeline, M={m}, {kind}; links: {names}",
         has_compressed_eval=True,
         extra=extra,
+        sample_shards=sample_shards,
     )
