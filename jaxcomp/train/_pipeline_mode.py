@@ -40,6 +40,10 @@ keeps every link in low compression).
 
 A channel spec is a codec name plus its arguments, with ``feedback`` one of ``None``, ``"ef"``,
 ``"ef21"``, ``"aq_sgd"`` (``per_sample_buffers: True`` keys EF/EF21 buffers by sample id).
+Each data replica keeps its own per-sample buffers, so with such a channel on ``R > 1``
+replicas the training loader keeps sample ``i`` on replica ``i mod R`` for the whole run
+(``data.Loader(shards=R)``, ``Mode.sample_shards``): every revisit finds the sample's buffer.
+Other runs shuffle the whole split over the batch each epoch.
 Evaluation runs with boundary compression on (each forward codec, no feedback: the paper's
 compressed inference) and off.
 

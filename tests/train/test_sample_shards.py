@@ -66,8 +66,7 @@ def test_row_block_r_of_a_batch_lands_on_replica_r(axes, batch_axes):
         ({"examples": 1438, "shards": 2}, {"examples": 1438, "shards": 2}, None),
         (None, {"examples": 1438, "shards": 1}, None),  # before the record: global shuffle
         ({"shards": 2}, {"examples": 1438, "shards": 2}, None),
-        (None, {"examples": 1438, "shards": 2}, "cut as {'shards': 1}; this run cuts it as "
-         "{'shards': 2}"),  # fmt: skip
+        (None, {"shards": 2}, "cut as {'shards': 1}; this run cuts it as {'shards': 2}"),
         ({"examples": 1438, "shards": 2}, {"examples": 1438, "shards": 4}, "{'shards': 4}"),
         ({"examples": 1438, "shards": 1}, {"examples": 1400, "shards": 1}, "{'examples': 1400}"),
     ],
