@@ -15,8 +15,8 @@ Activation-gradients travel uncompressed (``independent``). On the mesh's 2 data
 each with its own caches, the trainer's loader keeps sample ``i`` on replica ``i mod 2`` (its
 per-replica shards, since 2026-12-05; before, one shuffle of the whole split sent about half
 the revisits to the other replica's empty cache); the ``1 replica`` cell runs the batch on one
-pipeline (``stage`` 4, 4 of the 8 devices). Adam lr 3e-3, SGD-momentum lr 0.1, constant, gradient clipping
-1.0; evaluated every 75 steps. 4 variants x 2 optimizers x 2 seeds = 16 runs.
+pipeline (``stage`` 4, 4 of the 8 devices). Adam lr 3e-3, SGD-momentum lr 0.1, constant,
+gradient clipping 1.0; evaluated every 75 steps. 4 variants x 2 optimizers x 2 seeds = 16 runs.
 
 Expected runtime: ~18 min on 2 shared CPU cores (measured: 1,090 s for the 16 runs at load
 average 2.7-6.8, without a compilation cache; 39-49 s per plain or EF21 run, 78-97 s per AQ-SGD
