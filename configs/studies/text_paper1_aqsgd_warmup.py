@@ -1,7 +1,7 @@
 r"""Paper 1, AQ-SGD with its uncompressed warm-up epoch on a language model: TopK 10% on the
-activations with AQ-SGD after one uncompressed epoch, on 2 data replicas (a sample's cache only
-on the replica that last saw it) and on one (every cache current), against plain TopK and EF21
-with the same warm-up, with Adam and SGD-momentum.
+activations with AQ-SGD after one uncompressed epoch, on 2 data replicas (each with caches of
+its own) and on one, against plain TopK and EF21 with the same warm-up, with Adam and
+SGD-momentum.
 
   python -m jaxcomp.study run text_paper1_aqsgd_warmup --workdir runs/text_paper1_aqsgd_warmup
   python -m jaxcomp.study report runs/text_paper1_aqsgd_warmup
@@ -11,12 +11,12 @@ The setting of ``text_paper1_feedback`` (its cells without a warm-up, and its de
 ``configs/text_gpt_pipeline.py`` in 4 pipeline stages, the training split cut to 3,200 windows
 (an epoch is 50 steps of 64), 150 steps: one uncompressed epoch that fills AQ-SGD's per-sample
 caches (SPEC.md section 1.5), then 2 compressed epochs in which each sample is sent twice.
-Activation-gradients travel uncompressed (``independent``). The trainer's loader shuffles the
-whole split every epoch and the mesh's 2 data replicas take one half of each batch, so a
-sample meets its cache only when it lands on the same replica again (about half the sends); the
-``1 replica`` cell runs the same batch on one pipeline (``stage`` 4, 4 of the 8 devices), where
-every revisit finds its cache. Adam lr 3e-3, SGD-momentum lr 0.1, constant, gradient clipping
-1.0; evaluated every 75 steps. 4 variants x 2 optimizers x 2 seeds = 16 runs.
+Activation-gradients travel uncompressed (``independent``). On the mesh's 2 data replicas,
+each with its own caches, the trainer's loader keeps sample ``i`` on replica ``i mod 2`` (its
+per-replica shards, since 2026-12-05; before, one shuffle of the whole split sent about half
+the revisits to the other replica's empty cache); the ``1 replica`` cell runs the batch on one
+pipeline (``stage`` 4, 4 of the 8 devices). Adam lr 3e-3, SGD-momentum lr 0.1, constant,
+gradient clipping 1.0; evaluated every 75 steps. 4 variants x 2 optimizers x 2 seeds = 16 runs.
 
 Expected runtime: ~18 min on 2 shared CPU cores (measured: 1,090 s for the 16 runs at load
 average 2.7-6.8, without a compilation cache; 39-49 s per plain or EF21 run, 78-97 s per AQ-SGD

@@ -5,6 +5,11 @@ so it depends on nothing but the seed and the epoch: a run resumed from a checkp
 :class:`LoaderState` sees exactly the batches an uninterrupted run would. Every batch carries
 ``ids``, the examples' indices in the split, which per-sample channels (AQ-SGD) key their
 buffers by.
+
+With ``shards=R`` (a run whose data replicas each keep per-sample buffers) sample ``i``
+belongs to replica ``i mod R`` for the whole run: each epoch shuffles every shard on its own,
+and rows ``[r B/R, (r+1) B/R)`` of every batch (replica ``r``'s rows under ``P("data")``) come
+from shard ``r``, so a revisited sample always meets the buffer its replica keeps for it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,16 @@ class Loader:
         is padded by repeating examples, and ``batch["mask"]`` marks the real rows (evaluation).
       augment: ``None``, or ``"crop_flip"`` (pad-4 random crop and horizontal flip of ``x``
         images, drawn from the seed, epoch and id: reproducible on resume).
+      shards: ``R``, the data replicas that keep per-sample buffers (1: the whole split is
+        shuffled over the batch). With ``R > 1`` sample ``i`` is served only in rows
+        ``[r B/R, (r+1) B/R)`` of a batch, ``r = i mod R``: interleaved shards, so that each
+        replica draws from the whole of a split stored in order (documents, classes), not
+        from one end of it. Each epoch serves the first ``steps_per_epoch * B/R`` samples of
+        every shard's permutation, ``steps_per_epoch = (N // R) // (B/R)`` (the same count as
+        ``N // B``): the rest of a shard (fewer than ``B/R + 1`` samples) waits for a later
+        epoch, as the tail of the global permutation does without shards. Needs
+        ``drop_last`` and ``B`` divisible by ``R`` (then ``N >= B`` gives every shard at least
+        ``B/R`` samples).
 
     Example:
       >>> src = _sources.ArraySource({"x": np.arange(10.0), "label": np.arange(10)})
@@ -58,25 +73,63 @@ class Loader:
         shuffle: bool = True,
         drop_last: bool = True,
         augment: str | None = None,
+        shards: int = 1,
     ):
         _validate.check_int("batch_size", batch_size, 1)
         _validate.check_choice("augment", augment, AUGMENTATIONS)
+        shards = _validate.check_int("shards", shards, 1)
         n = len(source)
         if drop_last and n < batch_size:
             raise ValueError(f"batch_size {batch_size} exceeds the {n} examples of the split.")
+        if shards > 1 and not drop_last:
+            raise ValueError(
+                f"shards={shards} needs drop_last=True: per-replica shards are for training "
+                "batches (an evaluation pass pads its last batch and keeps no per-sample buffers)."
+            )
+        if batch_size % shards:
+            raise ValueError(
+                f"batch_size {batch_size} is not divisible by shards={shards}: each data replica "
+                "takes an equal part of every batch from its own shard."
+            )
         self.source, self.batch_size, self.seed = source, batch_size, int(seed)
         self.shuffle, self.drop_last, self.augment = shuffle, drop_last, augment
-        self.num_examples = n
-        self.steps_per_epoch = n // batch_size if drop_last else -(-n // batch_size)
+        self.num_examples, self.shards = n, shards
+        if shards > 1:
+            self.steps_per_epoch = (n // shards) // (batch_size // shards)
+        else:
+            self.steps_per_epoch = n // batch_size if drop_last else -(-n // batch_size)
+
+    @property
+    def partition(self) -> dict[str, int]:
+        """What a checkpoint records of how the split is cut over the replicas: a resume on
+        another cut would hand the samples of one replica's buffers to another."""
+        return {"examples": self.num_examples, "shards": self.shards}
 
     def initial_state(self) -> LoaderState:
         return LoaderState(0, 0)
 
     def order(self, epoch: int) -> np.ndarray:
-        """The example indices of ``epoch``, in the order they are served."""
+        """The example indices of ``epoch``, in the order they are served (with shards, only
+        the ``steps_per_epoch * batch_size`` served)."""
+        if self.shards > 1:
+            return self._sharded_order(epoch)
         if not self.shuffle:
             return np.arange(self.num_examples)
         return np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_examples)
+
+    def _sharded_order(self, epoch: int) -> np.ndarray:
+        r, rows = self.shards, self.batch_size // self.shards
+        served = self.steps_per_epoch * rows
+        rng = np.random.default_rng([self.seed, int(epoch)]) if self.shuffle else None
+        per_shard = []
+        for k in range(r):
+            shard = np.arange(k, self.num_examples, r)
+            if rng is not None:
+                shard = shard[rng.permutation(len(shard))]
+            per_shard.append(shard[:served])
+        # [shard, step, row] -> [step, shard, row]: each batch is shard 0's rows, shard 1's, ...
+        stacked = np.stack(per_shard).reshape(r, self.steps_per_epoch, rows)
+        return stacked.transpose(1, 0, 2).reshape(-1)
 
     def next(self, state: LoaderState) -> tuple[dict[str, np.ndarray], LoaderState]:
         """The batch at ``state`` and the state after it (pure in ``state``)."""

@@ -46,6 +46,9 @@ class Mode(NamedTuple):
       description: one line for the log.
       has_compressed_eval: whether evaluation with compression on differs from off.
       extra: mode-specific facts for the summary table.
+      sample_shards: the data replicas that keep per-sample buffers (AQ-SGD caches), for the
+        training loader's fixed per-replica shards (``data.Loader(shards=...)``); 1 when no
+        buffer is kept per sample and replica (the split shuffled over the whole batch).
     """
 
     name: str
@@ -59,6 +62,7 @@ class Mode(NamedTuple):
     description: str
     has_compressed_eval: bool = False
     extra: dict | None = None
+    sample_shards: int = 1
 
 
 def jit_init(fn: Callable, **jit_kwargs: Any) -> Callable:

@@ -40,6 +40,10 @@ keeps every link in low compression).
 
 A channel spec is a codec name plus its arguments, with ``feedback`` one of ``None``, ``"ef"``,
 ``"ef21"``, ``"aq_sgd"`` (``per_sample_buffers: True`` keys EF/EF21 buffers by sample id).
+Each data replica keeps its own per-sample buffers, so with such a channel on ``R > 1``
+replicas the training loader keeps sample ``i`` on replica ``i mod R`` for the whole run
+(``data.Loader(shards=R)``, ``Mode.sample_shards``): every revisit finds the sample's buffer.
+Other runs shuffle the whole split over the batch each epoch.
 Evaluation runs with boundary compression on (each forward codec, no feedback: the paper's
 compressed inference) and off.
 
@@ -116,6 +120,13 @@ def optimizer(
     if not config.grad_clip_norm:
         return inner
     return optax.chain(optax.clip_by_global_norm(float(config.grad_clip_norm)), inner)
+
+
+def _sample_shards(links, replicas: int) -> int:
+    """The training loader's per-replica shards: ``replicas`` when a link keeps per-sample
+    buffers (each replica its own, so each sample must come back to its replica), else 1."""
+    plain = [x for lk in links for x in (lk if isinstance(lk, pipeline.AdaptiveLink) else (lk,))]
+    return replicas if _links.needs_ids(plain) else 1
 
 
 def _loss_fn(model: _staged.StagedModel):
@@ -208,6 +219,7 @@ def build_pipeline(
     replicated = NamedSharding(mesh, P())
     stage_sharding = NamedSharding(mesh, P(comm.STAGE)) if not cfg["simulate"] else replicated
     split = replicas > 1 and not cfg["simulate"]
+    sample_shards = _sample_shards(links, replicas if split else 1)
     batch_sharding = NamedSharding(mesh, P(data) if split else P())
     batch_abs = _dense.abstract_batch(model, config.batch_size, batch_sharding)
 
@@ -384,4 +396,5 @@ def build_pipeline(
         description=f"{model.num_stages}-stage pipeline, M={m}, {kind}; links: {names}",
         has_compressed_eval=True,
         extra=extra,
+        sample_shards=sample_shards,
     )

@@ -110,6 +110,11 @@ def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
         model = _precision.policy(config, models.get_model(config.model_name, **dict(config.model)))
         check_outputs(model, config, train_src, eval_src)
         mode = build(config, model, mesh, len(train_src))
+        if mode.sample_shards > 1:
+            train_loader = data.Loader(
+                train_src, config.batch_size, seed=config.seed, augment=config.augment,
+                shards=mode.sample_shards,
+            )  # fmt: skip
     return Setup(config, mesh, model, train_loader, eval_loader, mode)
 
 
@@ -346,6 +351,12 @@ def _describe(s: Setup, say) -> None:
         f"  model {s.model.name} ({s.model.num_stages} stage(s)): "
         f"{s.train_loader.num_examples} train / {s.eval_loader.num_examples} test examples"
     )
+    if s.train_loader.shards > 1:
+        r = s.train_loader.shards
+        say(
+            f"  per-sample buffers on {r} data replicas: sample i is always trained on replica "
+            f"i mod {r} (fixed shards, each shuffled per epoch)"
+        )
     wire0 = (
         "reported each step"
         if math.isnan(mode.wire_bytes)
@@ -418,6 +429,9 @@ def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> di
         if restored is not None:
             _, state, saved_meta = restored
             meta.update(saved_meta)  # its step <= total_steps: checked from its meta before
+            _workdir.check_partition(
+                workdir, meta["step"], saved_meta.get("data_split"), s.train_loader.partition
+            )
             say(f"  resumed from step {meta['step']}")
             change = _workdir.topology_change(saved_meta.get("topology"), topology)
             if change:
@@ -437,7 +451,7 @@ def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> di
         if saved[0] == at_step:
             return
         m = {"step": at_step, "epoch": data_state.epoch, "index": data_state.index, **run}
-        m.update(fingerprint=fp, topology=topology)
+        m.update(fingerprint=fp, topology=topology, data_split=s.train_loader.partition)
         m.update(wall_time_s=wall0 + time.perf_counter() - t_start)
         if ckpt.save(at_step, state, m):
             saved[0] = at_step

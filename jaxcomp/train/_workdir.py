@@ -327,6 +327,31 @@ def check_topology(
     )
 
 
+def check_partition(workdir: str, step: int, saved: Any, now: dict[str, int]) -> None:
+    """Refuses to resume a checkpoint whose training split was cut otherwise over the data
+    replicas (:attr:`jaxcomp.data.Loader.partition`): its per-sample buffers (AQ-SGD caches,
+    one set per replica) hold the samples of the old cut, and the order would change.
+
+    A checkpoint written before the cut was recorded shuffled the whole split (one shard); it
+    resumes only where this run keeps one too.
+
+    Raises:
+      SetupError: naming both cuts.
+    """
+    if not isinstance(saved, dict):
+        saved = {"shards": 1}  # the whole split shuffled over the batch, as before shards
+    differs = sorted(k for k in now if k in saved and saved[k] != now[k])
+    if not differs:
+        return
+    was, cut = {k: saved[k] for k in differs}, {k: now[k] for k in differs}
+    raise _errors.SetupError(
+        f"checkpoint step {step} in {workdir} was trained on the training split cut as {was}; "
+        f"this run cuts it as {cut}: the batches would change, and per-sample buffers (kept "
+        "per data replica) would meet other samples. Resume with the same split and data "
+        "replicas, or use a new --workdir."
+    )
+
+
 def write_experiment(workdir: str, fp: dict[str, Any]) -> None:
     with open(os.path.join(workdir, EXPERIMENT), "w") as f:
         json.dump(fp, f, indent=1, sort_keys=True)

@@ -111,6 +111,88 @@ def test_loader_order_depends_only_on_seed_and_epoch_so_resume_is_exact(digits_t
     assert not np.array_equal(other.order(0), a.order(0))
 
 
+def _replay(loader, steps, replicas):
+    """Each send of a sample over ``steps`` batches, by what the replica that serves it (rows
+    ``[r B/R, (r+1) B/R)``, as ``P("data")`` places them) has seen: ``"first"`` (no replica
+    has), ``"here"`` (this one has: its per-sample buffer is there), ``"elsewhere"``."""
+    seen, counts, state = set(), {"first": 0, "here": 0, "elsewhere": 0}, loader.initial_state()
+    rows = loader.batch_size // replicas
+    for _ in range(steps):
+        batch, state = loader.next(state)
+        for r in range(replicas):
+            for i in batch["ids"][r * rows : (r + 1) * rows].tolist():
+                anywhere = any((q, i) in seen for q in range(replicas))
+                counts["here" if (r, i) in seen else "elsewhere" if anywhere else "first"] += 1
+                seen.add((r, i))
+    return counts
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_sharded_loader_serves_each_sample_to_one_replica_every_epoch(digits_train, replicas):
+    loader = data.Loader(digits_train, 64, seed=3, shards=replicas)
+    assert loader.steps_per_epoch == 1438 // 64 == 22  # as many steps as the global shuffle
+    rows, state, epochs = 64 // replicas, loader.initial_state(), []
+    for _ in range(3):
+        ids = []
+        for _ in range(loader.steps_per_epoch):
+            batch, state = loader.next(state)
+            np.testing.assert_array_equal(batch["x"], digits_train.arrays["x"][batch["ids"]])
+            owner = np.repeat(np.arange(replicas), rows)
+            np.testing.assert_array_equal(batch["ids"] % replicas, owner)  # row block r: shard r
+            ids.append(batch["ids"])
+        ids = np.concatenate(ids)
+        assert len(set(ids.tolist())) == len(ids) == 22 * 64  # no repeats within an epoch
+        epochs.append(ids)
+    assert not np.array_equal(epochs[0], epochs[1])  # each shard reshuffled per epoch
+    # revisits meet their replica's buffer every time (the global shuffle: 38% elsewhere)
+    counts = _replay(loader, 66, replicas)
+    assert counts["elsewhere"] == 0 and counts["here"] > counts["first"]
+    unsharded = _replay(data.Loader(digits_train, 64, seed=3), 66, 2)
+    assert unsharded["elsewhere"] > 0.3 * (unsharded["here"] + unsharded["elsewhere"])
+
+
+def test_sharded_order_is_resumable_and_one_shard_is_the_global_shuffle(digits_train):
+    a = data.Loader(digits_train, 64, seed=7, shards=2)
+    state = a.initial_state()
+    for _ in range(30):  # crosses an epoch boundary
+        _, state = a.next(state)
+    b = data.Loader(digits_train, 64, seed=7, shards=2)
+    resumed = data.LoaderState(*[int(v) for v in state])
+    for _ in range(20):
+        x1, state = a.next(state)
+        x2, resumed = b.next(resumed)
+        np.testing.assert_array_equal(x1["ids"], x2["ids"])
+    assert not np.array_equal(data.Loader(digits_train, 64, seed=8, shards=2).order(0), a.order(0))
+    one = data.Loader(digits_train, 64, seed=7, shards=1)  # today's order, bit for bit
+    np.testing.assert_array_equal(one.order(2), np.random.default_rng([7, 2]).permutation(1438))
+    assert one.partition == {"examples": 1438, "shards": 1}
+    assert a.partition == {"examples": 1438, "shards": 2}
+
+
+def test_sharded_loader_of_an_uneven_split_serves_every_sample_over_epochs():
+    src = data.ArraySource({"x": np.arange(11.0), "label": np.arange(11)})
+    loader = data.Loader(src, 4, seed=0, shards=2)  # shards of 6 and 5 samples, 2 rows each
+    assert loader.steps_per_epoch == 2 == 11 // 4
+    served = np.concatenate([loader.order(e) for e in range(12)])
+    assert set(served.tolist()) == set(range(11))  # a shard's tail waits, it is not dropped
+    np.testing.assert_array_equal(served.reshape(24, 2, 2) % 2, [[[0, 0], [1, 1]]] * 24)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"shards": 3}, "batch_size 4 is not divisible by shards=3"),
+        ({"shards": 0}, "shards must be an integer >= 1"),
+        ({"shards": 2, "drop_last": False}, "shards=2 needs drop_last=True"),
+        ({"shards": 8}, "batch_size 4 is not divisible by shards=8"),
+    ],
+)
+def test_bad_shards_name_the_problem(kwargs, message):
+    src = data.ArraySource({"x": np.arange(10.0), "label": np.arange(10)})
+    with pytest.raises(ValueError, match=message):
+        data.Loader(src, 4, **kwargs)
+
+
 def test_eval_loader_pads_the_last_batch_and_masks_it():
     src = data.ArraySource({"x": np.arange(10.0), "label": np.arange(10)})
     batches = list(data.Loader(src, 4, shuffle=False, drop_last=False).epoch())

@@ -5,11 +5,12 @@ reference run of the same config, interrupted at each point: after the first ste
 checkpoint grid), in the middle of the run, and with its newest checkpoint damaged (the
 resume falls back to the older one). Every mode's config carries the state a resume must
 restore exactly: BatchNorm statistics (per worker, per stage and replica), error-feedback
-residuals, the adaptive links' and Accordion's detectors and modes (both switch after their
-first interval), the AB schedule across a sync, the data loader's position in its epoch, the
-metrics written so far and float16's loss scale (the data-parallel and AB configs compute in
-float16). Compared: every leaf of the last checkpoint, bit for bit, every metrics record and
-the summary's final loss and accuracy. The runs stopped after step 3 write TensorBoard events
+residuals (per sample on the pipeline's 2 replicas: the loader's per-replica shards), the
+adaptive links' and Accordion's detectors and modes (both switch after their first interval),
+the AB schedule across a sync, the data loader's position in its epoch, the metrics written so
+far and float16's loss scale (the data-parallel and AB configs compute in float16). Compared:
+every leaf of the last checkpoint, bit for bit, every metrics record and the summary's final
+loss and accuracy. The runs stopped after step 3 write TensorBoard events
 too: read back by tensorboard's reader, they hold every scalar of ``metrics.jsonl`` at the same
 steps (Accordion's per-layer modes, AB's phase and per-layer ranks included).
 
@@ -51,11 +52,13 @@ def _config(make_config, mode):
             high={"name": "top_k", "fraction": 0.125}, interval_steps=1, check_every=1, eta=10.0,
         )  # fmt: skip
         c.compute_dtype = "float16"
-    elif mode == "pipeline":  # 2 replicas of 2 stages, adaptive forward links with EF,
-        c.mesh = [("data", 2), ("stage", 2)]  # statistics synchronised over the replicas
+    elif mode == "pipeline":  # 2 replicas of 2 stages, adaptive forward links with EF
+        # residuals per sample (the loader's fixed per-replica shards), statistics synchronised
+        c.mesh = [("data", 2), ("stage", 2)]  # over the replicas
         c.model = dict(RESNET, cuts=("stem",))
+        ef = dict(EF, per_sample_buffers=True)
         c.pipeline = dict(
-            num_microbatches=2, forward=dict(EF), forward_high=dict(EF, fraction=0.125),
+            num_microbatches=2, forward=ef, forward_high=dict(ef, fraction=0.125),
             detector=dict(interval_steps=1, check_every=1, eta=10.0),
             sync_batch_stats=True, eval_batch_stats="mean",
         )  # fmt: skip
