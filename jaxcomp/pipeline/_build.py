@@ -175,7 +175,8 @@ def distribute(
     on ``b + 1``), packed per dtype (:class:`LinkStates`): an AQ-SGD cache costs its live size.
     Per-sample buffers are read and written at the microbatch's rows only. With data replicas
     each replica keeps its own caches: a sample's cache is only current on the replica that last
-    saw it, so feed each sample to the same replica every epoch.
+    saw it, so feed each sample to the same replica every epoch (``data.Loader(...,
+    shards=R)`` does; the trainer shards so wherever a link keeps per-sample buffers).
 
     **Placement.** Batches are replicated over ``stage`` (split over ``data``); on an Explicit
     mesh place them with ``NamedSharding(mesh, P())`` (or ``P("data")``). Link states come from
