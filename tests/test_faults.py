@@ -402,7 +402,10 @@ def _run_main(argv):
 def _env():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    # every run compared here is a CLI process compiled the same way (bits between runs of one
+    # program): unoptimised, with XLA:CPU's loop emitters (tests/conftest.py: fast_compiles)
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+    env["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"
     return env
 
 

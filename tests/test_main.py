@@ -91,13 +91,13 @@ def _env(devices):
 
 def _cmd(workdir, *extra):
     return [sys.executable, "-m", "jaxcomp.main", "--config", f"{CONFIG}:smoke",
-            "--workdir", str(workdir), "--set", "total_steps=24", "--set", "checkpoint_every=4",
+            "--workdir", str(workdir), "--set", "total_steps=8", "--set", "checkpoint_every=4",
             *extra]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The workdir of one uninterrupted 24-step CLI run on 8 devices: the two-process run's
+    """The workdir of one uninterrupted 8-step CLI run on 8 devices: the two-process run's
     reference."""
     full = tmp_path_factory.mktemp("uninterrupted")
     subprocess.run(_cmd(full), check=True, env=_env(8), cwd=ROOT, capture_output=True, timeout=600)
@@ -112,7 +112,7 @@ def _free_port():
 
 @pytest.mark.slow  # three CLI processes
 def test_two_processes_match_one_process(uninterrupted, tmp_path):
-    one, two = uninterrupted, tmp_path / "two"  # 24 steps, checkpoints every 4, as `one`
+    one, two = uninterrupted, tmp_path / "two"  # 8 steps, checkpoints every 4, as `one`
     port = _free_port()
     procs = [
         subprocess.Popen(

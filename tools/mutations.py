@@ -192,6 +192,18 @@ MUTATIONS = {
         "    if True:",
         ["tests/test_bits.py"],
     ),
+    "absmax_nan_dropped": (
+        "jaxcomp/compressors/_checks.py",
+        "return jnp.where(has_nan(folded) | has_nan(tail), jnp.inf, top)",
+        "return top",
+        ["tests/compressors/test_nonfinite.py"],
+    ),
+    "stop_signal_not_saved": (
+        "jaxcomp/train/_trainer.py",
+        "agreed by _health\n            save(step)\n",
+        "agreed by _health\n",
+        ["tests/test_faults.py"],
+    ),
     "checkpoint_checksum_ignored": (
         "jaxcomp/train/_checkpoint.py",
         "wrong = [p for p, a, b in zip(_integrity.leaf_paths(state), sums, saved) if a != b]",

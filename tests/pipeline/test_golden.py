@@ -38,8 +38,9 @@ def _ends(states, replica):
     return out
 
 
-# every case under 1F1B; two under GPipe (gpipe == 1f1b == simulate is tested elsewhere)
-RUNS = [(n, "1f1b") for n in sorted(CASES)] + [("aq_sgd", "gpipe"), ("replicas_topk_ef", "gpipe")]
+# every case under 1F1B; the replicas under GPipe too (without replicas, gpipe == 1f1b ==
+# simulate with compressed links, AQ-SGD's included: test_compressed.py)
+RUNS = [(n, "1f1b") for n in sorted(CASES)] + [("replicas_topk_ef", "gpipe")]
 
 
 @pytest.mark.parametrize(

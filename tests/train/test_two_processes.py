@@ -18,8 +18,8 @@ float32 rounding per collective, grown by a few optimizer steps; measured: metri
 1.1e-7 relative, checkpoint leaves within 1.3% of the tolerance, the pipeline's and Accordion's
 on the pair bit-identical).
 Both sides compile with XLA's optimisations off (``fast_compiles``: the comparison is to a
-tolerance, not bits), the workers with XLA:CPU's loop emitters too (``XLA_FLAGS``, read once per
-process: this one keeps the fusion emitters); each worker resumes a case with the setup of the
+tolerance, not bits) and XLA:CPU's loop emitters (this process's from ``tests/conftest.py``, the
+workers' from their ``XLA_FLAGS``); each worker resumes a case with the setup of the
 run it stopped (``tests/shared_setups.py``).
 """
 
