@@ -192,10 +192,10 @@ MUTATIONS = {
         "    if True:",
         ["tests/test_bits.py"],
     ),
-    "absmax_nan_dropped": (
+    "absmax_fold_drops_nan": (
         "jaxcomp/compressors/_checks.py",
-        "return jnp.where(has_nan(folded) | has_nan(tail), jnp.inf, top)",
-        "return top",
+        "folded = jnp.maximum(a[:h], a[h : 2 * h])",
+        "folded = jnp.fmax(a[:h], a[h : 2 * h])",
         ["tests/compressors/test_nonfinite.py"],
     ),
     "stop_signal_not_saved": (

@@ -22,6 +22,8 @@ protocol adds the echo in place (``in_place``); the generic paths offer that
 (``all_reduce_into``) only for codecs with ``Codec.add_decoded``.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,6 +110,29 @@ def _program(channel, mesh, like, with_memory=True):
     return jax.jit(spec)
 
 
+@functools.cache
+def _power_sgd_programs(mesh, shape, rank, decay):
+    """PowerSGD's error-feedback program and its plain protocol's: one pair per shape, rank and
+    decay, shared by the inputs that differ in values only."""
+    codec = compressors.power_sgd(rank)
+    like = jax.ShapeDtypeStruct(shape, jnp.float32)
+    ef = _program(feedback.error_feedback(codec, decay=decay), mesh, like)
+    return ef, _program(codec, mesh, like, with_memory=False)
+
+
+@functools.cache
+def _dense_echo_program(mesh, codec, decay):
+    """``codec``'s error-feedback program on ``SHAPE``, shared by the inputs."""
+    return _program(
+        feedback.error_feedback(codec, decay=decay), mesh, jax.ShapeDtypeStruct(SHAPE, jnp.float32)
+    )
+
+
+@functools.cache
+def _round_trip(codec):
+    return jax.jit(lambda c: compressors.compress_and_decode(codec, c, codec.init(c))[2])
+
+
 @pytest.fixture(scope="module")
 def mesh():
     return comm.make_mesh([(comm.DATA, W)], devices=jax.devices()[:W])
@@ -134,14 +159,11 @@ POWER_SGD_CASES = [
 def test_power_sgd_error_feedback_keeps_c_minus_its_mean_bit_for_bit(
     mesh, signals, kind, shape, rank, decay
 ):
-    codec = compressors.power_sgd(rank)
-    like = jax.ShapeDtypeStruct(shape, jnp.float32)
     x, e = _inputs(signals, kind, shape)
-    ef = _program(feedback.error_feedback(codec, decay=decay), mesh, like)
+    ef, plain = _power_sgd_programs(mesh, shape, rank, decay)
     mean, e_new = (np.asarray(o) for o in ef(_put(mesh, x), _put(mesh, e)))
     with np.errstate(invalid="ignore", over="ignore"):
         c = x + e
-        plain = _program(codec, mesh, like, with_memory=False)
         want_mean, _ = (np.asarray(o) for o in plain(_put(mesh, c), _put(mesh, c)))
         _assert_bits(mean, want_mean, "mean (the plain protocol's on x + e)")
         echo = mean[None] if len(shape) > 1 else c  # 1-D: averaged dense, the echo is c
@@ -171,12 +193,10 @@ QUANTIZE_CASES = [
 def test_dense_echo_error_feedback_keeps_c_minus_the_round_trip_bit_for_bit(
     mesh, signals, codec, kind
 ):
-    like = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
     x, e = _inputs(signals, kind, SHAPE)
     for decay in (1.0, 0.5):
-        ef = _program(feedback.error_feedback(codec, decay=decay), mesh, like)
+        ef, round_trip = _dense_echo_program(mesh, codec, decay), _round_trip(codec)
         _, e_new = (np.asarray(o) for o in ef(_put(mesh, x), _put(mesh, e)))
-        round_trip = jax.jit(lambda c: compressors.compress_and_decode(codec, c, codec.init(c))[2])
         with np.errstate(invalid="ignore"):
             c = x + e
             d = np.stack([np.asarray(round_trip(jnp.asarray(c[w]))) for w in range(W)])
