@@ -198,6 +198,12 @@ MUTATIONS = {
         "folded = jnp.fmax(a[:h], a[h : 2 * h])",
         ["tests/compressors/test_nonfinite.py"],
     ),
+    "ef_reduction_decay_dropped": (
+        "jaxcomp/feedback/_error_feedback.py",
+        "e_new = _cpu.after(new_residual(c, echo[None], decay), mean)",
+        "e_new = _cpu.after(new_residual(c, echo[None], 1.0), mean)",
+        ["tests/feedback/test_reduction_bits_dense_echo.py"],
+    ),
     "stop_signal_not_saved": (
         "jaxcomp/train/_trainer.py",
         "agreed by _health\n            save(step)\n",
