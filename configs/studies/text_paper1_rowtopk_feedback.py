@@ -1,0 +1,46 @@
+r"""TopK by rows with feedback: does EF21 or AQ-SGD add to the blow-up remedy of
+``text_paper1_rowtopk``? TopK 10% of the activations by token rows (``row_axis=-1``) with EF21,
+and with AQ-SGD after its uncompressed warm-up epoch (``pipeline.warmup_epochs = 1``, as
+``text_paper1_aqsgd_warmup``), with Adam and SGD-momentum.
+
+  python -m jaxcomp.study run text_paper1_rowtopk_feedback --workdir runs/rowtopk_feedback
+  python -m jaxcomp.study report runs/rowtopk_feedback
+
+The setting of ``text_paper1_rowtopk`` and ``text_paper1_feedback``: the byte-level GPT of
+``configs/text_gpt_pipeline.py`` in 4 pipeline stages on 8 fake CPU devices, the training split
+cut to 3,200 windows, 150 steps of 64, activation-gradients uncompressed
+(``backward_mode = "independent"``). Adam lr 3e-3, SGD-momentum lr 0.1, constant, gradient
+clipping 1.0; evaluated and checkpointed every 75 steps. 2 variants x 2 optimizers x 2 seeds =
+8 runs; the comparisons (rows alone, EF21 and AQ-SGD on per-sample TopK, dense) are those
+studies' cells of the same setting.
+
+Expected runtime: ~9 min on 2 shared CPU cores (see docs/results/text_paper1_rowtopk_feedback
+for the measured time). ``--smoke``: 8 runs of 2 steps.
+Results: docs/results/text_paper1_rowtopk_feedback.
+
+Finding tested (Rudakov et al., 2024, abstract; SPEC.md section 1.5): error feedback does not
+improve training over plain compression (here: over TopK by rows, which already trains).
+"""
+
+from jaxcomp.study import optimizer_axis
+
+CONFIG = "text_gpt_pipeline"
+COMMON = {
+    "total_steps": 150,
+    "eval_every": 75,
+    "checkpoint_every": 75,
+    "log_every": 25,
+    "data.max_train_windows": 3200,
+    "pipeline.backward_mode": "independent",
+}
+ROWS = {"name": "top_k", "fraction": 0.1, "row_axis": -1}
+VARIANTS = {
+    "topk10 rows ef21": {"pipeline.forward": {**ROWS, "feedback": "ef21"}},
+    "topk10 rows aq-sgd warm": {
+        "pipeline.forward": {**ROWS, "feedback": "aq_sgd"},
+        "pipeline.warmup_epochs": 1,
+    },
+}
+AXES = {"optimizer": optimizer_axis("adam", "sgdm", lr={"adam": 3e-3, "sgdm": 0.1})}
+SEEDS = (0, 1)
+BASELINE = "topk10 rows ef21"
