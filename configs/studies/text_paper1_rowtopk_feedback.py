@@ -14,9 +14,9 @@ clipping 1.0; evaluated and checkpointed every 75 steps. 2 variants x 2 optimize
 8 runs; the comparisons (rows alone, EF21 and AQ-SGD on per-sample TopK, dense) are those
 studies' cells of the same setting.
 
-Expected runtime: ~9 min on 2 shared CPU cores (see docs/results/text_paper1_rowtopk_feedback
-for the measured time). ``--smoke``: 8 runs of 2 steps.
-Results: docs/results/text_paper1_rowtopk_feedback.
+Expected runtime: ~10 min on 2 shared CPU cores (measured: 622 s for the 8 runs at load average
+1.0-3.9, without a compilation cache; 43-47 s per EF21 run, 100-121 s per AQ-SGD run).
+``--smoke``: 8 runs of 2 steps. Results: docs/results/text_paper1_rowtopk_feedback.
 
 Finding tested (Rudakov et al., 2024, abstract; SPEC.md section 1.5): error feedback does not
 improve training over plain compression (here: over TopK by rows, which already trains).
