@@ -276,6 +276,8 @@ def build_pipeline(
             out["data_wire_bytes"] = metrics["data_wire_bytes"]
         if "data_fast_wire_bytes" in metrics:  # a (slow, fast) pair: the fast axis's
             out["data_fast_wire_bytes"] = metrics["data_fast_wire_bytes"]
+        if "cold_sends" in metrics:  # per-sample buffers: sends that met a cold row
+            out["cold_sends"] = metrics["cold_sends"]
         if detector is not None:
             out.update(_adaptive_metrics(metrics, mask))
         elif not compress:  # a warm-up step sends dense: its own bytes, not the run's
