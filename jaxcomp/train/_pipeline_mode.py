@@ -43,6 +43,9 @@ A channel spec is a codec name plus its arguments, with ``feedback`` one of ``No
 Each data replica keeps its own per-sample buffers, so with such a channel on ``R > 1``
 replicas the training loader keeps sample ``i`` on replica ``i mod R`` for the whole run
 (``data.Loader(shards=R)``, ``Mode.sample_shards``): every revisit finds the sample's buffer.
+Each compressed step logs ``cold_sends`` (sends that met a row their replica never filled:
+first visits only, with the fixed shards); a step of revisits that meets one prints one
+warning line per run (``jaxcomp.train._cold_sends``).
 Other runs shuffle the whole split over the batch each epoch.
 Evaluation runs with boundary compression on (each forward codec, no feedback: the paper's
 compressed inference) and off.
