@@ -1,7 +1,8 @@
 """Per-sample buffers report the sends that met a cold buffer (a row this replica never
 filled): 0 when every sample comes back to the replica that filled it, the full count when a
-user's loop feeds the same ids to the other replica. The flags are local state: the bytes on
-the wire do not change."""
+user's loop feeds the same ids to the other replica. The flags are local state: that the
+program's boundary sends stay the payloads' bytes is checked on its compiled HLO by
+tests/pipeline/test_compressed.py (its aq_sgd runs)."""
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +30,13 @@ def run(tools):
     pipe = pipeline.distribute(mlp.model, config, pipeline.pipeline_mesh(4))
     step = jax.jit(pipe.step, static_argnames="compress")
     held = {"states": pipe.init(mlp.params, batch)}
+    compiled = {}
 
     def go(ids, compress):
         b = {**batch, "ids": jnp.asarray(ids, jnp.int32)}
-        _, _, held["states"], metrics = step(mlp.params, b, held["states"], None, compress)
+        if compress not in compiled:
+            compiled[compress] = step.lower(mlp.params, b, held["states"], None, compress).compile()
+        _, _, held["states"], metrics = compiled[compress](mlp.params, b, held["states"], None)
         return metrics, held["states"]
 
     return go
@@ -52,7 +56,6 @@ def test_cold_sends_count_ids_fed_to_the_replica_that_never_filled_them(run):
     # replica 0: 8 is cold in its first microbatch only; replica 1: 16 and -1 are out of range
     unseen = run([8, 9, 8, 15] + [0, 16, -1, 1], True)[0]
     assert int(unseen["cold_sends"]) == SENDERS * 3
-    assert int(unseen["wire_bytes"]) == int(cold["wire_bytes"])
 
 
 def test_seen_flags_are_one_uint8_column_per_rows_count(tools):
