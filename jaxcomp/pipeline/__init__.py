@@ -46,6 +46,12 @@ Contracts:
   With data replicas also ``data_wire_bytes`` / ``data_dense_bytes`` (the gradient average;
   with a ``(slow, fast)`` pair of data axes, ``distribute(..., data_axis=(slow, fast))``,
   ``data_wire_bytes`` is the slow axis's and ``data_fast_wire_bytes`` the fast one's).
+  With per-sample buffers (AQ-SGD, per-sample EF/EF21) a compressed training step also reports
+  ``cold_sends``: the sends whose sender's row this replica never filled (summed over
+  boundaries, replicas and microbatches; each device keeps a local ``uint8`` flag per sample,
+  ``seen[N rows]`` in the link states, never sent). It is 0 when every sample comes back to
+  the replica that filled its row; a revisit that meets a cold row was fed to another replica
+  or keyed by a wrong id, and AQ-SGD then sends plain compression of the whole activation.
 """
 
 from jaxcomp._regime import HIGH_COMPRESSION

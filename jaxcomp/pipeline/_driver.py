@@ -164,6 +164,9 @@ def _program(
         key = _replica_key(spec, key)
         if train:
             mine = {g: b.reshape(b.shape[len(spec.lead) :]) for g, b in states.items()}
+            mine, cold = _link_state.mark_seen(
+                mine, static.state_layout, ids, lax.axis_index(_mesh.STAGE)
+            )
         else:  # compressed evaluation: fresh states of the plain forward codecs
             full = _link_state.init_buffers(links, static.shapes, static.state_layout)
             stage = lax.axis_index(_mesh.STAGE)
@@ -174,6 +177,10 @@ def _program(
         carry = _ticks.run(prog, local, x, lab, ids, key, _local.to_varying(mine, spec.axes), model)
         loss = carry.loss / m_
         metrics = jax.tree.map(lambda v: v / m_, carry.metrics)
+        if train and compress and _link_state.has_seen(static.state_layout):
+            # summed over stages and replicas by the metrics' own reductions (no collective
+            # of its own): float32 is exact for counts below 2**24
+            metrics["cold_sends"] = cold.astype(jnp.float32) * spec.replicas
         if not train:
             loss, metrics, outputs = lax.psum((loss, metrics, carry.outputs), _mesh.STAGE)
             if has_data:
@@ -487,8 +494,13 @@ def _simulated_step(
     grads0 = tuple(jax.tree.map(jnp.zeros_like, p) for p in params)
     metrics0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), static.metrics)
     carry = (states, grads0, zero, metrics0, tuple(model_state))
+    states, cold = _link_state.mark_seen(states, static.state_layout, ids, None)
+    carry = (states, grads0, zero, metrics0, tuple(model_state))
     (states, grads, loss, metrics, model_state), _ = lax.scan(body, carry, jnp.arange(m_))
-    return loss / m_, jax.tree.map(lambda v: v / m_, metrics), grads, states, model_state
+    metrics = jax.tree.map(lambda v: v / m_, metrics)
+    if compress and _link_state.has_seen(static.state_layout):
+        metrics["cold_sends"] = cold.astype(jnp.float32)
+    return loss / m_, metrics, grads, states, model_state
 
 
 def _simulated_evaluate(

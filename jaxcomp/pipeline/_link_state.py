@@ -181,8 +181,88 @@ def state_layout(
         places.append(tuple(device_places))
         roles.append(tuple(ranges))
         treedefs.append(tuple(defs))
+    seen = {f"{SEEN}[{p.shape[0]} rows]": ((p.shape[0], 1), "uint8") for row in places
+            for p in row if p.rows}  # fmt: skip
+    sizes.update(seen)
     buffers = tuple((name, *sizes[name]) for name in sorted(sizes))
     return StateLayout(tuple(places), tuple(roles), tuple(treedefs), buffers)
+
+
+SEEN = "seen"
+
+
+def has_seen(layout: StateLayout) -> bool:
+    """Whether ``layout`` holds per-sample buffers (and so their ``seen`` flags)."""
+    return any(name.startswith(f"{SEEN}[") for name, _, _ in layout.buffers)
+
+
+def _seen_weights(layout: StateLayout, rows: int) -> np.ndarray:
+    """Per device, how many of its sender ends keep per-sample buffers of ``rows`` rows."""
+    out = np.zeros(layout.num_stages, np.int32)
+    for d in range(layout.num_stages):
+        for r, role in enumerate(ROLES):
+            first, last = layout.roles[d][r]
+            if role.endswith("send") and any(
+                p.rows and p.shape[0] == rows for p in layout.places[d][first:last]
+            ):
+                out[d] += 1
+    return out
+
+
+def mark_seen(
+    buffers: dict[str, jax.Array], layout: StateLayout, ids: jax.Array | None, device: Any
+) -> tuple[dict[str, jax.Array], jax.Array]:
+    r"""Marks the rows a training step writes, and counts the sends that met a cold buffer.
+
+    Every training step writes each per-sample end at every valid id of each microbatch
+    (a compressed send and a dense warm-up send alike), so one flag per device and sample
+    (``seen[N rows]``, ``uint8[N, 1]``, local state that never travels) says whether this
+    device's buffers hold a row it filled. A send *met a cold buffer* when its sender end's
+    row was never filled here: the channel then encodes against a zero cache (AQ-SGD's
+    ``m_com``), i.e. sends plain compression of the full value. A zero row test cannot
+    replace the flag: a filled row may be all zero (a ReLU output, a residual after a
+    lossless send).
+
+    .. math::
+      \text{cold} = \sum_{m} \sum_{i \in \text{ids}_m,\ 0 \le i < N} w_d\,
+      [\text{seen}_d(i) = 0], \quad \text{seen}_d(\text{ids}_m) \leftarrow 1
+
+    with :math:`w_d` the number of per-sample sender ends on device :math:`d`; within one
+    microbatch a repeated id counts at every occurrence (each reads the row as it was before
+    the microbatch), an id outside ``[0, N)`` never (it reads NaN: the loss says so).
+
+    Args:
+      buffers: one device's share (``device`` its traced stage index) or the simulation's
+        stacked ``[S, ...]`` buffers (``device=None``).
+      layout: their :class:`StateLayout`.
+      ids: the step's sample ids, ``[microbatches, mb]`` (``None``: no per-sample buffers).
+      device: the stage index inside ``shard_map``, or ``None`` for stacked buffers.
+
+    Returns:
+      ``(buffers with the flags set, cold)``: ``cold`` an ``int32`` scalar, this device's
+      (or, stacked, every device's) count.
+    """
+    buffers, cold = dict(buffers), jnp.zeros((), jnp.int32)
+    names = [name for name, _, _ in layout.buffers if name.startswith(f"{SEEN}[")]
+    if ids is None or not names:
+        return buffers, cold
+    for name in names:
+        flags, rows = buffers[name], int(name[len(SEEN) + 1 :].split()[0])
+        weights = jnp.asarray(_seen_weights(layout, rows))
+        weight = weights if device is None else weights[device]
+        for m in range(ids.shape[0]):
+            i = ids[m].astype(jnp.int32)
+            valid = (i >= 0) & (i < rows)
+            before = flags[:, i, 0] if device is None else flags[i, 0]
+            fresh = jnp.where(valid, before == 0, False).astype(jnp.int32)
+            cold = cold + jnp.sum(weight * (fresh.sum(-1) if device is None else fresh.sum()))
+            where = jnp.where(valid, i, rows)
+            if device is None:
+                flags = flags.at[:, where, 0].set(jnp.uint8(1), mode="drop")
+            else:
+                flags = flags.at[where, 0].set(jnp.uint8(1), mode="drop")
+        buffers[name] = flags
+    return buffers, cold
 
 
 def init_buffers(

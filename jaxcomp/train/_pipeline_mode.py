@@ -43,6 +43,9 @@ A channel spec is a codec name plus its arguments, with ``feedback`` one of ``No
 Each data replica keeps its own per-sample buffers, so with such a channel on ``R > 1``
 replicas the training loader keeps sample ``i`` on replica ``i mod R`` for the whole run
 (``data.Loader(shards=R)``, ``Mode.sample_shards``): every revisit finds the sample's buffer.
+Each compressed step logs ``cold_sends`` (sends that met a row their replica never filled:
+first visits only, with the fixed shards); a step of revisits that meets one prints one
+warning line per run (``jaxcomp.train._cold_sends``).
 Other runs shuffle the whole split over the batch each epoch.
 Evaluation runs with boundary compression on (each forward codec, no feedback: the paper's
 compressed inference) and off.
@@ -276,6 +279,8 @@ def build_pipeline(
             out["data_wire_bytes"] = metrics["data_wire_bytes"]
         if "data_fast_wire_bytes" in metrics:  # a (slow, fast) pair: the fast axis's
             out["data_fast_wire_bytes"] = metrics["data_fast_wire_bytes"]
+        if "cold_sends" in metrics:  # per-sample buffers: sends that met a cold row
+            out["cold_sends"] = metrics["cold_sends"]
         if detector is not None:
             out.update(_adaptive_metrics(metrics, mask))
         elif not compress:  # a warm-up step sends dense: its own bytes, not the run's

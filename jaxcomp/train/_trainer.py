@@ -27,6 +27,7 @@ from jaxcomp import comm
 from jaxcomp import data
 from jaxcomp import models
 from jaxcomp.train import _checkpoint
+from jaxcomp.train import _cold_sends
 from jaxcomp.train import _config
 from jaxcomp.train import _link_probe
 from jaxcomp.train import _lock
@@ -471,6 +472,7 @@ def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> di
         dog.start()
     progress = _progress.Progress(cfg.total_steps, step, enabled=lead)
     logged, step_seconds = step, 0.0  # the writers' step time since the last train record
+    cold = _cold_sends.ColdSendWatch()
     # --- Loop ----------------------------------------------------------------------------
     while step < cfg.total_steps:
         t_step = time.perf_counter()
@@ -482,6 +484,9 @@ def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> di
         state = state._replace(mode_state=state_ms)
         step += 1
         m = _scalars(metrics)  # waits for the step
+        cold_line = cold.see(batch.get("ids"), m, step)
+        if cold_line:
+            progress.message(cold_line)
         now = time.perf_counter()
         step_seconds += now - t_step
         if dog is not None:

@@ -124,6 +124,8 @@ def test_aq_sgd_warm_up_fills_the_caches_then_compresses(make_config):
     # run's figure, 904,512 for 1.50 MiB, in a study), the compressed steps the run's
     assert float(m0["wire_bytes"]) == s.mode.dense_bytes
     assert float(m1.get("wire_bytes", s.mode.wire_bytes)) == s.mode.wire_bytes
+    # the warm-up filled every row the compressed step sends from (one per-sample sender)
+    assert "cold_sends" not in m0 and float(m1["cold_sends"]) == 0
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import comm
 from jaxcomp import train
+from jaxcomp.train import _cold_sends
 from jaxcomp.train import _pipeline_config
 from jaxcomp.train import _pipeline_mode
 from jaxcomp.train import _trainer
@@ -83,6 +84,18 @@ def test_a_resume_on_another_cut_of_the_split_is_refused(saved, now, refused, tm
     assert "per-sample buffers (kept per data replica)" in line and "new --workdir" in line
 
 
+def test_the_cold_send_warning_names_the_cause_once_and_only_for_revisits():
+    watch = _cold_sends.ColdSendWatch()
+    assert watch.see(np.array([0, 1, 2]), {}, 1) is None  # a warm-up step: no count
+    assert watch.see(np.array([3, 5]), {"cold_sends": 2.0}, 2) is None  # first visits
+    assert watch.see(np.array([5, 6]), {"cold_sends": 1.0}, 3) is None  # 6 is new
+    assert watch.see(np.array([0, 1]), {"cold_sends": 0.0}, 4) is None
+    line = watch.see(np.array([2, 3, -1]), {"cold_sends": 2.0}, 5)  # -1: not a sample
+    assert "\n" not in line and line.startswith("step 5: 2 per-sample sends met a cold buffer")
+    assert "another data replica" in line and "sample ids" in line
+    assert watch.see(np.array([2, 3]), {"cold_sends": 2.0}, 6) is None  # once per run
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("fast_compiles")
 def test_aq_sgd_on_two_replicas_finds_its_cache_on_every_revisit(make_config):
@@ -100,6 +113,7 @@ def test_aq_sgd_on_two_replicas_finds_its_cache_on_every_revisit(make_config):
     state, data_state = s.mode.init(jax.random.key(0)), s.train_loader.initial_state()
     key = _trainer._replicated(np.asarray(jax.random.key_data(jax.random.key(1))), s.mesh)
     trained, revisits, hits = set(), 0, 0
+    watch = _cold_sends.ColdSendWatch()
 
     def filled(r):
         ends = state.link_states.ends(replica=r)[0].forward
@@ -110,6 +124,7 @@ def test_aq_sgd_on_two_replicas_finds_its_cache_on_every_revisit(make_config):
     for step in range(2 * steps):
         batch, data_state = s.train_loader.next(data_state)
         halves = batch["ids"].reshape(2, -1).tolist()
+        first_visits = sum(i not in trained for i in batch["ids"].tolist())
         if step >= steps:
             for r, ids in enumerate(halves):
                 cached = filled(r)
@@ -119,6 +134,9 @@ def test_aq_sgd_on_two_replicas_finds_its_cache_on_every_revisit(make_config):
             state, _trainer.place(batch, s.mode.batch_sharding), key, step
         )
         assert metrics["finite"] == 1
+        # one per-sample sender (boundary 0's); only a sample never trained meets a cold cache
+        assert int(metrics.get("cold_sends", first_visits)) == first_visits, step
+        assert watch.see(batch["ids"], _trainer._scalars(metrics), step + 1) is None
         trained.update(i for ids in halves for i in ids)
     assert revisits > 0.85 * steps * 256 and hits == revisits  # the global shuffle: ~50%
     caches = [filled(r) for r in range(2)]
