@@ -17,8 +17,6 @@ from jaxcomp._bits import from_bytes
 from jaxcomp._bits import move_as_bits
 from jaxcomp._bits import to_bytes
 
-pytestmark = pytest.mark.user_numerics
-
 # a signalling-style NaN payload (0x7f81), -0.0, infinities, a subnormal, a tie of magnitudes
 BF16_BITS = np.array([0x7F81, 0xFFC1, 0x8000, 0x7F80, 0xFF80, 0x0001, 0x3F80, 0xBF80], np.uint16)
 
@@ -38,6 +36,7 @@ def _gather_and_permute(x):
     )
 
 
+@pytest.mark.user_numerics
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
 def test_what_arrives_is_what_was_sent_bit_for_bit_and_the_wire_carries_its_width(dtype):
     width = np.dtype(dtype).itemsize
@@ -84,6 +83,7 @@ def test_a_bf16_top_k_reduction_sends_the_bytes_its_protocol_counts():
     assert report.total_bytes == float(fn(x)[1]) == 16 * (2 + 1)  # bf16 value + u8 index
 
 
+@pytest.mark.user_numerics
 def test_to_bytes_and_back_is_bit_for_bit_padded_and_refuses_what_has_no_byte_view():
     """A pytree of mixed dtypes (a NaN payload, -0.0, bools, bfloat16, int8) becomes one
     uint8 vector of its bytes, zero-padded, and comes back bit for bit, under jit too; a

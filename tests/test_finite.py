@@ -20,8 +20,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _finite
 
-pytestmark = pytest.mark.user_numerics
-
 EDGES = [np.nan, np.inf, -np.inf]
 FINITE_EDGES = [0.0, -0.0, 1e-10, -1e-10, 1e6, -1e6, 3.0e38, -3.0e38, 1e-45]
 
@@ -68,6 +66,7 @@ GLOBAL = {r: functools.partial(_finite.all_finite_global, replicated=r) for r in
 GLOBAL_JIT = {r: jax.jit(check) for r, check in GLOBAL.items()}
 
 
+@pytest.mark.user_numerics
 @pytest.mark.parametrize("leaf,value,pos", CASES)
 def test_matches_the_per_leaf_reference_eager_and_jit(leaf, value, pos):
     tree = _tree(np.random.default_rng(0), leaf, value, pos)
@@ -94,6 +93,7 @@ def test_no_inexact_leaf_is_finite():
     assert _finite.all_finite(()).dtype == jnp.int32
 
 
+@pytest.mark.user_numerics
 def test_one_flag_per_worker_in_shard_map_without_a_collective():
     mesh = jax.make_mesh((8,), ("w",), devices=jax.devices()[:8])
     rng = np.random.default_rng(2)
@@ -129,6 +129,7 @@ def test_groups_past_the_size_limit(leaf):
     assert int(f(tree)) == 0
 
 
+@pytest.mark.user_numerics
 def test_the_temporary_stays_small_for_a_large_state():
     # a step that writes 64 MiB of state and checks it: the concatenation is a temporary of
     # at most about a group, not of the whole state (past 32 MiB glibc gives fresh pages)
@@ -156,6 +157,7 @@ def test_compiles_to_a_few_reductions_whatever_the_leaf_count():
     assert _reductions(2) <= 3 and _reductions(12) <= 3
 
 
+@pytest.mark.user_numerics
 @pytest.mark.parametrize("value", [complex(np.inf, 0), complex(0, np.nan), complex(1, -np.inf)])
 def test_complex_leaves_either_part(value):
     ok = np.asarray([1 + 2j, 3e38 - 3e38j, 0j], np.complex64)

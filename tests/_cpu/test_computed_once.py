@@ -15,8 +15,6 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp._cpu import _order
 
-pytestmark = pytest.mark.user_numerics
-
 EDGES = np.array([np.nan, -0.0, 0.0, np.inf, -np.inf, 1e-10, -1e6, 3.5], np.float32)
 
 
@@ -28,6 +26,7 @@ def _bits(a):
     return np.asarray(a).view(np.uint16 if a.dtype == jnp.bfloat16 else np.uint32)
 
 
+@pytest.mark.user_numerics
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_values_are_fns_bit_for_bit_eager_jit_and_vmap(dtype):
     # x's first entry is NaN (the trip count is read from it); -0.0 + -0.0 stays -0.0,

@@ -7,11 +7,10 @@ import pytest
 
 from jaxcomp._cpu import _order
 
-pytestmark = pytest.mark.user_numerics
-
 EDGES = np.array([0.0, -0.0, np.nan, -np.nan, np.inf, -np.inf, 1e-10, -1e6, 3.5], np.float32)
 
 
+@pytest.mark.user_numerics
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
 def test_values_pass_bit_for_bit_eager_and_jit(dtype):
     x = jnp.asarray(EDGES if dtype != jnp.int32 else np.arange(-4, 5), dtype)

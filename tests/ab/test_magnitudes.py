@@ -17,8 +17,6 @@ from jaxcomp.ab import _transform
 from jaxcomp.comm import GROUP
 from jaxcomp.comm import MEMBER
 
-pytestmark = pytest.mark.user_numerics
-
 MAGNITUDES = [1e-30, 1e-10, 1.0, 1e6, 1e30, 3e38]
 CUTOFF = 0.15
 ROWS, COLS = 8, 4
@@ -61,6 +59,7 @@ def refactorise():
     return run
 
 
+@pytest.mark.user_numerics
 @pytest.mark.parametrize("magnitude", MAGNITUDES)
 @pytest.mark.parametrize("name", ["deficient", "rank_one"])
 def test_refactorisation_keeps_the_same_rank_at_every_magnitude(refactorise, name, magnitude):
@@ -77,6 +76,7 @@ def test_refactorisation_keeps_the_same_rank_at_every_magnitude(refactorise, nam
         )
 
 
+@pytest.mark.user_numerics
 def test_refactorisation_of_singular_values_beyond_float32(refactorise):
     """sigma ~ 1.2e39: the split factors (sqrt(sigma)) are finite and exact; a factor that
     must hold sigma_0 itself is Inf (not representable), never a finite wrong value."""
@@ -94,6 +94,7 @@ def test_refactorisation_of_singular_values_beyond_float32(refactorise):
         assert np.all(np.isfinite(other))
 
 
+@pytest.mark.user_numerics
 def test_refactorisation_of_an_all_zero_weight(refactorise):
     rank, out = refactorise(jnp.zeros((ROWS, COLS)))
     assert int(rank) == 1
@@ -147,6 +148,7 @@ def test_the_counts_used_are_a_refactorisation_and_a_sync():
         assert _transform.STEP_KINDS[index] == kind
 
 
+@pytest.mark.user_numerics
 @pytest.mark.parametrize("split_sigma", [True, False])
 def test_ab_training_refactorises_alike_at_every_magnitude(split_sigma):
     step = make_step(split_sigma=split_sigma)

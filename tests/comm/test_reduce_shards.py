@@ -15,8 +15,6 @@ from jaxcomp import compressors as C
 from jaxcomp import transforms as T
 from jaxcomp.comm import _reduce_shards
 
-pytestmark = pytest.mark.user_numerics
-
 PAIR = ("slow", "fast")
 
 
@@ -32,6 +30,7 @@ def test_owners_balance_bytes_largest_first():
     assert _reduce_shards.owners(mixed, 2) == (0, 1)
 
 
+@pytest.mark.user_numerics
 @pytest.mark.parametrize(
     "tree",
     [

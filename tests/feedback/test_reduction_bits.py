@@ -115,6 +115,12 @@ def _program(codec, mesh, like):
     )
 
 
+@jax.jit
+def _pair_mean(a):
+    """``(a[0] + a[1]) / W`` as a program rounds it (one program per shape for the module)."""
+    return (a[0] + a[1]) / W
+
+
 @pytest.fixture(scope="module")
 def mesh():
     return comm.make_mesh([(comm.DATA, W)], devices=jax.devices()[:W])
@@ -156,7 +162,7 @@ def test_error_feedback_and_ef21_reductions_keep_their_formulas_bit_for_bit(
         # the scatter form may keep base's -0.0 where the dense sum gives +0.0: only there
         signed_zero = (want == 0) & (ef21_g == 0)
         _assert_bits(np.where(signed_zero, 0, ef21_g), np.where(signed_zero, 0, want), "EF21 g")
-        g_mean = np.asarray(jax.jit(lambda a: (a[0] + a[1]) / W)(g))
+        g_mean = np.asarray(_pair_mean(g))
         want = g_mean + ((zero + d[0]) + d[1]) / np.float32(W)
         np.testing.assert_array_equal(ef21_mean, want)  # pmean's own rounding: values only
     assert np.isnan(ef_e).any() and np.isinf(x).any()  # the edges reached the reduction

@@ -35,10 +35,7 @@ from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import feedback
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-    pytest.mark.user_numerics,
-]
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 W = 2
 SHAPE = (96, 160)
@@ -154,6 +151,7 @@ POWER_SGD_CASES = [
 ]
 
 
+@pytest.mark.user_numerics
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,shape,rank,decay", POWER_SGD_CASES, ids=str)
 def test_power_sgd_error_feedback_keeps_c_minus_its_mean_bit_for_bit(
@@ -187,6 +185,7 @@ QUANTIZE_CASES = [
 ]
 
 
+@pytest.mark.user_numerics
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", QUANTIZE_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("kind", ["random", "zero", "nonfinite"])
