@@ -13,8 +13,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import pipeline
 
-pytestmark = pytest.mark.user_numerics
-
 _spec = importlib.util.spec_from_file_location(
     "_golden", pathlib.Path(__file__).with_name("_golden.py")
 )
