@@ -72,7 +72,9 @@ CASES = {
     ),
     # 1F1B, stage 0 on one process and stage 1 on the other (the boundary crosses), 2 replicas
     # averaged by PowerSGD + EF; adaptive links (their modes read on the host every step):
-    # per-sample TopK + EF forward, stochastic quantisation backward (keys agree)
+    # per-sample TopK + EF forward with per-sample buffers (so the loader keeps each sample on
+    # its replica: data.Loader(shards=2), each process's replicas fed their own shards),
+    # stochastic quantisation backward (keys agree)
     "pipeline": (
         "configs/digits_pipeline_1f1b_powersgd.py:smoke",
         [
@@ -80,9 +82,11 @@ CASES = {
             "mesh=[('stage',2),('data',2)]",
             "model.cuts=('fc2',)",
             "pipeline.num_microbatches=2",
-            "pipeline.forward={'name':'top_k','fraction':0.25,'per_sample':True,'feedback':'ef'}",
+            "pipeline.forward={'name':'top_k','fraction':0.25,'per_sample':True,'feedback':'ef',"
+            "'per_sample_buffers':True}",
             "pipeline.backward={'name':'quantize','bits':8,'rounding':'stochastic'}",
-            "pipeline.forward_high={'name':'top_k','fraction':0.1,'per_sample':True,'feedback':'ef'}",
+            "pipeline.forward_high={'name':'top_k','fraction':0.1,'per_sample':True,'feedback':'ef',"
+            "'per_sample_buffers':True}",
             "pipeline.backward_high={'name':'quantize','bits':4,'rounding':'stochastic'}",
             "pipeline.detector={'interval_epochs':1,'check_every':1,'eta':0.5}",
         ],
@@ -240,3 +244,9 @@ def test_every_mode_as_two_processes_matches_one_process(tmp_path, last_checkpoi
     for log in pair.logs:
         log.close()
     assert not failed, "\n".join(f"{name}: {e}" for name, e in failed.items())
+    # the pipeline case keeps per-sample buffers on 2 replicas: both runs fed each replica its
+    # own shard of the split (data.Loader(shards=2)) and counted the sends that met a cold buffer
+    for run in (pair.out / "pipeline", tmp_path / "one" / "pipeline"):
+        meta = json.loads((run / "checkpoints" / str(STEPS) / "meta" / "metadata").read_text())
+        assert meta["data_split"]["shards"] == 2, meta["data_split"]
+        assert all("cold_sends" in r for r in train.read_metrics(str(run)) if r["split"] == "train")
