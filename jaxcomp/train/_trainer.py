@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import json
 import logging
@@ -101,9 +102,10 @@ def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
         train_src = data.get_dataset(config.data_name, "train", **dict(config.data))
         eval_kwargs = {**dict(config.data), **dict(config.eval_data)}
         eval_src = data.get_dataset(config.data_name, "test", **eval_kwargs)
-        train_loader = data.Loader(
-            train_src, config.batch_size, seed=config.seed, augment=config.augment
+        train_loader_with = functools.partial(
+            data.Loader, train_src, config.batch_size, seed=config.seed, augment=config.augment
         )
+        train_loader = train_loader_with()  # checks the batch size before the model is built
         eval_loader = data.Loader(
             eval_src, config.eval_batch_size, seed=config.seed, shuffle=False, drop_last=False
         )
@@ -112,10 +114,7 @@ def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
         check_outputs(model, config, train_src, eval_src)
         mode = build(config, model, mesh, len(train_src))
         if mode.sample_shards > 1:
-            train_loader = data.Loader(
-                train_src, config.batch_size, seed=config.seed, augment=config.augment,
-                shards=mode.sample_shards,
-            )  # fmt: skip
+            train_loader = train_loader_with(shards=mode.sample_shards)
     return Setup(config, mesh, model, train_loader, eval_loader, mode)
 
 
