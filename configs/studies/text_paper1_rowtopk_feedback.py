@@ -1,7 +1,8 @@
-r"""TopK by rows with feedback: does EF21 or AQ-SGD add to the blow-up remedy of
-``text_paper1_rowtopk``? TopK 10% of the activations by token rows (``row_axis=-1``) with EF21,
-and with AQ-SGD after its uncompressed warm-up epoch (``pipeline.warmup_epochs = 1``, as
-``text_paper1_aqsgd_warmup``), with Adam and SGD-momentum.
+r"""TopK by rows with feedback or a shared mask: does EF21, AQ-SGD or sending the gradient back
+at the kept positions add to the blow-up remedy of ``text_paper1_rowtopk``? TopK 10% of the
+activations by token rows (``row_axis=-1``) with EF21, with AQ-SGD after its uncompressed warm-up
+epoch (``pipeline.warmup_epochs = 1``, as ``text_paper1_aqsgd_warmup``), and with the backward on
+the forward's mask (``pipeline.backward_mode = "shared_mask"``), with Adam and SGD-momentum.
 
   python -m jaxcomp.study run text_paper1_rowtopk_feedback --workdir runs/rowtopk_feedback
   python -m jaxcomp.study report runs/rowtopk_feedback
@@ -40,6 +41,7 @@ VARIANTS = {
         "pipeline.forward": {**ROWS, "feedback": "aq_sgd"},
         "pipeline.warmup_epochs": 1,
     },
+    "topk10 rows shared-mask": {"pipeline.forward": ROWS, "pipeline.backward_mode": "shared_mask"},
 }
 AXES = {"optimizer": optimizer_axis("adam", "sgdm", lr={"adam": 3e-3, "sgdm": 0.1})}
 SEEDS = (0, 1)

@@ -1,14 +1,14 @@
 """Diagnostic for the excess gradient norm of TopK by rows with Adam (not a test, not a study).
 
 ``text_paper1_rowtopk``'s Adam runs by rows kept a pre-clipping gradient norm 4-60x dense's, and
-``blowup_probe.py`` put the excess in stage 0. For a checkpoint of the 4-stage GPT pipeline, on
-``blowup_probe.py``'s 512 training windows, prints the global norm of the parameter gradient and
-each stage's, with TopK 10% by rows (straight-through backward, the trained mode) at every
-boundary, at one boundary only, with the gradient sent back at the kept positions only, and dense;
-then stage 0's largest leaves for dense and by rows.
+``blowup_probe.py`` put the excess in stage 0. For each checkpoint of the 4-stage GPT pipeline
+given, on ``blowup_probe.py``'s 512 training windows, prints the global norm of the parameter
+gradient and each stage's, with TopK 10% by rows at every boundary (straight-through backward,
+``"independent"``'s; and the gradient sent back at the kept positions only, ``"shared_mask"``'s),
+at one boundary only, and dense; then stage 0's largest leaves for dense and by rows.
 
   PYTHONPATH=. tools/cpu-slot python docs/results/text_paper1_rowtopk_feedback/stage0_probe.py \
-      runs/text_paper1_rowtopk/topk10-rows__optimizer=adam__seed0/checkpoints/150/state
+      runs/text_paper1_rowtopk/topk10-rows__optimizer=adam__seed0/checkpoints/150/state [...]
 """
 
 import os
@@ -27,8 +27,6 @@ from jaxcomp.pipeline._params import param_layout
 
 model = models.gpt(256, 32, dim=64, num_blocks=4, num_heads=4, cuts=("block0", "block1", "block2"))
 layout = param_layout(model.init(jax.random.key(0)))
-packed = ocp.StandardCheckpointer().restore(os.path.abspath(sys.argv[1]))["mode_state"]["params"][0]
-stages = [s["params"] for s in layout.unpack({"float32": jnp.asarray(packed)})]
 fns = model.stage_fns(train=True)
 docs = pydoc_documents()
 w = token_windows(np.frombuffer(b"".join(docs[k] for k in sorted(docs)), np.uint8), 32)
@@ -62,13 +60,17 @@ def norm(tree):
 
 cases = {"dense": (0, 0, 0), "rows": (1, 1, 1), "rows, gradient at the kept positions": (2, 2, 2)}
 cases.update({f"rows at boundary {b} only": tuple(int(i == b) for i in range(3)) for b in range(3)})
-leaves = {}
-for name, where in cases.items():
-    value, grads = value_and_grad(stages, jnp.asarray(where))
-    per_stage = ", ".join(f"{norm(s):.3g}" for s in grads)
-    print(f"{name}: loss {float(value):.4f}, |grad| {norm(grads):.4g} (per stage {per_stage})")
-    flat = jax.tree_util.tree_flatten_with_path(grads[0])[0]
-    leaves[name] = {jax.tree_util.keystr(p): float(jnp.linalg.norm(g.ravel())) for p, g in flat}
-top = sorted(leaves["rows"], key=leaves["rows"].get, reverse=True)[:6]
-for k in top:
-    print(f"stage 0 {k}: rows {leaves['rows'][k]:.3g}, dense {leaves['dense'][k]:.3g}")
+for path in sys.argv[1:]:
+    print(f"== {path}")
+    packed = ocp.StandardCheckpointer().restore(os.path.abspath(path))["mode_state"]["params"][0]
+    stages = [s["params"] for s in layout.unpack({"float32": jnp.asarray(packed)})]
+    leaves = {}
+    for name, where in cases.items():
+        value, grads = value_and_grad(stages, jnp.asarray(where))
+        per_stage = ", ".join(f"{norm(s):.3g}" for s in grads)
+        print(f"{name}: loss {float(value):.4f}, |grad| {norm(grads):.4g} (per stage {per_stage})")
+        flat = jax.tree_util.tree_flatten_with_path(grads[0])[0]
+        leaves[name] = {jax.tree_util.keystr(p): float(jnp.linalg.norm(g.ravel())) for p, g in flat}
+    top = sorted(leaves["rows"], key=leaves["rows"].get, reverse=True)[:6]
+    for k in top:
+        print(f"stage 0 {k}: rows {leaves['rows'][k]:.3g}, dense {leaves['dense'][k]:.3g}")
