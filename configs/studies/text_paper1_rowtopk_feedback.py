@@ -10,17 +10,21 @@ the forward's mask (``pipeline.backward_mode = "shared_mask"``), with Adam and S
 The setting of ``text_paper1_rowtopk`` and ``text_paper1_feedback``: the byte-level GPT of
 ``configs/text_gpt_pipeline.py`` in 4 pipeline stages on 8 fake CPU devices, the training split
 cut to 3,200 windows, 150 steps of 64, activation-gradients uncompressed
-(``backward_mode = "independent"``). Adam lr 3e-3, SGD-momentum lr 0.1, constant, gradient
-clipping 1.0; evaluated and checkpointed every 75 steps. 2 variants x 2 optimizers x 2 seeds =
-8 runs; the comparisons (rows alone, EF21 and AQ-SGD on per-sample TopK, dense) are those
-studies' cells of the same setting.
+(``backward_mode = "independent"``) but in the shared-mask cells. Adam lr 3e-3, SGD-momentum lr
+0.1, constant, gradient clipping 1.0; evaluated and checkpointed every 75 steps. 3 variants x 2
+optimizers x 2 seeds = 12 runs; the comparisons (rows alone, EF21 and AQ-SGD on per-sample TopK,
+dense) are those studies' cells of the same setting.
 
-Expected runtime: ~10 min on 2 shared CPU cores (measured: 622 s for the 8 runs at load average
-1.0-3.9, without a compilation cache; 43-47 s per EF21 run, 100-121 s per AQ-SGD run).
-``--smoke``: 8 runs of 2 steps. Results: docs/results/text_paper1_rowtopk_feedback.
+Expected runtime: ~13 min on 2 shared CPU cores, without a compilation cache, measured in two
+parts: 622 s for the 8 feedback runs at load average 1.0-3.9 (43-47 s per EF21 run, 100-121 s
+per AQ-SGD run), 148 s for the 4 shared-mask runs at load average 2.4-4.8 (33-45 s per run).
+``--smoke``: 12 runs of 2 steps. Results: docs/results/text_paper1_rowtopk_feedback.
 
-Finding tested (Rudakov et al., 2024, abstract; SPEC.md section 1.5): error feedback does not
-improve training over plain compression (here: over TopK by rows, which already trains).
+Findings tested: error feedback does not improve training over plain compression (Rudakov et al.,
+2024, abstract; SPEC.md section 1.5; here: over TopK by rows, which already trains); and issue
+35's stage-0 probe (``stage0_probe.py`` in the results): Adam's excess gradient norm by rows
+comes from the straight-through gradient at the 90% of entries that were zeroed, so sending the
+gradient back at the kept positions only should remove it.
 """
 
 from jaxcomp.study import optimizer_axis
