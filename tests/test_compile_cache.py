@@ -65,16 +65,17 @@ def test_a_warm_run_compiles_nothing_and_a_damaged_entry_is_compiled_again(tmp_p
     warm = _run(tmp_path / "warm", cache)
     assert MISS not in warm, warm[-3000:]
     _same(_result(tmp_path / "warm"), reference)
-    for p in entries:
-        data = bytearray(p.read_bytes())
-        data[len(data) // 2] ^= 0xFF  # one flipped byte in the compressed executable
-        p.write_bytes(bytes(data))
+    # one flipped byte in the compressed executable of the largest entry (a step program; JAX
+    # reads every entry through the same check): it alone is compiled again, the rest load
+    # (was every entry damaged: the third run compiled all of them again)
+    entry = max(entries, key=lambda p: p.stat().st_size)
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    entry.write_bytes(bytes(data))
     damaged = _run(tmp_path / "damaged", cache)
-    # each damaged entry failed to load (Python shows a repeated warning text once: several
-    # programs share a module name) and was compiled again
-    for name in {p.name.rsplit("-", 2)[0] for p in entries}:
-        assert f"Error reading persistent compilation cache entry for '{name}'" in damaged, name
-    assert damaged.count(MISS) == len(entries), damaged[-3000:]
+    name = entry.name.rsplit("-", 2)[0]
+    assert f"Error reading persistent compilation cache entry for '{name}'" in damaged, name
+    assert damaged.count(MISS) == 1, damaged[-3000:]
     _same(_result(tmp_path / "damaged"), reference)
 
 

@@ -8,6 +8,10 @@ import pytest
 
 import jaxcomp
 
+#: an example prints shapes, dtypes and values rounded to a few digits, no bit of XLA's optimised
+#: program: its jitted and eager programs compile unoptimised
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 MODULES = sorted(
     m.name
     for m in pkgutil.walk_packages(jaxcomp.__path__, "jaxcomp.")

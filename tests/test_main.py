@@ -1,25 +1,20 @@
-"""The CLI: one-line errors, two processes == one process (the CLI's kill-and-resume:
-tests/test_faults.py)."""
+"""The CLI: one-line errors and tracebacks (the CLI's kill-and-resume: tests/test_faults.py;
+two processes == one process, every mode, the pipeline's included, each process set up by the
+CLI's ``parse_args`` and ``setup_devices``: tests/train/test_two_processes.py; a real
+2-process launch joining: tests/test_main_distributed.py)."""
 
 import contextlib
 import io
-import json
-import os
 import pathlib
 import re
-import socket
-import subprocess
-import sys
 
-import numpy as np
 import pytest
 
 from jaxcomp import main
 
 #: the in-process runs check exit codes, one-line errors and tracebacks, no bit of XLA's
-#: optimised programs; unoptimised, the smoke run's programs are those tests/test_configs.py
-#: compiles for the same config (a hit in the test run's shared compilation cache). The CLI
-#: processes below choose their own setting (``_env``).
+#: optimised programs: compiled unoptimised (each builds its setup: one checks the setup's
+#: import error, so no ``shared_setups``)
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -75,75 +70,6 @@ def test_workdir_of_another_experiment_is_a_one_line_error(tmp_path):
     assert _run_main(args)[0] == 0
     code, err = _run_main([*args, "--set", "lr=0.5"])
     assert code == 2 and "holds a checkpoint of another experiment" in err
-
-
-def _env(devices):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONUNBUFFERED"] = "1"
-    # two processes compared with one to a tolerance: compiled unoptimised (as the
-    # module-scoped ``fast_compiles`` does in-process), each CLI process compiles faster
-    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-    env["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"  # tests/conftest.py: fast_compiles
-    return env
-
-
-def _cmd(workdir, *extra):
-    return [sys.executable, "-m", "jaxcomp.main", "--config", f"{CONFIG}:smoke",
-            "--workdir", str(workdir), "--set", "total_steps=8", "--set", "checkpoint_every=4",
-            *extra]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The workdir of one uninterrupted 8-step CLI run on 8 devices: the two-process run's
-    reference."""
-    full = tmp_path_factory.mktemp("uninterrupted")
-    subprocess.run(_cmd(full), check=True, env=_env(8), cwd=ROOT, capture_output=True, timeout=600)
-    return full
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow  # three CLI processes
-def test_two_processes_match_one_process(uninterrupted, tmp_path):
-    one, two = uninterrupted, tmp_path / "two"  # 8 steps, checkpoints every 4, as `one`
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            _cmd(
-                two,
-                "--cpu_devices",
-                "4",
-                "--num_processes",
-                "2",
-                "--process_id",
-                str(i),
-                "--coordinator_address",
-                f"127.0.0.1:{port}",
-            ),
-            env=_env(4),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
-    j1 = json.loads((one / "summary.json").read_text())
-    j2 = json.loads((two / "summary.json").read_text())
-    np.testing.assert_allclose(j2["final_loss"], j1["final_loss"], rtol=1e-5)
-    assert j1["final_accuracy"] == j2["final_accuracy"]
-    np.testing.assert_allclose(
-        j2["final_loss_uncompressed"], j1["final_loss_uncompressed"], rtol=1e-5
-    )
 
 
 def test_an_import_error_in_a_mode_surfaces_as_itself(monkeypatch, tmp_path):

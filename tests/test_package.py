@@ -99,12 +99,12 @@ def test_installed_wheel_runs_the_main_job_by_config_name(dist, tmp_path):
     path, version, metadata = probe.stdout.split()
     assert path.startswith(site) and version == metadata == jaxcomp.__version__
     run = subprocess.run(
-        [str(python), "-m", "jaxcomp.main", "--config", "digits_pipeline:smoke",
+        [str(python), "-m", "jaxcomp.main", "--config", "digits_dense:smoke",
          "--workdir", "W"],
         cwd=where, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "summary: pipeline / mlp" in run.stdout and (where / "W" / "summary.json").exists()
+    assert "summary: dense / mlp" in run.stdout and (where / "W" / "summary.json").exists()
     bad = subprocess.run(
         [str(python), "-m", "jaxcomp.main", "--config", "digits_pipelin", "--workdir", "V"],
         cwd=where, env=env, capture_output=True, text=True,
