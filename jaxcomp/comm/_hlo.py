@@ -48,6 +48,7 @@ _CALLEE = re.compile(
     r"(\{[^}]*\}|%?[\w.\-]+)"
 )
 _TRIP = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_OP_NAME = re.compile(r'metadata=\{[^}]*?\bop_name="([^"]*)"')
 
 
 class CollectiveRecord(NamedTuple):
@@ -63,6 +64,10 @@ class CollectiveRecord(NamedTuple):
     #: a ``collective-permute``'s ``(source, target)`` pairs (each pair carries the operand);
     #: empty for other kinds
     pairs: tuple[tuple[int, int], ...] = ()
+    #: the JAX operation it was lowered from (``metadata={op_name=...}``, e.g.
+    #: ``"jit(f)/shard_map/ppermute"``; a collective XLA's partitioner made to reshard an array
+    #: carries the resharded op's, e.g. ``"jit(f)/slice"``); empty without metadata
+    op_name: str = ""
 
     @property
     def total_bytes(self) -> float:
@@ -240,9 +245,11 @@ def collective_report(hlo_text: str) -> CollectiveReport:
             elif kind == "reduce-scatter" and not is_start:
                 nbytes *= group
             pairs = _permute_pairs(line) if kind == "collective-permute" else ()
+            op = _OP_NAME.search(line)
+            op_name = op.group(1) if op else ""
             records.append(
                 CollectiveRecord(
-                    name, kind, shape.strip(), group, nbytes, multiplier[comp], comp, pairs
+                    name, kind, shape.strip(), group, nbytes, multiplier[comp], comp, pairs, op_name
                 )
             )
     return CollectiveReport(tuple(records), tuple(unknown))

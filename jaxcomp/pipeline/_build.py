@@ -152,10 +152,11 @@ def distribute(
 
     (``Pipeline.bytes_per_step``, also in the step's metrics as ``wire_bytes``). The HLO
     meter (:func:`jaxcomp.comm.measure_collectives`) counts each ``collective-permute``'s
-    operand once per execution; times its pairs
-    (:func:`jaxcomp.pipeline._links.hlo_sent_bytes`) that is ``wire_bytes`` on a stage-only
-    mesh. The only other collectives of a step are scalar all-reduces of the loss and metrics
-    (and, with a data axis, the gradient average's collectives).
+    operand once per execution; times its pairs, over the ``ppermute`` ops along the ``stage``
+    axis (:func:`jaxcomp.pipeline._links.hlo_sent_bytes`), that is ``R`` times ``wire_bytes``
+    with ``R`` data replicas. The only other collectives of a step are scalar all-reduces of
+    the loss and metrics (and, with a data axis, the gradient average's collectives; with
+    unpacked parameters, the gather of the stage-sharded gradient that unpacks it).
 
     **Keys.** The send of microbatch ``m`` at boundary ``b`` uses
     ``fold_in(fold_in(key, b), m)`` (then ``fold_in(., 0)`` forward, ``fold_in(., 1)``

@@ -247,7 +247,8 @@ def mark_seen(
     if ids is None or not names:
         return buffers, cold
     for name in names:
-        flags, rows = buffers[name], int(name[len(SEEN) + 1 :].split()[0])
+        flags = buffers[name]
+        rows = flags.shape[-2]  # [N, 1] (one device's) or [S, N, 1] (stacked)
         weights = jnp.asarray(_seen_weights(layout, rows))
         weight = weights if device is None else weights[device]
         for m in range(ids.shape[0]):

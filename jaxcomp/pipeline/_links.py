@@ -13,6 +13,7 @@ and ids), with each end's state read from and written to the compact link-state 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -20,8 +21,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxcomp.comm import _hlo
+from jaxcomp.comm import _mesh
 from jaxcomp.comm import _send
 from jaxcomp.comm import _send_vjp
 from jaxcomp.compressors import _base
@@ -195,32 +198,83 @@ def step_bytes(
     }
 
 
-def hlo_sent_bytes(hlo_text: str) -> dict[str, float]:
-    """Bytes that cross in the ``collective-permute`` ops of a compiled pipeline program.
+def hlo_sent_bytes(hlo_text: str, mesh: jax.sharding.Mesh) -> dict[str, float]:
+    r"""Bytes that cross in the ``collective-permute`` ops of a compiled pipeline program, and
+    those of its boundary sends.
 
     The HLO meter (:func:`jaxcomp.comm.collective_report`) counts a ``collective-permute``'s
     operand once per execution (what one device sends); a tick's permute carries one payload
-    per source-target pair, so each is counted here times its pairs.
+    per source-target pair, so each is counted here times its pairs. A permute is a boundary
+    send when it is a ``ppermute`` of the program (its ``op_name`` ends in ``/ppermute``) and
+    every pair goes one step along ``mesh``'s ``stage`` axis in the same direction, within one
+    pipeline replica (the other axes' coordinates equal). Device-id steps do not say that: on
+    a ``(data, stage)`` mesh the permutes XLA's partitioner makes to gather a stage-sharded
+    array (unpacking the gradient for unpacked parameters, pairs ``(s, 0)`` per replica) step
+    by ``-1`` for ``s = 1``, and on a ``(stage, data)`` mesh a data-axis ``ppermute`` steps by
+    ``±1`` while a boundary steps by the data size.
 
     Args:
-      hlo_text: ``compiled.as_text()`` of a pipeline step or evaluation.
+      hlo_text: ``compiled.as_text()`` of a pipeline step or evaluation (with its op metadata,
+        as JAX prints it).
+      mesh: the mesh the program runs on (a ``stage`` axis; the pairs' ids are positions in
+        ``mesh.devices``, row-major).
 
     Returns:
-      ``{"total", "forward", "backward", "permutes"}``: the bytes of every pair of every
-      permute (on a mesh with ``R`` data replicas, ``R`` times one pipeline replica's), of
-      those whose pairs all go one stage up (``(b, b + 1)``) or all one down (on a
-      stage-only mesh, every boundary send is one or the other), and the number of
-      ``collective-permute`` executions.
+      ``{"total", "forward", "backward", "other", "permutes"}``: the bytes of every pair of
+      every permute; of the boundary sends one stage up (``(b, b + 1)``) and one stage down
+      (on a mesh with ``R`` data replicas, ``R`` times one pipeline replica's
+      :func:`step_bytes`); of the permutes that are not boundary sends; and the number of
+      boundary-send executions (the ticks' moves).
+
+    Raises:
+      ValueError: if the text's partitions are not ``mesh``'s devices, a pair names a device
+        outside it, or a permute carries no ``op_name`` (metadata stripped: a boundary send
+        could not be told from a resharding).
+
+    Example:
+      >>> sent = hlo_sent_bytes(compiled.as_text(), mesh)  # doctest: +SKIP
+      >>> sent["forward"] == replicas * counts["forward_bytes"]  # doctest: +SKIP
+      True
     """
-    out = {"total": 0.0, "forward": 0.0, "backward": 0.0, "permutes": 0}
+    grid = mesh.devices.shape
+    stage = mesh.axis_names.index(_mesh.STAGE)
+    found = re.search(r"num_partitions=(\d+)", hlo_text)
+    if found and int(found.group(1)) != mesh.devices.size:
+        raise ValueError(
+            f"the program runs on {found.group(1)} partitions, the mesh has "
+            f"{mesh.devices.size} devices {dict(mesh.shape)}: pass the program's mesh."
+        )
+
+    def step_of(pairs):
+        steps = set()
+        for s, d in pairs:
+            if max(s, d) >= mesh.devices.size:
+                raise ValueError(
+                    f"permute pair {(s, d)} names a device outside the mesh {dict(mesh.shape)}."
+                )
+            a, b = np.unravel_index(s, grid), np.unravel_index(d, grid)
+            others = [i for i in range(len(grid)) if i != stage]
+            if any(a[i] != b[i] for i in others):
+                return None
+            steps.add(int(b[stage]) - int(a[stage]))
+        return steps.pop() if len(steps) == 1 and steps <= {1, -1} else None
+
+    out = {"total": 0.0, "forward": 0.0, "backward": 0.0, "other": 0.0, "permutes": 0}
     for r in _hlo.collective_report(hlo_text).records:
         if r.kind != "collective-permute":
             continue
+        if not r.op_name:
+            raise ValueError(
+                f"collective-permute {r.name} has no op_name metadata: the meter tells the "
+                "program's ppermutes from the partitioner's by it (compile with metadata)."
+            )
         sent = r.total_bytes * len(r.pairs)
-        steps = {d - s for s, d in r.pairs}
         out["total"] += sent
-        if steps in ({1}, {-1}):
-            out["forward" if steps == {1} else "backward"] += sent
+        step = step_of(r.pairs) if r.op_name.rsplit("/", 1)[-1] == "ppermute" else None
+        if step is None:
+            out["other"] += sent
+            continue
+        out["forward" if step == 1 else "backward"] += sent
         out["permutes"] += r.executions
     return out
 

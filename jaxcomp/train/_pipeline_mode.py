@@ -336,7 +336,7 @@ def build_pipeline(
     compiled.update({(c, low): done[f"train_step(compress={c})"] for c in starts})
     # a tick's permute carries one payload per pair: its bytes per pipeline replica
     text = program(True, low).as_text()
-    report, sent = comm.collective_report(text), _links.hlo_sent_bytes(text)
+    report, sent = comm.collective_report(text), _links.hlo_sent_bytes(text, mesh)
     hlo = report.total_bytes - report.bytes_by_kind().get("collective-permute", 0.0)
     hlo += sent["total"] / replicas
     counts = pipe.bytes_per_step(

@@ -21,7 +21,7 @@ HloModule jit_f, entry_computation_layout={(f32[8]{0})->f32[8]{0}}, num_partitio
 %inner_body (p: (s32[], u8[16])) -> (s32[], u8[16]) {
   %p = (s32[], u8[16]{0}) parameter(0)
   %v = u8[16]{0} get-tuple-element(%p), index=1
-  %cp = u8[16]{0} collective-permute(%v), channel_id=1, source_target_pairs={{0,1},{1,2}}
+  %cp = u8[16]{0} collective-permute(%v), channel_id=1, source_target_pairs={{0,1},{1,2}}, metadata={op_name="jit(f)/while/body/ppermute" stack_frame_id=3}
   ROOT %t = (s32[], u8[16]{0}) tuple(%i, %cp)
 }
 
@@ -51,6 +51,7 @@ def test_synthetic_module_known_answer():
     report = comm.collective_report(SYNTHETIC)
     by_name = {r.name: r for r in report.records}
     assert by_name["cp"].executions == 15 and by_name["cp"].bytes_per_execution == 16
+    assert by_name["cp"].op_name == "jit(f)/while/body/ppermute" and by_name["ar"].op_name == ""
     assert by_name["ar"].executions == 3 and by_name["ar"].bytes_per_execution == 40 + 8
     assert by_name["ar"].group_size == 2
     assert by_name["ag"].bytes_per_execution == 4 * 6 * 4 / 4
@@ -86,8 +87,12 @@ def test_real_scan_of_ppermute_and_psum(mesh):
 
     x = jax.device_put(jnp.ones((4, 32)), NamedSharding(mesh, P("x")))
     f = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
-    kinds = comm.measure_collectives(f, x).bytes_by_kind()
+    report = comm.measure_collectives(f, x)
+    kinds = report.bytes_by_kind()
     assert kinds["collective-permute"] == 7 * 32  # int8, 7 ticks
+    # the JAX primitive it came from (the pipeline's meter tells its ppermutes by it)
+    permute = next(r for r in report.records if r.kind == "collective-permute")
+    assert permute.op_name.rsplit("/", 1)[-1] == "ppermute"
     assert kinds["all-reduce"] == 32 * 4
 
 

@@ -214,7 +214,8 @@ def test_distributed_equals_simulate_and_each_program_sends_its_theory(
         compiled = step.lower(packed, mlp.batch, states, None, modes=modes).compile()
         counts = pipe.bytes_per_step(packed, mlp.batch, modes=modes)
         text = compiled.as_text()
-        sent, by_kind = _links.hlo_sent_bytes(text), comm.collective_report(text).bytes_by_kind()
+        sent = _links.hlo_sent_bytes(text, stage_mesh)
+        by_kind = comm.collective_report(text).bytes_by_kind()
         assert sent["forward"] == counts["forward_bytes"], modes
         assert sent["backward"] == counts["backward_bytes"], modes
         by_kind.pop("collective-permute")

@@ -66,7 +66,7 @@ def test_distributed_equals_simulated_and_sends_theory_bytes(
         key = jax.random.key(i)
         if compress not in compiled:
             compiled[compress] = step.lower(packed, mlp.batch, states, key, compress).compile()
-            _check_bytes(compiled[compress], pipe, sim, params, mlp.batch, compress)
+            _check_bytes(compiled[compress], pipe, sim, params, mlp.batch, compress, stage_mesh)
         loss, grads, new_states, metrics = compiled[compress](packed, mlp.batch, states, key)
         s_loss, s_grads, s_states, s_metrics = sim_step(
             params, mlp.batch, sim_states, key, compress=compress
@@ -81,14 +81,14 @@ def test_distributed_equals_simulated_and_sends_theory_bytes(
         states, sim_states = new_states, s_states
 
 
-def _check_bytes(compiled, pipe, sim, params, batch, compress):
+def _check_bytes(compiled, pipe, sim, params, batch, compress, stage_mesh):
     """The program's sends, read from its compiled HLO, are the theoretical payload bytes, in
     each direction."""
     counts = pipe.bytes_per_step(params, batch, compress=compress)
     assert counts == sim.bytes_per_step(params, batch, compress=compress)
     text = compiled.as_text()
     report = comm.collective_report(text)
-    sent = _links.hlo_sent_bytes(text)
+    sent = _links.hlo_sent_bytes(text, stage_mesh)
     assert sent["forward"] == counts["forward_bytes"]
     assert sent["backward"] == counts["backward_bytes"]
     by_kind = report.bytes_by_kind()
@@ -198,7 +198,7 @@ def test_compressed_evaluation_applies_each_forward_codec_with_the_documented_ke
     np.testing.assert_allclose(loss, s_loss, rtol=1e-5)
     forward_only = pipe.bytes_per_step(params, mlp.batch, compress=True, train=False)
     assert metrics["wire_bytes"] == forward_only["wire_bytes"] < forward_only["dense_bytes"]
-    sent = _links.hlo_sent_bytes(compiled.as_text())
+    sent = _links.hlo_sent_bytes(compiled.as_text(), stage_mesh)
     assert sent["forward"] == forward_only["wire_bytes"] == forward_only["forward_bytes"]
     assert sent["backward"] == 0
 

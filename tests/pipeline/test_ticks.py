@@ -49,7 +49,7 @@ def test_boundaries_of_different_sizes_send_no_padding(stage_mesh, pack, tools):
     tools.close(grads.unpack(), ref_grads)
 
     payloads = [2 * 4 * n for n in (8 * 8 * 4, 4 * 4 * 8, 2 * 2 * 16)]  # microbatches of 2 rows
-    sent = _links.hlo_sent_bytes(compiled.as_text())
+    sent = _links.hlo_sent_bytes(compiled.as_text(), stage_mesh)
     counts = pipe.bytes_per_step(params, cnn.batch)
     assert sent["forward"] == sent["backward"] == cnn.M * sum(payloads) == 14336
     assert counts["forward_bytes"] == counts["backward_bytes"] == 14336
@@ -64,7 +64,7 @@ def test_one_permute_per_tick_and_direction_for_boundaries_alike(mlp, stage_mesh
     params = pack(mlp.params)
     states = pipe.init(params, mlp.batch)
     text = jax.jit(pipe.step).lower(params, mlp.batch, states, None).compile().as_text()
-    sent = _links.hlo_sent_bytes(text)
+    sent = _links.hlo_sent_bytes(text, stage_mesh)
     # 6 forward ticks send (1, 2, 3, 3, 2, 1 boundaries) and 6 backward: 24 sends, 12 permutes
     assert sent["permutes"] == _moves("gpipe", 4, mlp.M) == 12
     assert sent["forward"] == sent["backward"] == mlp.M * 3 * 2 * 16 * 4
@@ -90,7 +90,7 @@ def test_heterogeneous_compressed_payloads_equal_the_simulation(het, stage_mesh,
     s_loss, s_grads, _, s_metrics = jax.jit(sim.step)(het.params, het.batch, sim_states, key)
     np.testing.assert_allclose(loss, s_loss, rtol=1e-5)
     tools.close(grads.unpack(), s_grads)
-    sent = _links.hlo_sent_bytes(compiled.as_text())
+    sent = _links.hlo_sent_bytes(compiled.as_text(), stage_mesh)
     counts = pipe.bytes_per_step(params, het.batch)
     shapes = [jax.ShapeDtypeStruct((2, w), np.float32) for w in WIDTHS[1:-1]]
     sizes = [_links.link_bytes(link, s, True) for s in shapes]

@@ -72,7 +72,7 @@ def test_shared_mask_by_rows_equals_the_row_masked_model_and_sends_values_only(
     assert np.abs(np.asarray(dense_grads[0]["w"]) - np.asarray(grads.unpack()[0]["w"])).max() > 1e-3
     # on the wire: forward K values + K uint8 indices per row, backward the K values only
     rows = 3 * len(batch["ids"]) * TOKENS  # 3 boundaries
-    sent = _links.hlo_sent_bytes(compiled.as_text())
+    sent = _links.hlo_sent_bytes(compiled.as_text(), stage_mesh)
     assert sent["forward"] == rows * K * 5
     assert sent["backward"] == rows * K * 4
     assert metrics["wire_bytes"] == rows * K * 9

@@ -46,7 +46,7 @@ def main(repo):
             params = pipeline.pack_params(fx.params, NamedSharding(mesh, P("stage")))
             states = pipe.init(params, fx.batch)
             lowered = jax.jit(pipe.step).lower(params, fx.batch, states, jax.random.key(0))
-            sent = _links.hlo_sent_bytes(lowered.compile().as_text())
+            sent = _links.hlo_sent_bytes(lowered.compile().as_text(), mesh)
             mb = fx.batch["x"].shape[0] // fx.M
             x, y = fx.batch["x"][:mb], fx.batch["label"][:mb]
             shapes, _ = _links.boundary_shapes(fx.model, fx.params, x, y)

@@ -1,0 +1,134 @@
+"""The HLO boundary-bytes meter (``_links.hlo_sent_bytes``): a permute is a boundary send by
+the mesh's stage axis and by being the program's ``ppermute``, not by device-id steps."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcomp import comm
+from jaxcomp import compressors as C
+from jaxcomp import feedback as F
+from jaxcomp import pipeline
+from jaxcomp.pipeline import _links
+
+PPERMUTE = 'metadata={op_name="jit(step)/shard_map/ppermute" stack_frame_id=1}'
+SLICE = 'metadata={op_name="jit(step)/slice" stack_frame_id=2}'
+
+
+def _module(*permutes):
+    """A module of 8 partitions holding ``(shape, pairs, metadata)`` permutes."""
+    lines = []
+    for i, (shape, pairs, meta) in enumerate(permutes):
+        listed = ",".join(f"{{{s},{d}}}" for s, d in pairs)
+        lines.append(
+            f"  %cp.{i} = {shape} collective-permute(%x), channel_id={i + 1}, "
+            f"source_target_pairs={{{listed}}}, {meta}"
+        )
+    return "\n".join(
+        [
+            "HloModule jit_step, num_partitions=8",
+            "",
+            "ENTRY %main (x: u8[40]) -> u8[40] {",
+            "  %x = u8[40]{0} parameter(0)",
+            *lines,
+            "  ROOT %o = u8[40]{0} copy(%x)",
+            "}",
+        ]
+    )
+
+
+def _meshes():
+    devices = jax.devices()[:8]
+    return (
+        comm.make_mesh([("data", 2), ("stage", 4)], devices),  # position = 4 data + stage
+        comm.make_mesh([("stage", 4), ("data", 2)], devices),  # position = 2 stage + data
+    )
+
+
+def test_meter_classifies_by_the_stage_axis_and_the_ppermute():
+    data_stage, stage_data = _meshes()
+    # (data, stage): a tick's forward and backward moves in both replicas; the partitioner's
+    # gather of stage rows to stage 0 (unpacked gradients: (1, 0) steps -1 like a backward
+    # send, (2, 0) by -2); a data-axis ppermute
+    text = _module(
+        ("u8[12]{0}", [(0, 1), (1, 2), (4, 5), (5, 6)], PPERMUTE),
+        ("u8[40]{0}", [(1, 0), (5, 4)], PPERMUTE),
+        ("f32[1,272]{1,0}", [(1, 0), (5, 4)], SLICE),
+        ("f32[1,272]{1,0}", [(2, 0), (6, 4)], SLICE),
+        ("u8[40]{0}", [(0, 4), (4, 0)], PPERMUTE),
+    )
+    sent = _links.hlo_sent_bytes(text, data_stage)
+    assert sent == {
+        "total": 4 * 12 + 2 * 40 + 4 * 1088 + 2 * 40,
+        "forward": 4 * 12,
+        "backward": 2 * 40,
+        "other": 4 * 1088 + 2 * 40,
+        "permutes": 2,
+    }
+    # (stage, data): a boundary steps by the data size, a data-axis ppermute by 1
+    text = _module(
+        ("u8[12]{0}", [(0, 2), (1, 3), (2, 4), (3, 5)], PPERMUTE),
+        ("u8[40]{0}", [(2, 0), (3, 1)], PPERMUTE),
+        ("u8[8]{0}", [(0, 1), (2, 3), (4, 5), (6, 7)], PPERMUTE),
+        ("u8[8]{0}", [(1, 0), (3, 2)], PPERMUTE),
+        ("u8[8]{0}", [(0, 4), (1, 5)], PPERMUTE),  # two stages up: no boundary
+        ("u8[8]{0}", [(0, 2), (4, 2)], PPERMUTE),  # up and down in one permute: no boundary
+    )
+    sent = _links.hlo_sent_bytes(text, stage_data)
+    assert (sent["forward"], sent["backward"], sent["other"]) == (48, 80, 4 * 8 + 3 * 2 * 8)
+    assert sent["permutes"] == 2
+
+
+def test_meter_refuses_a_text_it_cannot_classify():
+    data_stage, _ = _meshes()
+    text = _module(("u8[40]{0}", [(1, 0), (5, 4)], PPERMUTE))
+    with pytest.raises(ValueError, match="no op_name metadata"):
+        _links.hlo_sent_bytes(text.replace(", " + PPERMUTE, ""), data_stage)
+    with pytest.raises(ValueError, match="8 partitions, the mesh has 4 devices"):
+        _links.hlo_sent_bytes(text, pipeline.pipeline_mesh(4, jax.devices()[:4]))
+    outside = text.replace("num_partitions=8", "num_partitions=4").replace("{5,4}", "{3,4}")
+    with pytest.raises(ValueError, match=r"pair \(3, 4\) names a device outside"):
+        _links.hlo_sent_bytes(outside, pipeline.pipeline_mesh(4, jax.devices()[:4]))
+
+
+N = 8  # sample ids of the per-sample link
+LINKS = {
+    "aq_sgd": pipeline.link(
+        F.aq_sgd(C.quantize(4), N), F.error_feedback(C.top_k(0.5), num_samples=N)
+    ),
+    "top_k": pipeline.link(C.top_k(0.25), C.top_k(0.5)),
+}
+RUNS = [(n, s) for n in sorted(LINKS) for s in pipeline.SCHEDULES]
+#: the fast tier's run (every other in the slow tier)
+FAST_RUN = ("top_k", "gpipe")
+
+
+@pytest.mark.parametrize(
+    "name, schedule",
+    [r if r == FAST_RUN else pytest.param(*r, marks=pytest.mark.slow) for r in RUNS],
+)
+def test_data_by_stage_meter_is_replicas_times_step_bytes(name, schedule, tools):
+    """On a (data 2 x stage 4) mesh with unpacked parameters (the step gathers the
+    stage-sharded gradient: permutes of its rows towards stage 0), each direction's boundary
+    bytes are R times one pipeline replica's payloads: the program sends the payloads, no
+    more, and the meter counts them and only them."""
+    mlp = tools.make_mlp(num_microbatches=4, microbatch=1)
+    batch = {k: jnp.concatenate([v, v]) for k, v in mlp.batch.items()}  # 2 x 4 rows
+    mesh = pipeline.pipeline_mesh(4)
+    replicas = mesh.shape["data"]
+    pipe = pipeline.distribute(
+        mlp.model, pipeline.PipelineConfig(mlp.M, LINKS[name], schedule=schedule), mesh
+    )
+    states = pipe.init(mlp.params, batch)
+    step = jax.jit(pipe.step, static_argnames="compress")
+    text = step.lower(mlp.params, batch, states, jax.random.key(0), True).compile().as_text()
+    counts = pipe.bytes_per_step(mlp.params, batch, compress=True)
+    sent = _links.hlo_sent_bytes(text, mesh)
+    assert sent["forward"] == replicas * counts["forward_bytes"] > 0
+    assert sent["backward"] == replicas * counts["backward_bytes"] > 0
+    assert counts["wire_bytes"] < counts["dense_bytes"]
+    # the premise (what the meter once counted as backward sends): the other permutes are the
+    # gather of stages 1 .. S - 1's gradient rows (f32) to stage 0, in each replica
+    row = np.dtype(np.float32).itemsize * sum(p.size for p in jax.tree.leaves(mlp.params[0]))
+    assert sent["other"] == (mesh.shape["stage"] - 1) * replicas * row
