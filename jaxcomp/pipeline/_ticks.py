@@ -35,6 +35,7 @@ same way, and a tick's move once per set of boundaries and direction (:class:`Li
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
@@ -321,6 +322,24 @@ def _tick(prog, plan, ops, sends, carry, t, kinds, local, x, labels, ids, key, t
     )  # fmt: skip
 
 
+def move_pieces(sizes: Sequence[int]) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    r"""The permutes of one move whose payloads are ``sizes`` bytes (in the move's order), as
+    :func:`move_boundaries` cuts them: per distinct non-zero size :math:`n_j`, ascending,
+    ``(n_{j-1}, n_j, members)``, bytes :math:`[n_{j-1}, n_j)` of every payload of at least
+    :math:`n_j` bytes (``members``: their positions; :math:`n_0 = 0`). Payloads alike are one
+    piece, the whole payload: the one permute they move in.
+
+    Example:
+      >>> move_pieces([512, 128, 512])
+      ((0, 128, (0, 1, 2)), (128, 512, (0, 2)))
+    """
+    out, low = [], 0
+    for high in sorted(set(sizes) - {0}):
+        out.append((low, high, tuple(i for i, n in enumerate(sizes) if n >= high)))
+        low = high
+    return tuple(out)
+
+
 def move_boundaries(boundaries: tuple[int, ...], reverse: bool) -> Any:
     r"""The ``ppermute`` ops that move the payloads of every boundary in ``boundaries`` (pairs
     ``(b, b + 1)``, or ``(b + 1, b)`` when ``reverse``), as ``move(stage, payloads) ->
@@ -364,17 +383,13 @@ def move_boundaries(boundaries: tuple[int, ...], reverse: bool) -> Any:
             chosen = select(sender, payloads, members)
             got = move_as_bits(lambda x: lax.ppermute(x, _mesh.STAGE, pairs), chosen)
             return (got,) * len(boundaries)
-        sizes = [byte_size(s) for s in structs]
         vectors = [to_bytes(p) for p in payloads]
         pieces = [[] for _ in boundaries]
-        low = 0
-        for high in sorted(set(sizes) - {0}):
-            members = [i for i, n in enumerate(sizes) if n >= high]
+        for low, high, members in move_pieces([byte_size(s) for s in structs]):
             chosen = select(sender, [vectors[i][low:high] for i in members], members)
             got = lax.ppermute(chosen, _mesh.STAGE, [pairs[i] for i in members])
             for i in members:
                 pieces[i].append(got)
-            low = high
         return tuple(
             from_bytes(jnp.concatenate(p) if p else jnp.zeros((0,), jnp.uint8), s)
             for p, s in zip(pieces, structs)

@@ -365,6 +365,16 @@ def build_pipeline(
         "boundary_dense_bytes_per_step": float(counts["dense_bytes"]),
         "hlo_collective_bytes_per_step": hlo,
         "permutes_per_step": sent["permutes"],
+        # each permute's pairs and bytes: the cost model plays them (study._moves)
+        "boundary_permutes": [
+            {
+                "bytes_per_execution": r.bytes_per_execution,
+                "pairs": [list(p) for p in r.pairs],
+                "executions": r.executions,
+            }
+            for r in report.records
+            if r.kind == "collective-permute"
+        ],
         "microbatches": m,
         "links": names,
         "schedule": cfg["schedule"],

@@ -9,6 +9,7 @@ import pytest
 
 from jaxcomp import models
 from jaxcomp import train
+from jaxcomp.study import _moves
 from jaxcomp.train import _config
 from jaxcomp.train import _precision
 from jaxcomp.train import _trainer
@@ -147,6 +148,10 @@ def test_bfloat16_pipeline_sends_16_bit_boundaries_and_keeps_float32_parameters(
     # GPipe 4 x 4: one permute per tick and direction (12), counted times its pairs in the
     # HLO bytes, beside the loss's and metrics' all-reduces
     assert s.mode.extra["permutes_per_step"] == 12
+    # each permute recorded for the cost model: 8 rows x 16 features x 2 bytes per send
+    permutes = s.mode.extra["boundary_permutes"]
+    assert sum(p["executions"] for p in permutes) == 12
+    assert _moves.boundary_payloads(permutes, 4, 4) == [(256, 256)] * 3
     assert 6144 < s.mode.extra["hlo_collective_bytes_per_step"] <= 6144 + 64
     state = s.mode.init(jax.random.key(0))
     batch = _first_batch(s)

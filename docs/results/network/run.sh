@@ -6,6 +6,7 @@
 #     (TAG=NAME: a new series of pipeline cells)
 #   tools/cpu-all docs/results/network/run.sh diagnosis      # where the time goes
 #   tools/cpu-all docs/results/network/run.sh pipeline-idle  # the pipeline without slow start
+#   tools/cpu-all docs/results/network/run.sh pipeline-het   # boundaries of different sizes
 #   tools/cpu-all docs/results/network/run.sh 2x1            # one device per host
 #   tools/cpu-all docs/results/network/run.sh hier RATE      # hierarchical mesh vs flat dense
 #     (ROUNDS=N rounds, default 2; TAG=NAME: cells named ...-RATE-NAME-rN, a new series)
@@ -69,6 +70,8 @@ PSGD=(--set 'data_parallel.transform="compressed_mean"'
       --set 'data_parallel.codec={"name": "power_sgd", "rank": 2, "feedback": "ef"}')
 TARGETS=(--target 0.97)
 SHORT=(--set total_steps=60 --set eval_every=0 --set log_every=20 --set checkpoint_every=0)
+PIPE_ONE=(--set 'mesh=[("stage", 4)]' --set total_steps=60 --set eval_every=20
+          --set log_every=20 --set checkpoint_every=0)  # a pipeline cell, one stage per host
 case "$what" in
   diagnosis)  # TCP slow start after idle gaps
     HOSTS=2 DEVICES=4
@@ -186,18 +189,32 @@ case "$what" in
     ;;
   pipeline)
     HOSTS=4 DEVICES=1
-    ONE=(--set 'mesh=[("stage", 4)]' --set total_steps=60 --set eval_every=20
-         --set log_every=20 --set checkpoint_every=0)
+    ONE=("${PIPE_ONE[@]}")
     IDENTITY=(--set 'pipeline.forward="identity"' --set 'pipeline.backward="identity"')
     # TAG=NAME: a new series, cells ...-RATE-NAME and variants pipeline-*-NAME (TAG=tick: one
     # permute per tick and direction, docs/results/network/pipeline_model.md)
     for rate in ${PIPE_RATES:-unlimited 100mbit}; do
       calibrate "per_host-4x1-$rate" 4 1 "$rate"
-      for v in quantized identity; do
+      for v in ${PIPE_VARIANTS:-quantized identity}; do
         links=(); [ $v = identity ] && links=("${IDENTITY[@]}")
         cell "pipeline-$v-4x1-$rate${TAG:+-$TAG}" "pipeline-$v${TAG:+-$TAG}" "$rate" \
           "per_host-4x1-$rate" configs/digits_pipeline.py "${ONE[@]}" "${links[@]}"
       done
+    done
+    ;;
+  pipeline-het)  # boundaries of different sizes: identity, quantize 4/8, identity
+    # (docs/results/network/README.md, "Boundaries of different sizes"; PIPE_RATES and TAG as
+    # above; PIPE_VARIANTS="identity" runs only the identity cells of `pipeline`)
+    HOSTS=4 DEVICES=1
+    ONE=("${PIPE_ONE[@]}")
+    Q='{"forward": {"name": "quantize", "bits": 4, "scale": "feature"},'
+    Q+=' "backward": {"name": "quantize", "bits": 8}}'
+    I='{"forward": "identity", "backward": "identity"}'
+    for rate in ${PIPE_RATES:-unlimited 100mbit}; do
+      calibrate "per_host-4x1-$rate" 4 1 "$rate"
+      cell "pipeline-het-4x1-$rate${TAG:+-$TAG}" "pipeline-het${TAG:+-$TAG}" "$rate" \
+        "per_host-4x1-$rate" \
+        configs/digits_pipeline.py "${ONE[@]}" --set "pipeline.boundaries=[$I, $Q, $I]"
     done
     ;;
   pipeline-idle)  # identity links at 10 Mbit/s without TCP slow start after idle
