@@ -20,6 +20,8 @@ from jaxcomp import train
 from jaxcomp.main import load_config
 from jaxcomp.train import _trainer
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 REPO = pathlib.Path(__file__).parents[2]
 EVENTS = ("jaxpr_trace_duration", "jaxpr_to_mlir_module_duration", "backend_compile_duration")
 
