@@ -15,8 +15,6 @@ from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import feedback
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 X = jnp.ones((8, 6))
 TOPK = compressors.top_k(0.5)
 Q8 = compressors.quantize(8)

@@ -15,8 +15,6 @@ from jaxcomp.train import _dp_mode
 from jaxcomp.train import _mode
 from jaxcomp.train import _writers
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def test_check_names_writers_and_extras(monkeypatch):
     assert _writers.check(None) == () and _writers.check("tensorboard") == ("tensorboard",)
