@@ -12,6 +12,8 @@ from jaxcomp import compressors
 from jaxcomp import feedback
 from jaxcomp.comm import _reduce
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 W = 4
 SHAPE = (64, 32)
 

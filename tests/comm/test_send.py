@@ -13,6 +13,8 @@ from jaxcomp import compressors as C
 from jaxcomp import feedback as F
 from jaxcomp.comm import _send
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 S, SRC, DST = 4, 1, 2
 SHAPE = (2, 8)  # per device
 MESH = jax.make_mesh((S,), (comm.STAGE,), devices=jax.devices()[:S])

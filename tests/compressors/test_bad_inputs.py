@@ -14,6 +14,8 @@ import pytest
 
 from jaxcomp import compressors as C
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 KEY = jax.random.key(0)
 
 

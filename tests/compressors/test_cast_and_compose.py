@@ -7,6 +7,8 @@ import pytest
 
 from jaxcomp import compressors
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 KEY = jax.random.key(0)
 
 

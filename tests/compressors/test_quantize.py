@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from jaxcomp import compressors
 from jaxcomp.compressors import _bitpack
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 KEY = jax.random.key(0)
 
 

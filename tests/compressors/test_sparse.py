@@ -273,7 +273,11 @@ def test_rand_k_non_finite_input_poisons_the_payload():
     assert np.all(np.isnan(roundtrip(codec, x)[0].values))
 
 
+# the last two tests: a trace count and the select's sets against numpy in every context, no
+# bits of the optimised program; unoptimised (``fast_compiles`` stays on to the end of the
+# module once a test asks for it, so they come last)
 @pytest.mark.slow
+@pytest.mark.usefixtures("fast_compiles")
 def test_exact_top_k_called_eagerly_traces_the_select_once(caplog):
     """Called eagerly (a notebook), the sort-free select ran its ~550 small ops one by one,
     each traced and compiled on its own (~13 s for a new shape); now one jitted program."""
@@ -320,6 +324,7 @@ def test_exact_top_k_called_eagerly_traces_the_select_once(caplog):
     ],
     ids=["per_sample", "tensor", "blockwise_512", "k_all", "k_all_per_sample", "k_all_blocks"],
 )
+@pytest.mark.usefixtures("fast_compiles")
 def test_sort_free_select_runs_under_shard_map(codec, shape, rows, k):
     # shapes past the lax.top_k shortcut: the select's loops carry per-device (varying)
     # values, which shard_map's type check rejects if an initial carry is a constant; each

@@ -13,6 +13,8 @@ import pytest
 from jaxcomp import compressors
 from jaxcomp.compressors import _base
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 X3 = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
 
 

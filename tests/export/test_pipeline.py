@@ -14,6 +14,8 @@ from jaxcomp import feedback as F
 from jaxcomp import pipeline
 from jaxcomp._bits import byte_size
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 S, M, MB, D = 4, 4, 2, 16
 N = M * MB
 ACTIVATION = f"tensor<{MB}x{D}xf32>"  # one microbatch's activation, uncompressed
@@ -33,6 +35,13 @@ LINKS = {
     ),
 }
 SCHEDULES = tuple(getattr(pipeline, "SCHEDULES", ("gpipe",)))
+#: every link under GPipe; under the other schedules, the links whose state lives from a
+#: microbatch's forward to its backward (AQ-SGD's per-sample caches and its EF backward, the
+#: shared mask): a payload's types are the link's, whatever the schedule; what a schedule
+#: changes is when the sends happen and which branch each stage takes
+RUNS = [(n, "gpipe") for n in sorted(LINKS)] + [
+    (n, s) for s in SCHEDULES if s != "gpipe" for n in ("aq_sgd", "shared_mask")
+]
 
 
 def _stage(p, x):
@@ -78,8 +87,7 @@ def _payload_sends(channel, lowering):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("name", sorted(LINKS))
+@pytest.mark.parametrize("name, schedule", RUNS)
 def test_pipeline_step_and_evaluate_export(name, schedule, setup, lowering):
     mesh, model, packed, batch = setup
     link = LINKS[name]

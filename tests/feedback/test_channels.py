@@ -12,6 +12,8 @@ from jaxcomp import comm
 from jaxcomp import compressors
 from jaxcomp import feedback
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 KEY = jax.random.key(0)
 TOPK = compressors.top_k(0.25)
 Q4 = compressors.quantize(4, scale="feature")

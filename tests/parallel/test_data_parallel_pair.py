@@ -14,6 +14,8 @@ from jaxcomp import feedback
 from jaxcomp import parallel
 from jaxcomp import transforms
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 SLOW, FAST = "slow", "fast"
 RNG = np.random.default_rng(1)
 PARAMS = {"w": RNG.standard_normal((6, 3)).astype(np.float32), "b": np.zeros(3, np.float32)}

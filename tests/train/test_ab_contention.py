@@ -23,6 +23,8 @@ from jaxcomp.main import load_config
 from jaxcomp.train import _ab_mode
 from jaxcomp.train import _trainer
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 REPO = pathlib.Path(__file__).parents[2]
 
 

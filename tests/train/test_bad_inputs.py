@@ -14,6 +14,8 @@ import pytest
 from jaxcomp import main
 from jaxcomp import train
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def _config():
     c = ml_collections.ConfigDict()

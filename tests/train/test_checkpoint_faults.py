@@ -18,6 +18,8 @@ import pytest
 from jaxcomp import train
 from jaxcomp.train import _checkpoint
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def _saved(tmp_path, steps=(4, 8)):
     ckpt = train.Checkpointer(str(tmp_path), keep=2)

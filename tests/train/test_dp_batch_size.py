@@ -8,6 +8,8 @@ import pytest
 from jaxcomp import train
 from jaxcomp.study import _report
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def dp_config(**data_parallel):
     c = train.with_defaults(

@@ -8,6 +8,8 @@ import pytest
 from jaxcomp import train
 from jaxcomp.train import _trainer
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 @pytest.mark.slow  # a pipeline-mode setup (9 s); the NNX stages are in tests/pipeline
 def test_nnx_mlp_trains_in_pipeline_mode_with_a_per_leaf_optimizer(make_config):

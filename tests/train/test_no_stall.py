@@ -79,74 +79,6 @@ def _tiny(make_config, mode):
     )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["dense", "data_parallel", "pipeline"])
-def test_evaluation_and_checkpoints_compile_nothing_after_the_first_step(
-    make_config, mode, tmp_path, monkeypatch
-):
-    config = _tiny(make_config, mode)
-    summary, events = _run_counting_compiles(config, tmp_path, monkeypatch)
-    assert summary["steps"] == 8
-    assert any(n == -1 for *_, n in events)  # the listener saw setup's compiles
-    late = [e for e in events if e[2] >= 1]
-    assert not late, late
-    _assert_init_and_evaluation_compiled_at_setup(events, **SETUP_PROGRAMS[mode])
-
-
-#: What each mode compiles in its build besides its step programs (``init``: the state's or the
-#: model's init; ``also``: further programs), and the small programs its state init may still
-#: compile when the trainer calls it (data parallel: its per-leaf copies and placements).
-SETUP_PROGRAMS = {
-    "dense": {},
-    "data_parallel": {
-        "also": ("jit(init_fn)", "jit(check)"),
-        "at_init": {"jit(copy)", "jit(place)"},
-    },
-    "pipeline": {"init": "jit(full_init)"},
-}
-
-
-def _assert_init_and_evaluation_compiled_at_setup(
-    events, init="jit(init)", also=(), at_init=frozenset()
-):
-    """The mode's state init and evaluation step compile beside its step programs, in its
-    build (side by side: jaxcomp._compile); their calls later are served by JAX's caches.
-    What compiles after the build is the trainer's own key handling (and data parallel's
-    placement copies)."""
-    compiled = [(f, n) for e, f, n in events if e == "backend_compile_duration"]
-    for name in (init, "jit(eval_step)", *also):
-        assert (name, -1) in compiled and (name, 0) not in compiled, compiled
-    keys = {"jit(stage)", "jit(_threefry_seed)", "jit(_threefry_fold_in)",
-            "jit(convert_element_type)", *at_init}  # fmt: skip
-    assert {f for f, n in compiled if n == 0} <= keys, compiled
-
-
-def test_a_resumed_run_compiles_nothing_after_its_first_step(make_config, tmp_path, monkeypatch):
-    """Restoring verifies the checkpoint with the same compiled digest the saves use."""
-    config = _tiny(make_config, "dense")
-    assert train.train_and_evaluate(config, str(tmp_path), stop_after=4) == {"stopped_at": 4}
-    summary, events = _run_counting_compiles(config, tmp_path, monkeypatch)
-    assert summary["steps"] == 8
-    late = [e for e in events if e[2] >= 1]
-    assert not late, late
-
-
-@pytest.mark.slow  # a setup of AB's step programs; the fast tier: the dense resumed run above
-def test_ab_mode_compiles_nothing_after_the_first_step(tmp_path, monkeypatch):
-    """The smoke AB config (warm-up 1, S = 2, D = 1): every step kind runs by step 4; its step
-    programs are compiled at setup, evaluation and checkpoints before step 1."""
-    config = load_config(f"{REPO}/configs/digits_ab.py:smoke")
-    config = train.apply_overrides(
-        config, {"total_steps": 6, "log_every": 1, "eval_every": 3, "checkpoint_every": 2}
-    )
-    summary, events = _run_counting_compiles(config, tmp_path, monkeypatch)
-    assert summary["steps"] == 6
-    late = [e for e in events if e[2] >= 1]
-    assert not late, late
-    # the factors' init (AB's optimizer state) compiles beside the step programs too
-    _assert_init_and_evaluation_compiled_at_setup(events, also=("jit(init_state)",))
-
-
 def test_dense_setup_compiles_only_the_training_step_init_and_evaluation(make_config):
     """Building the dense mode lowers the training step, the state init and the evaluation
     step (compiled side by side) and nothing else: the abstract state comes from an abstract
@@ -199,3 +131,79 @@ def test_a_state_saved_from_host_copies_restores_every_dtype_and_sharding(tmp_pa
         assert isinstance(back[k], jax.Array), k
         assert back[k].dtype == v.dtype and back[k].sharding == state[k].sharding, k
         np.testing.assert_array_equal(np.asarray(back[k]), v)
+
+
+# the two tests above run with XLA's optimisations on (the dense setup lowers the split
+# init only then); the runs below count compiles, not bits: unoptimised (``fast_compiles``
+# stays on to the end of the module once a test asks for it, so they come last)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dense", "data_parallel", "pipeline"])
+@pytest.mark.usefixtures("fast_compiles")
+def test_evaluation_and_checkpoints_compile_nothing_after_the_first_step(
+    make_config, mode, tmp_path, monkeypatch
+):
+    config = _tiny(make_config, mode)
+    summary, events = _run_counting_compiles(config, tmp_path, monkeypatch)
+    assert summary["steps"] == 8
+    assert any(n == -1 for *_, n in events)  # the listener saw setup's compiles
+    late = [e for e in events if e[2] >= 1]
+    assert not late, late
+    _assert_init_and_evaluation_compiled_at_setup(events, **SETUP_PROGRAMS[mode])
+
+
+#: What each mode compiles in its build besides its step programs (``init``: the state's or the
+#: model's init; ``also``: further programs), and the small programs its state init may still
+#: compile when the trainer calls it (data parallel: its per-leaf copies and placements).
+SETUP_PROGRAMS = {
+    "dense": {},
+    "data_parallel": {
+        "also": ("jit(init_fn)", "jit(check)"),
+        "at_init": {"jit(copy)", "jit(place)"},
+    },
+    "pipeline": {"init": "jit(full_init)"},
+}
+
+
+def _assert_init_and_evaluation_compiled_at_setup(
+    events, init="jit(init)", also=(), at_init=frozenset()
+):
+    """The mode's state init and evaluation step compile beside its step programs, in its
+    build (side by side: jaxcomp._compile); their calls later are served by JAX's caches.
+    What compiles after the build is the trainer's own key handling (and data parallel's
+    placement copies)."""
+    compiled = [(f, n) for e, f, n in events if e == "backend_compile_duration"]
+    for name in (init, "jit(eval_step)", *also):
+        assert (name, -1) in compiled and (name, 0) not in compiled, compiled
+    keys = {"jit(stage)", "jit(_threefry_seed)", "jit(_threefry_fold_in)",
+            "jit(convert_element_type)", *at_init}  # fmt: skip
+    assert {f for f, n in compiled if n == 0} <= keys, compiled
+
+
+@pytest.mark.usefixtures("fast_compiles")
+def test_a_resumed_run_compiles_nothing_after_its_first_step(make_config, tmp_path, monkeypatch):
+    """Restoring verifies the checkpoint with the same compiled digest the saves use."""
+    config = _tiny(make_config, "dense")
+    assert train.train_and_evaluate(config, str(tmp_path), stop_after=4) == {"stopped_at": 4}
+    summary, events = _run_counting_compiles(config, tmp_path, monkeypatch)
+    assert summary["steps"] == 8
+    late = [e for e in events if e[2] >= 1]
+    assert not late, late
+
+
+@pytest.mark.slow  # a setup of AB's step programs; the fast tier: the dense resumed run above
+@pytest.mark.usefixtures("fast_compiles")
+def test_ab_mode_compiles_nothing_after_the_first_step(tmp_path, monkeypatch):
+    """The smoke AB config (warm-up 1, S = 2, D = 1): every step kind runs by step 4; its step
+    programs are compiled at setup, evaluation and checkpoints before step 1."""
+    config = load_config(f"{REPO}/configs/digits_ab.py:smoke")
+    config = train.apply_overrides(
+        config, {"total_steps": 6, "log_every": 1, "eval_every": 3, "checkpoint_every": 2}
+    )
+    summary, events = _run_counting_compiles(config, tmp_path, monkeypatch)
+    assert summary["steps"] == 6
+    late = [e for e in events if e[2] >= 1]
+    assert not late, late
+    # the factors' init (AB's optimizer state) compiles beside the step programs too
+    _assert_init_and_evaluation_compiled_at_setup(events, also=("jit(init_state)",))

@@ -14,6 +14,8 @@ from jaxcomp.train import _config
 from jaxcomp.train import _precision
 from jaxcomp.train import _trainer
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def _first_batch(s):
     batch, _ = s.train_loader.next(s.train_loader.initial_state())

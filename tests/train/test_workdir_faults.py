@@ -31,6 +31,8 @@ from jaxcomp.train import _lock
 from jaxcomp.train import _trainer
 from jaxcomp.train import _workdir
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 ROOT = pathlib.Path(__file__).parents[2]
 CONFIG = str(ROOT / "configs" / "digits_dense.py") + ":smoke"
 TINY = {"model.hidden": (32, 32, 32), "batch_size": 64, "eval_batch_size": 120, "lr": 3e-3}

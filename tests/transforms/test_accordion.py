@@ -20,6 +20,8 @@ from jaxcomp.comm import _hlo
 from jaxcomp.transforms import HIGH_COMPRESSION as HIGH
 from jaxcomp.transforms import LOW_COMPRESSION as LOW
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 W = 4
 PARAMS = {"a": jnp.zeros((16, 16)), "b": jnp.zeros((16, 8)), "bias": jnp.zeros((8,))}
 DIRECTIONS = {

@@ -16,6 +16,8 @@ from jaxcomp import compressors
 from jaxcomp import feedback
 from jaxcomp import transforms
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 TOPK = compressors.top_k(0.25)
 PARAMS = {"w": jnp.zeros((8, 6))}
 mean = transforms.compressed_mean

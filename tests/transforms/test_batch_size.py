@@ -13,6 +13,8 @@ from jaxcomp import feedback
 from jaxcomp import parallel
 from jaxcomp import transforms
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 PARAMS = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((3,))}
 DIRECTION = {
     "w": np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32),

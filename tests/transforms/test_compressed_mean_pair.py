@@ -15,6 +15,8 @@ from jaxcomp import compressors as C
 from jaxcomp import feedback as F
 from jaxcomp import transforms as T
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 SLOW, FAST = "slow", "fast"
 SHAPE = (64, 32)
 FAST_GROUPS = [[0, 1, 2, 3], [4, 5, 6, 7]]  # devices of one host

@@ -16,6 +16,8 @@ from jaxcomp import compressors
 from jaxcomp import transforms
 from jaxcomp.compressors import _low_rank
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 W = 4
 # large enough that rank 4 compresses them (no dense fallback): 6.9x and 3.3x
 PARAMS = {"dense": jnp.zeros((64, 48)), "conv": jnp.zeros((3, 3, 8, 16))}

@@ -23,6 +23,8 @@ from jaxcomp import feedback
 from jaxcomp import parallel
 from jaxcomp import transforms
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 W = 4
 PARAMS = {"w": jnp.zeros((8, 6)), "b": jnp.zeros((6,))}
 
