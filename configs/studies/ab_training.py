@@ -14,9 +14,8 @@ AB mode reports each step by its kind: full-rank, AB, sync); its state plot show
 the mean rank and the parameter compression ratio over time. 2 variants x 2 optimizers x 2
 seeds = 8 runs.
 
-Expected runtime: 83 s (1.4 min) measured for the whole study on 2 shared CPU cores (load
-average ~6; docs/results/ab_training/report.md; the persistent compilation cache makes the
-repeated programs cheap). ``--smoke``: 8 runs of 2 steps.
+Expected runtime: ~40 s on 2 idle cores (see docs/results/studies_runtime.md).
+``--smoke``: 8 runs of 2 steps.
 
 Findings tested (Coquelin et al., 2024, abstract; SPEC.md section 3.1): AB-Training reduces
 network traffic by 50% (v1) / ~70% (v2) against data parallelism at competitive accuracy; it

@@ -17,9 +17,8 @@ Why these levels: on the digits MLP rank 1 matched rank 2, so there was no gap t
 validation perplexity 12.4 (rank 1) vs 9.3 (rank 4) with Adam and 14.3 vs 10.9 with
 SGD-momentum: rank 1 alone is 31-34% worse (docs/results/text_exploration.md).
 
-Expected runtime: ~15 min on 2 shared CPU cores (measured: 904 s at load average 6-7, 53-98 s
-per run; less on an idle machine). ``--smoke``: 12 runs of 2 steps.
-Results: docs/results/text_accordion_powersgd.
+Expected runtime: ~12 min on 2 idle cores (see docs/results/text_accordion_powersgd/README.md).
+``--smoke``: 12 runs of 2 steps. Results: docs/results/text_accordion_powersgd.
 
 Finding tested (Agarwal et al., 2021, abstract; SPEC.md sections 2.1, 2.6): Accordion reaches
 the accuracy of low compression (rank 4 here) while sending close to the bytes of high

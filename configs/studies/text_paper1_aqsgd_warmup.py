@@ -1,6 +1,6 @@
 r"""Paper 1, AQ-SGD with its uncompressed warm-up epoch on a language model: TopK 10% on the
 activations with AQ-SGD after one uncompressed epoch, on 2 data replicas (each with caches of
-its own) and on one, against plain TopK and EF21 with the same warm-up, with Adam and
+its own), against plain TopK and EF21 with the same warm-up, with Adam and
 SGD-momentum.
 
   python -m jaxcomp.study run text_paper1_aqsgd_warmup --workdir runs/text_paper1_aqsgd_warmup
@@ -14,14 +14,13 @@ caches (SPEC.md section 1.5), then 2 compressed epochs in which each sample is s
 Activation-gradients travel uncompressed (``independent``). On the mesh's 2 data replicas,
 each with its own caches, the trainer's loader keeps sample ``i`` on replica ``i mod 2`` (its
 per-replica shards, since 2026-12-05; before, one shuffle of the whole split sent about half
-the revisits to the other replica's empty cache); the ``1 replica`` cell runs the batch on one
-pipeline (``stage`` 4, 4 of the 8 devices). Adam lr 3e-3, SGD-momentum lr 0.1, constant,
-gradient clipping 1.0; evaluated every 75 steps. 4 variants x 2 optimizers x 2 seeds = 16 runs.
+the revisits to the other replica's empty cache). Adam lr 3e-3, SGD-momentum lr 0.1, constant,
+gradient clipping 1.0; evaluated every 75 steps. 3 variants x 2 optimizers x 2 seeds = 12 runs;
+the same AQ-SGD on one pipeline replica (``topk10 aq-sgd warm 1 replica``) runs in
+``text_paper1_aqsgd_caches``, so that each study fits 15 minutes.
 
-Expected runtime: ~18 min on 2 shared CPU cores (measured: 1,090 s for the 16 runs at load
-average 2.7-6.8, without a compilation cache; 39-49 s per plain or EF21 run, 78-97 s per AQ-SGD
-run). ``--smoke``: 16 runs of 2 steps.
-Results: docs/results/text_paper1_aqsgd_warmup.
+Expected runtime: ~13 min on 2 idle cores (see docs/results/text_paper1_aqsgd_warmup/README.md).
+``--smoke``: 12 runs of 2 steps. Results: docs/results/text_paper1_aqsgd_warmup.
 
 Finding tested (Rudakov et al., 2024; SPEC.md sections 1.1, 1.5): with its warm-up, AQ-SGD
 trains the pipeline with compressed activations better than plain compression and than the
@@ -45,10 +44,6 @@ VARIANTS = {
     "topk10 warm": {"pipeline.forward": TOPK},
     "topk10 ef21 warm": {"pipeline.forward": {**TOPK, "feedback": "ef21"}},
     "topk10 aq-sgd warm": {"pipeline.forward": {**TOPK, "feedback": "aq_sgd"}},
-    "topk10 aq-sgd warm 1 replica": {
-        "pipeline.forward": {**TOPK, "feedback": "aq_sgd"},
-        "mesh": [("stage", 4)],
-    },
 }
 AXES = {"optimizer": optimizer_axis("adam", "sgdm", lr={"adam": 3e-3, "sgdm": 0.1})}
 SEEDS = (0, 1)

@@ -13,9 +13,8 @@ into 4 pipeline stages on 8 fake CPU devices, on Python's bundled help text spli
 accuracy, perplexity). Adam lr 3e-3, SGD-momentum lr 0.1, constant, gradient clipping 1.0; 5
 variants x 2 optimizers x 2 seeds = 20 runs.
 
-Expected runtime: ~17 min on 2 shared CPU cores (measured: 1,016 s for the 20 runs at load
-average 5-12, without a compilation cache; 38-66 s per run). ``--smoke``: 20 runs of 2 steps.
-Results: docs/results/text_paper1_topk_sweep.
+Expected runtime: ~13 min on 2 idle cores (see docs/results/text_paper1_topk_sweep/README.md).
+``--smoke``: 20 runs of 2 steps. Results: docs/results/text_paper1_topk_sweep.
 
 Findings tested (Rudakov et al., 2024, abstract and its GPT-2 results as summarised, SPEC.md
 section 1.1): K = 10% is the lowest TopK level that does not severely harm convergence; on
