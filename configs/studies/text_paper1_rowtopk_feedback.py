@@ -15,9 +15,7 @@ cut to 3,200 windows, 150 steps of 64, activation-gradients uncompressed
 optimizers x 2 seeds = 12 runs; the comparisons (rows alone, EF21 and AQ-SGD on per-sample TopK,
 dense) are those studies' cells of the same setting.
 
-Expected runtime: ~13 min on 2 shared CPU cores, without a compilation cache, measured in two
-parts: 622 s for the 8 feedback runs at load average 1.0-3.9 (43-47 s per EF21 run, 100-121 s
-per AQ-SGD run), 148 s for the 4 shared-mask runs at load average 2.4-4.8 (33-45 s per run).
+Expected runtime: ~10 min on 2 idle cores (see docs/results/text_paper1_rowtopk_feedback/README.md).
 ``--smoke``: 12 runs of 2 steps. Results: docs/results/text_paper1_rowtopk_feedback.
 
 Findings tested: error feedback does not improve training over plain compression (Rudakov et al.,
