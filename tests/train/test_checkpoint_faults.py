@@ -8,17 +8,23 @@ holds) was reported as damaged, without saying what differs.
 
 import logging
 import os
+import pathlib
+import socket
+import subprocess
 import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxcomp import main
 from jaxcomp import train
 from jaxcomp.train import _checkpoint
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
+COMMIT_WORKER = pathlib.Path(__file__).with_name("_commit_fault_worker.py")
 
 
 def _saved(tmp_path, steps=(4, 8)):
@@ -100,6 +106,27 @@ def test_a_write_failed_on_one_of_several_processes_is_reported_at_once(tmp_path
     assert other.stuck
 
 
+def test_an_error_exit_of_several_processes_waits_for_a_save_a_bounded_time(tmp_path, monkeypatch):
+    """A save whose orbax threads never end (waiting on a peer's barrier) holds an error exit
+    of several processes no longer than the agreed bound; the save is left to its writer."""
+    ckpt = _saved(tmp_path, steps=(4,))
+    ckpt.processes = 2  # the agreement's collective is this process's alone
+    assert ckpt.save(8, {"w": jnp.full((16,), 8.0)}, {"step": 8})
+    ckpt.manager.wait_until_finished()
+    never = threading.Event()
+    monkeypatch.setattr(ckpt.manager, "is_saving_in_progress", lambda: True)
+    monkeypatch.setattr(ckpt.manager, "wait_until_finished", lambda: never.wait(30))
+    monkeypatch.setattr(_checkpoint, "ERROR_EXIT_WAIT_S", 0.3)
+    start = time.monotonic()
+    with pytest.raises(train.StorageError, match="the metrics"):
+        with ckpt:
+            raise train.StorageError("the metrics")
+    assert time.monotonic() - start < 5  # was: orbax's wait, here 30 s
+    assert [t.step for t in threading.enumerate() if isinstance(t, _checkpoint._LeftSave)] == [8]
+    assert ckpt._quiet not in logging.getLogger("absl").filters
+    never.set()
+
+
 @pytest.mark.usefixtures("shared_setups")
 @pytest.mark.parametrize(
     "stop",
@@ -145,3 +172,51 @@ def test_a_restart_in_the_same_process_waits_for_the_save_the_stopped_run_left(
     assert train.train_and_evaluate(config, str(work), stop_after=1) == {"stopped_at": 5}
     assert sorted(os.listdir(work / "checkpoints"), key=int) == ["4", "5"]
     assert not (work / "checkpoints.damaged").exists()
+
+
+@pytest.mark.slow  # 2 CLI processes
+def test_a_commit_failing_while_both_processes_stop_for_another_write_ends_both(tmp_path):
+    """Process 0 cannot write its metrics after step 5 (both stop at step 6, exit 74) while its
+    commit of step 4 fails on the way out (``_commit_fault_worker.py``). Before: both waited
+    on orbax's barriers in the Checkpointer's exit until orbax's timeout (the
+    test_multihost_faults.py hang of 2026-12-05); now each leaves within the agreement's
+    50 ms, one line each, step 2 intact, the half-written step 4 never a checkpoint."""
+    work = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = COMMIT_WORKER.parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env.update(PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]),
+               JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1")  # fmt: skip
+    env["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"  # conftest: fast_compiles
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(COMMIT_WORKER), str(i), str(port), str(work)],
+            env=env,
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for i in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs = [p.communicate()[0] for p in procs]
+        pytest.fail(f"no exit within 90 s: {[o[-1500:] for o in outs]}")
+    assert [p.returncode for p in procs] == [main.EXIT_STORAGE] * 2, [o[-2000:] for o in outs]
+    for out in outs:
+        assert "Traceback" not in out and "Check failure" not in out, out[-3000:]
+    lines = [[ln for ln in out.splitlines() if ln.startswith("error: ")] for out in outs]
+    assert len(lines[0]) == 1 and len(lines[1]) == 1, lines
+    assert f"cannot write {work / 'timing.jsonl'}: No space left" in lines[0][0], lines[0]
+    assert "process 0 could not write its workdir after step 6" in lines[1][0], lines[1]
+    ckpt = train.Checkpointer(str(work))  # the next start: nothing half-written is left
+    assert ckpt.all_steps() == [2]
+    assert ckpt.latest_meta()[0] == 2  # verified
+    assert not [n for n in os.listdir(work / "checkpoints") if "tmp" in n]
+    ckpt.close()
