@@ -33,6 +33,8 @@ What the :class:`Checkpointer` guarantees:
   it and the cause. Orbax's own error comes back only after barriers that the processes still
   writing never pass (each waits at another one until orbax's timeout), so the failure is
   taken from orbax's error record as it is logged, and nothing waits on that save again.
+  An error that stops every process while a save is under way (a metrics write failed) waits
+  for it agreed, bounded (:data:`ERROR_EXIT_WAIT_S`), never in orbax's barriers.
 * With several processes every verdict is agreed: a read-back that fails because another
   process is gone (a failed collective) raises :class:`~jaxcomp.train.PeerLost`; it never
   sets a good checkpoint aside as damaged.
@@ -65,6 +67,9 @@ _PARTIAL = ".orbax-checkpoint-tmp"
 #: seconds a new :class:`Checkpointer` waits for a save that a run of this process left
 #: behind in the same folder (stopped at once: a lost peer, an abort) before refusing the folder
 ABANDONED_WAIT_S = 60.0
+#: seconds an error exit with several processes waits for a save under way (agreed) before
+#: leaving it to finish by itself (:meth:`Checkpointer.__exit__`)
+ERROR_EXIT_WAIT_S = 60.0
 
 
 class _LeftSave(threading.Thread):
@@ -410,23 +415,32 @@ class Checkpointer:
             "command to resume."
         )
 
-    def _agree(self, step: int, problem: str | None, busy: bool) -> bool:
+    def _agree(self, step: int, problem: str | None, busy: bool, late: bool = False) -> bool:
         """One collective: whether any process's save of ``step`` failed (``problem``: its
-        line here, :attr:`cause` set) or is still ``busy``.
+        line here, :attr:`cause` set), is still ``busy``, or was waited for past a bound
+        (``late``).
 
         Returns:
           Whether a process is still busy.
 
         Raises:
           StorageError: this process's ``problem``, or the line naming the process that has one
-            and its cause.
+            and its cause, or (with no problem anywhere) the line saying that the save was
+            still being written past the bound on some process.
         """
-        codes = _processes.gather_ints([0 if problem is None else self.cause_code(), busy])
+        flags = [0 if problem is None else self.cause_code(), busy, late]
+        codes = _processes.gather_ints(flags)
         if problem is None and codes[:, 0].any():
             k = int(codes[:, 0].nonzero()[0][0])
             raise _errors.StorageError(self.failed_elsewhere(k, int(codes[k, 0])))
         if problem is not None:
             raise _errors.StorageError(problem)
+        if codes[:, 2].any():
+            k = int(codes[:, 2].nonzero()[0][0])
+            raise _errors.StorageError(
+                f"checkpoint step {step} was still being written after {ERROR_EXIT_WAIT_S:g} s "
+                f"(process {k}); left to finish by itself, never restored half-written."
+            )
         return bool(codes[:, 1].any())
 
     def cause_code(self) -> int:
@@ -741,17 +755,47 @@ class Checkpointer:
         (the CLI exits at once, so it does not commit there). In a program that goes on, a
         later Checkpointer on the same folder waits for it (:data:`ABANDONED_WAIT_S`), then
         refuses the folder naming it, so a restart in the same process never removes or
-        resumes a folder under its writer."""
+        resumes a folder under its writer.
+
+        With several processes no error waits on orbax without a bound: a
+        :class:`~jaxcomp.train.StorageError` (met by every process at the same step) waits for
+        the save under way with the agreement of :meth:`wait` (its write may fail meanwhile on
+        one process, whose peers would wait in orbax's barriers until orbax's timeout), at most
+        :data:`ERROR_EXIT_WAIT_S`, and leaves at once once a process failed; any other error
+        (perhaps this process's alone: no collective) leaves a save under way at once."""
         if self._closed or kind is None:
             return
         at_once = not issubclass(kind, Exception) or issubclass(kind, _errors.PeerLost)
         self._closed = True
-        logging.getLogger("absl").removeFilter(self._quiet)
-        if not (at_once or self.stuck):
-            self._close_after_error()
-        elif self.manager.is_saving_in_progress():  # waits on a lost process, a failed write
-            step = self._pending[0] if self._pending else self._step
-            _LeftSave(self.manager, self.directory, step, kind.__name__).start()
+        try:  # the filter stays while waiting: a failure seen here is this exit's, said once
+            if not (at_once or self.stuck) and (
+                self.processes == 1
+                or self._waited == self._saves  # nothing started since every process waited
+                or (issubclass(kind, _errors.StorageError) and self._agreed_end())
+            ):
+                self._close_after_error()
+            elif self.manager.is_saving_in_progress():  # waits on a lost process, a failed write
+                step = self._pending[0] if self._pending else self._step
+                _LeftSave(self.manager, self.directory, step, kind.__name__).start()
+        finally:
+            logging.getLogger("absl").removeFilter(self._quiet)
+
+    def _agreed_end(self) -> bool:
+        """Whether the save under way ended on every process (with several processes, after an
+        error they all met): agreed every 50 ms, for at most :data:`ERROR_EXIT_WAIT_S`."""
+        deadline = time.monotonic() + ERROR_EXIT_WAIT_S
+        try:
+            while self._agree(
+                self._step,
+                self.failed_save() if self._failure else None,
+                busy=self.manager.is_saving_in_progress(),
+                late=time.monotonic() > deadline,
+            ):
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the error that ends the run is the one to report
+            return False
+        self._waited = self._saves
+        return True
 
     def _close_after_error(self) -> None:
         try:  # the error that ends the run is the one to report, not a save's after it

@@ -388,6 +388,8 @@ def _health(lock, ckpt, held, stop, step: int) -> None:
     codes = stop.agree(code)
     if not codes.any():
         return
+    if (codes >= FAULT_CHECKPOINT).any():  # every process leaves that save at once (agreed)
+        ckpt.stuck = ckpt.processes > 1
     if not problem:
         k = int(codes.nonzero()[0][0])
         if codes[k] >= FAULT_CHECKPOINT:
