@@ -144,3 +144,10 @@ def test_imports_only_go_down():
                 if ORDER[other] >= level:
                     upward.append(f"{path.relative_to(ROOT)} imports {other}")
     assert not upward, upward
+
+
+def test_pipeline_is_at_most_12_modules():
+    # issue 34, one place per concept: config, packed parameters, links and their state, the
+    # schedules and tick engine, the adaptive detector, the driver, the constructors
+    modules = sorted(p.name for p in (ROOT / "pipeline").rglob("*.py"))
+    assert len(modules) <= 12, modules

@@ -79,12 +79,12 @@ from jaxcomp.pipeline._params import PackedParams
 from jaxcomp.pipeline._params import ParamLayout
 from jaxcomp.pipeline._params import pack_params
 from jaxcomp.pipeline._params import param_layout
+from jaxcomp.pipeline._params import unpacked
 from jaxcomp.pipeline._schedule import SCHEDULES
 from jaxcomp.pipeline._schedule import bubble_fraction
 from jaxcomp.pipeline._schedule import gpipe_segments
 from jaxcomp.pipeline._schedule import in_flight
 from jaxcomp.pipeline._schedule import ticks
-from jaxcomp.pipeline._unpacked import unpacked
 
 __all__ = (
     "HIGH_COMPRESSION",

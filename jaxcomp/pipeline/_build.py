@@ -21,7 +21,6 @@ from jaxcomp.pipeline import _adaptive
 from jaxcomp.pipeline import _config
 from jaxcomp.pipeline import _driver
 from jaxcomp.pipeline import _params
-from jaxcomp.pipeline import _prepare
 from jaxcomp.pipeline import _residuals
 from jaxcomp.pipeline import _schedule
 from jaxcomp.pipeline import _ticks
@@ -99,7 +98,7 @@ def _pipeline(spec: Spec) -> Pipeline:
 def _make_spec(model, config, mesh, replicas, data_axes=(_mesh.DATA,)) -> Spec:
     _config.check_model(model)
     links, adaptive = _adaptive.resolve(config, model.num_stages)
-    fns = _residuals.stage_fns(model, config.checkpoint, _prepare.split_loss)
+    fns = _residuals.stage_fns(model, config.checkpoint, _config.split_loss)
     replica_mean = config.replica_mean if replicas > 1 else None
     return Spec(
         model, links, config.num_microbatches, config.schedule, fns, mesh, replicas, replica_mean,
@@ -325,12 +324,12 @@ def simulate(model: _config.StagedModel, config: _config.PipelineConfig) -> Pipe
 # A pipeline's planned per-device memory (``Pipeline.memory``): residuals and link states.
 
 
-def _residual_plan(spec: Spec, static: _prepare.Static, labels: Any) -> _residuals.ResidualPlan:
+def _residual_plan(spec: Spec, static: _driver.Static, labels: Any) -> _residuals.ResidualPlan:
     """The residual plan the program makes (traced in a ``shard_map`` body on a mesh)."""
     m_ = spec.num_microbatches
     if spec.mesh is None:
         lab = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
-                           _prepare.microbatches(labels, m_))  # fmt: skip
+                           _driver.microbatches(labels, m_))  # fmt: skip
         return _residuals.plan(
             spec.fns, static.layout.structs(), static.inputs, lab, static.model_layout.structs()
         )
@@ -342,7 +341,7 @@ def _residual_plan(spec: Spec, static: _prepare.Static, labels: Any) -> _residua
 
     def probe(buffers, labels):
         local = _local.to_varying({g: b[0] for g, b in buffers.items()}, spec.axes)
-        lab = _local.to_varying(_prepare.microbatches(labels, m_), spec.axes)
+        lab = _local.to_varying(_driver.microbatches(labels, m_), spec.axes)
         found.append(_ticks.plan_here(prog, local, lab))
         return jnp.zeros((), jnp.float32)
 

@@ -296,6 +296,14 @@ def check_model(model: StagedModel) -> None:
         )
 
 
+def split_loss(out: Any) -> tuple[jax.Array, dict]:
+    """``loss_fn``'s output (``loss`` or ``(loss, metrics)``) as ``(loss, metrics)``."""
+    if isinstance(out, tuple):
+        loss, metrics = out
+        return loss, dict(metrics)
+    return out, {}
+
+
 def pipeline_mesh(
     num_stages: int, devices: Sequence[jax.Device] | None = None
 ) -> jax.sharding.Mesh:

@@ -1,9 +1,12 @@
-"""The step driver of both pipelines, and the programs it runs.
+"""The step driver of both pipelines: what a call checks and derives before anything is
+compiled, and the programs it runs.
 
 A pipeline is a static :class:`~jaxcomp.pipeline._config.Spec`; ``init``, ``step``,
 ``evaluate`` and ``bytes_per_step`` are the module-level functions below with the spec bound
-(``memory``: :mod:`jaxcomp.pipeline._build`). Each validates its inputs
-(:func:`jaxcomp.pipeline._prepare.prepare`), then runs the spec's program:
+(``memory``: :mod:`jaxcomp.pipeline._build`). Each first validates its inputs
+(:func:`prepare`: the parameters against the model, the batch, cut into microbatches, and the
+links against the boundary shapes; no FLOPs, nothing compiled) and derives the static shapes of
+one step (:class:`Static`), then runs the spec's program:
 
 * on the ``stage`` mesh, :func:`_program`: a ``shard_map`` (built once per shape signature and
   cached) whose body runs the tick engine (:func:`jaxcomp.pipeline._ticks.run`) and, with data
@@ -37,6 +40,7 @@ from __future__ import annotations
 import functools
 import math
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,18 +51,253 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import _validate
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
+from jaxcomp.compressors import _base
 from jaxcomp.pipeline import _adaptive
+from jaxcomp.pipeline import _config
 from jaxcomp.pipeline import _link_state
 from jaxcomp.pipeline import _links
 from jaxcomp.pipeline import _params
-from jaxcomp.pipeline import _prepare
 from jaxcomp.pipeline import _residuals
 from jaxcomp.pipeline import _ticks
 from jaxcomp.pipeline._config import Spec
 
+# ----------------------------------------------------------------------------------------------
+# Before anything is compiled: a call's checks and the static shapes of its step.
+
+
+class Static(NamedTuple):
+    """Everything derived from the shapes of (params, batch) at trace time (hashable)."""
+
+    layout: _params.ParamLayout
+    microbatch_size: int
+    inputs: tuple[jax.ShapeDtypeStruct, ...]  # per stage: its input for one microbatch
+    shapes: tuple[jax.ShapeDtypeStruct, ...]  # the S - 1 boundary activations
+    final: jax.ShapeDtypeStruct  # last stage output (one microbatch)
+    metrics_def: Any  # loss_fn metrics structure
+    metrics_leaves: tuple[jax.ShapeDtypeStruct, ...]
+    state_layout: _link_state.StateLayout
+    mask_layout: _params.ParamLayout  # shared-mask payloads kept per microbatch
+    payloads: tuple[Any, ...]  # per boundary: its shared-mask payload struct, or None
+    model_layout: _params.ParamLayout  # per stage: its running state (e.g. BatchNorm statistics)
+
+    @property
+    def metrics(self) -> Any:
+        return jax.tree.unflatten(self.metrics_def, self.metrics_leaves)
+
+
+class Prepared(NamedTuple):
+    static: Static
+    batch: Batch
+
+
+def _payload_layout(links, shapes, num):
+    payloads = tuple(
+        _base.payload_shape(lk.forward.codec, s) if lk.mode == "shared_mask" else None
+        for lk, s in zip(links, shapes)
+    )
+    trees = [
+        (payloads[d] if d < num - 1 else None, payloads[d - 1] if d > 0 else None)
+        for d in range(num)
+    ]
+    return payloads, _params.param_layout(trees)
+
+
+def prepare(
+    model: _config.StagedModel,
+    links: tuple[_config.Link, ...],
+    num_microbatches: int,
+    params: Any,
+    batch: Any,
+    *,
+    replicas: int = 1,
+    need_ids: bool | None = None,
+    model_layout: _params.ParamLayout | None = None,
+) -> Prepared:
+    """Validates params and batch against the model and links (no FLOPs, nothing compiled).
+
+    ``model_layout`` is the layout of a stateful model's per-stage state (required for one;
+    ``None`` for a stateless model, whose stages then hold ``{}``).
+    """
+    layout = _params.param_layout(params)
+    num = model.num_stages
+    if layout.num_stages != num:
+        raise ValueError(f"params hold {layout.num_stages} stages; the model has {num}.")
+    model_layout = check_model_layout(model, model_layout)
+    need = _links.needs_ids(links) if need_ids is None else need_ids
+    parsed = parse_batch(batch, need)
+    mb = check_batch(parsed, num_microbatches, replicas)
+    x_mb = jax.ShapeDtypeStruct((mb, *parsed.inputs.shape[1:]), parsed.inputs.dtype)
+    labels_mb = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((mb, *a.shape[1:]), a.dtype), parsed.labels
+    )
+    shapes, final = _links.boundary_shapes(
+        model, layout.structs(), x_mb, labels_mb, model_layout.structs()
+    )
+    _links.check_links(links, shapes)
+    metrics = jax.eval_shape(
+        lambda y, lab: _config.split_loss(model.loss_fn(y, lab))[1], final, labels_mb
+    )
+    inputs = (x_mb, *shapes)
+    payloads, mask_layout = _payload_layout(links, shapes, num)
+    leaves, treedef = jax.tree.flatten(metrics)
+    static = Static(
+        layout, mb, inputs, shapes, final, treedef, tuple(leaves),
+        _link_state.state_layout(links, shapes, num), mask_layout, payloads, model_layout,
+    )  # fmt: skip
+    return Prepared(static, parsed)
+
+
+def check_model_layout(
+    model: _config.StagedModel, model_layout: _params.ParamLayout | None
+) -> _params.ParamLayout:
+    """The layout of the model's per-stage state: ``model_layout`` for a stateful model (which
+    must have one, with a tree per stage), an empty one (``{}`` per stage) otherwise."""
+    num = model.num_stages
+    if not model.stateful:
+        if model_layout is not None and model_layout.lengths:
+            raise ValueError(
+                "the states carry a model state (e.g. BatchNorm statistics) but this "
+                "pipeline's model is not stateful."
+            )
+        return _params.param_layout(({},) * num)
+    if model_layout is None:
+        raise ValueError(
+            "this pipeline's model is stateful (e.g. BatchNorm running statistics): pass its "
+            "per-stage state to init (pipe.init(params, batch, model_state)) and the link "
+            "states init returns to step and evaluate."
+        )
+    if model_layout.num_stages != num:
+        raise ValueError(
+            f"the model state holds {model_layout.num_stages} stages; the model has {num}."
+        )
+    return model_layout
+
+
+def check_compress(compress: Any) -> bool:
+    """``compress`` must be a Python bool (it selects the program); returns it."""
+    if not isinstance(compress, bool):
+        raise TypeError(
+            f"compress must be a Python bool (under jax.jit mark it static: "
+            f"jax.jit(pipe.step, static_argnames='compress')); got {type(compress).__name__}."
+        )
+    return compress
+
+
+def with_bytes(
+    metrics: dict, static: Static, links, num_microbatches: int, compress: bool, train: bool
+) -> dict:
+    """``metrics`` plus the static byte counts of the step (float32 scalars)."""
+    counts = _links.step_bytes(links, static.shapes, num_microbatches, compress, train)
+    return {**metrics, **{k: jnp.asarray(v, jnp.float32) for k, v in counts.items()}}
+
+
+def eval_key(links: tuple[_config.Link, ...], key: Any, compress: bool) -> Any:
+    """The evaluation key: ``key``, or a fixed ``key(0)`` when a stochastic forward codec
+    compresses and none was given (compressed evaluation is then deterministic)."""
+    if key is None and compress and any(lk.forward.codec.stochastic for lk in links):
+        return jax.random.key(0)
+    return key
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches: dicts with inputs, labels and sample ids, cut into microbatches.
+
+
+INPUT_KEYS = ("x", "inputs")
+LABEL_KEYS = ("label", "labels", "targets", "y")
+ID_KEY = "ids"
+
+
+class Batch(NamedTuple):
+    """The three parts of a batch the pipeline reads.
+
+    Attributes:
+      inputs: ``[B, ...]`` array fed to stage 0.
+      labels: pytree of ``[B, ...]`` arrays passed to ``loss_fn``.
+      ids: ``int[B]`` sample ids (for per-sample channels) or ``None``.
+    """
+
+    inputs: jax.Array
+    labels: Any
+    ids: jax.Array | None
+
+
+def _pick(batch: dict, keys: tuple[str, ...], what: str) -> Any:
+    found = [k for k in keys if k in batch]
+    if not found:
+        raise ValueError(
+            f"batch must hold the {what} under one of {keys}; got keys {sorted(batch)}."
+        )
+    if len(found) > 1:
+        raise ValueError(f"batch holds the {what} under several keys {found}; keep one.")
+    return batch[found[0]]
+
+
+def parse_batch(batch: Any, need_ids: bool) -> Batch:
+    """Reads ``x``/``inputs``, ``label``/``labels``/``targets``/``y`` and ``ids`` from a dict.
+
+    Raises:
+      ValueError: on missing keys, or missing ``ids`` when ``need_ids`` (AQ-SGD, per-sample EF).
+    """
+    if isinstance(batch, Batch):
+        parsed = batch
+    else:
+        if not isinstance(batch, dict):
+            raise TypeError(f"batch must be a dict; got {type(batch).__name__}.")
+        parsed = Batch(
+            _pick(batch, INPUT_KEYS, "inputs"),
+            _pick(batch, LABEL_KEYS, "labels"),
+            batch.get(ID_KEY),
+        )
+    if need_ids and parsed.ids is None:
+        raise ValueError(
+            "a link uses per-sample buffers (AQ-SGD or per-sample error feedback): the batch "
+            f"must carry the sample ids of its rows under {ID_KEY!r}."
+        )
+    return parsed
+
+
+def check_batch(batch: Batch, num_microbatches: int, replicas: int = 1) -> int:
+    """Checks leading sizes and returns the microbatch size ``B / (replicas * M)``."""
+    size = jnp.shape(batch.inputs)[0] if jnp.ndim(batch.inputs) else 0
+    for name, tree in (("labels", batch.labels), ("ids", batch.ids)):
+        for leaf in jax.tree.leaves(tree):
+            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != size:
+                raise ValueError(
+                    f"batch {name} must have the inputs' leading size {size}; got shape "
+                    f"{jnp.shape(leaf)}."
+                )
+    if batch.ids is not None:
+        if jnp.ndim(batch.ids) != 1 or not jnp.issubdtype(batch.ids.dtype, jnp.integer):
+            raise ValueError(
+                "batch ids must be a 1-D integer array; got "
+                f"{batch.ids.dtype}{list(jnp.shape(batch.ids))}."
+            )
+    per = replicas * num_microbatches
+    if size == 0 or size % per:
+        what = f"{replicas} replicas x {num_microbatches}" if replicas > 1 else num_microbatches
+        raise ValueError(f"batch size {size} must be a positive multiple of {what} microbatches.")
+    return size // per
+
+
+def microbatches(tree: Any, num_microbatches: int) -> Any:
+    """Reshapes every leaf's leading axis ``B`` into ``(M, B // M)``."""
+    return jax.tree.map(
+        lambda a: a.reshape(num_microbatches, a.shape[0] // num_microbatches, *a.shape[1:]), tree
+    )
+
+
+def unmicrobatch(tree: Any) -> Any:
+    """Inverse of :func:`microbatches`."""
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
+
+
+# ----------------------------------------------------------------------------------------------
+# The entry points (init, step, evaluate, bytes_per_step) and the stage mesh's program.
+
 
 def prepare_for(spec: Spec, params, batch, *, links=None, need_ids=None, model_layout=None):
-    return _prepare.prepare(
+    return prepare(
         spec.model, spec.links if links is None else links, spec.num_microbatches, params,
         batch, replicas=spec.replicas, need_ids=need_ids, model_layout=model_layout,
     )  # fmt: skip
@@ -137,7 +376,7 @@ def _replica_key(spec: Spec, key):
 @functools.lru_cache(maxsize=64)
 def _program(
     spec: Spec,
-    static: _prepare.Static,
+    static: Static,
     compress: bool,
     train: bool,
     replica_layout=None,
@@ -159,8 +398,8 @@ def _program(
             if has_data and model:
                 model = _params.model_state_for_eval(model, eval_stats, spec.data)
         local = _local.to_varying({g: b[0] for g, b in buffers.items()}, spec.axes)
-        x, lab = _prepare.microbatches(inputs, m_), _prepare.microbatches(labels, m_)
-        ids = None if ids is None else _prepare.microbatches(ids, m_)
+        x, lab = microbatches(inputs, m_), microbatches(labels, m_)
+        ids = None if ids is None else microbatches(ids, m_)
         key = _replica_key(spec, key)
         if train:
             mine = {g: b.reshape(b.shape[len(spec.lead) :]) for g, b in states.items()}
@@ -185,7 +424,7 @@ def _program(
             loss, metrics, outputs = lax.psum((loss, metrics, carry.outputs), _mesh.STAGE)
             if has_data:
                 loss, metrics = lax.pmean((loss, metrics), spec.data)
-            return loss, metrics, _prepare.unmicrobatch(outputs)
+            return loss, metrics, unmicrobatch(outputs)
         loss, metrics = lax.psum((loss, metrics), _mesh.STAGE)
         grads, new_replica = carry.grads, replica
         if has_data:
@@ -236,7 +475,7 @@ def _stage_params(params: Any) -> tuple[Any, ...]:
 
 def step(spec: Spec, params, batch, link_states, key=None, compress=True, modes=None):
     """One training step (see :class:`jaxcomp.pipeline.Pipeline`)."""
-    compress = _prepare.check_compress(compress)
+    compress = check_compress(compress)
     modes = _adaptive.step_modes(spec.adaptive, link_states, modes)
     spec = _adaptive.combo(spec, modes)
     prep = prepare_for(spec, params, batch, model_layout=_params.model_layout_of(link_states))
@@ -246,9 +485,9 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True, modes=
     _params.check_model_state(link_states, static.model_layout, spec.lead)
     layout, m_ = static.layout, spec.num_microbatches
     if spec.mesh is None:
-        x = _prepare.microbatches(parsed.inputs, m_)
-        labels = _prepare.microbatches(parsed.labels, m_)
-        ids = None if parsed.ids is None else _prepare.microbatches(parsed.ids, m_)
+        x = microbatches(parsed.inputs, m_)
+        labels = microbatches(parsed.labels, m_)
+        ids = None if parsed.ids is None else microbatches(parsed.ids, m_)
         replica = {}
         loss, metrics, grads, states, model = _simulated_step(
             spec, static, _stage_params(params), x, labels, ids, key, link_states.buffers,
@@ -274,7 +513,7 @@ def step(spec: Spec, params, batch, link_states, key=None, compress=True, modes=
             grads = _params.PackedParams(grads, layout)
         else:
             grads = type(params)(layout.unpack(grads))
-    metrics = _prepare.with_bytes({"loss": loss, **metrics}, static, spec.links, m_, compress, True)
+    metrics = with_bytes({"loss": loss, **metrics}, static, spec.links, m_, compress, True)
     if spec.replicas > 1:  # the dense reference of the data axis: every stage's float gradient
         dense = sum(layout.stage_bytes(s) for s in range(spec.model.num_stages))
         metrics["data_dense_bytes"] = jnp.asarray(dense, jnp.float32)
@@ -292,7 +531,7 @@ def evaluate(
     spec: Spec, params, batch, key=None, compress=False, modes=None, states=None, stats="replica0"
 ):
     """Forward only (see :class:`jaxcomp.pipeline.Pipeline`)."""
-    compress = _prepare.check_compress(compress)
+    compress = check_compress(compress)
     _validate.check_choice("stats", stats, _params.EVAL_STATS)
     spec = _adaptive.combo_or_low(spec, modes)
     elinks = _links.eval_links(spec.links)
@@ -309,23 +548,23 @@ def evaluate(
     if spec.model.stateful:
         _params.check_model_state(states, static.model_layout, spec.lead)
         model = states.model
-    key = _prepare.eval_key(spec.links, key, compress)
+    key = eval_key(spec.links, key, compress)
     if spec.mesh is None:
-        x = _prepare.microbatches(parsed.inputs, m_)
-        labels = _prepare.microbatches(parsed.labels, m_)
+        x = microbatches(parsed.inputs, m_)
+        labels = microbatches(parsed.labels, m_)
         fresh = _link_state.init_buffers(elinks, static.shapes, static.state_layout)
         loss, metrics, ys = _simulated_evaluate(
             spec, static, elinks, _stage_params(params), x, labels, key, fresh, compress,
             static.model_layout.unpack(model),
         )  # fmt: skip
-        outputs = _prepare.unmicrobatch(ys)
+        outputs = unmicrobatch(ys)
     else:
         fn = _eval_program(spec, static, compress, stats)
         loss, metrics, outputs = fn(
             _stage_buffers(spec, params, static.layout), parsed.inputs, parsed.labels, model,
             key, None,
         )  # fmt: skip
-    metrics = _prepare.with_bytes({"loss": loss, **metrics}, static, elinks, m_, compress, False)
+    metrics = with_bytes({"loss": loss, **metrics}, static, elinks, m_, compress, False)
     return loss, metrics, outputs
 
 
@@ -342,7 +581,7 @@ def bytes_per_step(
 
 
 @functools.lru_cache(maxsize=64)
-def _eval_program(spec: Spec, static: _prepare.Static, compress: bool, eval_stats: str):
+def _eval_program(spec: Spec, static: Static, compress: bool, eval_stats: str):
     """:func:`_program`'s evaluation, jitted: called eagerly, an un-jitted ``shard_map`` runs
     (and compiles) op by op, ~400 programs for a small GPT (15.6 s of the README example)."""
     return jax.jit(_program(spec, static, compress, False, None, eval_stats))
@@ -440,7 +679,7 @@ _SIMULATED = _links.Wire(True, True, lambda tree, reverse: tree, True)
 
 def _simulated_step(
     spec: Any,
-    static: _prepare.Static,
+    static: Static,
     params: tuple[Any, ...],
     x: Any,
     labels: Any,
@@ -505,7 +744,7 @@ def _simulated_step(
 
 def _simulated_evaluate(
     spec: Any,
-    static: _prepare.Static,
+    static: Static,
     links: tuple,
     params: tuple[Any, ...],
     x: Any,
@@ -530,7 +769,7 @@ def _simulated_evaluate(
                 _SIMULATED, compress,
             )  # fmt: skip
         y = spec.fns[num - 1].stage(params[num - 1], model_state[num - 1], h)
-        loss, metrics = _prepare.split_loss(model.loss_fn(y, jax.tree.map(lambda a: a[m], labels)))
+        loss, metrics = _config.split_loss(model.loss_fn(y, jax.tree.map(lambda a: a[m], labels)))
         loss_sum = loss_sum + loss.astype(jnp.float32)
         metrics_sum = jax.tree.map(lambda a, v: a + v.astype(jnp.float32), metrics_sum, metrics)
         return (states, loss_sum, metrics_sum), y

@@ -50,8 +50,8 @@ from jaxcomp._bits import move_as_bits
 from jaxcomp._bits import to_bytes
 from jaxcomp.comm import _local
 from jaxcomp.comm import _mesh
+from jaxcomp.pipeline import _config
 from jaxcomp.pipeline import _links
-from jaxcomp.pipeline import _prepare
 from jaxcomp.pipeline import _residuals
 from jaxcomp.pipeline import _schedule
 
@@ -173,7 +173,7 @@ class Program(NamedTuple):
     loss_fn: Any
     links: tuple
     fns: tuple
-    static: Any  # _prepare.Static
+    static: Any  # _driver.Static
     schedule: str
     num_microbatches: int
     axes: tuple[str, ...]
@@ -522,7 +522,7 @@ def stage_ops(prog: Any, plan: _residuals.ResidualPlan | None) -> StageOps:
             y = fns.stage(params, state, h)
             if s < num - 1:
                 return y
-            loss, metrics = _prepare.split_loss(prog.loss_fn(y, labels))
+            loss, metrics = _config.split_loss(prog.loss_fn(y, labels))
             metrics = jax.tree.map(lambda v: v.astype(jnp.float32), metrics)
             return loss.astype(jnp.float32), metrics, y
 
