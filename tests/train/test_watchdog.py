@@ -147,10 +147,14 @@ def test_the_watchdog_and_the_loop_failing_at_once_give_one_error_line(
         exits.append(main.main(argv))
     except _Ended:
         pass
+    (dog,) = dogs
+    dog._tick -= 100  # as if this process had been stopped: the silent watchdog's turn keeps it
     go.set()
-    for t in dogs[0]._threads:
+    for t in dog._threads:
         t.join(30)
         assert not t.is_alive()
+    if first == "loop":
+        assert "this process did not run for 10" in dog.lost(), dog.lost()
     err = capfd.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
     assert len(lines) == 1, err
