@@ -17,6 +17,11 @@ Three mechanisms, from fastest to slowest:
 * JAX's own heartbeat (``jax.distributed.initialize(heartbeat_timeout_seconds=...)``), set by
   the CLI a little longer than ``timeout_s``, as the last resort.
 
+One line per failure: when the bound expires while the loop's own error leaves it (a process
+SIGSTOPped past the bound, then continued, meets both at once), the first to claim the process's
+exit reports it, with its exit code, and the other stays silent: the watchdog claims it before its
+report, :meth:`Watchdog.stop` (the loop's way out, error or not) before returning.
+
 Who is lost: each process publishes a heartbeat (its step) in the coordination service's
 key-value store every second. A peer on this host is inspected directly (``/proc``: gone,
 stopped, running); a peer on another host by the age of its heartbeat; a coordinator that no
@@ -125,6 +130,9 @@ class Watchdog:
         self._tick = time.monotonic()  # the watching thread's last turn
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._claim_lock = threading.Lock()
+        self._owner: str | None = None  # who ends the process: "watchdog" or "loop"
+        self._reported = threading.Event()  # the watchdog's line is written
 
     def beat(self, step: int) -> None:
         """The loop made progress (finished ``step``)."""
@@ -139,7 +147,23 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
+        """Stops watching: from its return on, the watchdog reports nothing and the caller owns
+        the process's exit (its own error line and exit code, or none).
+
+        If the watchdog claimed the exit first (the bound expired), it does not return: once
+        the watchdog's line is written, it ends the process with the watchdog's exit code.
+        """
         self._stop.set()  # the publisher may be blocked in an RPC: not joined
+        if self._claim("loop") == "watchdog":
+            self._reported.wait()
+            os._exit(self.exit_code)
+
+    def _claim(self, who: str) -> str:
+        """The owner of the process's exit: ``who`` if nobody claimed it before."""
+        with self._claim_lock:
+            if self._owner is None:
+                self._owner = who
+            return self._owner
 
     def __enter__(self) -> Watchdog:
         return self.start()
@@ -170,11 +194,14 @@ class Watchdog:
             now = time.monotonic()
             away = now - self._tick  # this process itself did not run meanwhile
             idle = now - self._last
-            if idle >= self.timeout_s and not self._stop.is_set():
-                self._exit(
+            if idle >= self.timeout_s:
+                text = (
                     f"no progress for {idle:.0f} s after step {self._step} (the bound, "
                     f"--peer_timeout, is {self.timeout_s:.0f} s): {self.lost(away=away)}"
                 )
+                if self._claim("watchdog") == "watchdog":
+                    self._exit(text)
+                return  # the loop reports: its lost() still sees how long this one was away
             self._tick = now
 
     def lost(self, wait_s: float = 0.0, away: float | None = None) -> str:
@@ -251,5 +278,9 @@ class Watchdog:
                     cleanup()
             except Exception:  # noqa: BLE001 - exiting anyway
                 pass
-        os.write(2, line.encode())
+        try:
+            os.write(2, line.encode())
+        except OSError:  # stderr closed: the exit code still says it
+            pass
+        self._reported.set()
         os._exit(self.exit_code)
