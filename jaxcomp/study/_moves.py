@@ -8,9 +8,9 @@ is :math:`k` ``collective-permute``\ s, cut as the engine cuts them
 carries bytes :math:`[n_{j-1}, n_j)` of every payload of at least :math:`n_j` bytes, one pair
 per such boundary. Boundaries alike are one permute per move. So a step sends every payload
 once, :math:`M \sum_b (|f_b| + |g_b|)` bytes, in as many permutes as its moves have distinct
-sizes; :func:`jaxcomp.study._network.pipeline_send_s` plays them in this order on per-host links
-(an :math:`\alpha` per permute and pair, a :math:`\beta` per byte, the chain delay where a
-receiver also sends in the same permute).
+sizes; :func:`jaxcomp.study._pipeline_model.pipeline_send_s` plays them in this order on
+per-host links (an :math:`\alpha` per permute and pair, a :math:`\beta` per byte, the chain
+delay where a receiver also sends in the same permute).
 """
 
 from __future__ import annotations
