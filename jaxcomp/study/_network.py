@@ -18,7 +18,10 @@ load before and after. This module reads what the trainer wrote beside it and co
   (\infty) - \mathrm{comm}(\infty)`: the same config and layout measured at unlimited rate, less
   the model's communication there. So every prediction at a finite rate is a prediction of how
   much the link adds, checked against the measurement; at unlimited rate it is exact by
-  construction.
+  construction. A pipeline on per-host links is predicted as the larger of the unlimited
+  step and its compute without contention plus its sends
+  (:func:`jaxcomp.study._pipeline_model.step_s`: a host waiting for its boundary leaves the
+  shared cores to the others).
 
 Where the communication is priced: the calibration's fits, :mod:`jaxcomp.study._fits`; which
 collectives of a data-parallel step reach the link, :mod:`jaxcomp.study._dp_model`; a
@@ -73,7 +76,7 @@ def _quantiles(values: Sequence[float]) -> dict[str, float]:
     v = sorted(values)
     q = statistics.quantiles(v, n=4) if len(v) > 1 else [v[0]] * 3
     return {"median_s": statistics.median(v), "q25_s": q[0], "q75_s": q[2],
-            "mean_s": statistics.fmean(v), "n": len(v)}  # fmt: skip
+            "mean_s": statistics.fmean(v), "min_s": v[0], "n": len(v)}  # fmt: skip
 
 
 def step_times(workdir: str, checkpoint_every: int = 0) -> dict[str, Any] | None:
@@ -210,7 +213,13 @@ def predict(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _comm(record) -> tuple[float | None, str]:
+def _paced_by_link(record) -> bool:
+    """Whether the run's step is predicted as the larger of its compute and its link's path
+    (a pipeline on per-host links, :func:`jaxcomp.study._pipeline_model.step_s`)."""
+    return bool(record["measured"].get("pipeline")) and record["network"]["topology"] == "per_host"
+
+
+def _comm(record, compute_s: float = 0.0) -> tuple[float | None, str]:
     colls = record["measured"].get("collectives")
     if colls is None:
         return None, record["measured"].get("collectives_how", "no collectives")
@@ -227,7 +236,7 @@ def _comm(record) -> tuple[float | None, str]:
     if pipe and record["network"]["topology"] == "per_host":
         sends = [c for c in colls if c.kind == "collective-permute"]
         if sends:
-            send_s, why = _pipeline_model.send_s(pipe, sends, cal)
+            send_s, why = _pipeline_model.send_s(pipe, sends, cal, compute_s)
             if send_s is None:
                 return None, why
             rest = [c for c in colls if c.kind != "collective-permute"]
@@ -245,12 +254,24 @@ def _prediction(record, ref) -> dict[str, Any]:
     ref_comm, why = _comm(ref)
     if ref_comm is None:
         return {"step_s": None, "communication_s": comm, "why": f"unlimited run: {why}"}
-    compute = ref["measured"]["step_time"]["median_s"] - ref_comm
+    reference = ref["measured"]["step_time"]
+    compute = reference["median_s"] - ref_comm
     measured = (record["measured"].get("step_time") or {}).get("median_s")
-    step = compute + comm
-    return {
+    out = {"compute_s": compute}
+    if _paced_by_link(record):
+        free = reference["min_s"] - ref_comm
+        if free < 0:
+            return {"step_s": None, "communication_s": comm, "why": "the unlimited run's "
+                    "fastest step is shorter than the model's communication there"}  # fmt: skip
+        comm, why = _comm(record, free)
+        if comm is None:
+            return {"step_s": None, "why": why}
+        step, out["bound"] = _pipeline_model.step_s(reference["median_s"], free, comm)
+        out["free_compute_s"] = free
+    else:
+        step = compute + comm
+    return out | {
         "step_s": step,
-        "compute_s": compute,
         "communication_s": comm,
         "measured_over_predicted": measured / step if measured and step > 0 else None,
     }

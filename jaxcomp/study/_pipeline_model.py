@@ -14,6 +14,18 @@ of different sizes is as many permutes as it has distinct sizes; a run that reco
 permutes (summary ``boundary_permutes``) is played with each boundary's payloads read from them,
 checked against the permutes the model plays (no prediction where they differ), an older run
 with every send at the mean.
+
+The step (:func:`step_s`): :math:`T(r) = \max(T_\infty, C_0 + \mathrm{sends}(r))`, where
+:math:`T_\infty` is the unlimited-rate run's median step and :math:`C_0` its *fastest* step
+less the model's communication there: the compute without contention. The lab's hosts share
+the machine's cores, so at unlimited rate a step's compute also waits for a core (the digits
+pipeline's steps spread 11-37 ms around a 21 ms median); on per-host links a host that waits
+for its boundary leaves the cores to the others, the link paces the step and that wait is
+hidden behind it (the 100 Mbit/s steps spread 42-54 ms, the fastest 12 ms + the model's sends).
+The sends are played with :math:`C_0` spread over the ticks, so the buckets refill between
+moves as they do between the real ones (docs/results/network/README.md, "The pipeline at 100
+Mbit/s: the contention the link hides"). A data-parallel step keeps :math:`C + \mathrm{comm}`:
+its all-reduce holds every process at once, nothing computes behind it.
 """
 
 from __future__ import annotations
@@ -58,6 +70,7 @@ def pipeline_send_s(
     burst_bytes: float = 0.0,
     moves: str = "tick",
     chain_s: float | Callable[[float], float] = 0.0,
+    tick_s: float = 0.0,
 ) -> float:
     r"""Seconds the boundary sends of one step take on per-host links, played through the tick
     program's order of sends.
@@ -78,8 +91,10 @@ def pipeline_send_s(
     permute whose receiver also sends (a chain: stage ``b`` receives from ``b - 1`` and sends
     to ``b + 1``) the send starts ``chain_s(n)`` later: the receiver's go-ahead waits in its
     link's queue behind its own outgoing ``n`` bytes (the calibration's chain probe,
-    :func:`jaxcomp.study._fits.chain_delay_s`). The step's compute is not played (it is the
-    unlimited run's, added by the caller); bubble ticks send nothing.
+    :func:`jaxcomp.study._fits.chain_delay_s`). Each tick computes ``tick_s`` on every host
+    before its moves: the links' buckets refill meanwhile, and a send that finds its bucket full
+    again pays only the bytes beyond the burst; the compute itself is not in the returned time
+    (the caller adds the step's). Bubble ticks send nothing.
 
     Args:
       schedule, stages, microbatches: the pipeline (``"gpipe"`` or ``"1f1b"``, ``S``, ``M``).
@@ -90,9 +105,11 @@ def pipeline_send_s(
       moves: ``"tick"`` or ``"boundary"``: the program whose sends are played (above).
       chain_s: the extra seconds of a send whose receiver sends in the same permute: a number,
         or a function of the permute's bytes per pair (0: none).
+      tick_s: the seconds each tick computes before its moves (0: the sends back to back).
 
     Returns:
-      The time at which the last host finished its last send, seconds.
+      The sends' share of the step, seconds: when the last host finished its last send, less
+      the ticks' compute played before it.
 
     Example:
       >>> lk = _cost.NetworkLink(bandwidth=1e6, latency=0.0)
@@ -104,6 +121,8 @@ def pipeline_send_s(
       8.0
       >>> round(pipeline_send_s("gpipe", 4, 4, 1e4, lk, chain_s=5e-3) / 1e-2, 6)
       16.0
+      >>> round(pipeline_send_s("gpipe", 4, 4, 1e4, lk, 1e4, tick_s=1e-2) / 1e-2, 6)  # refilled
+      0.0
     """
     if isinstance(nbytes, (int, float)):
         if not (nbytes >= 0 and math.isfinite(nbytes)):
@@ -115,16 +134,23 @@ def pipeline_send_s(
         raise ValueError(f"moves must be 'tick' or 'boundary'; got {moves!r}.")
     if not callable(chain_s) and not (chain_s >= 0 and math.isfinite(chain_s)):
         raise ValueError(f"chain_s must be finite and >= 0; got {chain_s}.")
+    if not (tick_s >= 0 and math.isfinite(tick_s)):
+        raise ValueError(f"tick_s must be finite and >= 0; got {tick_s}.")
     played = _moves.pipeline_moves(schedule, stages, microbatches, nbytes)
+    at = _moves.move_ticks(schedule, stages, microbatches)
     if moves == "boundary":  # one single-pair permute per boundary, boundary by boundary
-        played = []
-        for row in pipeline.ticks(schedule, stages, microbatches):
+        played, at = [], []
+        for t, row in enumerate(pipeline.ticks(schedule, stages, microbatches)):
             for b in range(stages - 1):
                 if row[b] is not None and row[b].kind == "F":
                     played.append((_moves.Permute(((b, b + 1),), nbytes[b][0]),))
+                    at.append(t)
                 if row[b + 1] is not None and row[b + 1].kind == "B":
                     played.append((_moves.Permute(((b + 1, b),), nbytes[b][1]),))
-    return play_permutes(played, stages, link, burst_bytes, chain_s)
+                    at.append(t)
+    # the ticks computed since the move before (a tick's own first; none between its moves)
+    compute = [tick_s * (t - prev) for t, prev in zip(at, [-1, *at])]
+    return play_permutes(played, stages, link, burst_bytes, chain_s, compute)
 
 
 def play_permutes(
@@ -133,6 +159,7 @@ def play_permutes(
     link: _cost.NetworkLink,
     burst_bytes: float = 0.0,
     chain_s: float | Callable[[float], float] = 0.0,
+    compute_s: Sequence[float] | None = None,
 ) -> float:
     """Seconds ``moves`` (each a sequence of :class:`jaxcomp.study._moves.Permute`, run in
     order) take on per-host links, as :func:`pipeline_send_s` plays them: the pairs of one
@@ -140,7 +167,9 @@ def play_permutes(
     ``chain_s`` later where its receiver also sends on to another host in the permute (a
     swap, both directions of one pair, pays no chain: both go-aheads leave before any data,
     docs/results/network/pipeline_model.md; the ACKs that slow a swap of 64 KiB or more at 10
-    Mbit/s are not modelled).
+    Mbit/s are not modelled). Before move ``i`` every host computes ``compute_s[i]`` (the
+    buckets refill meanwhile); the result leaves that compute out: every host's clock holds
+    all of it, so the sends' share is the last clock less its sum.
 
     Example:
       >>> lk = _cost.NetworkLink(bandwidth=1e6, latency=0.0)
@@ -158,7 +187,11 @@ def play_permutes(
     def tokens(bucket, t):
         return min(burst_bytes, bucket[0] + (t - bucket[1]) * beta)
 
-    for move in moves:
+    compute = [0.0] * len(moves) if compute_s is None else list(compute_s)
+    if len(compute) != len(moves):
+        raise ValueError(f"compute_s needs one entry per move ({len(moves)}); got {len(compute)}.")
+    for move, c in zip(moves, compute):
+        clock = [t + c for t in clock]
         for p in move:  # sends that start together, from the hosts' clocks before the permute
             ends = []
             target = dict(p.pairs)
@@ -172,11 +205,14 @@ def play_permutes(
             for src, dst, end, left in ends:
                 out_bucket[src] = in_bucket[dst] = (left, end)
                 clock[src], clock[dst] = max(clock[src], end), max(clock[dst], end)
-    return max(clock)
+    return max(clock) - sum(compute)
 
 
 def send_s(
-    pipe: Mapping[str, Any], sends: Sequence[_cost.Collective], calibration: Mapping[str, Any]
+    pipe: Mapping[str, Any],
+    sends: Sequence[_cost.Collective],
+    calibration: Mapping[str, Any],
+    compute_s: float = 0.0,
 ) -> tuple[float | None, str]:
     """Seconds a pipeline run's boundary sends take on a calibration's per-host links
     (:func:`pipeline_send_s` with the calibration's ping-pong fit, bucket and chain fit), or
@@ -187,6 +223,7 @@ def send_s(
       sends: the step's ``collective-permute`` collectives (their bytes give the mean send of a
         run that records no permutes).
       calibration: the lab's calibration (``fits``, optional ``chain``).
+      compute_s: the step's compute, spread evenly over its ticks (the buckets refill in it).
     """
     fits = calibration["fits"]
     fit = fits.get("collective-permute", fits["all-reduce"])
@@ -205,5 +242,25 @@ def send_s(
     played = pipeline_send_s(
         *shape, nbytes, link, float(fit.get("burst_bytes", 0.0)),
         pipe.get("moves", "boundary"), lambda n: _fits.chain_delay_s(chain, n),
+        compute_s / len(pipeline.ticks(*shape)),
     )  # fmt: skip
     return played, ""
+
+
+def step_s(reference_s: float, free_compute_s: float, sends_s: float) -> tuple[float, str]:
+    """The predicted step on per-host links (module docstring), and what bounds it.
+
+    Args:
+      reference_s: the unlimited-rate run's median step.
+      free_compute_s: its fastest step less the model's communication there.
+      sends_s: the sends' share at this rate (:func:`send_s` with that compute).
+
+    Returns:
+      ``(max(reference_s, free_compute_s + sends_s), "compute" | "link")``.
+
+    Example:
+      >>> step_s(0.020, 0.010, 0.040), step_s(0.020, 0.010, 0.004)
+      ((0.05, 'link'), (0.02, 'compute'))
+    """
+    link = free_compute_s + sends_s
+    return (link, "link") if link > reference_s else (reference_s, "compute")

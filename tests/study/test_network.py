@@ -132,6 +132,46 @@ def test_pipeline_sends_relay_through_the_stages_on_per_host_links(
     assert comm == pytest.approx(sends * 1e-4 + wire * 32768.0 / 1e7)
 
 
+def _pipe_run(path, rate, times, permute_beta):
+    """A 2-stage, 2-microbatch GPipe lab run on per-host links: four sends of 10 kB (one per
+    move), step times ``times`` for steps 3, 4, 6, 7, 8 (1 and 2 warm up, 5 follows the
+    evaluation at 4), the ping-pong fit ``permute_beta`` bytes/s without latency or bucket."""
+    w = _run(path, rate, 0.05)
+    with open(path / "timing.jsonl", "w") as f:
+        for s, t in zip((1, 2, 3, 4, 5, 6, 7, 8), (0.5, 0.5, *times[:2], 0.5, *times[2:])):
+            f.write(json.dumps({"step": s, "step_s": t, "elapsed_s": 10 + s}) + "\n")
+    summary = {"mode": "pipeline", "stages": 2, "microbatches": 2, "schedule": "gpipe",
+               "boundary_bytes_per_step": 4e4, "hlo_collective_bytes_per_step": 4e4,
+               "wire_bytes_per_step": 4e4, "permutes_per_step": 4}  # fmt: skip
+    (path / "summary.json").write_text(json.dumps(summary))
+    (path / "experiment.json").write_text(json.dumps({"mesh": [["stage", 2]]}))
+    lab = json.loads((path / _network.LAB_FILE).read_text())
+    lab["network"]["hosts"], lab["network"]["devices_per_host"] = 2, 1
+    p2p = {"alpha_s": 0.0, "beta_bytes_s": permute_beta, "beta_bit_s": 8 * permute_beta}
+    lab["calibration"]["fits"] = {**FITS, "collective-permute": p2p}
+    (path / _network.LAB_FILE).write_text(json.dumps(lab))
+    return _network.read_lab_run(w)
+
+
+@pytest.mark.parametrize("beta, step, bound", [(1e6, 0.050, "link"), (1e7, 0.020, "compute")])
+def test_a_per_host_pipeline_adds_its_sends_to_the_uncontended_compute(tmp_path, beta, step, bound):
+    """The unlimited run's steps take 10-30 ms (median 20): the fastest is the compute
+    without contention, the rest waits for a core. On per-host links a host that waits for its
+    boundary leaves the cores to the others, so the step is the larger of the unlimited
+    median and the fastest step's compute plus the sends: 4 sends of 10 kB at 1 MB/s (40 ms on
+    the path) give 10 + 40 = 50 ms (the compute added: 60), at 10 MB/s (4 ms) the unlimited
+    20 ms."""
+    times = (0.010, 0.020, 0.020, 0.030, 0.030)
+    unl = _pipe_run(tmp_path / "u", None, times, 1e12)
+    slow = _pipe_run(tmp_path / "s", 1e8, (step,) * 5, beta)
+    unl, slow = _network.predict([unl, slow])
+    p = slow["prediction"]
+    assert p["step_s"] == pytest.approx(step, abs=1e-6)
+    assert p["bound"] == bound and p["free_compute_s"] == pytest.approx(0.010, abs=1e-6)
+    assert p["communication_s"] == pytest.approx(4e4 / beta)
+    assert unl["prediction"]["step_s"] == pytest.approx(0.020, abs=1e-6)
+
+
 def test_a_chain_calibration_prices_the_moves_whose_receiver_also_sends(tmp_path):
     """GPipe 4 x 4, one permute per tick and direction: 8 of its 12 moves are chains (2 or 3
     consecutive boundaries), each a send's go-ahead behind 32 KiB less the fit's offset; a

@@ -68,3 +68,21 @@ def test_pipeline_send_time_refuses_a_bad_chain_delay():
 def test_pipeline_send_time_refuses_an_unknown_program():
     with pytest.raises(ValueError, match="moves must be"):
         send_s("gpipe", 4, 4, 1.0, LINK, moves="wire")
+
+
+def test_the_compute_between_moves_refills_the_bucket():
+    """S=2, M=2 GPipe sends at ticks 0, 1 (forward) and 3, 4 (backward), each exactly the
+    burst: played back to back the second of each pair finds its buckets empty (5 ms each);
+    2.5 ms of compute per tick refills half (2.5 ms each); 5 ms refills all (free). The
+    compute itself is not in the sends' time."""
+    link = _cost.NetworkLink(bandwidth=1e6, latency=0.0)
+    assert send_s("gpipe", 2, 2, 5e3, link, 5e3) == pytest.approx(2 * 5e-3)
+    assert send_s("gpipe", 2, 2, 5e3, link, 5e3, tick_s=2.5e-3) == pytest.approx(2 * 2.5e-3)
+    assert send_s("gpipe", 2, 2, 5e3, link, 5e3, tick_s=5e-3) == pytest.approx(0.0)
+    assert send_s("gpipe", 2, 2, 5e3, link, tick_s=5e-3) == pytest.approx(4 * 5e-3)
+
+
+@pytest.mark.parametrize("tick_s", [-1e-3, float("nan"), float("inf")])
+def test_pipeline_send_time_refuses_a_bad_tick(tick_s):
+    with pytest.raises(ValueError, match="tick_s must be finite"):
+        send_s("gpipe", 4, 4, 1.0, LINK, tick_s=tick_s)
