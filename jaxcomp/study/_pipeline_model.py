@@ -188,8 +188,10 @@ def play_permutes(
         return min(burst_bytes, bucket[0] + (t - bucket[1]) * beta)
 
     compute = [0.0] * len(moves) if compute_s is None else list(compute_s)
-    if len(compute) != len(moves):
-        raise ValueError(f"compute_s needs one entry per move ({len(moves)}); got {len(compute)}.")
+    if len(compute) != len(moves) or not all(c >= 0 and math.isfinite(c) for c in compute):
+        raise ValueError(
+            f"compute_s needs one finite entry >= 0 per move ({len(moves)}); got {compute_s}."
+        )
     for move, c in zip(moves, compute):
         clock = [t + c for t in clock]
         for p in move:  # sends that start together, from the hosts' clocks before the permute

@@ -172,6 +172,15 @@ def test_a_per_host_pipeline_adds_its_sends_to_the_uncontended_compute(tmp_path,
     assert unl["prediction"]["step_s"] == pytest.approx(0.020, abs=1e-6)
 
 
+def test_an_unlimited_run_faster_than_its_modelled_sends_gives_no_pipeline_prediction(tmp_path):
+    """The fastest unlimited step (10 ms) is shorter than the sends the unlimited calibration
+    prices (40 ms): no compute is left to add to, so no prediction, with the reason."""
+    unl = _pipe_run(tmp_path / "u", None, (0.010, 0.020, 0.020, 0.030, 0.030), 1e6)
+    slow = _pipe_run(tmp_path / "s", 1e8, (0.05,) * 5, 1e6)
+    p = _network.predict([unl, slow])[1]["prediction"]
+    assert p["step_s"] is None and "fastest step is shorter" in p["why"]
+
+
 def test_a_chain_calibration_prices_the_moves_whose_receiver_also_sends(tmp_path):
     """GPipe 4 x 4, one permute per tick and direction: 8 of its 12 moves are chains (2 or 3
     consecutive boundaries), each a send's go-ahead behind 32 KiB less the fit's offset; a

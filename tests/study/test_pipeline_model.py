@@ -6,6 +6,7 @@ import pytest
 from hypothesis import strategies as st
 
 from jaxcomp.study import _cost
+from jaxcomp.study import _moves
 from jaxcomp.study import _pipeline_model
 
 send_s = _pipeline_model.pipeline_send_s
@@ -86,3 +87,10 @@ def test_the_compute_between_moves_refills_the_bucket():
 def test_pipeline_send_time_refuses_a_bad_tick(tick_s):
     with pytest.raises(ValueError, match="tick_s must be finite"):
         send_s("gpipe", 4, 4, 1.0, LINK, tick_s=tick_s)
+
+
+@pytest.mark.parametrize("compute_s", [[0.0], [0.0, -1.0], [0.0, float("nan")]])
+def test_a_play_refuses_compute_that_does_not_fit_its_moves(compute_s):
+    one = (_moves.Permute(((0, 1),), 1e4),)
+    with pytest.raises(ValueError, match="compute_s needs one finite entry"):
+        _pipeline_model.play_permutes([one, one], 2, LINK, compute_s=compute_s)
