@@ -46,7 +46,7 @@ from jaxcomp.lab import _lab
 from jaxcomp.lab import _probe
 from jaxcomp.lab import _xfer
 from jaxcomp.study import _cost
-from jaxcomp.study import _network
+from jaxcomp.study import _fits
 
 #: the largest all-reduce / ping-pong message, bytes per device
 MAX_BYTES = 4 << 20
@@ -217,7 +217,7 @@ def chain(points: list[dict], beta_bytes_s: float) -> dict:
                 best = (sse, float(o), float(c))
     _, offset, cap = best
     fitted = {"offset_bytes": offset, "cap_bytes": cap, "beta_bytes_s": float(beta_bytes_s)}
-    predicted = [_network.chain_delay_s(fitted, x) for x in n]
+    predicted = [_fits.chain_delay_s(fitted, x) for x in n]
     return {
         **fitted,
         "max_abs_error_s": float(np.max(np.abs(np.array(predicted) - d))),

@@ -8,9 +8,9 @@ is :math:`k` ``collective-permute``\ s, cut as the engine cuts them
 carries bytes :math:`[n_{j-1}, n_j)` of every payload of at least :math:`n_j` bytes, one pair
 per such boundary. Boundaries alike are one permute per move. So a step sends every payload
 once, :math:`M \sum_b (|f_b| + |g_b|)` bytes, in as many permutes as its moves have distinct
-sizes; :func:`jaxcomp.study._network.pipeline_send_s` plays them in this order on per-host links
-(an :math:`\alpha` per permute and pair, a :math:`\beta` per byte, the chain delay where a
-receiver also sends in the same permute).
+sizes; :func:`jaxcomp.study._pipeline_model.pipeline_send_s` plays them in this order on
+per-host links (an :math:`\alpha` per permute and pair, a :math:`\beta` per byte, the chain
+delay where a receiver also sends in the same permute).
 """
 
 from __future__ import annotations
@@ -82,17 +82,34 @@ def pipeline_moves(
     """
     sizes = _check_payloads(payload_bytes, stages)
     out = []
-    for row in pipeline.ticks(schedule, stages, microbatches, train):
+    for _, back, sending in _sends(schedule, stages, microbatches, train):
+        pairs = [(b + 1, b) if back else (b, b + 1) for b in sending]
+        pieces = move_pieces([sizes[b][back] for b in sending])
+        out.append(tuple(Permute(tuple(pairs[i] for i in members), high - low)
+                         for low, high, members in pieces))  # fmt: skip
+    return out
+
+
+def move_ticks(schedule: str, stages: int, microbatches: int, train: bool = True) -> list[int]:
+    """The tick of each move of :func:`pipeline_moves`, in its order (the compute a host does
+    before a move is its ticks' since the move before).
+
+    Example:
+      >>> move_ticks("gpipe", 2, 2)  # forwards at ticks 0, 1; backwards at 3, 4
+      [0, 1, 3, 4]
+    """
+    return [t for t, _, _ in _sends(schedule, stages, microbatches, train)]
+
+
+def _sends(schedule: str, stages: int, microbatches: int, train: bool):
+    """``(tick, direction, boundaries)`` per move: direction 0 forward, 1 backward; the
+    boundaries whose sender worked in that direction at that tick."""
+    for t, row in enumerate(pipeline.ticks(schedule, stages, microbatches, train)):
         for kind, back in (("F", 0), ("B", 1)):
             sending = [b for b in range(stages - 1)
                        if row[b + back] is not None and row[b + back].kind == kind]  # fmt: skip
-            if not sending:
-                continue
-            pairs = [(b + 1, b) if back else (b, b + 1) for b in sending]
-            pieces = move_pieces([sizes[b][back] for b in sending])
-            out.append(tuple(Permute(tuple(pairs[i] for i in members), high - low)
-                             for low, high, members in pieces))  # fmt: skip
-    return out
+            if sending:
+                yield t, back, sending
 
 
 def boundary_payloads(

@@ -21,6 +21,7 @@ from jaxcomp.pipeline import _links
 from jaxcomp.study import _cost
 from jaxcomp.study import _moves
 from jaxcomp.study import _network
+from jaxcomp.study import _pipeline_model
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -129,11 +130,11 @@ def test_a_move_of_different_sizes_is_played_as_its_pieces():
         [(((1, 0),), 500)],
     ]
     one = [link.latency + n / link.bandwidth for n in (1000, 1000, 2000, 3000, 500, 500, 500)]
-    assert _network.pipeline_send_s("gpipe", 3, 2, sizes, link) == pytest.approx(sum(one))
-    chain = _network.pipeline_send_s("gpipe", 3, 2, sizes, link, chain_s=lambda n: n * 1e-6)
+    assert _pipeline_model.pipeline_send_s("gpipe", 3, 2, sizes, link) == pytest.approx(sum(one))
+    chain = _pipeline_model.pipeline_send_s("gpipe", 3, 2, sizes, link, chain_s=lambda n: n * 1e-6)
     # the chains: 1,000 bytes ahead of stage 1's go-ahead forward, 500 backward
     assert chain == pytest.approx(sum(one) + 1e-3 + 5e-4)
-    assert _network.pipeline_send_s("gpipe", 3, 2, 1250.0, link) == pytest.approx(
+    assert _pipeline_model.pipeline_send_s("gpipe", 3, 2, 1250.0, link) == pytest.approx(
         6 * link.latency + 4 * 1250 / 1e6 + 2 * 1250 / 1e6
     )
 
@@ -174,7 +175,7 @@ def test_the_lab_prediction_plays_the_recorded_permutes(tmp_path):
     link = _cost.NetworkLink(1e7, 1e-4)
     comm_s, why = _network._comm(record)
     assert why == "" and comm_s == pytest.approx(
-        _network.pipeline_send_s("gpipe", 4, 4, sizes, link)
+        _pipeline_model.pipeline_send_s("gpipe", 4, 4, sizes, link)
     )
     assert comm_s == pytest.approx(6 * (1e-4 + 4608 / 1e7) + 6 * (1e-4 + 8196 / 1e7))
     summary["boundary_permutes"] = permutes[1:]  # one permute missing
@@ -189,5 +190,5 @@ def test_a_swap_pays_no_chain_and_a_chain_does():
     link = _cost.NetworkLink(bandwidth=1e6, latency=0.0)
     swap = (_moves.Permute(((0, 1), (1, 0)), 1e4),)
     chain = (_moves.Permute(((0, 1), (1, 2)), 1e4),)
-    assert _network.play_permutes([swap], 3, link, chain_s=1.0) == pytest.approx(0.01)
-    assert _network.play_permutes([chain], 3, link, chain_s=1.0) == pytest.approx(1.01)
+    assert _pipeline_model.play_permutes([swap], 3, link, chain_s=1.0) == pytest.approx(0.01)
+    assert _pipeline_model.play_permutes([chain], 3, link, chain_s=1.0) == pytest.approx(1.01)

@@ -4,9 +4,7 @@ calibrated links), in the study report."""
 
 import json
 
-import hypothesis
 import pytest
-from hypothesis import strategies as st
 
 from jaxcomp.study import _cost
 from jaxcomp.study import _network
@@ -134,6 +132,55 @@ def test_pipeline_sends_relay_through_the_stages_on_per_host_links(
     assert comm == pytest.approx(sends * 1e-4 + wire * 32768.0 / 1e7)
 
 
+def _pipe_run(path, rate, times, permute_beta):
+    """A 2-stage, 2-microbatch GPipe lab run on per-host links: four sends of 10 kB (one per
+    move), step times ``times`` for steps 3, 4, 6, 7, 8 (1 and 2 warm up, 5 follows the
+    evaluation at 4), the ping-pong fit ``permute_beta`` bytes/s without latency or bucket."""
+    w = _run(path, rate, 0.05)
+    with open(path / "timing.jsonl", "w") as f:
+        for s, t in zip((1, 2, 3, 4, 5, 6, 7, 8), (0.5, 0.5, *times[:2], 0.5, *times[2:])):
+            f.write(json.dumps({"step": s, "step_s": t, "elapsed_s": 10 + s}) + "\n")
+    summary = {"mode": "pipeline", "stages": 2, "microbatches": 2, "schedule": "gpipe",
+               "boundary_bytes_per_step": 4e4, "hlo_collective_bytes_per_step": 4e4,
+               "wire_bytes_per_step": 4e4, "permutes_per_step": 4}  # fmt: skip
+    (path / "summary.json").write_text(json.dumps(summary))
+    (path / "experiment.json").write_text(json.dumps({"mesh": [["stage", 2]]}))
+    lab = json.loads((path / _network.LAB_FILE).read_text())
+    lab["network"]["hosts"], lab["network"]["devices_per_host"] = 2, 1
+    p2p = {"alpha_s": 0.0, "beta_bytes_s": permute_beta, "beta_bit_s": 8 * permute_beta}
+    lab["calibration"]["fits"] = {**FITS, "collective-permute": p2p}
+    (path / _network.LAB_FILE).write_text(json.dumps(lab))
+    return _network.read_lab_run(w)
+
+
+@pytest.mark.parametrize("beta, step, bound", [(1e6, 0.050, "link"), (1e7, 0.020, "compute")])
+def test_a_per_host_pipeline_adds_its_sends_to_the_uncontended_compute(tmp_path, beta, step, bound):
+    """The unlimited run's steps take 10-30 ms (median 20): the fastest is the compute
+    without contention, the rest waits for a core. On per-host links a host that waits for its
+    boundary leaves the cores to the others, so the step is the larger of the unlimited
+    median and the fastest step's compute plus the sends: 4 sends of 10 kB at 1 MB/s (40 ms on
+    the path) give 10 + 40 = 50 ms (the compute added: 60), at 10 MB/s (4 ms) the unlimited
+    20 ms."""
+    times = (0.010, 0.020, 0.020, 0.030, 0.030)
+    unl = _pipe_run(tmp_path / "u", None, times, 1e12)
+    slow = _pipe_run(tmp_path / "s", 1e8, (step,) * 5, beta)
+    unl, slow = _network.predict([unl, slow])
+    p = slow["prediction"]
+    assert p["step_s"] == pytest.approx(step, abs=1e-6)
+    assert p["bound"] == bound and p["free_compute_s"] == pytest.approx(0.010, abs=1e-6)
+    assert p["communication_s"] == pytest.approx(4e4 / beta)
+    assert unl["prediction"]["step_s"] == pytest.approx(0.020, abs=1e-6)
+
+
+def test_an_unlimited_run_faster_than_its_modelled_sends_gives_no_pipeline_prediction(tmp_path):
+    """The fastest unlimited step (10 ms) is shorter than the sends the unlimited calibration
+    prices (40 ms): no compute is left to add to, so no prediction, with the reason."""
+    unl = _pipe_run(tmp_path / "u", None, (0.010, 0.020, 0.020, 0.030, 0.030), 1e6)
+    slow = _pipe_run(tmp_path / "s", 1e8, (0.05,) * 5, 1e6)
+    p = _network.predict([unl, slow])[1]["prediction"]
+    assert p["step_s"] is None and "fastest step is shorter" in p["why"]
+
+
 def test_a_chain_calibration_prices_the_moves_whose_receiver_also_sends(tmp_path):
     """GPipe 4 x 4, one permute per tick and direction: 8 of its 12 moves are chains (2 or 3
     consecutive boundaries), each a send's go-ahead behind 32 KiB less the fit's offset; a
@@ -153,69 +200,6 @@ def test_a_chain_calibration_prices_the_moves_whose_receiver_also_sends(tmp_path
     one = _cost.collective_time("collective-permute", 32768.0, 2, _cost.NetworkLink(1e7, 1e-4))
     assert plain == pytest.approx(12 * one)
     assert chained == pytest.approx(12 * one + 8 * 32000 / 1e7)
-
-
-LINK = _cost.NetworkLink(bandwidth=1e6, latency=1e-4)
-
-
-@pytest.mark.parametrize("stages, chain_moves, on_path", [(2, 0, 0), (4, 8, 8), (5, 12, 10)])
-def test_only_a_move_whose_receiver_also_sends_pays_the_chain(stages, chain_moves, on_path):
-    """GPipe, M=4: a move of one boundary pays nothing more; a move of adjacent boundaries
-    (``chain_moves`` of them) delays its upstream sends, which lie on the step's path in
-    ``on_path`` of them (S = 5: not in two, whose delayed pair ends before the move's last).
-    The program of one permute per boundary has no chains."""
-    base = _network.pipeline_send_s("gpipe", stages, 4, 1e4, LINK)
-    chained = _network.pipeline_send_s("gpipe", stages, 4, 1e4, LINK, chain_s=1e-3)
-    assert chained - base == pytest.approx(on_path * 1e-3)
-    assert on_path <= chain_moves
-    relay = _network.pipeline_send_s("gpipe", stages, 4, 1e4, LINK, moves="boundary")
-    assert (
-        _network.pipeline_send_s("gpipe", stages, 4, 1e4, LINK, moves="boundary", chain_s=1e-3)
-        == relay
-    )
-
-
-@hypothesis.given(schedule=st.sampled_from(["gpipe", "1f1b"]), stages=st.integers(2, 6),
-                  micro=st.integers(1, 8))  # fmt: skip
-def test_pipeline_send_time_lies_between_one_link_and_one_wire(schedule, stages, micro):
-    """Without a bucket the sends take a whole number of sends' time: at least boundary 0's
-    2 M (its hosts send one at a time), at most all 2 M (S - 1) one after another; one move
-    per tick and direction never costs more than one per boundary, and under GPipe exactly
-    its 2 (M + S - 2) moves (every move starts when the one before it ends)."""
-    one = LINK.latency + 1e4 / LINK.bandwidth
-    k = _network.pipeline_send_s(schedule, stages, micro, 1e4, LINK) / one
-    relay = _network.pipeline_send_s(schedule, stages, micro, 1e4, LINK, moves="boundary") / one
-    for n in (k, relay):
-        assert n == pytest.approx(round(n))
-        assert 2 * micro <= round(n) <= 2 * micro * (stages - 1)
-    assert round(k) <= round(relay)
-    if schedule == "gpipe":
-        assert round(k) == 2 * (micro + stages - 2)
-
-
-def test_the_bucket_pays_for_a_send_on_an_idle_link_only():
-    """S=2, M=2, a send of exactly the burst: the first forward and the first backward each
-    find their buckets full (free); the second, right after, finds them empty."""
-    link = _cost.NetworkLink(bandwidth=1e6, latency=0.0)
-    assert _network.pipeline_send_s("gpipe", 2, 2, 5e3, link, 5e3) == pytest.approx(2 * 5e-3)
-    assert _network.pipeline_send_s("gpipe", 2, 2, 5e3, link) == pytest.approx(4 * 5e-3)
-
-
-@pytest.mark.parametrize("nbytes, burst", [(-1.0, 0.0), (float("nan"), 0.0), (1.0, -1.0),
-                                           (1.0, float("inf"))])  # fmt: skip
-def test_pipeline_send_time_refuses_bad_sizes(nbytes, burst):
-    with pytest.raises(ValueError, match="must be finite"):
-        _network.pipeline_send_s("gpipe", 4, 4, nbytes, LINK, burst)
-
-
-def test_pipeline_send_time_refuses_a_bad_chain_delay():
-    with pytest.raises(ValueError, match="chain_s must be finite"):
-        _network.pipeline_send_s("gpipe", 4, 4, 1.0, LINK, chain_s=float("nan"))
-
-
-def test_pipeline_send_time_refuses_an_unknown_program():
-    with pytest.raises(ValueError, match="moves must be"):
-        _network.pipeline_send_s("gpipe", 4, 4, 1.0, LINK, moves="wire")
 
 
 HIER = [["slow", 2], ["fast", 4]]
@@ -277,7 +261,6 @@ def test_a_group_the_mesh_cannot_place_gives_no_prediction(tmp_path):
     run = _hier(tmp_path / "a", [_ar(2, 100.0), _ar(2, 5.0)], 100.0,
                 mesh=[["slow", 2], ["fast", 2]])  # fmt: skip
     assert _network._comm(run)[0] is None
-    assert _network.nic_share(2, [["slow", 2], ["fast", 2]], 2, 2) is None
 
 
 def test_gzipped_timing_reads_as_the_plain_file(tmp_path):

@@ -15,8 +15,9 @@ import os
 from jaxcomp import pipeline
 from jaxcomp.lab import _calibrate
 from jaxcomp.pipeline._ticks import move_pieces
+from jaxcomp.study import _fits
 from jaxcomp.study import _moves
-from jaxcomp.study import _network
+from jaxcomp.study import _pipeline_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAYLOADS = {"1 KiB both ways": (1024, 1024), "identity 32 KiB": (32768, 32768),
@@ -55,14 +56,14 @@ def main() -> None:
                 with open(os.path.join(HERE, "calibrations", f"per_host-4x1-{rate}.json")) as f:
                     cal = _calibrate.refit(json.load(f))
                 fit = cal["fits"]["collective-permute"]
-                link = _network.links({"p2p": fit})["p2p"]
+                link = _fits.links({"p2p": fit})["p2p"]
                 burst, chain = float(fit.get("burst_bytes", 0.0)), cal.get("chain")
 
                 def delay(n, chain=chain):
-                    return _network.chain_delay_s(chain, n)
+                    return _fits.chain_delay_s(chain, n)
 
-                a = _network.play_permutes(now, stages, link, burst, delay)
-                b = _network.play_permutes(merged, stages, link, burst, delay)
+                a = _pipeline_model.play_permutes(now, stages, link, burst, delay)
+                b = _pipeline_model.play_permutes(merged, stages, link, burst, delay)
                 print(f"| {stages} x {m} | {label} | {rate} | {counts[0]} / {counts[1]} | "
                       f"{1e3 * a:.1f} | {1e3 * b:.1f} | {1e3 * (a - b):.1f} ms "
                       f"({100 * (a - b) / a:.0f}%) |")  # fmt: skip
