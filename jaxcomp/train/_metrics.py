@@ -7,14 +7,83 @@ import csv
 import json
 import math
 import os
+import re
+from collections.abc import Collection
+from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from jaxcomp.train import _writers
 
 #: per-step wall times (:meth:`MetricWriter.write_time`)
 TIMING = "timing.jsonl"
+
+#: metric keys renamed since runs were first written, ``(old spelling, its replacement)``,
+#: so that a run resumed from a checkpoint written before a rename keeps one spelling
+#: (:func:`renamed_keys`): on 2026-12-05 (commit bcc9b9e) a per-layer metric lost the
+#: per-stage tuple's index from its parameter's name (``layer_mode/1/fc2/Dense_0/kernel`` ->
+#: ``layer_mode/fc2/Dense_0/kernel``, AB's ``rank/...`` too)
+RENAMED = ((re.compile(r"(layer_mode|rank)/\d+/(.+)"), r"\1/\2"),)
+
+
+def renamed_keys(keys: Iterable[str], current: Collection[str]) -> dict[str, str]:
+    """``{old: new}`` for each of ``keys`` that this version does not write (not in
+    ``current``, the keys it writes) and that a rename of :data:`RENAMED` turns into one it
+    writes; a key this version writes is never renamed.
+
+    Example:
+      >>> renamed_keys(["loss", "layer_mode/1/fc2/kernel"], ["loss", "layer_mode/fc2/kernel"])
+      {'layer_mode/1/fc2/kernel': 'layer_mode/fc2/kernel'}
+    """
+    out = {}
+    for k in keys:
+        for pattern, replacement in RENAMED:
+            if k not in current and pattern.fullmatch(k):
+                new = pattern.sub(replacement, k)
+                if new in current:
+                    out[k] = new
+    return out
+
+
+def window_mean(
+    window: Sequence[Mapping[str, float]],
+    current: Collection[str],
+    defaults: Mapping[str, float] | None = None,
+) -> tuple[dict[str, float], list[str]]:
+    """A train record from the per-step metrics since the last one: each key's mean over the
+    steps that hold it (a step without a key of ``defaults`` counts its default, once another
+    step holds it), in the order the keys first appear.
+
+    Steps restored from a checkpoint written by an older version count under their key's
+    current spelling (:func:`renamed_keys`, ``current``: the keys this version's steps write);
+    a key of an old spelling with no current one (its metric since removed) is left out of the
+    record and returned, for the run to say so.
+
+    Returns:
+      ``(record, keys left out)``.
+
+    Example:
+      >>> window_mean([{"loss": 1.0, "rank/0/fc": 2.0}, {"loss": 2.0, "rank/fc": 4.0}],
+      ...             ["loss", "rank/fc"])
+      ({'loss': 1.5, 'rank/fc': 3.0}, [])
+    """
+    keys = {k for w in window for k in w}
+    names = renamed_keys(keys, current)
+    lost = sorted(
+        k for k in keys - set(names) - set(current) if any(p.fullmatch(k) for p, _ in RENAMED)
+    )
+    values: dict[str, list[float]] = {}
+    for w in window:
+        for k, v in w.items():
+            if k not in lost:
+                values.setdefault(names.get(k, k), []).append(v)
+    for k, v in (defaults or {}).items():
+        if k in values:
+            values[k] = [w.get(k, v) for w in window]
+    return {k: float(np.mean(v)) for k, v in values.items()}, lost
 
 
 def _plain(v: Any) -> Any:
@@ -60,22 +129,17 @@ class MetricWriter:
         self.writer_names, self.config = tuple(writers), config
         self.writers: list = []
         self.timing = os.path.join(workdir, TIMING)
+        self._spelled: set[str] = set()  # the splits whose records on file use current names
 
     def truncate_after(self, step: int) -> None:
         """Drops records with ``step > step`` (``0``: all), rewriting each file atomically."""
         if not self.enabled:
             return
         keep = [r for r in read_metrics(self.workdir) if r["step"] <= step]
-        _replace(self.jsonl, "".join(json.dumps(r) + "\n" for r in keep))
+        self._rewrite(keep, {r["split"] for r in keep} | {"train", "eval"})
         times = [r for r in read_metrics(self.workdir, TIMING) if r["step"] <= step]
         _replace(self.timing, "".join(json.dumps(r) + "\n" for r in times))
-        for split in {r["split"] for r in keep} | {"train", "eval"}:
-            path = os.path.join(self.workdir, f"{split}.csv")
-            rows = [r for r in keep if r["split"] == split]
-            if os.path.exists(path):
-                os.remove(path)
-            for r in rows:
-                self._csv(r)
+        self._spelled = set()
         self.close()
         self.writers = _writers.open_writers(self.writer_names, self.workdir, step, self.config)
 
@@ -98,6 +162,9 @@ class MetricWriter:
         if not self.enabled:
             return
         record = {"step": int(step), "split": split, **{k: _plain(v) for k, v in scalars.items()}}
+        if split not in self._spelled:  # the first record of the split in this run
+            self._respell(split, record)
+            self._spelled.add(split)
         with open(self.jsonl, "a") as f:
             f.write(json.dumps(record) + "\n")
         self._csv(record)
@@ -130,20 +197,55 @@ class MetricWriter:
                 f.write(json.dumps({"step": int(step), "step_s": step_s, "elapsed_s": elapsed_s}))
                 f.write("\n")
 
+    def _respell(self, split: str, record: dict) -> None:
+        """Renames the keys of ``split``'s records on file that this run writes under another
+        name (:func:`renamed_keys`; a run resumed from before a rename)."""
+        records = read_metrics(self.workdir)
+        names = renamed_keys({k for r in records if r["split"] == split for k in r}, record)
+        if names:
+            respelled = [
+                {names.get(k, k): v for k, v in r.items()} if r["split"] == split else r
+                for r in records
+            ]
+            self._rewrite(respelled, {split})
+
+    def _rewrite(self, records: list[dict], splits: set[str]) -> None:
+        """``metrics.jsonl`` as ``records``, and the CSV of each of ``splits`` from them."""
+        _replace(self.jsonl, "".join(json.dumps(r) + "\n" for r in records))
+        for split in splits:
+            _write_csv(self.workdir, split, [r for r in records if r["split"] == split])
+
     def _csv(self, record: dict) -> None:
         path = os.path.join(self.workdir, f"{record['split']}.csv")
         fields = [k for k in record if k != "split"]
-        new = not os.path.exists(path)
-        if not new:
+        if os.path.exists(path):
             with open(path) as f:
                 header = f.readline().strip().split(",")
-            if header != fields:  # columns changed (e.g. a metric appeared): keep the header
-                fields = header
-        with open(path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-            if new:
-                w.writeheader()
-            w.writerow(record)
+            if set(fields) - set(header):  # a column appeared: every row again, with it
+                rows = [r for r in read_metrics(self.workdir) if r["split"] == record["split"]]
+                _write_csv(self.workdir, record["split"], rows)
+                return
+            with open(path, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=header, extrasaction="ignore").writerow(record)
+            return
+        _write_csv(self.workdir, record["split"], [record])
+
+
+def _write_csv(workdir: str, split: str, rows: list[dict]) -> None:
+    """``<split>.csv`` of ``rows`` (none: no file), its columns every key of theirs in the order
+    they first appear (an empty cell where a row has none)."""
+    path = os.path.join(workdir, f"{split}.csv")
+    if not rows:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    fields = list(dict.fromkeys(k for r in rows for k in r if k != "split"))
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
 
 
 def _replace(path: str, text: str) -> None:

@@ -38,6 +38,12 @@ once, when first used (the all-low program at build time). The detector's
 learning-rate rule reads the config's schedule (use ``constant`` or ``step``: a smooth decay
 keeps every link in low compression).
 
+Every step logs the gradient's global norm before clipping (``grad_norm``, after the replicas'
+average) and each stage's (``grad_norm/stage_<s>``, ``s = 0 ... S-1``: the norm of stage
+``s``'s parameters' gradient, the padding of the packed rows left out; the global norm is the
+square root of the stages' sum of squares), with no collective beyond the one a global norm
+needs (:func:`stage_square_sums`); a train record holds each one's mean over its steps.
+
 A channel spec is a codec name plus its arguments, with ``feedback`` one of ``None``, ``"ef"``,
 ``"ef21"``, ``"aq_sgd"`` (``per_sample_buffers: True`` keys EF/EF21 buffers by sample id).
 Each data replica keeps its own per-sample buffers, so with such a channel on ``R > 1``
@@ -69,7 +75,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -110,6 +118,67 @@ def _adaptive_metrics(metrics: dict, mask) -> dict:
                 low = low + (modes[b, d] == pipeline.LOW_COMPRESSION)
     out["low_compression_links"] = low
     return out
+
+
+def _own_lengths(layout: pipeline.ParamLayout) -> dict[str, np.ndarray]:
+    """Per packed buffer, each stage's own entries (its row without the padding), ``[S]``."""
+
+    def own(g, slots):
+        return sum(math.prod(sl.shape) for sl in slots if sl.group == g)
+
+    return {g: np.array([own(g, slots) for slots in layout.slots]) for g, _ in layout.lengths}
+
+
+def _row_square_sums(rows: dict[str, jax.Array], own: dict[str, jax.Array]) -> jax.Array:
+    """``sum(x ** 2)`` over the first ``own[g]`` entries of each row of every buffer ``g``
+    (``[..., L]`` rows, ``[...]`` lengths), in float32: ``[...]``."""
+    total = 0.0
+    for g, row in rows.items():
+        x = row.astype(jnp.float32)
+        kept = jnp.arange(row.shape[-1]) < own[g][..., None]
+        total = total + jnp.sum(jnp.where(kept, x * x, 0.0), axis=-1)
+    return total
+
+
+def stage_square_sums(
+    grads: pipeline.PackedParams, mesh: jax.sharding.Mesh | None = None
+) -> jax.Array:
+    r"""Each stage's sum of squared gradient entries, ``[S]`` float32 and replicated, without the
+    padding of the packed rows.
+
+    .. math::
+      q_s = \sum_{i \in \text{stage } s} g_i^2, \qquad
+      \lVert g \rVert = \sqrt{\textstyle\sum_s q_s}
+
+    The stages' norms are ``sqrt(q)``, the global norm ``sqrt(q.sum())``. With ``mesh`` (the
+    buffers sharded over ``stage``) each stage's device sums its own row and one ``psum`` of
+    the ``[S]`` vector (its own entry, zeros elsewhere) over ``stage`` replicates the sums:
+    the one all-reduce a global norm needs, ``S`` floats instead of one. Without, the rows
+    are summed where they are (the simulation: replicated, no collective).
+
+    Args:
+      grads: the packed gradient, ``{dtype: [S, L]}``.
+      mesh: the mesh its buffers are sharded on over ``stage``, or ``None``.
+
+    Returns:
+      ``[S]`` float32.
+
+    Example:
+      >>> g = pipeline.pack_params([{"w": jnp.full(3, 2.0)}, {"b": jnp.ones(1)}])
+      >>> stage_square_sums(g).tolist()  # stage 1: its one entry, not its row's padding
+      [12.0, 1.0]
+    """
+    own = _own_lengths(grads.layout)
+    if mesh is None:
+        return _row_square_sums(grads.buffers, {g: jnp.asarray(n) for g, n in own.items()})
+    num_stages = grads.layout.num_stages
+
+    def body(rows):  # [1, L] per buffer: this device's stage
+        s = lax.axis_index(comm.STAGE)
+        mine = _row_square_sums(rows, {g: jnp.asarray(n)[s][None] for g, n in own.items()})
+        return lax.psum(jnp.where(jnp.arange(num_stages) == s, mine, 0.0), comm.STAGE)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=P(comm.STAGE), out_specs=P())(grads.buffers)
 
 
 def optimizer(
@@ -269,11 +338,13 @@ def build_pipeline(
         )
         if scaled:
             new = new._replace(loss_scale=_precision.adjust(state.loss_scale, finite))
+        squares = stage_square_sums(grads, None if cfg["simulate"] else mesh)
         out = {
             "loss": loss,
             "accuracy": metrics["accuracy"],
             "finite": finite.astype(jnp.int32),
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": jnp.sqrt(jnp.sum(squares)),
+            **{f"grad_norm/stage_{s}": jnp.sqrt(squares[s]) for s in range(model.num_stages)},
         }
         if "data_wire_bytes" in metrics:  # data replicas: the gradient average's bytes
             out["data_wire_bytes"] = metrics["data_wire_bytes"]

@@ -514,8 +514,14 @@ def _loop(s, ckpt, lock, dog, fp, workdir, stop_after, stop, t_start, say) -> di
             run["wire_sum"] += m.get("wire_bytes", mode.wire_bytes)
             run["wire_count"] += 1
         if step % cfg.log_every == 0 or step == cfg.total_steps:
-            window = run["window"]
-            avg = {k: float(np.mean([w[k] for w in window])) for k in window[0]} if window else {}
+            # m: this version's keys; a step without wire_bytes sent the mode's (a pipeline's
+            # warm-up steps report their own)
+            avg, lost = _metrics.window_mean(run["window"], m, {"wire_bytes": mode.wire_bytes})
+            if lost:  # steps of a checkpoint written by an older version
+                progress.message(
+                    f"step {step}: the checkpoint's per-step metrics {lost} are no longer "
+                    "written (their metric was removed); left out of this record."
+                )
             avg.setdefault("wire_bytes", mode.wire_bytes)  # a mode may report it per step
             avg.update(nonfinite_steps=run["nonfinite_total"], epoch=data_state.epoch)
             seconds = step_seconds / (step - logged)

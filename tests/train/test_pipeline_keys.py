@@ -1,6 +1,8 @@
 """The trainer's ``config.pipeline`` keys: ``schedule``, ``checkpoint`` and ``replica_mean`` reach
 the pipeline, change nothing they should not, and reject bad values; AQ-SGD's warm-up fills
-the per-sample caches, then compresses."""
+the per-sample caches, then compresses. Each step's gradient norm per stage
+(``grad_norm/stage_<s>``): the stages' own entries, the padding of the packed rows left out,
+with and without data replicas; in those runs against the SGD step's own update."""
 
 import functools
 
@@ -8,9 +10,12 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcomp import pipeline
 from jaxcomp import train
+from jaxcomp.train import _pipeline_mode
 from jaxcomp.train import _trainer
 
 #: 1F1B / checkpointing == GPipe to tolerances, bytes and keys: no bit of XLA's optimised programs
@@ -58,13 +63,69 @@ def _key(s, i):
 
 
 def _one_step(config):
-    """``(setup, metrics, params)`` after one training step from the seed-0 state."""
+    """``(setup, metrics, params)`` after one training step from the seed-0 state; checks the
+    step's gradient norms against its SGD update (``config.lr`` times the gradient)."""
     s = train.setup(config)
     state = s.mode.init(jax.random.key(0))
+    before = [np.asarray(p, np.float64) for p in jax.tree.leaves(state.params)]
     batch, _ = s.train_loader.next(s.train_loader.initial_state())
     batch = _trainer.place(batch, s.mode.batch_sharding)
     state, metrics = s.mode.train_step(state, batch, _key(s, 1), 0)
-    return s, jax.device_get(metrics), [np.asarray(p) for p in jax.tree.leaves(state.params)]
+    params = [np.asarray(p) for p in jax.tree.leaves(state.params)]
+    metrics = jax.device_get(metrics)
+    _check_stage_norms(config, metrics, before, params)
+    return s, metrics, params
+
+
+def _check_stage_norms(config, metrics, before, after):
+    """SGD's update is ``-lr g``: each stage's norm and the global one, from the update's rows
+    (float32 parameters round the update: ~1e-5 of these norms)."""
+    assert config.optax_name == "sgd" and not config.get("grad_clip_norm")
+    rows = [(b - a) / config.lr for b, a in zip(before, after)]  # one [S, L] per dtype
+    want = np.sqrt(sum(np.sum(r**2, axis=1) for r in rows))
+    got = np.array([metrics[f"grad_norm/stage_{s}"] for s in range(len(want))])
+    assert f"grad_norm/stage_{len(want)}" not in metrics
+    np.testing.assert_allclose(got, want, rtol=1e-3)
+    np.testing.assert_allclose(metrics["grad_norm"], np.sqrt(np.sum(got**2)), rtol=1e-6)
+    assert all(g > 0 for g in got)
+
+
+#: stage trees of float32 and bfloat16 leaves: every packed row but one has padding
+STAGES = (
+    {"w": np.arange(6, dtype=np.float32).reshape(3, 2) - 2.5, "h": np.array([3, -1], "bfloat16")},
+    {"b": np.array([0.5], np.float32)},
+    {"k": np.array([1, 2, 3, 4], np.float32), "h": np.array([2, 0, 1], "bfloat16")},
+    {},
+)
+
+
+@functools.cache
+def _stage_sums_on(axes):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[: 2 * len(STAGES)]).reshape(2, -1), axes)
+    fn = jax.jit(functools.partial(_pipeline_mode.stage_square_sums, mesh=mesh))
+    return mesh, fn
+
+
+@pytest.mark.parametrize("axes", [None, ("data", "stage")])
+def test_stage_norms_count_each_stages_own_entries_only(axes):
+    """With padding that is not zero (a compressed replica mean could leave some), on one
+    device and with 2 data replicas of the stages (``axes``)."""
+    packed = pipeline.pack_params([{k: jax.numpy.asarray(v) for k, v in t.items()} for t in STAGES])
+    buffers = {g: np.array(b) for g, b in packed.buffers.items()}
+    for g, b in buffers.items():
+        for s, tree in enumerate(STAGES):
+            b[s, sum(x.size for x in tree.values() if x.dtype == g) :] = 1e3
+    want = [sum(np.sum(np.float64(x) ** 2) for x in t.values()) for t in STAGES]
+    assert want[-1] == 0.0
+    if axes is None:
+        got = _pipeline_mode.stage_square_sums(pipeline.PackedParams(buffers, packed.layout))
+    else:
+        mesh, fn = _stage_sums_on(axes)
+        placed = jax.device_put(buffers, NamedSharding(mesh, P("stage")))
+        got = fn(pipeline.PackedParams(placed, packed.layout))
+        assert got.sharding.is_fully_replicated
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from jaxcomp import train
+from jaxcomp.train import _trainer
 
 #: setups are shared between the runs of a mode (setup is pure): a resumed run computes with
 #: the executables of the run it continues, as it does from the persistent compilation cache;
@@ -192,3 +193,25 @@ def test_the_checkpoint_holds_the_state_a_resume_needs(mode, references, last_ch
         residuals = [x for p, x in paths if "residual" in jax.tree_util.keystr(p)]
         assert residuals and all(np.shape(x)[0] == WORKERS for x in residuals)
         assert any(np.any(np.asarray(x) != 0) for x in residuals)
+
+
+@pytest.mark.slow
+def test_a_run_resumed_from_before_the_per_layer_rename_has_the_uninterrupted_records(
+    make_config, references, monkeypatch, tmp_path, capsys
+):
+    """Steps 1-3 written as the version before the rename did (``layer_mode/0/<name>``: the
+    one-stage model's index in the name), resumed by this one: one spelling, the uninterrupted
+    run's records (the window's renames: tests/train/test_writers.py)."""
+    full, _ = references("data_parallel")
+    config = _config(make_config, "data_parallel")
+    scalars = _trainer._scalars
+
+    def old_names(tree):
+        return {k.replace("layer_mode/", "layer_mode/0/"): v for k, v in scalars(tree).items()}
+
+    monkeypatch.setattr(_trainer, "_scalars", old_names)
+    assert train.train_and_evaluate(config, str(tmp_path), stop_after=3) == {"stopped_at": 3}
+    assert any(k.startswith("layer_mode/0/") for k in _records(tmp_path)[0])
+    monkeypatch.undo()
+    train.train_and_evaluate(config, str(tmp_path))
+    assert _records(tmp_path) == _records(full)

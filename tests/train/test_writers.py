@@ -12,6 +12,7 @@ from jaxcomp import train
 from jaxcomp import transforms
 from jaxcomp.train import _ab_mode
 from jaxcomp.train import _dp_mode
+from jaxcomp.train import _metrics
 from jaxcomp.train import _mode
 from jaxcomp.train import _writers
 
@@ -93,3 +94,41 @@ def test_per_layer_metrics_are_named_by_parameter_path_without_the_stage_index()
     assert ranks == ("rank/fc2/Dense_0/kernel", "rank/fc3/Dense_0/kernel")
     with pytest.raises(ValueError, match=r"stage index.*'fc1/Dense_0/kernel'"):
         _mode.parameter_name("fc1/Dense_0/kernel")
+
+
+#: per-step metrics as the version before the per-layer rename wrote them (the stage index in
+#: the name) and as this one does; ``rank/3/kernel`` names a segment ``"3"``: never renamed
+OLD = {"loss": 1.0, "layer_mode/0/fc1/kernel": 0.0, "rank/1/3/kernel": 4.0, "gone": 7.0}
+NEW = {"loss": 3.0, "layer_mode/fc1/kernel": 1.0, "rank/3/kernel": 2.0, "grad_norm/stage_0": 0.5}
+
+
+def test_a_run_resumed_from_before_a_metric_rename_writes_one_spelling(tmp_path):
+    """metrics.jsonl and train.csv of a run resumed from a checkpoint written before the rename
+    (its records, and the steps in its window) hold the current names only, with a column for
+    a metric that appears; an old name with no current one is left out and named."""
+    old = train.MetricWriter(str(tmp_path))
+    old.truncate_after(0)
+    for step in (1, 2, 3):
+        old.write(step, "train", OLD)
+    old.write(2, "eval", {"loss": 2.0})
+    resumed = train.MetricWriter(str(tmp_path))
+    resumed.truncate_after(2)  # resumed at step 2, a checkpoint's window of one step
+    window = [{"layer_mode/0/gone/kernel": 1.0, **OLD, "wire_bytes": 10.0}, NEW]
+    record, lost = _metrics.window_mean(window, NEW, {"wire_bytes": 20.0})
+    assert lost == ["layer_mode/0/gone/kernel"]
+    want = {"loss": 2.0, "layer_mode/fc1/kernel": 0.5, "rank/3/kernel": 3.0, "gone": 7.0,
+            "wire_bytes": 15.0, "grad_norm/stage_0": 0.5}  # fmt: skip
+    assert record == want and list(record) == list(want)
+    resumed.write(4, "train", record)
+    records = train.read_metrics(str(tmp_path))
+    train_keys = [sorted(k for k in r if "/" in k) for r in records if r["split"] == "train"]
+    assert train_keys == [["layer_mode/fc1/kernel", "rank/3/kernel"]] * 2 + [
+        ["grad_norm/stage_0", "layer_mode/fc1/kernel", "rank/3/kernel"]
+    ]
+    assert [r["step"] for r in records] == [1, 2, 2, 4]
+    rows = (tmp_path / "train.csv").read_text().splitlines()
+    assert (
+        rows[0] == "step,loss,layer_mode/fc1/kernel,rank/3/kernel,gone,wire_bytes,grad_norm/stage_0"
+    )
+    assert rows[1:] == ["1,1.0,0.0,4.0,7.0,,", "2,1.0,0.0,4.0,7.0,,", "4,2.0,0.5,3.0,7.0,15.0,0.5"]
+    assert (tmp_path / "eval.csv").read_text().splitlines() == ["step,loss", "2,2.0"]

@@ -9,6 +9,13 @@ at one boundary only, and dense; then stage 0's largest leaves for dense and by 
 
   PYTHONPATH=. tools/cpu-slot python docs/results/text_paper1_rowtopk_feedback/stage0_probe.py \
       runs/text_paper1_rowtopk/topk10-rows__optimizer=adam__seed0/checkpoints/150/state [...]
+
+Since 2026-12-05 (branch ``stagenorm``) the trainer's pipeline mode logs each stage's gradient
+norm itself (``grad_norm/stage_0`` ... ``grad_norm/stage_{S-1}`` beside ``grad_norm`` in
+``metrics.jsonl``, ``train.csv`` and TensorBoard; the norm of the step's own gradient, with the
+links as trained, before clipping, each record the mean over its steps): a run shows where its
+excess is without this probe. The probe still gives what a run does not: one fixed set of 512
+windows at a checkpoint, and the same weights with dense links or the other backward.
 """
 
 import os
