@@ -53,7 +53,65 @@ def grouped():
     return config, parallel.ab_data_parallel(loss_fn, config, mesh, donate=False)
 
 
+# The marked test and the fusion counts first, optimised; the rest compile unoptimised
+# (``fast_compiles``: ranks, bytes, errors, runs compared with runs of the same programs or to
+# a tolerance), and that fixture stays on to the module's end once a test asks for it.
+FAST = pytest.mark.usefixtures("fast_compiles")
+
+
+@pytest.mark.user_numerics
+def test_the_refactorisation_compiles_fast_wherever_it_compiles_with_the_default_bits(grouped):
+    """The re-factorisation (a few calls a run) compiles at XLA:CPU's backend level 0, the
+    steps at the default: the options travel with the program (``compile_all`` and a compile
+    on first use alike), and the refactored state is the default level's bit for bit."""
+    from jaxcomp import _cpu
+    from jaxcomp.ab import _programs
+
+    config, dp = grouped
+    state = dp.init(init_params())
+    batch = dp.shard_batch(batches(1)[0])
+    programs = _programs.Programs(config, loss_fn, dp.mesh, donate=False)
+    state = programs.run("dense", state, batch)[0]
+    args = programs._args("refactor", state)
+    assert programs._program("dense").compiler_options is None
+    assert programs._program("ab").compiler_options is None
+    lowered = programs._program("refactor").lower(*args)
+    assert lowered.options == _cpu.RARELY_RUN_OPTIONS
+    fast = programs.compiled("refactor", *args)  # compiled on first use
+    default = lowered.lowered.compile()
+    got, want = fast(*args), default(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def _fusions(programs, name, state, batch):
+    args = programs._args(name, state, batch)
+    return programs.compiled(name, *args).as_text().count(" fusion(")
+
+
+@pytest.mark.parametrize("name", ["dense", "ab"])
+def test_the_finiteness_check_reads_what_a_program_writes_without_computing_it_again(grouped, name):
+    # XLA:CPU fused each written leaf's producer into the check's concatenation too: a
+    # kernel more per leaf (compile time follows the kernels; main: dense 32 -> 43). The
+    # check in a cond reads them once; it adds its own few kernels (the flag, the sum, the
+    # finiteness). Not the transition program yet: XLA moves the stacking reshape into the
+    # cond there and computes the aligned moments twice again (21 -> 33).
+    from jaxcomp.ab import _programs
+
+    config, dp = grouped
+    state, batch = dp.init(init_params()), dp.shard_batch(batches(1)[0])
+    count = {
+        check: _fusions(
+            _programs.Programs(config, loss_fn, dp.mesh, donate=False, check_finite=check),
+            name, state, batch,
+        )
+        for check in (False, True)
+    }  # fmt: skip
+    assert count[True] - count[False] <= 4, count
+
+
 @pytest.mark.slow
+@FAST
 def test_truncation_cuts_the_rank_and_capacity_can_follow(grouped):
     _, dp = grouped
     params, data = init_params(), batches(8)
@@ -91,6 +149,7 @@ def test_truncation_cuts_the_rank_and_capacity_can_follow(grouped):
     np.testing.assert_array_equal(np.asarray(full.b[0])[:, 2:], 0.0)
 
 
+@FAST
 def test_a_multi_device_cpu_harness_runs_openblas_on_one_thread(grouped):
     """Several CPU devices in one process call LAPACK at once; multi-threaded OpenBLAS then
     stalls their collectives (see ``tests/train/test_ab_contention.py``)."""
@@ -100,6 +159,7 @@ def test_a_multi_device_cpu_harness_runs_openblas_on_one_thread(grouped):
     assert blas and all(i["num_threads"] == 1 for i in blas), blas
 
 
+@FAST
 def test_capacity_sets_the_bytes_on_the_wire(grouped):
     config, dp = grouped
     params = init_params()
@@ -118,6 +178,7 @@ def _fields(config):
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
+@FAST
 def test_a_checkpoint_mid_ab_phase_restores_and_continues_identically(grouped, tmp_path):
     _, dp = grouped
     params, data = init_params(), batches(8)
@@ -144,6 +205,7 @@ def test_a_checkpoint_mid_ab_phase_restores_and_continues_identically(grouped, t
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@FAST
 def test_the_step_reports_each_workers_bytes_by_role_and_the_dense_bytes(grouped):
     config, dp = grouped
     state, data = dp.init(init_params()), batches(8)
@@ -165,6 +227,7 @@ def test_the_step_reports_each_workers_bytes_by_role_and_the_dense_bytes(grouped
     assert refactor > 0 and kinds["ab"]["b"] < kinds["ab"]["a"] < kinds["ab_then_sync"]["b"]
 
 
+@FAST
 def test_a_loss_scale_is_undone_exactly_and_a_missing_one_is_an_error(grouped):
     # float16 compute's loss scale: the gradients of loss * 2**10, divided by 2**10, are the
     # plain gradients bit for bit (powers of two), through every program of a cycle
@@ -221,6 +284,7 @@ def test_a_loss_scale_is_undone_exactly_and_a_missing_one_is_an_error(grouped):
         (dict(num_groups=np.float32(2)), "num_groups must be None or an integer >= 1"),
     ],
 )
+@FAST
 def test_bad_arguments_raise_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         transforms.ABConfig(**{"learning_rate": 1e-3, **TX_KWARGS, **kwargs})
@@ -228,6 +292,7 @@ def test_bad_arguments_raise_at_construction(kwargs, match):
         transforms.ab_training(**{"learning_rate": 1e-3, **TX_KWARGS, **kwargs})
 
 
+@FAST
 def test_numpy_integers_are_taken_and_stored_as_python_ints():
     config = transforms.ABConfig(1e-3, **{**TX_KWARGS, "warmup_steps": np.int64(2)},
                                  max_rank=np.int32(3), num_groups=np.int64(2))  # fmt: skip
@@ -235,6 +300,7 @@ def test_numpy_integers_are_taken_and_stored_as_python_ints():
     assert values == (2, 3, 2, 4) and all(type(v) is int for v in values)
 
 
+@FAST
 def test_group_count_must_divide_the_data_axis():
     with pytest.raises(ValueError, match="num_groups=3 does not divide the data axis of 8"):
         parallel.ab_mesh(3, jax.devices()[:8])
@@ -242,6 +308,7 @@ def test_group_count_must_divide_the_data_axis():
         parallel.ab_mesh(0, jax.devices()[:8])
 
 
+@FAST
 def test_groupings_the_workers_cannot_form_are_errors_naming_the_problem():
     flat = comm.make_mesh([("data", 4)], jax.devices()[:4])
     too_big = transforms.ABConfig(1e-3, **TX_KWARGS, axis_name="data", group_size=5)
@@ -254,12 +321,14 @@ def test_groupings_the_workers_cannot_form_are_errors_naming_the_problem():
         parallel.ab_data_parallel(loss_fn, transforms.ab_training(1e-3, **TX_KWARGS), flat)
 
 
+@FAST
 def test_excluded_name_matching_nothing_raises_at_init():
     tx = transforms.ab_training(1e-3, **{**TX_KWARGS, "exclude": ("classifier",)})
     with pytest.raises(ValueError, match=r"exclude: \['classifier'\] match no parameter"):
         tx.init(init_params())
 
 
+@FAST
 def test_update_outside_shard_map_or_with_other_params_raises():
     tx = transforms.ab_training(1e-3, **TX_KWARGS)
     params = init_params()
@@ -276,6 +345,7 @@ def test_update_outside_shard_map_or_with_other_params_raises():
         tx.update(bad_grads, state, params)
 
 
+@FAST
 def test_a_state_off_the_mesh_is_an_error_naming_it(grouped):
     _, dp = grouped
     state = dp.init(init_params())
@@ -295,6 +365,7 @@ def _stateful_loss(params, model_state, batch):
     "layout,rule",
     [("flat", "average"), ("flat", "first"), ("flat", "keep"), ("rectangular", "average")],
 )
+@FAST
 def test_a_model_state_is_per_worker_and_follows_the_dense_sync_rule(layout, rule):
     if layout == "flat":  # groups of 2 on a flat axis
         mesh = comm.make_mesh([("data", 4)], jax.devices()[:4])
@@ -319,6 +390,7 @@ def test_a_model_state_is_per_worker_and_follows_the_dense_sync_rule(layout, rul
     assert dp.abstract_state(init_params(), {"m": jnp.zeros(2)}).model_state["m"].shape == (4, 2)
 
 
+@FAST
 def test_a_model_state_needs_has_state(grouped):
     _, dp = grouped
     with pytest.raises(ValueError, match="without has_state"):
@@ -341,6 +413,7 @@ def _mesh_of(layout):
         ("rectangular", dict(comm_setup="individual", lr_rebound_steps=2)),
     ],
 )
+@FAST
 def test_without_donation_the_programs_return_only_what_they_write(layout, options):
     # donate=False (the trainer's, which keeps the previous state on a non-finite step) has
     # each program return only the leaves it wrote and the host put back the rest: over
@@ -365,6 +438,7 @@ def test_without_donation_the_programs_return_only_what_they_write(layout, optio
         jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
+@FAST
 def test_a_sync_that_overflows_is_reported_even_when_the_ab_step_was_finite(grouped):
     # each group's own product A_g B_g is moderate, the synced product of the means is not:
     # group 0 holds (1e25 A, 1e-25 B), group 1 (1e-25 A, 1e25 B), so mean(A) mean(B) ~ 0.25e50
@@ -387,6 +461,7 @@ def test_a_sync_that_overflows_is_reported_even_when_the_ab_step_was_finite(grou
     assert finite.shape == (2,) and finite.tolist() == [0, 0]
 
 
+@FAST
 def test_a_program_compiles_again_for_another_dtype_or_weak_type():
     # the compile cache's key: an argument of another dtype or weak type is another program
     mesh = parallel.ab_mesh(2, jax.devices()[:4])
@@ -401,36 +476,12 @@ def test_a_program_compiles_again_for_another_dtype_or_weak_type():
     assert program(f16).dtype == np.float16 and program(weak).weak_type
 
 
-@pytest.mark.user_numerics
-def test_the_refactorisation_compiles_fast_wherever_it_compiles_with_the_default_bits(grouped):
-    """The re-factorisation (a few calls a run) compiles at XLA:CPU's backend level 0, the
-    steps at the default: the options travel with the program (``compile_all`` and a compile
-    on first use alike), and the refactored state is the default level's bit for bit."""
-    from jaxcomp import _cpu
-    from jaxcomp.ab import _programs
-
-    config, dp = grouped
-    state = dp.init(init_params())
-    batch = dp.shard_batch(batches(1)[0])
-    programs = _programs.Programs(config, loss_fn, dp.mesh, donate=False)
-    state = programs.run("dense", state, batch)[0]
-    args = programs._args("refactor", state)
-    assert programs._program("dense").compiler_options is None
-    assert programs._program("ab").compiler_options is None
-    lowered = programs._program("refactor").lower(*args)
-    assert lowered.options == _cpu.RARELY_RUN_OPTIONS
-    fast = programs.compiled("refactor", *args)  # compiled on first use
-    default = lowered.lowered.compile()
-    got, want = fast(*args), default(*args)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout,options",
     [("rectangular", {}), ("flat", dict(axis_name="data", group_size=2, sync_mode="only-learned"))],
 )
+@FAST
 def test_the_sync_inside_the_ab_program_counts_at_the_sync_kind_only(layout, options):
     # the harness runs a cycle's last AB step and its sync as one program (a cond on a flag):
     # the sync's collectives must add to that kind's bytes exactly what they add to the optax
@@ -449,29 +500,3 @@ def test_the_sync_inside_the_ab_program_counts_at_the_sync_kind_only(layout, opt
     # the plain AB step's bytes are the optax transform's plus the loss's pmean (a scalar)
     for role in ("a", "b"):
         assert 0 < harness["ab"][role] - optax_["ab"][role].total_bytes <= 8
-
-
-def _fusions(programs, name, state, batch):
-    args = programs._args(name, state, batch)
-    return programs.compiled(name, *args).as_text().count(" fusion(")
-
-
-@pytest.mark.parametrize("name", ["dense", "ab"])
-def test_the_finiteness_check_reads_what_a_program_writes_without_computing_it_again(grouped, name):
-    # XLA:CPU fused each written leaf's producer into the check's concatenation too: a
-    # kernel more per leaf (compile time follows the kernels; main: dense 32 -> 43). The
-    # check in a cond reads them once; it adds its own few kernels (the flag, the sum, the
-    # finiteness). Not the transition program yet: XLA moves the stacking reshape into the
-    # cond there and computes the aligned moments twice again (21 -> 33).
-    from jaxcomp.ab import _programs
-
-    config, dp = grouped
-    state, batch = dp.init(init_params()), dp.shard_batch(batches(1)[0])
-    count = {
-        check: _fusions(
-            _programs.Programs(config, loss_fn, dp.mesh, donate=False, check_finite=check),
-            name, state, batch,
-        )
-        for check in (False, True)
-    }  # fmt: skip
-    assert count[True] - count[False] <= 4, count

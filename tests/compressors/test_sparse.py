@@ -20,6 +20,11 @@ def roundtrip(codec, x, key=KEY):
     return payload, codec.decompress(payload, x)
 
 
+def _normal(shape, seed=0):
+    """Test data from numpy (an eager ``jax.random.normal`` compiles a program per shape)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
 def _exact_top_k(x, rows: int, k: int):
     """numpy's exact TopK of each of ``rows`` rows of ``x``: ``(values, indices)`` ``[rows, k]``,
     indices increasing (a reference that compiles nothing: the sort-free select's compile is
@@ -27,90 +32,6 @@ def _exact_top_k(x, rows: int, k: int):
     x = np.asarray(x).reshape(rows, -1)
     idx = np.sort(np.argsort(-np.abs(x), axis=-1, kind="stable")[:, :k], axis=-1)
     return np.take_along_axis(x, idx, axis=-1), idx
-
-
-def test_top_k_by_hand():
-    x = jnp.array([0.1, -3.0, 0.5, 2.0])
-    payload, y = roundtrip(compressors.top_k(count=2), x)
-    np.testing.assert_array_equal(payload.values, [-3.0, 2.0])
-    np.testing.assert_array_equal(payload.indices, [1, 3])
-    assert payload.indices.dtype == jnp.uint8
-    np.testing.assert_array_equal(y, [0.0, -3.0, 0.0, 2.0])
-
-
-def test_top_k_per_sample_by_hand():
-    x = jnp.array([[1.0, -5.0, 2.0, 0.0], [3.0, 0.0, -1.0, 4.0]])
-    payload, y = roundtrip(compressors.top_k(0.5, per_sample=True), x)
-    assert payload.values.shape == (2, 2)
-    np.testing.assert_array_equal(y, [[0.0, -5.0, 2.0, 0.0], [3.0, 0.0, 0.0, 4.0]])
-
-
-def test_kept_count_follows_paper_rule():
-    # Rudakov et al.: n_lowest = int(D * (1 - k)); kept = D - n_lowest
-    assert compressors.kept_count(65536, 0.1, None) == 65536 - int(65536 * 0.9)
-    assert compressors.kept_count(10, 0.05, None) == 1
-    assert compressors.kept_count(10, 1.0, None) == 10
-
-
-def test_index_dtype_grows_with_range():
-    # traced, not run: the dtype is the one compress returns and decompress accepts, without
-    # compiling (or running op by op) the selection of 65537 entries
-    for n, dt in [(256, jnp.uint8), (257, jnp.uint16), (65536, jnp.uint16), (65537, jnp.uint32)]:
-        like = jax.ShapeDtypeStruct((n,), jnp.float32)
-        payload, _ = jax.eval_shape(lambda x: roundtrip(compressors.top_k(count=1), x), like)
-        assert payload.indices.dtype == dt, n
-
-
-TOPK_EXACT = jax.jit(lambda x: roundtrip(compressors.top_k(count=7), x)[1])
-
-
-@given(x=hnp.arrays(np.float32, (50,), elements=st.floats(-100, 100, width=32), unique=True))
-def test_top_k_keeps_exactly_the_k_largest_magnitudes(x):
-    y = np.asarray(TOPK_EXACT(jnp.asarray(x)))
-    kept = np.flatnonzero(y != 0)
-    expected = np.argsort(-np.abs(x), kind="stable")[:7]
-    expected = expected[x[expected] != 0]
-    assert set(kept) == set(expected)
-    np.testing.assert_array_equal(y[kept], x[kept])
-
-
-def test_blockwise_keeps_the_top_of_each_block():
-    x = jax.random.normal(KEY, (3, 100))
-    codec = compressors.top_k(0.1, per_sample=True, method="blockwise", block_size=25)
-    payload, y = roundtrip(codec, x)
-    # 100 entries, K = 10, 4 blocks of 25 -> ceil(10 / 4) = 3 per block, block-local indices
-    assert payload.values.shape == (3, 12) and payload.indices.dtype == jnp.uint8
-    xb, yb = np.asarray(x).reshape(3, 4, 25), np.asarray(y).reshape(3, 4, 25)
-    for r in range(3):
-        for b in range(4):
-            top = set(np.argsort(-np.abs(xb[r, b]))[:3])
-            assert set(np.flatnonzero(yb[r, b])) == top
-
-
-def test_blockwise_decode_drops_an_index_past_its_block():
-    # a damaged payload: block 0's index 25 + j >= block_size 25 must not land in block 1 at j
-    # (the decode scatters at flat positions block * 25 + index); j not kept in block 1
-    x = jax.random.normal(KEY, (2, 100))
-    codec = compressors.top_k(0.1, per_sample=True, method="blockwise", block_size=25)
-    payload, y = roundtrip(codec, x)
-    j = min(set(range(25)) - set(np.asarray(payload.indices[0, 3:6]).tolist()))
-    bad = payload._replace(indices=payload.indices.at[0, 0].set(25 + j))
-    z = np.asarray(codec.decompress(bad, x))
-    expect = np.asarray(y).copy()
-    expect[0, int(payload.indices[0, 0])] = 0.0  # the damaged entry is dropped
-    np.testing.assert_array_equal(z, expect)
-
-
-def test_blockwise_with_one_per_block_is_blockwise_argmax_and_pads_the_tail():
-    x = jax.random.normal(KEY, (103,))
-    codec = compressors.top_k(count=11, method="blockwise", block_size=10)
-    payload, y = roundtrip(codec, x)
-    assert payload.values.shape == (11,)
-    xb = np.pad(np.asarray(x), (0, 7)).reshape(11, 10)
-    expect = np.zeros_like(xb)
-    arg = np.abs(xb).argmax(1)
-    expect[np.arange(11), arg] = xb[np.arange(11), arg]
-    np.testing.assert_array_equal(y, expect.reshape(-1)[:103])
 
 
 def _stable_top(x2d: np.ndarray, k: int) -> np.ndarray:
@@ -176,15 +97,6 @@ def _top_k_magnitude(x2d):
     return jnp.where(jnp.isnan(a), jnp.inf, a)
 
 
-@pytest.mark.slow
-def test_approx_method_is_the_exact_selection_off_tpu():
-    x = jnp.asarray(_edge_vector(70001, 3))
-    exact, approx = compressors.top_k(0.01), compressors.top_k(0.01, method="approx")
-    p, q = roundtrip(exact, x)[0], roundtrip(approx, x)[0]
-    np.testing.assert_array_equal(p.indices, q.indices)
-    np.testing.assert_array_equal(p.values, q.values)
-
-
 def test_blockwise_one_per_block_keeps_lowest_index_on_ties_and_nan():
     # blocks of 4 (K = 3 of 12): a tie, a NaN after a larger finite entry, an Inf before a NaN
     x = jnp.array([1.0, -2.0, 2.0, 0.0, 5.0, jnp.nan, 1.0, 9.0, jnp.inf, 0.0, jnp.nan, 1.0])
@@ -200,6 +112,122 @@ def test_non_finite_entries_are_always_sent():
     assert np.isnan(y[1]) and np.isneginf(y[3])
 
 
+def test_rand_k_non_finite_input_poisons_the_payload():
+    codec = compressors.rand_k(count=2)
+    x = jnp.zeros(100).at[57].set(jnp.inf)
+    assert np.all(np.isnan(roundtrip(codec, x)[0].values))
+
+
+# The bit-for-bit test above and the non-finite inputs below compile optimised; every later
+# test asks for ``fast_compiles`` (hand-worked selections, sets against numpy, RandK's
+# strata and expectation, messages, a trace count: no bits of the optimised program), which
+# stays on to the module's end once a test asks for it.
+FAST = pytest.mark.usefixtures("fast_compiles")
+
+
+@FAST
+def test_top_k_by_hand():
+    x = jnp.array([0.1, -3.0, 0.5, 2.0])
+    payload, y = roundtrip(compressors.top_k(count=2), x)
+    np.testing.assert_array_equal(payload.values, [-3.0, 2.0])
+    np.testing.assert_array_equal(payload.indices, [1, 3])
+    assert payload.indices.dtype == jnp.uint8
+    np.testing.assert_array_equal(y, [0.0, -3.0, 0.0, 2.0])
+
+
+@FAST
+def test_top_k_per_sample_by_hand():
+    x = jnp.array([[1.0, -5.0, 2.0, 0.0], [3.0, 0.0, -1.0, 4.0]])
+    payload, y = roundtrip(compressors.top_k(0.5, per_sample=True), x)
+    assert payload.values.shape == (2, 2)
+    np.testing.assert_array_equal(y, [[0.0, -5.0, 2.0, 0.0], [3.0, 0.0, 0.0, 4.0]])
+
+
+@FAST
+def test_kept_count_follows_paper_rule():
+    # Rudakov et al.: n_lowest = int(D * (1 - k)); kept = D - n_lowest
+    assert compressors.kept_count(65536, 0.1, None) == 65536 - int(65536 * 0.9)
+    assert compressors.kept_count(10, 0.05, None) == 1
+    assert compressors.kept_count(10, 1.0, None) == 10
+
+
+@FAST
+def test_index_dtype_grows_with_range():
+    # traced, not run: the dtype is the one compress returns and decompress accepts, without
+    # compiling (or running op by op) the selection of 65537 entries
+    for n, dt in [(256, jnp.uint8), (257, jnp.uint16), (65536, jnp.uint16), (65537, jnp.uint32)]:
+        like = jax.ShapeDtypeStruct((n,), jnp.float32)
+        payload, _ = jax.eval_shape(lambda x: roundtrip(compressors.top_k(count=1), x), like)
+        assert payload.indices.dtype == dt, n
+
+
+TOPK_EXACT = jax.jit(lambda x: roundtrip(compressors.top_k(count=7), x)[1])
+
+
+@given(x=hnp.arrays(np.float32, (50,), elements=st.floats(-100, 100, width=32), unique=True))
+@FAST
+def test_top_k_keeps_exactly_the_k_largest_magnitudes(x):
+    y = np.asarray(TOPK_EXACT(jnp.asarray(x)))
+    kept = np.flatnonzero(y != 0)
+    expected = np.argsort(-np.abs(x), kind="stable")[:7]
+    expected = expected[x[expected] != 0]
+    assert set(kept) == set(expected)
+    np.testing.assert_array_equal(y[kept], x[kept])
+
+
+@FAST
+def test_blockwise_keeps_the_top_of_each_block():
+    x = _normal((3, 100))
+    codec = compressors.top_k(0.1, per_sample=True, method="blockwise", block_size=25)
+    payload, y = roundtrip(codec, x)
+    # 100 entries, K = 10, 4 blocks of 25 -> ceil(10 / 4) = 3 per block, block-local indices
+    assert payload.values.shape == (3, 12) and payload.indices.dtype == jnp.uint8
+    xb, yb = np.asarray(x).reshape(3, 4, 25), np.asarray(y).reshape(3, 4, 25)
+    for r in range(3):
+        for b in range(4):
+            top = set(np.argsort(-np.abs(xb[r, b]))[:3])
+            assert set(np.flatnonzero(yb[r, b])) == top
+
+
+@FAST
+def test_blockwise_decode_drops_an_index_past_its_block():
+    # a damaged payload: block 0's index 25 + j >= block_size 25 must not land in block 1 at j
+    # (the decode scatters at flat positions block * 25 + index); j not kept in block 1
+    x = _normal((2, 100))
+    codec = compressors.top_k(0.1, per_sample=True, method="blockwise", block_size=25)
+    payload, y = roundtrip(codec, x)
+    j = min(set(range(25)) - set(np.asarray(payload.indices[0, 3:6]).tolist()))
+    bad = payload._replace(indices=payload.indices.at[0, 0].set(25 + j))
+    z = np.asarray(codec.decompress(bad, x))
+    expect = np.asarray(y).copy()
+    expect[0, int(payload.indices[0, 0])] = 0.0  # the damaged entry is dropped
+    np.testing.assert_array_equal(z, expect)
+
+
+@FAST
+def test_blockwise_with_one_per_block_is_blockwise_argmax_and_pads_the_tail():
+    x = _normal((103,))
+    codec = compressors.top_k(count=11, method="blockwise", block_size=10)
+    payload, y = roundtrip(codec, x)
+    assert payload.values.shape == (11,)
+    xb = np.pad(np.asarray(x), (0, 7)).reshape(11, 10)
+    expect = np.zeros_like(xb)
+    arg = np.abs(xb).argmax(1)
+    expect[np.arange(11), arg] = xb[np.arange(11), arg]
+    np.testing.assert_array_equal(y, expect.reshape(-1)[:103])
+
+
+@pytest.mark.slow
+@FAST
+def test_approx_method_is_the_exact_selection_off_tpu():
+    x = jnp.asarray(_edge_vector(70001, 3))
+    exact, approx = compressors.top_k(0.01), compressors.top_k(0.01, method="approx")
+    p, q = roundtrip(exact, x)[0], roundtrip(approx, x)[0]
+    np.testing.assert_array_equal(p.indices, q.indices)
+    np.testing.assert_array_equal(p.values, q.values)
+
+
+@FAST
 def test_rand_k_shared_key_means_shared_positions_and_summable_payloads():
     codec = compressors.rand_k(count=5)
     a, b = jnp.arange(20.0), -2.0 * jnp.arange(20.0)
@@ -210,6 +238,7 @@ def test_rand_k_shared_key_means_shared_positions_and_summable_payloads():
     np.testing.assert_allclose(codec.decompress(summed, a), ya + yb)
 
 
+@FAST
 def test_rand_k_positions_are_one_per_stratum():
     codec = compressors.rand_k(count=4)
     x = jnp.arange(1.0, 11.0)  # strata of sizes 3, 3, 2, 2
@@ -223,6 +252,7 @@ def test_rand_k_positions_are_one_per_stratum():
         np.testing.assert_array_equal(y[kept], np.asarray(x)[kept])
 
 
+@FAST
 def test_rand_k_unbiased_expectation():
     codec = compressors.rand_k(count=3, unbiased=True)
     x = jnp.linspace(-1.0, 2.0, 10)
@@ -244,44 +274,39 @@ def test_rand_k_unbiased_expectation():
         (compressors.rand_k, dict(fraction=-0.1), "fraction"),
     ],
 )
+@FAST
 def test_bad_parameters_raise(factory, kwargs, match):
     with pytest.raises(ValueError, match=match):
         factory(**kwargs)
 
 
+@FAST
 def test_count_larger_than_tensor_raises():
     codec = compressors.top_k(count=10)
     with pytest.raises(ValueError, match="exceeds"):
         codec.init(jnp.ones(4))
 
 
+@FAST
 def test_per_sample_needs_a_batch_axis():
     codec = compressors.top_k(0.5, per_sample=True)
     with pytest.raises(ValueError, match="leading batch axis"):
         codec.init(jnp.ones(4))
 
 
+@FAST
 def test_rand_k_needs_a_key():
     codec = compressors.rand_k(0.5)
     with pytest.raises(ValueError, match="key"):
         codec.compress(jnp.ones(4), codec.init(jnp.ones(4)), None)
 
 
-def test_rand_k_non_finite_input_poisons_the_payload():
-    codec = compressors.rand_k(count=2)
-    x = jnp.zeros(100).at[57].set(jnp.inf)
-    assert np.all(np.isnan(roundtrip(codec, x)[0].values))
-
-
-# the last two tests: a trace count and the select's sets against numpy in every context, no
-# bits of the optimised program; unoptimised (``fast_compiles`` stays on to the end of the
-# module once a test asks for it, so they come last)
 @pytest.mark.slow
-@pytest.mark.usefixtures("fast_compiles")
+@FAST
 def test_exact_top_k_called_eagerly_traces_the_select_once(caplog):
     """Called eagerly (a notebook), the sort-free select ran its ~550 small ops one by one,
     each traced and compiled on its own (~13 s for a new shape); now one jitted program."""
-    x = jax.random.normal(jax.random.key(5), (24, 1056))  # a shape no other test uses
+    x = _normal((24, 1056), seed=5)  # a shape no other test uses
     codec = compressors.top_k(0.1, per_sample=True)
     with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax._src.dispatch"):
         payload, _ = codec.compress(x, codec.init(x), None)
@@ -324,7 +349,7 @@ def test_exact_top_k_called_eagerly_traces_the_select_once(caplog):
     ],
     ids=["per_sample", "tensor", "blockwise_512", "k_all", "k_all_per_sample", "k_all_blocks"],
 )
-@pytest.mark.usefixtures("fast_compiles")
+@FAST
 def test_sort_free_select_runs_under_shard_map(codec, shape, rows, k):
     # shapes past the lax.top_k shortcut: the select's loops carry per-device (varying)
     # values, which shard_map's type check rejects if an initial carry is a constant; each
@@ -335,7 +360,7 @@ def test_sort_free_select_runs_under_shard_map(codec, shape, rows, k):
     from jaxcomp import comm
 
     mesh = comm.make_mesh([("x", 2)], devices=jax.devices()[:2])
-    x = jax.random.normal(KEY, (2 * shape[0], *shape[1:]))
+    x = _normal((2 * shape[0], *shape[1:]))
 
     def encode(x):
         payload, _ = codec.compress(x, codec.init(x), None)

@@ -1,5 +1,7 @@
 """Small staged models shared by the pipeline tests (built once per session)."""
 
+import importlib.util
+import pathlib
 import types
 
 import jax
@@ -174,3 +176,47 @@ def tools():
         reference=unpipelined_value_and_grad,
         close=assert_trees_close,
     )
+
+
+def _live_ends(states, replica):
+    """The live ends of every link (boundary order, forward then backward, sender then
+    receiver) as numpy arrays: the order ``_golden.py`` recorded them in."""
+    out = []
+    for st in states.ends(replica):
+        for ends in (st.forward, st.backward):
+            out += [np.asarray(a) for a in jax.tree.leaves(ends.send)]
+            out += [np.asarray(a) for a in jax.tree.leaves(ends.recv)]
+    return out
+
+
+@pytest.fixture(scope="session")
+def recorded():
+    """The numbers ``_golden.py`` recorded (``golden_v1.npz``): ``recorded.check(case, step, loss,
+    grads, states, replicas)`` compares a step of a case with them. test_golden.py runs the
+    cases no other test runs; test_compressed.py checks its runs of the same link, schedule and
+    MLP here too (each case's programs compiled once)."""
+    spec = importlib.util.spec_from_file_location(
+        "_golden", pathlib.Path(__file__).with_name("_golden.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with np.load(module.GOLDEN) as f:
+        recorded = dict(f)
+
+    def check(case, step, loss, grads, states, replicas=1):
+        prefix = f"{case}/{step}"
+        np.testing.assert_allclose(loss, recorded[f"{prefix}/loss"], rtol=1e-5)
+        for j, g in enumerate(jax.tree.leaves(grads.unpack())):
+            np.testing.assert_allclose(g, recorded[f"{prefix}/grad/{j}"], rtol=1e-5, atol=1e-6)
+        for r in range(replicas):
+            got = _live_ends(states, r if replicas > 1 else None)
+            want = [recorded[k] for k in sorted(
+                (k for k in recorded if k.startswith(f"{prefix}/ends/{r}/")),
+                key=lambda k: int(k.rsplit("/", 1)[1]),
+            )]  # fmt: skip
+            assert len(got) == len(want), (case, step, r)
+            for a, b in zip(got, want):
+                assert a.shape == b.shape and a.dtype == b.dtype
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    return types.SimpleNamespace(check=check)

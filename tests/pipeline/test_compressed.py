@@ -39,10 +39,17 @@ def _max_diff(a, b):
     )  # fmt: skip
 
 
-#: 1F1B with per-sample state (EF, AQ-SGD's caches); its EF21 and shared-mask links' numbers
-#: are pinned by test_golden.py (ef21_q8, shared_mask), their payload sends by
-#: tests/export/test_pipeline.py (shared_mask)
-RUNS = [(n, "gpipe") for n in sorted(LINKS)] + [(n, "1f1b") for n in ("aq_sgd", "topk_ef")]
+#: the runs whose link, MLP, keys and compress schedule are a test_golden.py case: their
+#: numbers are compared with the recorded ones here too (the case's programs compiled once)
+GOLDEN_CASES = {("aq_sgd", "1f1b"): "aq_sgd", ("quantize4", "1f1b"): "quant_stochastic"}
+#: GPipe for every link but the stateless quantizer (under GPipe == the simulation with a
+#: stochastic quantizer: test_ticks.py's heterogeneous payloads, both schedules); 1F1B for the
+#: per-sample state (EF, AQ-SGD's caches) and the quantizer. Under 1F1B the EF21 and
+#: shared-mask links' numbers are pinned by test_golden.py (ef21_q8, shared_mask), their
+#: payload sends by tests/export/test_pipeline.py (shared_mask)
+RUNS = [(n, "gpipe") for n in ("aq_sgd", "ef21_bf16", "shared_mask", "topk_ef")] + [
+    (n, "1f1b") for n in ("aq_sgd", "quantize4", "topk_ef")
+]
 #: the fast tier's run (every other in the slow tier)
 FAST_RUN = ("topk_ef", "1f1b")
 
@@ -52,7 +59,7 @@ FAST_RUN = ("topk_ef", "1f1b")
     [r if r == FAST_RUN else pytest.param(*r, marks=pytest.mark.slow) for r in RUNS],
 )
 def test_distributed_equals_simulated_and_sends_theory_bytes(
-    name, schedule, mlp, stage_mesh, pack, tools
+    name, schedule, mlp, stage_mesh, pack, tools, recorded
 ):
     config = pipeline.PipelineConfig(mlp.M, LINKS[name], schedule=schedule)
     pipe = pipeline.distribute(mlp.model, config, stage_mesh)
@@ -76,6 +83,8 @@ def test_distributed_equals_simulated_and_sends_theory_bytes(
         tools.close(grads.unpack(), s_grads)
         tools.close(new_states, s_states)
         assert metrics["wire_bytes"] == s_metrics["wire_bytes"]
+        if (name, schedule) in GOLDEN_CASES:
+            recorded.check(GOLDEN_CASES[name, schedule], i, loss, grads, new_states)
         if jax.tree.leaves(states):
             assert _max_diff(new_states, states) > 0
         _assert_mirrors(new_states)

@@ -12,8 +12,11 @@ Each mode (dense, data parallel, pipeline, AB-Training) on the digits MLP (conft
   Each step says so and changes nothing; after ``max_nonfinite_in_a_row`` of them the run
   stops with the last finite state saved (the initial one).
 
-At XLA's default compile: the modes' finiteness checks are read from the optimised programs
-(a check's fusion with what it reads is where XLA:CPU once dropped NaN).
+Unoptimised (``fast_compiles``): what is checked here is the wiring (a step's flag decides
+what is committed, counted, saved and when the run stops). The flag's numerics (``sum(0 * v)``
+over the written state, NaN and Inf at every magnitude, eager, jitted and in each worker) are
+pinned on the fusion emitters users get, optimised, by ``tests/test_finite.py``'s
+``user_numerics`` tests; the loop-emitter processes compile none of users' programs anyway.
 """
 
 import pathlib
@@ -26,7 +29,7 @@ import pytest
 from jaxcomp import train
 from jaxcomp.train import _trainer
 
-pytestmark = pytest.mark.usefixtures("shared_setups")
+pytestmark = pytest.mark.usefixtures("shared_setups", "fast_compiles")
 
 #: the dense mode in the fast tier, every mode in the full suite
 MODES = (

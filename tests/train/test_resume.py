@@ -10,9 +10,10 @@ adaptive links' and Accordion's detectors and modes (both switch after their fir
 the AB schedule across a sync, the data loader's position in its epoch, the metrics written so
 far and float16's loss scale (the data-parallel and AB configs compute in float16). Compared:
 every leaf of the last checkpoint, bit for bit, every metrics record and the summary's final
-loss and accuracy. The runs stopped after step 3 write TensorBoard events
-too: read back by tensorboard's reader, they hold every scalar of ``metrics.jsonl`` at the same
-steps (Accordion's per-layer modes, AB's phase and per-layer ranks included).
+loss and accuracy. Every run writes TensorBoard events too (the writers are part of the
+config a setup is shared by: one setup per mode); those of the runs stopped after step 3, read
+back by tensorboard's reader, hold every scalar of ``metrics.jsonl`` at the same steps
+(Accordion's per-layer modes, AB's phase and per-layer ranks included).
 
 The CLI's kill and signals: tests/test_faults.py. Resuming the library's own states (no
 trainer): tests/transforms/test_accordion.py, tests/pipeline/test_adaptive_bn.py.
@@ -44,7 +45,7 @@ def _config(make_config, mode):
         mode=mode, mesh=[("data", WORKERS)], model_name="resnet18", model=dict(RESNET),
         data=dict(flat=False), optax_name="sgd", lr=0.1, batch_size=BATCH,
         eval_batch_size=BATCH, total_steps=STEPS, checkpoint_every=2, log_every=1,
-        eval_every=2,
+        eval_every=2, writers=("tensorboard",),
     )  # fmt: skip
     if mode == "data_parallel":  # per-worker statistics beside per-worker EF residuals,
         # Accordion's detector switching its per-layer modes, float16's loss scale
@@ -126,11 +127,8 @@ def test_a_resumed_run_is_bit_identical_to_the_uninterrupted_one(
     full, want = references(mode)
     part = tmp_path / "part"
     config = _config(make_config, mode)
-    writes = point == "after_step_3"
-    if writes:
-        config.writers = ("tensorboard",)
     got = _interrupted(config, part, point, capsys)
-    if writes:  # every scalar of metrics.jsonl, the per-layer ones too, at the same steps
+    if point == "after_step_3":  # every scalar of metrics.jsonl, the per-layer ones too
         seen = event_files(part)
         assert seen["summary/final_accuracy"][0][0] == STEPS and "train/step_time_s" in seen
         per_layer = {"data_parallel": "train/layer_mode/", "ab": "train/rank/"}.get(mode)

@@ -297,6 +297,34 @@ def _exact_grads(seed):
     }
 
 
+EXACT = [_exact_grads(10 + i) for i in range(3)]
+
+
+def _metered(case):
+    """``case``'s transform without the psum case's warm-up round."""
+    return case.build(**({"warmup_steps": 0} if "warmup_steps" in case.kwargs else {}))
+
+
+@pytest.fixture(scope="module")
+def float32_exact(mesh):
+    """Each case's float32 run on :data:`EXACT` (updates, the state after each step) and its
+    step 1's unmetered bytes (``None`` without a byte count): the reference of both 16-bit
+    dtypes, computed once."""
+    cache = {}
+
+    def get(case):
+        if case.name not in cache:
+            want, states = _run(case, case.build(), mesh, EXACT, every_state=True)
+            unmetered = None
+            if hasattr(states[0], "bytes_sent"):
+                step = _runner(_metered(case), states[0], mesh)
+                unmetered = _unmetered(step, states[0], _put(EXACT[1], mesh))
+            cache[case.name] = want, unmetered
+        return cache[case.name]
+
+    return get
+
+
 def _unmetered(step, state, grads):
     """Compiled collective bytes less the state's ``bytes_sent``: what the meter counts that
     this step does not send, i.e. the collectives of the branches not taken (the HLO meter
@@ -310,26 +338,23 @@ def _unmetered(step, state, grads):
     "dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)]
 )  # float16 in the fast tier: tests/train/test_precision.py's data-parallel and AB runs
 @pytest.mark.parametrize("case", _params(BF16_CASES))
-def test_16_bit_params(case, dtype, mesh):
+def test_16_bit_params(case, dtype, mesh, float32_exact):
     """bfloat16 / float16 parameters and gradients: updates of that dtype, state types kept
     step to step, the float32 run's numbers on the same (16-bit-exact) gradients to bfloat16
     precision, and ``bytes_sent`` what crosses the compiled collectives (a ``bfloat16`` psum
     crosses as ``float32`` on the CPU backend: counted so)."""
-    exact = [_exact_grads(10 + i) for i in range(3)]
-    want, want_states = _run(case, case.build(), mesh, exact, every_state=True)
+    want, ref = float32_exact(case)
     assert _moved(want[:1])
     params = jax.tree.map(lambda p: p.astype(dtype), PARAMS)
     tx = case.build()
     state = comm.place_state(_init(case, tx, params, mesh), mesh, AXIS)
     types = jax.tree.map(jax.typeof, state)
     step = _runner(tx, state, mesh)
-    for i, (grads, w) in enumerate(zip(exact, want)):
+    for i, (grads, w) in enumerate(zip(EXACT, want)):
         grads = _put(jax.tree.map(lambda g: g.astype(dtype), grads), mesh)
         if i == 1 and hasattr(state, "bytes_sent"):  # without the psum case's warm-up round
-            metered = case.build(**({"warmup_steps": 0} if "warmup_steps" in case.kwargs else {}))
-            got = _unmetered(_runner(metered, state, mesh), state, grads)
-            ref_state = want_states[0]  # float32, after step 0
-            ref = _unmetered(_runner(metered, ref_state, mesh), ref_state, _put(exact[1], mesh))
+            got = _unmetered(_runner(_metered(case), state, mesh), state, grads)
+            assert ref is not None  # the float32 state's, after step 0
             assert got == ref and (ref == 0) == ("accordion" not in case.name), (got, ref)
         updates, state = step(state, grads)
         assert jax.tree.map(jax.typeof, state) == types
