@@ -19,8 +19,8 @@ Without the prepared corpus the run stops with one line naming the ``tfds build`
 Expected: not measured to convergence here (CPU: ~1-2 s per step). The paper (GPT-2 fine-tuned
 on WikiText-2, SPEC.md section 1.1) reports that TopK starts to increase the loss from 20% and
 that 10% with a shared mask fine-tunes with a modest loss increase; its perplexity table could
-not be read. ``:smoke`` runs a 4-block, width-16 model for 2 steps on ``pydoc_text`` (with
-``data_name=tfds_text``, drop ``eval_data``, which holds a pydoc-only key).
+not be read. ``:smoke`` runs a 2-block, width-16 model (still 4 stages) for 2 steps on
+``pydoc_text`` (with ``data_name=tfds_text``, drop ``eval_data``, which holds a pydoc-only key).
 """
 
 import ml_collections
@@ -54,9 +54,10 @@ def get_config(arg=None):
         backward_mode="shared_mask",
     )
     if smoke:
+        # 2 blocks, still 4 stages (embed | block0 | block1 | head)
         c.model = dict(
-            vocab_size=256, seq_len=16, dim=16, num_blocks=4, num_heads=2,
-            cuts=("block0", "block1", "block2"),
+            vocab_size=256, seq_len=16, dim=16, num_blocks=2, num_heads=2,
+            cuts=("embed", "block0", "block1"),
         )  # fmt: skip
         c.data = dict(seq_len=16)
         c.batch_size = c.eval_batch_size = 16

@@ -18,6 +18,7 @@ at step 200, 5.05 at 400; unigram 26.1), the factorised weights' mean rank 64 ->
 cutoff drops ranks), the factored model 0.85-0.88x the dense parameter count (at width 64 a
 rank-r factor pair is smaller only for r < 32), 805.30 KiB per step against 917.51 KiB for data
 parallelism, 15% less over an AB cycle (docs/results/text_exploration.md, "AB-Training").
+``:smoke``: one block, 2 steps.
 """
 
 import pathlib
@@ -45,4 +46,6 @@ def get_config(arg=None):
     c.eval_every = 0 if smoke else 150
     c.checkpoint_every = 0 if smoke else 150
     c.grad_clip_norm = None  # AB clips the averaged trained gradients itself (ab.max_grad_norm)
+    if smoke:  # the config's wiring on one block: each block adds factorised layers
+        c.model.update(num_blocks=1, cuts=())
     return c

@@ -12,7 +12,7 @@ over 25 steps and compared every 2 intervals (the paper: intervals of one epoch,
 Expected: ~3 minutes on 2 shared CPU cores (600 steps, 183 s at load average 5-9); validation
 perplexity ~7.8 at step 600 (10.8 at 200, 9.1 at 400; the dense ``text_gpt_dense``: 4.5,
 unigram 26.1) at 58.32 KiB per worker per step on average against 917.50 KiB dense (15.7x).
-(docs/results/text_exploration.md, "The configs' runs".)
+(docs/results/text_exploration.md, "The configs' runs".) ``:smoke``: one block, 2 steps.
 """
 
 import pathlib
@@ -32,4 +32,6 @@ def get_config(arg=None):
         check_every=2,
         eta=0.5,
     )
+    if arg == "smoke":  # the config's wiring on one block: each block adds per-leaf codecs
+        c.model.update(num_blocks=1, cuts=())
     return c

@@ -12,16 +12,21 @@ import pytest
 NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.py"))
 
 
-@pytest.mark.slow  # a kernel per notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_is_paired_and_runs(path, tmp_path):
+def test_notebook_is_paired(path):
     jupytext = pytest.importorskip("jupytext")
-    pytest.importorskip("nbmake")
     ipynb = path.with_suffix(".ipynb")
     assert ipynb.exists(), f"{ipynb.name} missing: run `jupytext --to ipynb {path}`"
     from_py = [c.source for c in jupytext.read(path).cells]
     from_nb = [c.source for c in jupytext.read(ipynb).cells]
     assert from_py == from_nb, f"{ipynb.name} is out of sync with {path.name} (jupytext --sync)"
+
+
+@pytest.mark.slow  # a kernel per notebook
+def test_every_notebook_runs(tmp_path):
+    """Every notebook executes (nbmake), all in one pytest process (a kernel each): one
+    process's start and imports instead of one per notebook."""
+    pytest.importorskip("nbmake")
     env = {**os.environ, "JAXCOMP_NOTEBOOK_SMOKE": "1", "MPLBACKEND": "Agg"}
     # the notebook's checks are tolerances and shapes (its committed outputs come from a
     # default-compiled run): its kernel compiles unoptimised, as tests/conftest.fast_compiles
@@ -30,10 +35,12 @@ def test_notebook_is_paired_and_runs(path, tmp_path):
     # loop emitters (tests/conftest.py, ``fast_compiles``)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
-    cmd = [sys.executable, "-m", "pytest", "--nbmake", "--nbmake-timeout=600", "-q",
-           "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(ipynb)]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    ipynbs = [str(p.with_suffix(".ipynb")) for p in NOTEBOOKS]
+    cmd = [sys.executable, "-m", "pytest", "--nbmake", "--nbmake-timeout=600", "-q", "-rf",
+           "-p", "no:cacheprovider", "--rootdir", str(tmp_path), *ipynbs]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1800)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+    assert f"{len(ipynbs)} passed" in out.stdout.strip().splitlines()[-1], out.stdout[-2000:]
 
 
 #: what each committed notebook prints at the size its text describes (not the tests' smoke
