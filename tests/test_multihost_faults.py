@@ -85,7 +85,9 @@ class Run:
         deadline = time.monotonic() + timeout
         while self.step() < at:
             assert time.monotonic() < deadline, self.out(0)[-2000:]
-            assert all(p.poll() is None for p in self.procs), [self.out(i)[-2000:] for i in (0, 1)]
+            assert all(p.poll() is None for p in self.procs), [
+                (p.returncode, self.out(i)[-2000:]) for i, p in enumerate(self.procs)
+            ]
             time.sleep(0.05)
         return self.step()
 
