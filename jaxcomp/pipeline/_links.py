@@ -206,8 +206,10 @@ def hlo_sent_bytes(hlo_text: str, mesh: jax.sharding.Mesh) -> dict[str, float]:
     operand once per execution (what one device sends); a tick's permute carries one payload
     per source-target pair, so each is counted here times its pairs. A permute is a boundary
     send when it is a ``ppermute`` of the program (its ``op_name`` ends in ``/ppermute``) and
-    every pair goes one step along ``mesh``'s ``stage`` axis in the same direction, within one
-    pipeline replica (the other axes' coordinates equal). Device-id steps do not say that: on
+    every pair goes one step along ``mesh``'s ``stage`` axis, within one pipeline replica (the
+    other axes' coordinates equal); each pair's bytes count as forward (one stage up) or
+    backward (one down) by its own direction, as a 1F1B tick moves both in one permute
+    (:func:`jaxcomp.pipeline._ticks.tick_moves`). Device-id steps do not say that: on
     a ``(data, stage)`` mesh the permutes XLA's partitioner makes to gather a stage-sharded
     array (unpacking the gradient for unpacked parameters, pairs ``(s, 0)`` per replica) step
     by ``-1`` for ``s = 1``, and on a ``(stage, data)`` mesh a data-axis ``ppermute`` steps by
@@ -245,8 +247,8 @@ def hlo_sent_bytes(hlo_text: str, mesh: jax.sharding.Mesh) -> dict[str, float]:
             f"{mesh.devices.size} devices {dict(mesh.shape)}: pass the program's mesh."
         )
 
-    def step_of(pairs):
-        steps = set()
+    def steps_of(pairs):
+        steps = []
         for s, d in pairs:
             if max(s, d) >= mesh.devices.size:
                 raise ValueError(
@@ -256,8 +258,8 @@ def hlo_sent_bytes(hlo_text: str, mesh: jax.sharding.Mesh) -> dict[str, float]:
             others = [i for i in range(len(grid)) if i != stage]
             if any(a[i] != b[i] for i in others):
                 return None
-            steps.add(int(b[stage]) - int(a[stage]))
-        return steps.pop() if len(steps) == 1 and steps <= {1, -1} else None
+            steps.append(int(b[stage]) - int(a[stage]))
+        return steps if set(steps) <= {1, -1} else None
 
     out = {"total": 0.0, "forward": 0.0, "backward": 0.0, "other": 0.0, "permutes": 0}
     for r in _hlo.collective_report(hlo_text).records:
@@ -268,13 +270,13 @@ def hlo_sent_bytes(hlo_text: str, mesh: jax.sharding.Mesh) -> dict[str, float]:
                 f"collective-permute {r.name} has no op_name metadata: the meter tells the "
                 "program's ppermutes from the partitioner's by it (compile with metadata)."
             )
-        sent = r.total_bytes * len(r.pairs)
-        out["total"] += sent
-        step = step_of(r.pairs) if r.op_name.rsplit("/", 1)[-1] == "ppermute" else None
-        if step is None:
-            out["other"] += sent
+        out["total"] += r.total_bytes * len(r.pairs)
+        steps = steps_of(r.pairs) if r.op_name.rsplit("/", 1)[-1] == "ppermute" else None
+        if steps is None:
+            out["other"] += r.total_bytes * len(r.pairs)
             continue
-        out["forward" if step == 1 else "backward"] += sent
+        for step in steps:
+            out["forward" if step == 1 else "backward"] += r.total_bytes
         out["permutes"] += r.executions
     return out
 

@@ -275,47 +275,40 @@ def _tick(prog, plan, ops, sends, carry, t, kinds, local, x, labels, ids, key, t
         return None if ids is None else _take(ids, m)
 
     ends = [(stage == b, stage == b + 1) for b in range(num - 1)]
-    # forward: every sending boundary encodes, all payloads move in one ppermute, each decodes
-    fwd = tuple(b for b in range(num - 1) if kinds[b] == F)
-    if fwd:
-        sent = {}
-        for b in fwd:
-            m = row_f[b]
-            sent[b], states = sends.forward_encode[b](
-                out["ys"][b], states, _links.link_key(key, b, m), ids_of(m), *ends[b]
+    rows = {F: row_f, B: row_b}
+    xs = {F: out.get("ys"), B: out.get("dxs")}
+    # every send of a move encodes, its payloads cross in one ppermute, each decodes; a send is
+    # (boundary, direction), its microbatch the one its sender (b, or b + 1 backward) ran
+    for pairs in tick_moves(kinds):
+        todo = [(min(p), F if p[0] < p[1] else B) for p in pairs]
+        sent, payloads = [], {}
+        for b, d in todo:
+            m = rows[d][b + (d == B)]
+            payloads[b, d] = (None, None)
+            if d == B and prog.links[b].mode == "shared_mask" and prog.compress:
+                sender, receiver = _mask_refs(prog, b)
+                payloads[b, d] = tuple(
+                    _read_payload(masks, refs, st.payloads[b], m % slots)
+                    for refs in (sender, receiver)
+                )
+            payload, states = sends.encode[d][b](
+                xs[d][b], states, payloads[b, d], _links.link_key(key, b, m), ids_of(m), *ends[b]
             )
-        got = sends.move(fwd, False)(stage, tuple(sent[b] for b in fwd))
-        for b, received in zip(fwd, got):
-            m = row_f[b]
-            acts[b], states = sends.forward_decode[b](
-                received, out["ys"][b], states, ids_of(m), *ends[b]
+            sent.append(payload)
+        got = sends.move(pairs)(stage, tuple(sent))
+        for (b, d), payload, received in zip(todo, sent, got):
+            m = rows[d][b + (d == B)]
+            decoded, states = sends.decode[d][b](
+                received, xs[d][b], states, payloads[b, d], ids_of(m), *ends[b]
             )
+            if d == B:
+                cotangents[b] = decoded
+                continue
+            acts[b] = decoded
             if prog.links[b].mode == "shared_mask" and prog.compress and prog.train:
                 sender, receiver = _mask_refs(prog, b)
-                masks = _write_payload(masks, sender, sent[b], m % slots, stage == b)
+                masks = _write_payload(masks, sender, payload, m % slots, stage == b)
                 masks = _write_payload(masks, receiver, received, m % slots, stage == b + 1)
-    bwd = tuple(b for b in range(num - 1) if kinds[b + 1] == B)
-    if bwd:
-        sent, payloads = {}, {}
-        for b in bwd:
-            m = row_b[b + 1]
-            payloads[b] = (None, None)
-            if prog.links[b].mode == "shared_mask" and prog.compress:
-                sender, receiver = _mask_refs(prog, b)
-                struct = st.payloads[b]
-                payloads[b] = (
-                    _read_payload(masks, sender, struct, m % slots),
-                    _read_payload(masks, receiver, struct, m % slots),
-                )
-            sent[b], states = sends.backward_encode[b](
-                out["dxs"][b], states, payloads[b], _links.link_key(key, b, m), ids_of(m),
-                *ends[b],
-            )  # fmt: skip
-        got = sends.move(bwd, True)(stage, tuple(sent[b] for b in bwd))
-        for b, moved in zip(bwd, got):
-            cotangents[b], states = sends.backward_decode[b](
-                moved, out["dxs"][b], states, payloads[b], ids_of(row_b[b + 1]), *ends[b]
-            )
     return Carry(
         tuple(acts), tuple(cotangents), residuals, masks, grads, states, loss, metrics, outputs,
         model,
@@ -340,53 +333,76 @@ def move_pieces(sizes: Sequence[int]) -> tuple[tuple[int, int, tuple[int, ...]],
     return tuple(out)
 
 
-def move_boundaries(boundaries: tuple[int, ...], reverse: bool) -> Any:
-    r"""The ``ppermute`` ops that move the payloads of every boundary in ``boundaries`` (pairs
-    ``(b, b + 1)``, or ``(b + 1, b)`` when ``reverse``), as ``move(stage, payloads) ->
-    received`` (tuples in the order of ``boundaries``), sending exactly the payloads' bytes.
+def tick_moves(kinds: Sequence[str | None]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The moves of a tick whose stages run ``kinds`` (per stage ``"F"``, ``"B"`` or ``None``),
+    each as its ``(source, target)`` stage pairs: the forwards ``(b, b + 1)`` of the stages that
+    ran a forward, then the backwards ``(b + 1, b)`` of those that ran a backward. A stage runs
+    one op, so it sends at most once; where no stage receives twice (1F1B: forwards on ticks of
+    one parity of the stage, backwards on the other; GPipe: no tick sends both ways) the pairs
+    are one permutation and the tick one move, else one move per direction.
+
+    Example:
+      >>> tick_moves(("F", None, "B", None))  # 1F1B: a swap over boundary 0, and 2 -> 1
+      (((0, 1), (2, 1)),)
+      >>> tick_moves(("F", "F", "B"))  # stage 1 would receive from both sides
+      (((0, 1), (1, 2)), ((2, 1),))
+    """
+    num = len(kinds)
+    fwd = tuple((b, b + 1) for b in range(num - 1) if kinds[b] == F)
+    bwd = tuple((b + 1, b) for b in range(num - 1) if kinds[b + 1] == B)
+    targets = [d for _, d in fwd + bwd]
+    if len(set(targets)) == len(targets):
+        return (fwd + bwd,) if targets else ()
+    return tuple(m for m in (fwd, bwd) if m)
+
+
+def move_boundaries(pairs: tuple[tuple[int, int], ...]) -> Any:
+    r"""The ``ppermute`` ops that move one payload over each of ``pairs`` (``(source, target)``
+    stages, a move of :func:`tick_moves`: every stage sends and receives at most once), as
+    ``move(stage, payloads) -> received`` (tuples in the order of ``pairs``), sending exactly
+    the payloads' bytes.
 
     Every device hands a collective one array of one shape (a payload of several leaves, e.g.
     a quantizer's codes and scale, would be one ``collective-permute`` per leaf): the stage
-    that sends over ``b`` selects ``b``'s payload. Payloads that are one array of one shape and
+    that sends selects its pair's payload. Payloads that are one array of one shape and
     dtype move as they are, in one permute (8- and 16-bit floats as their bits,
     :func:`jaxcomp._bits.move_as_bits`). Any other moves as its bytes
     (:func:`jaxcomp._bits.to_bytes`) cut at the move's distinct payload sizes
     :math:`n_1 < \dots < n_k`: permute :math:`j` carries bytes :math:`[n_{j-1}, n_j)` of every
     payload of at least :math:`n_j` bytes (:math:`n_0 = 0`), and each receiver joins its
     pieces. The first permute carries every pair, each later one only the larger payloads'
-    rest: nothing is padded, a move sends :math:`\sum_b |\mathrm{payload}_b|`
+    rest: nothing is padded, a move sends :math:`\sum |\mathrm{payload}|`
     (:func:`jaxcomp.pipeline._links.step_bytes`) in as many permutes as it has distinct
-    payload sizes (one for boundaries alike).
+    payload sizes (one for payloads alike; a 1F1B tick's forward and backward payloads are
+    cut together).
 
-    Cut rather than grouped by size (one permute per size, each with its boundaries' whole
+    Cut rather than grouped by size (one permute per size, each with its pairs' whole
     payloads): gloo sends a message only once its receiver has posted the receive, and a host
     runs its permutes in program order, so a middle stage whose incoming and outgoing payloads
     went in different permutes would relay them one after the other (the relay of
     ``docs/results/network/pipeline_model.md``); cut, the common bytes of every pair cross
     together and only the rest is relayed.
     """
-    pairs = [(b + 1, b) if reverse else (b, b + 1) for b in boundaries]
 
-    def select(sender, items, members):
+    def select(stage, items, members):
         chosen = items[0]
         for i, item in zip(members[1:], items[1:]):
-            b = boundaries[i]
-            chosen = jax.tree.map(lambda new, old, b=b: jnp.where(sender == b, new, old),
+            source = pairs[i][0]
+            chosen = jax.tree.map(lambda new, old, s=source: jnp.where(stage == s, new, old),
                                   item, chosen)  # fmt: skip
         return chosen
 
     def move(stage, payloads):
         structs = [jax.tree.map(_struct, p) for p in payloads]
-        sender = stage - 1 if reverse else stage  # the boundary this device sends over
-        members = list(range(len(boundaries)))
+        members = list(range(len(pairs)))
         if all(s == structs[0] for s in structs) and len(jax.tree.leaves(structs[0])) == 1:
-            chosen = select(sender, payloads, members)
-            got = move_as_bits(lambda x: lax.ppermute(x, _mesh.STAGE, pairs), chosen)
-            return (got,) * len(boundaries)
+            chosen = select(stage, payloads, members)
+            got = move_as_bits(lambda x: lax.ppermute(x, _mesh.STAGE, list(pairs)), chosen)
+            return (got,) * len(pairs)
         vectors = [to_bytes(p) for p in payloads]
-        pieces = [[] for _ in boundaries]
+        pieces = [[] for _ in pairs]
         for low, high, members in move_pieces([byte_size(s) for s in structs]):
-            chosen = select(sender, [vectors[i][low:high] for i in members], members)
+            chosen = select(stage, [vectors[i][low:high] for i in members], members)
             got = lax.ppermute(chosen, _mesh.STAGE, [pairs[i] for i in members])
             for i in members:
                 pieces[i].append(got)
@@ -556,27 +572,23 @@ def stage_ops(prog: Any, plan: _residuals.ResidualPlan | None) -> StageOps:
 
 
 class LinkOps(NamedTuple):
-    """One program's sends, per boundary (tuples of ``S - 1`` callables), split at the move
-    so that a tick moves every boundary's payload in one collective per direction.
+    """One program's sends, per direction and boundary, split at the move so that a tick moves
+    every payload in one collective (:func:`tick_moves`).
 
     Attributes:
-      forward_encode: ``(x, states, key, ids, is_source, is_target) -> (payload, states)``
-        (:func:`jaxcomp.pipeline._links.forward_halves`).
-      forward_decode: ``(received, x, states, ids, is_source, is_target) -> (decoded,
-        states)``.
-      backward_encode: ``(g, states, payloads, key, ids, is_source, is_target) -> (payload,
-        states)`` (:func:`jaxcomp.pipeline._links.backward_halves`; ``payloads``: the
+      encode: ``{"F" | "B": per boundary (S - 1) ``encode(x, states, payloads, key, ids,
+        is_source, is_target) -> (payload, states)``}``: the forward's
+        (:func:`jaxcomp.pipeline._links.forward_halves`, ``payloads`` unused) and the
+        backward's (:func:`jaxcomp.pipeline._links.backward_halves`; ``payloads``: the
         forward's ``(sent, received)`` of the microbatch in shared-mask mode).
-      backward_decode: ``(moved, g, states, payloads, ids, is_source, is_target) -> (decoded,
-        states)``.
-      move: ``move(boundaries, reverse) -> (stage, payloads) -> received``: one tick's
-        ``ppermute`` (:func:`move_boundaries`), one per set of boundaries and direction.
+      decode: the same, ``decode(received, x, states, payloads, ids, is_source, is_target)
+        -> (decoded, states)``.
+      move: ``move(pairs) -> (stage, payloads) -> received``: one move's ``ppermute``
+        (:func:`move_boundaries`), one per set of pairs.
     """
 
-    forward_encode: tuple
-    forward_decode: tuple
-    backward_encode: tuple
-    backward_decode: tuple
+    encode: dict
+    decode: dict
     move: Any
 
 
@@ -585,29 +597,27 @@ def link_ops(prog: Any) -> LinkOps:
     :func:`stage_ops`."""
     layout, compress, links = prog.static.state_layout, prog.compress, prog.links
 
-    def halves(b, direction, roles):
-        make = _links.forward_halves if direction == F else _links.backward_halves
-        return make(links[b], b, layout, roles, compress)
-
     def op(b, direction, half):
+        make = _links.forward_halves if direction == F else _links.backward_halves
+
         def fn(*args):
             *args, is_source, is_target = args
-            return halves(b, direction, (is_source, is_target))[half](*args)
+            if direction == F:  # the forward's halves take no shared-mask payloads
+                del args[2 + half]
+            return make(links[b], b, layout, (is_source, is_target), compress)[half](*args)
 
         return _inline(fn)
 
     movers = {}
 
-    def move(boundaries, reverse):
-        if (boundaries, reverse) not in movers:
-            movers[boundaries, reverse] = _inline(move_boundaries(boundaries, reverse))
-        return movers[boundaries, reverse]
+    def move(pairs):
+        if pairs not in movers:
+            movers[pairs] = _inline(move_boundaries(pairs))
+        return movers[pairs]
 
     bs = range(len(links))
     return LinkOps(
-        tuple(op(b, F, 0) for b in bs),
-        tuple(op(b, F, 1) for b in bs),
-        tuple(op(b, B, 0) for b in bs),
-        tuple(op(b, B, 1) for b in bs),
+        {d: tuple(op(b, d, 0) for b in bs) for d in (F, B)},
+        {d: tuple(op(b, d, 1) for b in bs) for d in (F, B)},
         move,
     )

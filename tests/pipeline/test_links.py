@@ -1,5 +1,6 @@
 """The HLO boundary-bytes meter (``_links.hlo_sent_bytes``): a permute is a boundary send by
-the mesh's stage axis and by being the program's ``ppermute``, not by device-id steps."""
+the mesh's stage axis and by being the program's ``ppermute``, not by device-id steps; each
+pair's bytes count by its direction (a 1F1B tick's permute carries both)."""
 
 import jax
 import jax.numpy as jnp
@@ -73,11 +74,13 @@ def test_meter_classifies_by_the_stage_axis_and_the_ppermute():
         ("u8[8]{0}", [(0, 1), (2, 3), (4, 5), (6, 7)], PPERMUTE),
         ("u8[8]{0}", [(1, 0), (3, 2)], PPERMUTE),
         ("u8[8]{0}", [(0, 4), (1, 5)], PPERMUTE),  # two stages up: no boundary
-        ("u8[8]{0}", [(0, 2), (4, 2)], PPERMUTE),  # up and down in one permute: no boundary
+        # up and down in one permute (1F1B's merged tick): each pair by its direction
+        ("u8[8]{0}", [(0, 2), (3, 1)], PPERMUTE),
+        ("u8[8]{0}", [(0, 2), (1, 5)], PPERMUTE),  # one pair two stages up: no boundary
     )
     sent = _links.hlo_sent_bytes(text, stage_data)
-    assert (sent["forward"], sent["backward"], sent["other"]) == (48, 80, 4 * 8 + 3 * 2 * 8)
-    assert sent["permutes"] == 2
+    assert (sent["forward"], sent["backward"], sent["other"]) == (56, 88, 4 * 8 + 3 * 2 * 8)
+    assert sent["permutes"] == 3
 
 
 def test_meter_refuses_a_text_it_cannot_classify():

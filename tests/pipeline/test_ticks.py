@@ -1,32 +1,43 @@
-"""A tick moves the payloads of every boundary that sends in it in one ``ppermute`` per
-direction and payload size (``jaxcomp.pipeline._ticks.move_boundaries``): a 4-stage GPipe step
-of boundaries alike is one ``collective-permute`` per tick and direction that sends, not one per
-boundary and microbatch, and boundaries of different sizes (the test CNN's) send exactly their
-payloads' bytes, no padding, with the unpipelined model's numbers."""
+"""A tick moves the payloads of every boundary that sends in it in one ``ppermute`` per payload
+size (``jaxcomp.pipeline._ticks.move_boundaries``), both directions together where no stage
+receives twice (1F1B): a 4-stage step of boundaries alike is one ``collective-permute`` per tick
+that sends, not one per boundary and microbatch, and boundaries of different sizes (the test
+CNN's) send exactly their payloads' bytes, no padding, with the unpipelined model's numbers."""
 
 import jax
 import numpy as np
 import pytest
 
+from jaxcomp import comm
 from jaxcomp import compressors as C
+from jaxcomp import feedback
 from jaxcomp import pipeline
 from jaxcomp.pipeline import _links
+from jaxcomp.pipeline import _ticks
 
 #: inputs, the three boundaries, outputs: boundary payloads of 24, 8 and 12 float32 columns
 WIDTHS = (16, 24, 8, 12, 16)
 
 
 def _moves(schedule, num_stages, num_microbatches, sizes=None):
-    """The permutes of the schedule's step: per (tick, direction) in which some boundary
-    sends, one per distinct payload size among the sending boundaries (``sizes``: per
-    boundary, ``(forward, backward)`` bytes; ``None``: all alike)."""
+    """The permutes of the schedule's step: per tick in which some boundary sends, one per
+    distinct payload size among its sends of both directions (``sizes``: per boundary,
+    ``(forward, backward)`` bytes; ``None``: all alike). Neither schedule has a stage that
+    receives from both sides in one tick (GPipe: no tick sends both ways)."""
     n = 0
     for row in pipeline.ticks(schedule, num_stages, num_microbatches):
         kinds = [None if op is None else op.kind for op in row]
-        for back, kind in ((0, "F"), (1, "B")):
-            active = [b for b in range(num_stages - 1) if kinds[b + back] == kind]
-            n += len({0 if sizes is None else sizes[b][back] for b in active})
+        n += len({0 if sizes is None else sizes[b][back]
+                  for back, kind in ((0, "F"), (1, "B"))
+                  for b in range(num_stages - 1) if kinds[b + back] == kind})  # fmt: skip
     return n
+
+
+def _split(kinds, merged=_ticks.tick_moves):
+    """The tick's moves as the engine made them before 1F1B merged them: one per direction."""
+    pairs = [p for move in merged(kinds) for p in move]
+    moves = (tuple(p for p in pairs if p[0] < p[1]), tuple(p for p in pairs if p[0] > p[1]))
+    return tuple(m for m in moves if m)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +79,63 @@ def test_one_permute_per_tick_and_direction_for_boundaries_alike(mlp, stage_mesh
     # 6 forward ticks send (1, 2, 3, 3, 2, 1 boundaries) and 6 backward: 24 sends, 12 permutes
     assert sent["permutes"] == _moves("gpipe", 4, mlp.M) == 12
     assert sent["forward"] == sent["backward"] == mlp.M * 3 * 2 * 16 * 4
+
+
+#: 1F1B's merged moves against the per-direction ones: identity (one permute per tick); error
+#: feedback on 4-bit forward and 8-bit backward payloads (link states, every tick cut at both
+#: directions' sizes)
+MERGED = {
+    "identity": pipeline.link(),
+    "ef_quantize_4_8": pipeline.link(
+        feedback.error_feedback(C.quantize(4)), feedback.error_feedback(C.quantize(8))
+    ),
+}
+
+
+def _both_ways(text):
+    """Executions of the permutes that carry pairs of both directions."""
+    return sum(r.executions for r in comm.collective_report(text).records
+               if r.kind == "collective-permute" and len({s < d for s, d in r.pairs}) == 2)  # fmt: skip
+
+
+def _two_steps(pipe, params, batch):
+    states = pipe.init(params, batch)
+    compiled = jax.jit(pipe.step).lower(params, batch, states, None).compile()
+    loss, grads, states, metrics = compiled(params, batch, states, None)
+    loss2, grads2, states2, _ = compiled(params, batch, states, None)
+    out = (loss, grads.unpack(), states, metrics, loss2, grads2.unpack(), states2)
+    return compiled.as_text(), jax.tree.map(np.asarray, out)
+
+
+@pytest.mark.parametrize(
+    "name", ["identity", pytest.param("ef_quantize_4_8", marks=pytest.mark.slow)]
+)
+def test_1f1b_moves_both_directions_of_a_tick_in_one_permute(name, mlp, stage_mesh, pack,
+                                                             monkeypatch):  # fmt: skip
+    """Under 1F1B a tick's forward pairs and backward pairs are one permutation: one move per
+    tick that sends, one permute per distinct payload size of both directions, the same bytes
+    (the meter tells each pair's direction in a merged permute), and two steps bit-identical
+    (losses, gradients, link states) to the program that moves each direction apart."""
+    config = pipeline.PipelineConfig(mlp.M, MERGED[name], schedule="1f1b")
+    params = pack(mlp.params)
+    pipe = pipeline.distribute(mlp.model, config, stage_mesh)
+    text, merged = _two_steps(pipe, params, mlp.batch)
+    monkeypatch.setattr(_ticks, "tick_moves", _split)
+    split_text, split = _two_steps(pipeline.distribute(mlp.model, config, stage_mesh), params,
+                                   mlp.batch)  # fmt: skip
+    jax.tree.map(np.testing.assert_array_equal, merged, split)
+    sent, split_sent = (_links.hlo_sent_bytes(t, stage_mesh) for t in (text, split_text))
+    counts = pipe.bytes_per_step(params, mlp.batch)
+    assert sent["forward"] == split_sent["forward"] == counts["forward_bytes"] > 0
+    assert sent["backward"] == split_sent["backward"] == counts["backward_bytes"] > 0
+    assert sent["other"] == split_sent["other"] == 0
+    shape = jax.ShapeDtypeStruct((2, 16), np.float32)
+    fwd, bwd = _links.link_bytes(MERGED[name], shape, True)
+    # 14 ticks, 13 send: 5 both ways (identity: 1 permute, else 2), 8 one way (1 each)
+    assert sent["permutes"] == _moves("1f1b", 4, mlp.M, [(fwd, bwd)] * 3)
+    assert sent["permutes"] == (13 if fwd == bwd else 18)
+    assert split_sent["permutes"] == 18
+    assert (_both_ways(text), _both_ways(split_text)) == (5, 0)
 
 
 @pytest.mark.slow
