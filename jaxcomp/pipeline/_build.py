@@ -140,11 +140,11 @@ def distribute(
     numbers. Bubble ticks run no stage, send nothing and leave every state untouched.
 
     **Bytes.** Each tick moves the payloads of every boundary that sends in it in one
-    ``ppermute`` per direction, with one source-target pair per boundary
-    (:func:`jaxcomp.pipeline._ticks.move_boundaries`); payloads of different sizes are cut at
-    their sizes instead (one permute per distinct size, each carrying the next piece of every
-    payload that long), so no pair carries padding. The bytes per step and pipeline replica are
-    the payloads'
+    ``ppermute``, with one source-target pair per send, under 1F1B both directions together
+    (:func:`jaxcomp.pipeline._ticks.tick_moves`, :func:`~jaxcomp.pipeline._ticks.move_boundaries`);
+    payloads of different sizes are cut at their sizes instead (one permute per distinct size,
+    each carrying the next piece of every payload that long), so no pair carries padding. The
+    bytes per step and pipeline replica are the payloads'
 
     .. math::
       M \sum_b \big(|\mathrm{payload}^{fwd}_b| + |\mathrm{payload}^{bwd}_b|\big)

@@ -8,7 +8,8 @@ encodes with the link's forward channel, the payload moves to ``b + 1``, which d
 functions :func:`jaxcomp.comm._send.compressed_ppermute` is made of (the same channel calls, keys
 and ids), with each end's state read from and written to the compact link-state buffers
 (:mod:`jaxcomp.pipeline._link_state`). The tick program runs each as its two halves
-(:func:`forward_halves`, :func:`backward_halves`) around one move per tick and direction.
+(:func:`forward_halves`, :func:`backward_halves`) around one move per tick (both directions
+together under 1F1B: :func:`jaxcomp.pipeline._ticks.tick_moves`).
 """
 
 from __future__ import annotations

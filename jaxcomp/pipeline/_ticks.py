@@ -4,10 +4,12 @@ Per tick (:mod:`jaxcomp.pipeline._schedule`), a ``lax.switch`` on the device's s
 *only its own stage's op*: a forward (saving its residuals into the ring-buffer slot of the
 microbatch, :mod:`jaxcomp.pipeline._residuals`), a backward (from the saved residuals,
 accumulating the parameter gradient), or nothing. Then every boundary whose sender worked this
-tick sends: each encodes its payload, **one** ``ppermute`` per direction carries all of them
-(one source-target pair per boundary; payloads of different sizes cut at their sizes, one
-permute per distinct size, no padding: :func:`move_boundaries`), each decodes
-(:func:`jaxcomp.pipeline._links.forward_halves`); the receiver consumes it in the next tick.
+tick sends: each encodes its payload, **one** ``ppermute`` carries all of them (one
+source-target pair per send; payloads of different sizes cut at their sizes, one permute per
+distinct size, no padding: :func:`move_boundaries`), each decodes
+(:func:`jaxcomp.pipeline._links.forward_halves`, ``backward_halves``); the receiver consumes it
+in the next tick. Under 1F1B a tick's forwards and backwards go in that one move (no stage
+receives from both sides in one tick: :func:`tick_moves`); under GPipe no tick sends both ways.
 Only the stages active in a tick are compiled into its switch, and only the boundaries active
 in it send, so bubble ticks send nothing and touch no state.
 
@@ -15,7 +17,8 @@ in it send, so bubble ticks send nothing and touch no state.
 receiver has posted its receive, and each host runs its permutes in program order: with one
 single-pair permute per boundary, a middle stage relayed a tick's boundaries one after another
 (a 4-stage, 4-microbatch GPipe step cost 20 sends' time on a slow link; 12 with one permute
-per tick and direction, ``docs/results/network/pipeline_model.md``).
+per tick and direction, ``docs/results/network/pipeline_model.md``; a 1F1B step of 4 x 4
+moves 13 times rather than 18 with both directions of a tick in one permute).
 
 **Each op traced once.** The ops of one tick program are traced once and reused by every tick that
 runs them (:func:`stage_ops`, :func:`link_ops`). A schedule runs stage ``s``'s forward in ``M``
@@ -30,7 +33,7 @@ the one the per-tick traces gave.
 A stage op takes this device's packed parameters and running state (``{dtype: [L]}``) and
 unpacks its stage's share inside, so the (un)packing is traced once too. A boundary's encode
 and decode (codec, feedback, link-state reads and writes) are traced once per direction the
-same way, and a tick's move once per set of boundaries and direction (:class:`LinkOps`).
+same way, and a tick's move once per set of pairs (:class:`LinkOps`).
 """
 
 from __future__ import annotations
@@ -342,10 +345,10 @@ def tick_moves(kinds: Sequence[str | None]) -> tuple[tuple[tuple[int, int], ...]
     are one permutation and the tick one move, else one move per direction.
 
     Example:
-      >>> tick_moves(("F", None, "B", None))  # 1F1B: a swap over boundary 0, and 2 -> 1
-      (((0, 1), (2, 1)),)
-      >>> tick_moves(("F", "F", "B"))  # stage 1 would receive from both sides
-      (((0, 1), (1, 2)), ((2, 1),))
+      >>> tick_moves(("F", None, "F", "B"))  # 1F1B, tick 4 of 4 x 4: a swap over boundary 2
+      (((0, 1), (2, 3), (3, 2)),)
+      >>> tick_moves(("F", None, "B"))  # stage 1 would receive from both sides
+      (((0, 1),), ((2, 1),))
     """
     num = len(kinds)
     fwd = tuple((b, b + 1) for b in range(num - 1) if kinds[b] == F)

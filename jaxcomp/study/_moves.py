@@ -1,12 +1,14 @@
 r"""A pipeline step's boundary permutes as the tick program compiles them, for the cost model.
 
-Per tick (:func:`jaxcomp.pipeline.ticks`) the boundaries whose sender worked send: first the
-forwards (stage :math:`b` to :math:`b + 1`), then the backwards (:math:`b + 1` to :math:`b`),
-each direction one *move*. A move whose payloads are :math:`n_1 < \dots < n_k` distinct sizes
+Per tick (:func:`jaxcomp.pipeline.ticks`) the boundaries whose sender worked send: the forwards
+(stage :math:`b` to :math:`b + 1`) and the backwards (:math:`b + 1` to :math:`b`) in one *move*
+where no stage receives twice (1F1B), else one move per direction, as the engine groups them
+(:func:`jaxcomp.pipeline._ticks.tick_moves`, imported). A move whose payloads are
+:math:`n_1 < \dots < n_k` distinct sizes
 is :math:`k` ``collective-permute``\ s, cut as the engine cuts them
 (:func:`jaxcomp.pipeline._ticks.move_pieces`, imported, not re-derived): permute :math:`j`
 carries bytes :math:`[n_{j-1}, n_j)` of every payload of at least :math:`n_j` bytes, one pair
-per such boundary. Boundaries alike are one permute per move. So a step sends every payload
+per such send. Payloads alike are one permute per move. So a step sends every payload
 once, :math:`M \sum_b (|f_b| + |g_b|)` bytes, in as many permutes as its moves have distinct
 sizes; :func:`jaxcomp.study._pipeline_model.pipeline_send_s` plays them in this order on
 per-host links (an :math:`\alpha` per permute and pair, a :math:`\beta` per byte, the chain
@@ -25,6 +27,7 @@ from typing import NamedTuple
 
 from jaxcomp import pipeline
 from jaxcomp.pipeline._ticks import move_pieces
+from jaxcomp.pipeline._ticks import tick_moves
 
 
 class Permute(NamedTuple):
@@ -70,7 +73,8 @@ def pipeline_moves(
       train: ``False``: evaluation's forward ticks.
 
     Returns:
-      One tuple of :class:`Permute` per tick and direction that sends, in program order.
+      One tuple of :class:`Permute` per move (:func:`jaxcomp.pipeline._ticks.tick_moves`), in
+      program order.
 
     Example:
       >>> [[(p.pairs, p.nbytes) for p in m]
@@ -82,9 +86,8 @@ def pipeline_moves(
     """
     sizes = _check_payloads(payload_bytes, stages)
     out = []
-    for _, back, sending in _sends(schedule, stages, microbatches, train):
-        pairs = [(b + 1, b) if back else (b, b + 1) for b in sending]
-        pieces = move_pieces([sizes[b][back] for b in sending])
+    for _, pairs in _moves(schedule, stages, microbatches, train):
+        pieces = move_pieces([sizes[min(s, d)][int(s > d)] for s, d in pairs])
         out.append(tuple(Permute(tuple(pairs[i] for i in members), high - low)
                          for low, high, members in pieces))  # fmt: skip
     return out
@@ -98,18 +101,14 @@ def move_ticks(schedule: str, stages: int, microbatches: int, train: bool = True
       >>> move_ticks("gpipe", 2, 2)  # forwards at ticks 0, 1; backwards at 3, 4
       [0, 1, 3, 4]
     """
-    return [t for t, _, _ in _sends(schedule, stages, microbatches, train)]
+    return [t for t, _ in _moves(schedule, stages, microbatches, train)]
 
 
-def _sends(schedule: str, stages: int, microbatches: int, train: bool):
-    """``(tick, direction, boundaries)`` per move: direction 0 forward, 1 backward; the
-    boundaries whose sender worked in that direction at that tick."""
+def _moves(schedule: str, stages: int, microbatches: int, train: bool):
+    """``(tick, pairs)`` per move: its ``(source, target)`` stage pairs."""
     for t, row in enumerate(pipeline.ticks(schedule, stages, microbatches, train)):
-        for kind, back in (("F", 0), ("B", 1)):
-            sending = [b for b in range(stages - 1)
-                       if row[b + back] is not None and row[b + back].kind == kind]  # fmt: skip
-            if sending:
-                yield t, back, sending
+        for pairs in tick_moves([None if op is None else op.kind for op in row]):
+            yield t, pairs
 
 
 def boundary_payloads(

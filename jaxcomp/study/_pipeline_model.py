@@ -77,7 +77,8 @@ def pipeline_send_s(
 
     ``moves="tick"`` (the tick program since 2026-12-05): per tick, the forward move (stage
     ``b`` to ``b + 1``, for each ``b`` that ran a forward), then the backward one (``b + 1`` to
-    ``b``, for each ``b + 1`` that ran a backward), each the permutes the engine compiles it to
+    ``b``, for each ``b + 1`` that ran a backward), or under 1F1B one move of both
+    (:func:`jaxcomp.pipeline._ticks.tick_moves`), each the permutes the engine compiles it to
     (:func:`jaxcomp.study._moves.pipeline_moves`: one per distinct payload size, each carrying
     the next piece of every payload that long); the pairs of one permute run together, each
     starting when both its hosts have finished their earlier permutes. ``moves="boundary"``

@@ -94,8 +94,8 @@ MERGED = {
 
 def _both_ways(text):
     """Executions of the permutes that carry pairs of both directions."""
-    return sum(r.executions for r in comm.collective_report(text).records
-               if r.kind == "collective-permute" and len({s < d for s, d in r.pairs}) == 2)  # fmt: skip
+    permutes = [r for r in comm.collective_report(text).records if r.kind == "collective-permute"]
+    return sum(r.executions for r in permutes if len({s < d for s, d in r.pairs}) == 2)
 
 
 def _two_steps(pipe, params, batch):

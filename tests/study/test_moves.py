@@ -1,7 +1,7 @@
-"""The cost model plays a pipeline step's real permutes (``jaxcomp.study._moves``): per tick and
-direction one ``collective-permute`` per distinct payload size of the sending boundaries, with
-the bytes each pair carries, as the compiled tick program has them; and the lab's prediction
-plays those permutes, not one move of the mean send."""
+"""The cost model plays a pipeline step's real permutes (``jaxcomp.study._moves``): per move (a
+tick's sends, both directions in one under 1F1B) one ``collective-permute`` per distinct payload
+size, with the bytes each pair carries, as the compiled tick program has them; and the lab's
+prediction plays those permutes, not one move of the mean send."""
 
 import collections
 import functools
