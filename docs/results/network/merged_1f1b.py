@@ -1,5 +1,7 @@
 """1F1B with both directions of a tick in one permute: how many permutes, and what the cost model
-says it would save on the lab's links (costsize, 2026-12-05; an estimate, nothing measured).
+says it would save on the lab's links (costsize, 2026-12-05; an estimate). The engine merges
+since e58b298 (merged1f1b; the lab's measurement is in README.md): the per-direction column
+plays the moves as they were before, the merged one checks its count against the engine's.
 
 A 1F1B tick's forward sends go from the stages that ran a forward (tick parity = stage parity)
 and its backward sends from those that ran a backward (the other parity), so no stage receives
@@ -24,6 +26,22 @@ PAYLOADS = {"1 KiB both ways": (1024, 1024), "identity 32 KiB": (32768, 32768),
             "quantize 4 / 8 (4,608 / 8,196 B)": (4608, 8196)}  # fmt: skip
 
 
+def per_direction_moves(schedule, stages, microbatches, fwd, bwd):
+    """The moves as the engine made them before merging (to e58b298): a tick's forward
+    sends, then its backward sends, each cut at its own payload sizes."""
+    out = []
+    for row in pipeline.ticks(schedule, stages, microbatches):
+        for kind, size in (("F", fwd), ("B", bwd)):
+            step = 1 if kind == "F" else -1
+            pairs = tuple((s, s + step) for s in range(stages) if 0 <= s + step < stages
+                          and row[s] is not None and row[s].kind == kind)  # fmt: skip
+            if pairs:
+                pieces = move_pieces([size] * len(pairs))
+                out.append(tuple(_moves.Permute(tuple(pairs[i] for i in members), high - low)
+                                 for low, high, members in pieces))  # fmt: skip
+    return out
+
+
 def merged_moves(schedule, stages, microbatches, fwd, bwd):
     out = []
     for row in pipeline.ticks(schedule, stages, microbatches):
@@ -44,13 +62,18 @@ def merged_moves(schedule, stages, microbatches, fwd, bwd):
 
 
 def main() -> None:
-    print("| S x M | payloads | rate | permutes now / merged | sends now ms | merged ms | saved |")
+    print(
+        "| S x M | payloads | rate | permutes per direction / merged | sends per direction ms "
+        "| merged ms | saved |"
+    )
     print("|---|---|---|---|---|---|---|")
     for stages, m in ((4, 4), (4, 16)):
         for label, (fwd, bwd) in PAYLOADS.items():
             sizes = [(fwd, bwd)] * (stages - 1)
-            now = _moves.pipeline_moves("1f1b", stages, m, sizes)
+            now = per_direction_moves("1f1b", stages, m, fwd, bwd)
             merged = merged_moves("1f1b", stages, m, fwd, bwd)
+            engine = _moves.pipeline_moves("1f1b", stages, m, sizes)
+            assert sum(map(len, engine)) == sum(map(len, merged)), "the engine no longer merges"
             counts = sum(map(len, now)), sum(map(len, merged))
             for rate in ("100mbit", "10mbit"):
                 with open(os.path.join(HERE, "calibrations", f"per_host-4x1-{rate}.json")) as f:
