@@ -77,34 +77,31 @@ def reference(resnet):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "simulate"])
-def test_identity_links_equal_the_model_applied_microbatch_by_microbatch(
-    resnet, reference, schedule
-):
-    """GPipe and the simulation against the model applied microbatch by microbatch. 1F1B's
-    statistics: equal to the simulation's (with replicas and compressed links, evaluation
-    included) in test_data_replicas_keep_their_own_statistics_equal_to_the_simulation, updated
-    in microbatch order in test_only_real_microbatches_update_the_state_in_microbatch_order."""
+def test_the_simulation_equals_the_model_applied_microbatch_by_microbatch(resnet, reference):
+    """The simulation (GPipe's order) against the model applied microbatch by microbatch. The
+    distributed GPipe's statistics, gradient and evaluation: against the same model in
+    test_synchronised_statistics_are_those_of_the_microbatch_concatenated_over_replicas (its
+    own identity run compiled a third ResNet pipeline step); 1F1B's: equal to the simulation's
+    (with replicas and compressed links, evaluation included) in
+    test_data_replicas_keep_their_own_statistics_equal_to_the_simulation, updated in
+    microbatch order in test_only_real_microbatches_update_the_state_in_microbatch_order."""
     model, params, state, _, _ = resnet
     batch, (loss, grads, stats) = reference
-    config = pipeline.PipelineConfig(M, schedule="gpipe" if schedule == "simulate" else schedule)
-    if schedule == "simulate":
-        pipe, p = pipeline.simulate(model, config), params
-    else:
-        mesh = pipeline.pipeline_mesh(S, jax.devices()[:S])
-        pipe = pipeline.distribute(model, config, mesh)
-        p = pipeline.pack_params(params, NamedSharding(mesh, P("stage")))
-    states = pipe.init(p, batch, state)
-    assert states.model["float32"].shape[0] == S  # per stage, on the stage's device
-    got_loss, got_grads, new, _ = jax.jit(pipe.step)(p, batch, states)
-    got_grads = got_grads if schedule == "simulate" else got_grads.unpack()
+    pipe = pipeline.simulate(model, pipeline.PipelineConfig(M))
+    states = pipe.init(params, batch, state)
+    assert states.model["float32"].shape[0] == S  # per stage
+    got_loss, got_grads, new, _ = jax.jit(pipe.step)(params, batch, states)
     np.testing.assert_allclose(float(got_loss), float(loss), rtol=1e-5)
     _close(got_grads, grads, rtol=2e-4, atol=2e-6)
     _close(_stats(new), stats)
-    assert _stats(new)[3] == {}  # the head keeps no statistics
-    # evaluation normalises with the running statistics
-    _, _, logits = jax.jit(pipe.evaluate, static_argnames="compress")(p, batch, states=new)
-    want, _ = jax.jit(model.apply)(_mode.join_variables(params, _stats(new)), batch["x"])
+    _check_evaluation(pipe, params, params, batch, new, model, _stats(new))
+
+
+def _check_evaluation(pipe, p, params, batch, states, model, stats):
+    """Evaluation normalises with the running statistics ``stats``; the head keeps none."""
+    assert stats[3] == {}
+    _, _, logits = jax.jit(pipe.evaluate, static_argnames="compress")(p, batch, states=states)
+    want, _ = jax.jit(model.apply)(_mode.join_variables(params, stats), batch["x"])
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
@@ -197,6 +194,8 @@ def test_data_replicas_keep_their_own_statistics_equal_to_the_simulation(resnet)
 
 @pytest.mark.slow
 def test_synchronised_statistics_are_those_of_the_microbatch_concatenated_over_replicas(resnet):
+    """The distributed GPipe (2 replicas x 4 stages, statistics synchronised over ``data``)
+    against the model applied microbatch by microbatch: statistics, gradient, evaluation."""
     model, params, state, x, labels = resnet
     config = pipeline.PipelineConfig(M)
     mesh = pipeline.pipeline_mesh(S)
@@ -209,10 +208,12 @@ def test_synchronised_statistics_are_those_of_the_microbatch_concatenated_over_r
     want_loss, want_grads, want_stats = jax.jit(_sequential, static_argnums=(0, 5))(
         model, params, state, x[order], labels[order], M
     )
+    assert new.model["float32"].shape[:2] == (S, 2)  # per stage, on the stage's devices
     for r in range(2):
         _close(_stats(new, r), want_stats)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     _close(grads.unpack(), want_grads, rtol=2e-4, atol=2e-6)
+    _check_evaluation(pipe, packed, params, batch, new, model, _stats(new))
 
 
 def test_stateful_pipelines_name_a_missing_or_mismatched_state(resnet):
