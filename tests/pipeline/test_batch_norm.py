@@ -55,9 +55,9 @@ def _stats(states, replica=0):
 
 @pytest.fixture(scope="module")
 def resnet():
-    # stem+layer1 | layer2 | layer3 | head: three stages with BatchNorm, one ({}) without
+    # stem | layer1 | layer2 | head: three stages with BatchNorm, one ({}) without
     model = models.resnet18(
-        width=4, blocks=(1, 1, 1), input_shape=(8, 8, 1), cuts=("layer1", "layer2", "layer3")
+        width=4, blocks=(1, 1), input_shape=(8, 8, 1), cuts=("stem", "layer1", "layer2")
     )
     params, state = _mode.split_variables(_mode.jit_init(model.init)(jax.random.key(0)))
     rng = np.random.default_rng(0)
