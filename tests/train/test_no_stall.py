@@ -66,11 +66,11 @@ def _tiny(make_config, mode):
             }
         },
         "pipeline": {  # evaluates with compression on and off
-            "mesh": [("stage", 4)],
-            "model": {"hidden": (16, 16, 16)},
+            "mesh": [("stage", 2)],
+            "model": {"hidden": (16,)},
             "batch_size": 32,
             "eval_batch_size": 32,
-            "pipeline": {"num_microbatches": 4, "forward": {"name": "quantize", "bits": 8}},
+            "pipeline": {"num_microbatches": 2, "forward": {"name": "quantize", "bits": 8}},
         },
     }[mode]
     # checkpoints at 2, 4, 6, 8 with keep 2: the third save reads one back before pruning
