@@ -99,14 +99,16 @@ MUTATIONS = {
         ],
     ),
     "pipeline_send_direction": (
-        ("jaxcomp/pipeline/_ticks.py", "jaxcomp/pipeline/_ticks.py"),
+        ("jaxcomp/pipeline/_ticks.py",) * 3,
         (
             "pairs = [(b + 1, b)] if reverse else [(b, b + 1)]",
             "pairs = [(b + 1, b) if reverse else (b, b + 1) for b in boundaries]",
+            "fwd = tuple((b, b + 1) for b in range(num - 1) if kinds[b] == F)",
         ),
         (
             "pairs = [(b, b + 1)] if reverse else [(b + 1, b)]",
             "pairs = [(b, b + 1) if reverse else (b + 1, b) for b in boundaries]",
+            "fwd = tuple((b + 1, b) for b in range(num - 1) if kinds[b] == F)",
         ),
         ["tests/pipeline/test_gpipe.py"],
     ),
