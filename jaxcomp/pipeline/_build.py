@@ -98,7 +98,7 @@ def _pipeline(spec: Spec) -> Pipeline:
 def _make_spec(model, config, mesh, replicas, data_axes=(_mesh.DATA,)) -> Spec:
     _config.check_model(model)
     links, adaptive = _adaptive.resolve(config, model.num_stages)
-    fns = _residuals.stage_fns(model, config.checkpoint, _config.split_loss)
+    fns = _residuals.stage_fns(model, config.checkpoint)
     replica_mean = config.replica_mean if replicas > 1 else None
     return Spec(
         model, links, config.num_microbatches, config.schedule, fns, mesh, replicas, replica_mean,

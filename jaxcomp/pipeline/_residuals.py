@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from jaxcomp.pipeline import _config
 from jaxcomp.pipeline import _params
 
 
@@ -85,7 +86,7 @@ def _stateful(model: Any) -> tuple[tuple[Callable, ...], tuple[Callable, ...]]:
     return tuple(lift(f) for f in model.stages), tuple(lift_eval(f) for f in model.stages)
 
 
-def stage_fns(model: Any, checkpoint: Any, split_loss: Callable) -> tuple[StageFns, ...]:
+def stage_fns(model: Any, checkpoint: Any) -> tuple[StageFns, ...]:
     """The per-stage objectives of ``model`` (stages wrapped per ``checkpoint``)."""
 
     stages, evals = _stateful(model)
@@ -104,7 +105,7 @@ def stage_fns(model: Any, checkpoint: Any, split_loss: Callable) -> tuple[StageF
 
         def last(p, x, labels, state):
             y, new_state = stage(p, state, x)
-            loss, metrics = split_loss(loss_fn(y, labels))
+            loss, metrics = _config.split_loss(loss_fn(y, labels))
             metrics = jax.tree.map(lambda v: v.astype(jnp.float32), metrics)
             return loss.astype(jnp.float32), (metrics, new_state)
 
