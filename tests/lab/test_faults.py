@@ -28,10 +28,10 @@ pytestmark = [
     pytest.mark.slow,  # 2-process trainer runs
 ]
 ROOT = pathlib.Path(__file__).parents[2]
-BOUND = 15  #: --peer_timeout of these runs (s)
+BOUND = 8  #: --peer_timeout of these runs (s), as tests/test_multihost_faults.py's
 SETS = {"mesh": [("data", 2)], "model.hidden": (32, 32, 32), "batch_size": 64,
         "eval_batch_size": 120, "lr": 3e-3, "total_steps": 100_000, "log_every": 5,
-        "checkpoint_every": 20, "keep_checkpoints": 2}  # fmt: skip
+        "checkpoint_every": 10, "keep_checkpoints": 2}  # fmt: skip
 
 
 class _Run:
@@ -88,7 +88,7 @@ def test_a_partition_stops_both_hosts_in_the_bound_and_the_rerun_resumes(tmp_pat
     with lab.Lab(2, "100mbit", devices=1) as lb:
         run = _Run(lb, work, tmp_path / "logs0")
         try:
-            run.wait_step(45)  # checkpoint 20 written, 40 under way or written
+            run.wait_step(25)  # checkpoint 10 written, 20 under way or written
         finally:
             _faults.set_link(lb.net, 1, up=False)
         down = time.monotonic() - run.t0
@@ -108,7 +108,7 @@ def test_a_partition_stops_both_hosts_in_the_bound_and_the_rerun_resumes(tmp_pat
         assert f"on host {a0}), the coordinator, has not answered" in lines[1], lines[1]
         assert not (work / "checkpoints.damaged").exists()
         last = _checkpoints(work)[-1]
-        assert last >= 20
+        assert last >= 10
 
         rerun = _Run(lb, work, tmp_path / "logs1", total_steps=last + 10)
         result = rerun.wait()
