@@ -1,7 +1,8 @@
 """The CLI: one-line errors and tracebacks (the CLI's kill-and-resume: tests/test_faults.py;
 two processes == one process, every mode, the pipeline's included, each process set up by the
 CLI's ``parse_args`` and ``setup_devices``: tests/train/test_two_processes.py; a real
-2-process launch joining: tests/test_main_distributed.py)."""
+2-process launch joining: tests/test_main_distributed.py; a workdir of another experiment and
+an error in a training step, on a setup compiled once: tests/train/test_workdir_faults.py)."""
 
 import contextlib
 import io
@@ -64,38 +65,11 @@ def test_a_missing_extra_is_a_one_line_error_naming_it_and_leaves_no_workdir(tmp
         assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
-def test_workdir_of_another_experiment_is_a_one_line_error(tmp_path):
-    args = ["--config", f"{CONFIG}:smoke", "--workdir", str(tmp_path)]
-    assert _run_main(args)[0] == 0
-    code, err = _run_main([*args, "--set", "lr=0.5"])
-    assert code == 2 and "holds a checkpoint of another experiment" in err
-
-
 def test_an_import_error_in_a_mode_surfaces_as_itself(monkeypatch, tmp_path):
     from jaxcomp.train import _trainer
 
     monkeypatch.setitem(_trainer.BUILDERS, "pipeline", ("_no_such_mode", "build"))
     with pytest.raises(ModuleNotFoundError, match="jaxcomp.train._no_such_mode"):
-        main.main(["--config", f"{CONFIG}:smoke", "--workdir", str(tmp_path)])
-
-
-@pytest.mark.slow
-def test_an_error_during_training_keeps_its_traceback(monkeypatch, tmp_path):
-    from jaxcomp.train import _trainer
-
-    real = _trainer.setup
-
-    def broken(config, devices=None):
-        s = real(config, devices=devices)
-
-        def step(state, batch, key, i):
-            raise ValueError("a bug deep in a training step")
-
-        return s._replace(mode=s.mode._replace(train_step=step))
-
-    monkeypatch.setattr(_trainer, "setup", broken)
-    with pytest.raises(ValueError, match="a bug deep in a training step"):
         main.main(["--config", f"{CONFIG}:smoke", "--workdir", str(tmp_path)])
 
 

@@ -91,13 +91,19 @@ def test_installed_wheel_runs_the_main_job_by_config_name(dist, tmp_path):
     env["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"  # tests/conftest.py: fast_compiles
     where = tmp_path / "elsewhere"
     where.mkdir()
+    # one interpreter for where jaxcomp comes from and the unknown name (an import of JAX
+    # each); the main job runs through `python -m` below
     probe = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m, jaxcomp; "
-         "print(jaxcomp.__file__, jaxcomp.__version__, m.version('jaxcomp'))"],
-        cwd=where, env=env, capture_output=True, text=True, check=True,
+        [str(python), "-c", "import importlib.metadata as m, sys, jaxcomp; "
+         "print(jaxcomp.__file__, jaxcomp.__version__, m.version('jaxcomp'), flush=True); "
+         "from jaxcomp import main; "
+         "sys.exit(main.main(['--config', 'digits_pipelin', '--workdir', 'V']))"],
+        cwd=where, env=env, capture_output=True, text=True,
     )  # fmt: skip
-    path, version, metadata = probe.stdout.split()
+    path, version, metadata = probe.stdout.splitlines()[0].split()
     assert path.startswith(site) and version == metadata == jaxcomp.__version__
+    assert probe.returncode == 2 and "unknown config 'digits_pipelin'" in probe.stderr
+    assert "digits_pipeline," in probe.stderr and not (where / "V").exists()
     run = subprocess.run(
         [str(python), "-m", "jaxcomp.main", "--config", "digits_dense:smoke",
          "--workdir", "W"],
@@ -105,9 +111,3 @@ def test_installed_wheel_runs_the_main_job_by_config_name(dist, tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert "summary: dense / mlp" in run.stdout and (where / "W" / "summary.json").exists()
-    bad = subprocess.run(
-        [str(python), "-m", "jaxcomp.main", "--config", "digits_pipelin", "--workdir", "V"],
-        cwd=where, env=env, capture_output=True, text=True,
-    )  # fmt: skip
-    assert bad.returncode == 2 and "unknown config 'digits_pipelin'" in bad.stderr
-    assert "digits_pipeline," in bad.stderr and not (where / "V").exists()

@@ -258,7 +258,7 @@ def topology_change(saved: dict | None, now: dict) -> str | None:
     devices by its mesh, whose axes and sizes the experiment fixes; the steps after it compute
     the same values as an uninterrupted run up to float rounding, since collectives spread
     over other processes reduce in another order (2 x 4 devices <-> 1 x 8: the final loss
-    within 1e-5 relative, tests/train/test_resume_topology.py).
+    within 1e-5 relative; tests/train/test_two_processes.py, 2 x 2 <-> 1 x 4).
     """
     if not isinstance(saved, dict) or all(saved.get(k) == now.get(k) for k in _WHERE):
         return None

@@ -5,10 +5,12 @@
 Joins the 2-process JAX system as the trainer's CLI does (``jaxcomp.main.setup_devices``:
 ``--cpu_devices DEVICES --num_processes 2 --process_id PROCESS_ID --coordinator_address
 127.0.0.1:PORT``, gloo collectives), then trains every case of CASES.json (a list of
-``{"name", "config", "set", "stop_after"}``, the CLI's ``--config`` and ``--set``) into
-``OUTDIR/<name>``: first stopped after ``stop_after`` steps (a checkpoint saved), then the same
-command again, which resumes and finishes (``main.main``'s steps, twice in one process: one
-launch per process for every case; the resumed run reuses the stopped run's setup).
+``{"name", "config", "set", "stop_after", "resume"}``, the CLI's ``--config`` and ``--set``) into
+``OUTDIR/<name>``: first stopped after ``stop_after`` steps (a checkpoint saved), then, if
+``resume``, the same command again, which resumes and finishes (``main.main``'s steps, twice in
+one process: one launch per process for every case; the resumed run reuses the stopped run's
+setup). A case with ``"workdir"`` and ``"wait_for"`` instead resumes that workdir (another
+topology's run) once the file ``wait_for`` exists.
 """
 
 import importlib.util
@@ -45,12 +47,19 @@ def main(process_id: int, port: int, devices: int, cases: str, out: str) -> None
     for case in todo:
         config = cli.load_config(case["config"])
         config = train.apply_overrides(config, train.parse_overrides(case["set"]))
+        start = time.perf_counter()
+        if "wait_for" in case:  # another run's checkpoint, written by the test's process
+            while not os.path.exists(case["wait_for"]):
+                assert time.perf_counter() - start < 600, f"no {case['wait_for']}"
+                time.sleep(0.05)
+            train.train_and_evaluate(config, case["workdir"])
+            continue
         workdir = os.path.join(out, case["name"])
         stop = case["stop_after"]
-        start = time.perf_counter()
         assert train.train_and_evaluate(config, workdir, stop_after=stop) == {"stopped_at": stop}
         first = time.perf_counter() - start
-        train.train_and_evaluate(config, workdir)  # resumes from the checkpoint, finishes
+        if case["resume"]:
+            train.train_and_evaluate(config, workdir)  # resumes from the checkpoint, finishes
         if process_id == 0:
             took = time.perf_counter() - start
             print(f"case {case['name']}: {took:.1f} s ({first:.1f} s to the stop)", flush=True)

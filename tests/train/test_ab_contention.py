@@ -55,6 +55,9 @@ def test_ab_mode_trains_beside_a_cpu_busy_process_without_a_stall(tmp_path):
                 if not busy and line.startswith("  wire bytes/step"):
                     busy = [subprocess.Popen([sys.executable, "-c", spin])
                             for _ in range(os.cpu_count() or 2)]  # fmt: skip
+                if busy and "step 6/6" in line:  # the steps are done: the rest runs alone
+                    for p in busy:
+                        p.kill()
             run.wait(timeout=900)
         finally:
             run.kill()

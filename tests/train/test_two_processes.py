@@ -1,15 +1,21 @@
 """Every training mode as 2 ``jax.distributed`` processes x 2 CPU devices (gloo) == one process
-with the same 4 devices, a stop and a resume included.
+with the same 4 devices, a stop and a resume included; and a resume on the other split
+(issue 37, item 4).
 
 One launch of two worker processes (``_two_process_worker.py``, set up as the trainer's CLI
 sets up a process) trains every case of :data:`CASES` in turn: stopped after ``STOP`` steps
 (checkpoint), then the same command again, which resumes and finishes. Meanwhile this process
 trains each case's reference uninterrupted on ``jax.devices()[:4]`` (a resumed run continues
-bit-identically: ``tests/train/test_trainer.py``). The mesh's first axis spans the processes
-(``comm.make_mesh`` orders devices process by process), so every mode sends something across
-the process boundary: the gradient mean (dense, the batch-size variant), the slow axis of a
-(slow, fast) pair (Accordion), a pipeline boundary (stage 0 on one process, stage 1 on the
-other), AB-Training's syncs between its two groups.
+bit-identically: ``tests/train/test_trainer.py``). The dense case resumes across the split
+instead: its 2-process run, stopped, is finished here (2 x 2 -> 1 x 4), and a run stopped here
+is finished by the pair (1 x 4 -> 2 x 2), both equal to the uninterrupted reference (the mesh,
+``('data', -1)``, comes out the same); on 8 devices the mesh would not, and the resume is
+refused before anything compiles, with one line naming both.
+
+The mesh's first axis spans the processes (``comm.make_mesh`` orders devices process by
+process), so every mode sends something across the process boundary: the gradient mean (dense,
+the batch-size variant), the slow axis of a (slow, fast) pair (Accordion), a pipeline boundary
+(stage 0 on one process, stage 1 on the other), AB-Training's syncs between its two groups.
 
 Compared: every metrics record and the summary (integers equal, floats to ``RTOL``), and every
 leaf of the final checkpoint (the 2-process one restored here). The tolerance: gloo's
@@ -27,6 +33,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -50,10 +57,12 @@ RTOL, ATOL = 1e-4, 1e-6
 _SMALL = [f"total_steps={STEPS}", "log_every=1", "eval_every=2", "checkpoint_every=0",
           "batch_size=32", "eval_batch_size=40", "model.hidden=(16,16,16)"]  # fmt: skip
 _DP = [*_SMALL, "mesh=[('data',4)]"]
+#: the dense case's resume on the other split: its free axis is 4 on 2 x 2 and on 1 x 4 devices
+_FREE = [*_SMALL, "mesh=[('data',-1)]"]
 #: name -> (--config, --set): each a mode, and what crosses the process boundary
 CASES = {
-    # the float gradient all-reduce
-    "dense": ("configs/digits_dense.py:smoke", _DP),
+    # the float gradient all-reduce (stopped by the pair, resumed here, and the other way)
+    "dense": ("configs/digits_dense.py:smoke", _FREE),
     # Accordion (PowerSGD rank 2 / 1 by the detector, EF) on a (slow, fast) pair, slow = the
     # processes: dense over fast (in a process), compressed over slow, EF state per slow worker
     "accordion_pair": (
@@ -115,18 +124,26 @@ def _free_port():
         return s.getsockname()[1]
 
 
+#: the case that resumes across the split (stopped by the pair first, finished by it last)
+ACROSS = "dense"
+
+
 class _Pair:
     """Both worker processes, started on every case of :data:`CASES` (run in the background:
-    this process trains the references meanwhile)."""
+    this process trains the references meanwhile); last, they finish ``resume_here``, this
+    process's stopped run of :data:`ACROSS`, once the file ``ready`` exists."""
 
-    def __init__(self, out: pathlib.Path):
+    def __init__(self, out: pathlib.Path, resume_here: pathlib.Path, ready: pathlib.Path):
         self.out = out
         out.mkdir()
         cases = out / "cases.json"
-        cases.write_text(json.dumps([
-            {"name": n, "config": str(ROOT / spec), "set": sets, "stop_after": STOP}
-            for n, (spec, sets) in CASES.items()
-        ]))  # fmt: skip
+        todo = [{"name": n, "config": str(ROOT / spec), "set": sets, "stop_after": STOP,
+                 "resume": n != ACROSS} for n, (spec, sets) in CASES.items()]  # fmt: skip
+        todo.sort(key=lambda c: c["name"] != ACROSS)  # this process resumes it after the pair
+        spec, sets = CASES[ACROSS]
+        todo.append({"name": f"{ACROSS}_from_one", "config": str(ROOT / spec), "set": sets,
+                     "workdir": str(resume_here), "wait_for": str(ready)})  # fmt: skip
+        cases.write_text(json.dumps(todo))
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
         env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
                    JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1")  # fmt: skip
@@ -222,28 +239,57 @@ def _compare(name: str, got_dir: str, want_dir: str, last_checkpoint) -> None:
             np.testing.assert_array_equal(a, b, err_msg=f"leaf {i}")
 
 
-def test_every_mode_as_two_processes_matches_one_process(tmp_path, last_checkpoint):
+@pytest.mark.usefixtures("shared_setups")  # the dense case: 3 runs of one config here
+def test_every_mode_as_two_processes_matches_one_process(tmp_path, last_checkpoint, capsys):
     """One test (one launch, on one pytest-xdist worker): the pair trains every case while
     this process trains the references; then each case is compared, failures collected."""
-    pair = _Pair(tmp_path / "two")
+    four = jax.devices()[:4]
+    from_one, ready = tmp_path / "from_one", tmp_path / "from_one.ready"
+    pair = _Pair(tmp_path / "two", from_one, ready)
     try:
+        dense = _config(ACROSS)
+        stopped = train.train_and_evaluate(dense, str(from_one), devices=four, stop_after=STOP)
+        assert stopped == {"stopped_at": STOP}
+        shutil.copytree(from_one, tmp_path / "eight")
+        ready.touch()
         for name in CASES:
-            train.train_and_evaluate(
-                _config(name), str(tmp_path / "one" / name), devices=jax.devices()[:4]
-            )
+            train.train_and_evaluate(_config(name), str(tmp_path / "one" / name), devices=four)
     except BaseException:
         pair.kill()
         raise
     pair.wait()
+    capsys.readouterr()
+    # 2 x 2 -> 1 x 4 (here); 1 x 4 -> 2 x 2 was the pair's last run
+    train.train_and_evaluate(dense, str(pair.out / ACROSS), devices=four)
+    out = capsys.readouterr().out
+    pair.logs[0].seek(0)
+    pair_out = pair.logs[0].read()
+    # (the side that ran on 4 of this process's 8 devices records 8: its count is left out)
+    for text, saved, now in ((out, "2 process(es) x 2 cpu", "1 process(es) x"),
+                             (pair_out, "1 process(es) x", "2 process(es) x 2 cpu")):  # fmt: skip
+        assert f"resumed from step {STOP}" in text, text[-3000:]
+        assert f"the checkpoint was saved by {saved}" in text, text[-3000:]
+        assert f"this run has {now}" in text, text[-3000:]
     failed = {}
-    for name in CASES:
+    runs = {name: pair.out / name for name in CASES} | {f"{ACROSS}_from_one": from_one}
+    for name, got in runs.items():
+        want = tmp_path / "one" / name.removesuffix("_from_one")
         try:
-            _compare(name, str(pair.out / name), str(tmp_path / "one" / name), last_checkpoint)
+            _compare(name, str(got), str(want), last_checkpoint)
         except AssertionError as e:
             failed[name] = str(e)[:2000]
     for log in pair.logs:
         log.close()
     assert not failed, "\n".join(f"{name}: {e}" for name, e in failed.items())
+    # 1 x 8: config.mesh's -1 would make 8 workers of 4: refused before compiling
+    refused = (
+        r"computed on mesh \{'data': 4\} .* give config.mesh \[\('data', -1\)\] the sizes "
+        r"\{'data': 8\}: another mesh changes what each step computes. Resume on 4 devices"
+    )
+    with pytest.raises(train.SetupError, match=refused):
+        train.train_and_evaluate(dense, str(tmp_path / "eight"))
+    assert "compiling" not in capsys.readouterr().out
+    assert train.Checkpointer(str(tmp_path / "eight")).all_steps()[-1] == STOP  # untouched
     # the pipeline case keeps per-sample buffers on 2 replicas: both runs fed each replica its
     # own shard of the split (data.Loader(shards=2)) and counted the sends that met a cold buffer
     for run in (pair.out / "pipeline", tmp_path / "one" / "pipeline"):

@@ -390,6 +390,26 @@ def test_resuming_with_another_mesh_mode_codec_or_model_is_refused_by_name(two_c
     assert sorted(os.listdir(base / "checkpoints"), key=int) == ["4", "8"]
 
 
+def test_the_cli_on_a_workdir_of_another_experiment_is_a_one_line_error(two_checkpoints):
+    base, _ = two_checkpoints
+    code, err = _run_main(_argv(base, total_steps=12, lr=0.5))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "holds a checkpoint of another experiment" in err and "'lr'" in err, err
+    assert sorted(os.listdir(base / "checkpoints"), key=int) == ["4", "8"]
+
+
+def test_an_error_during_training_keeps_its_traceback(tmp_path, monkeypatch):
+    """An error raised in a training step leaves the CLI's ``main`` as itself (no one-line
+    error, no exit code), its traceback whole."""
+
+    def bug():
+        raise ValueError("a bug deep in a training step")
+
+    _at_step(monkeypatch, 2, bug)
+    with pytest.raises(ValueError, match="a bug deep in a training step"):
+        main.main(_argv(tmp_path / "run", total_steps=4))
+
+
 def test_a_changed_mode_is_named_when_more_sub_keys_differ_than_the_line_shows(tmp_path):
     """digits_dense's workdir resumed with digits_accordion named 6 ``data_parallel.*`` keys
     and not ``mode`` (the list was cut at 6, sorted; 2026-12-05)."""
