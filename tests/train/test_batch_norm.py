@@ -32,7 +32,7 @@ from jaxcomp.train import _trainer
 #: tolerances against the single-device model and between modes, bytes from the lowered step,
 #: loss/accuracy thresholds: no bit of XLA's optimised programs is pinned; compiled unoptimised,
 #: the ResNet setups compile faster
-pytestmark = pytest.mark.usefixtures("fast_compiles")
+pytestmark = pytest.mark.usefixtures("fast_compiles", "eval_compiled_when_called")
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKERS, BATCH = 4, 16
