@@ -112,3 +112,29 @@ def event_files():
     """``event_files(workdir)``: asserts the TensorBoard events of a run hold every scalar of
     its ``metrics.jsonl`` at the same steps; returns every series of the event files."""
     return _event_files_hold_metrics
+
+
+@pytest.fixture(scope="module")
+def eval_compiled_when_called():
+    """For the module: a trainer setup compiles its evaluation programs when a test first
+    evaluates, not beside its step (``jaxcomp._compile.compile_all`` given the setup's programs
+    less those named ``eval*``). The modes call their jitted evaluation, never the executable
+    compiled at setup (that compile only fills JAX's caches for the first call), so what runs
+    is the same; a module whose tests run steps and never evaluate (a one-step check of the
+    wiring) compiles no evaluation at all: a pipeline setup's two are ~30% of its compiles. A
+    module asks for it with ``pytestmark``; one that counts a setup's compiles
+    (tests/train/test_no_stall.py) must not."""
+    from jaxcomp import _compile
+    from jaxcomp.train import _dense
+    from jaxcomp.train import _dp_mode
+    from jaxcomp.train import _pipeline_mode
+
+    real = _compile.compile_all
+
+    def without_eval(lowered):
+        return real({k: v for k, v in lowered.items() if not k.startswith("eval")})
+
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (_compile, _dense, _dp_mode, _pipeline_mode):  # AB: _compile's
+            mp.setattr(module, "compile_all", without_eval)
+        yield

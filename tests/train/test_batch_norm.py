@@ -32,7 +32,7 @@ from jaxcomp.train import _trainer
 #: tolerances against the single-device model and between modes, bytes from the lowered step,
 #: loss/accuracy thresholds: no bit of XLA's optimised programs is pinned; compiled unoptimised,
 #: the ResNet setups compile faster
-pytestmark = pytest.mark.usefixtures("fast_compiles")
+pytestmark = pytest.mark.usefixtures("fast_compiles", "eval_compiled_when_called")
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKERS, BATCH = 4, 16
@@ -333,7 +333,7 @@ def test_data_parallel_refuses_a_replicated_model_state_that_differs_per_worker(
         parallel.data_parallel(lambda p, b: 0.0, tx, mesh).init({"w": jnp.ones(3)}, {"s": 1.0})
 
 
-@pytest.mark.slow  # 60 steps
+@pytest.mark.slow  # 30 steps
 def test_ab_with_batchnorm_learns_digits(make_config, tmp_path):
     config = _config(make_config, "ab")  # 2 groups of 2, each synchronising its statistics
     config.model = dict(MODEL, blocks=(1, 1))
@@ -341,13 +341,14 @@ def test_ab_with_batchnorm_learns_digits(make_config, tmp_path):
     config.ab = dict(warmup_steps=10, sync_every=10, full_rank_steps=2, inner="adam",
                      sync_batch_stats=True)  # fmt: skip
     config.lr, config.batch_size, config.eval_batch_size = 1e-2, 64, 120
-    config.total_steps, config.log_every, config.eval_every, config.checkpoint_every = 60, 10, 60, 0
+    config.total_steps, config.log_every, config.eval_every, config.checkpoint_every = 30, 10, 30, 0
     train.train_and_evaluate(config, str(tmp_path))
     records = train.read_metrics(str(tmp_path))
     losses = [r["loss"] for r in records if r["split"] == "train"]
     final = [r for r in records if r["split"] == "eval"][-1]
     assert losses[-1] < 0.8 * losses[0], losses
-    assert final["accuracy"] > 0.5, (losses, final)  # 10 classes: chance is 0.1
+    # 10 classes: chance is 0.1; the eval accuracy was 0.68 after 30 steps, 0.93 after 60
+    assert final["accuracy"] > 0.5, (losses, final)
 
 
 @pytest.mark.slow  # 60 steps

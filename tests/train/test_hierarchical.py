@@ -12,7 +12,7 @@ from jaxcomp.train import _trainer
 
 #: the (slow, fast) pair == the flat axis to tolerances, bytes and collective group sizes: no bit of
 #: XLA's optimised programs is pinned; compiled unoptimised, the steps compile faster
-pytestmark = pytest.mark.usefixtures("fast_compiles")
+pytestmark = pytest.mark.usefixtures("fast_compiles", "eval_compiled_when_called")
 
 IDENTITY = {"transform": "compressed_mean", "codec": {"name": "identity"}}
 POWER_SGD = {"transform": "compressed_mean", "codec": {"name": "power_sgd", "rank": 1}}

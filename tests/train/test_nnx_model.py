@@ -8,7 +8,7 @@ import pytest
 from jaxcomp import train
 from jaxcomp.train import _trainer
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
+pytestmark = pytest.mark.usefixtures("fast_compiles", "eval_compiled_when_called")
 
 
 @pytest.mark.slow  # a pipeline-mode setup (9 s); the NNX stages are in tests/pipeline

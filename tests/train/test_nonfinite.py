@@ -29,7 +29,7 @@ import pytest
 from jaxcomp import train
 from jaxcomp.train import _trainer
 
-pytestmark = pytest.mark.usefixtures("shared_setups", "fast_compiles")
+pytestmark = pytest.mark.usefixtures("shared_setups", "fast_compiles", "eval_compiled_when_called")
 
 #: the dense mode in the fast tier, every mode in the full suite
 MODES = (

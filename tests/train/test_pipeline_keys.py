@@ -20,7 +20,7 @@ from jaxcomp.train import _trainer
 
 #: 1F1B / checkpointing == GPipe to tolerances, bytes and keys: no bit of XLA's optimised programs
 #: is pinned; compiled unoptimised (as tests/pipeline), the pipelined steps compile faster
-pytestmark = pytest.mark.usefixtures("fast_compiles")
+pytestmark = pytest.mark.usefixtures("fast_compiles", "eval_compiled_when_called")
 
 POWER_SGD = {"transform": "compressed_mean", "codec": {"name": "power_sgd", "rank": 1}}
 

@@ -14,7 +14,7 @@ from jaxcomp.train import _config
 from jaxcomp.train import _precision
 from jaxcomp.train import _trainer
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
+pytestmark = pytest.mark.usefixtures("fast_compiles", "eval_compiled_when_called")
 
 
 def _first_batch(s):

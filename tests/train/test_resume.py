@@ -32,7 +32,7 @@ from jaxcomp.train import _trainer
 #: the executables of the run it continues, as it does from the persistent compilation cache;
 #: each run checks its bits against a run of the same process and compile setting, so the
 #: programs compile unoptimised
-pytestmark = pytest.mark.usefixtures("fast_compiles", "shared_setups")
+pytestmark = pytest.mark.usefixtures("fast_compiles", "shared_setups", "eval_compiled_when_called")
 
 WORKERS, BATCH, STEPS = 4, 16, 5
 #: a ResNet of one basic block: a stem and a block, 3 BatchNorms

@@ -97,7 +97,7 @@ def test_the_cold_send_warning_names_the_cause_once_and_only_for_revisits():
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("fast_compiles")
+@pytest.mark.usefixtures("fast_compiles", "eval_compiled_when_called")
 def test_aq_sgd_on_two_replicas_finds_its_cache_on_every_revisit(make_config):
     """One uncompressed epoch fills the caches, then a compressed one: before each compressed
     step, every sample of replica ``r``'s rows that was trained before is in ``r``'s cache (a
