@@ -172,3 +172,15 @@ def test_resume_on_another_split_matches_an_uninterrupted_run_and_another_count_
         train.train_and_evaluate(config, str(tmp_path / "four"), devices=jax.devices()[:4])
     assert "compiling" not in capsys.readouterr().out
     assert train.Checkpointer(str(tmp_path / "four")).all_steps()[-1] == STOP  # untouched
+
+
+def test_a_mesh_on_some_of_the_devices_saves_its_own_device_count():
+    """A run on 4 of the process's 8 devices computed on 4: its checkpoint says so (it said 8,
+    and a resume then named 8 devices, or, for a checkpoint without its mesh, refused a resume
+    on the same 4)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    saved = _workdir.topology(mesh)
+    assert saved["devices_per_process"] == 4 and saved["mesh"] == {"data": 4}
+    legacy = {k: v for k, v in saved.items() if k != "mesh"}
+    now = {"processes": 1, "devices_per_process": 4, "platform": "cpu"}
+    _workdir.check_topology("w", (3, {"topology": legacy}), [("data", -1)], now)  # no error
