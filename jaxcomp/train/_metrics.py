@@ -208,6 +208,15 @@ class MetricWriter:
                 for r in records
             ]
             self._rewrite(respelled, {split})
+            for w in self.writers:
+                if not w.takes_earlier_steps:
+                    continue
+                for r in records:  # the earlier steps again, under the current names only
+                    if r["split"] == split:
+                        w.write(
+                            r["step"],
+                            _writers.tagged(split, {names[k]: r[k] for k in names if k in r}),
+                        )
 
     def _rewrite(self, records: list[dict], splits: set[str]) -> None:
         """``metrics.jsonl`` as ``records``, and the CSV of each of ``splits`` from them."""

@@ -98,6 +98,11 @@ def _client():
         return None
 
 
+def _seconds(t: float) -> str:
+    """``t`` for a message: whole seconds, tenths under one (a bound of 0.4 s is not "0 s")."""
+    return f"{t:.1f}" if t < 1 else f"{t:.0f}"
+
+
 class Watchdog:
     """Exits this process when the training loop makes no progress for ``timeout_s``.
 
@@ -196,8 +201,8 @@ class Watchdog:
             idle = now - self._last
             if idle >= self.timeout_s:
                 text = (
-                    f"no progress for {idle:.0f} s after step {self._step} (the bound, "
-                    f"--peer_timeout, is {self.timeout_s:.0f} s): {self.lost(away=away)}"
+                    f"no progress for {_seconds(idle)} s after step {self._step} (the bound, "
+                    f"--peer_timeout, is {_seconds(self.timeout_s)} s): {self.lost(away=away)}"
                 )
                 if self._claim("watchdog") == "watchdog":
                     self._exit(text)
@@ -216,7 +221,7 @@ class Watchdog:
         away = time.monotonic() - self._tick if away is None else away
         me = ""
         if away > max(self.timeout_s / 2, 3 * self.interval_s):
-            me = f"this process did not run for {away:.0f} s (stopped or starved); "
+            me = f"this process did not run for {_seconds(away)} s (stopped or starved); "
         deadline = time.monotonic() + wait_s
         while True:
             found = self._judge()
@@ -227,13 +232,12 @@ class Watchdog:
             return me + "; ".join(found)
         now = time.monotonic()
         seen = [
-            f"process {k}'s heartbeat last changed {now - changed:.0f} s ago"
+            f"process {k}'s heartbeat last changed {_seconds(now - changed)} s ago"
             for k, (_, changed) in sorted(self._seen.items())
             if k != self.me.index
         ]
-        said = [
-            f"this process's own heartbeat calls last answered {now - self._answered:.0f} s ago"
-        ]
+        answered = _seconds(now - self._answered)
+        said = [f"this process's own heartbeat calls last answered {answered} s ago"]
         return (
             me
             + "another process of the run stopped answering (which one cannot be told: "
@@ -257,13 +261,13 @@ class Watchdog:
             # if the coordinator's answers stopped since (they may, before the bound fires).
             value, changed = self._seen.get(p.index, (None, self._answered))
             if self._answered - changed > stale:
-                out.append(f"{p} stopped sending heartbeats {now - changed:.0f} s ago")
+                out.append(f"{p} stopped sending heartbeats {_seconds(now - changed)} s ago")
         coordinator = self.team[0]
         if not out and self._client is not None and now - self._answered > stale:
             if coordinator.index != self.me.index:
                 out.append(
                     f"{coordinator}, the coordinator, has not answered for "
-                    f"{now - self._answered:.0f} s"
+                    f"{_seconds(now - self._answered)} s"
                 )
         return out
 

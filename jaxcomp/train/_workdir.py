@@ -228,13 +228,13 @@ def finished_message(workdir: str, config: Any, steps: int) -> str:
 
 
 def topology(mesh: Any) -> dict[str, Any]:
-    """Where a run computes: processes, devices per process, platform and the mesh's axis
-    sizes (saved with every checkpoint; not part of the experiment's identity)."""
+    """Where a run computes: processes, the mesh's devices per process, platform and the
+    mesh's axis sizes (saved with every checkpoint; not part of the experiment's identity)."""
     import jax
 
     return {
         "processes": jax.process_count(),
-        "devices_per_process": jax.local_device_count(),
+        "devices_per_process": mesh.devices.size // jax.process_count(),
         "platform": mesh.devices.flat[0].platform,
         "mesh": {str(k): int(v) for k, v in mesh.shape.items()},
     }

@@ -19,10 +19,13 @@ TensorBoard events are written by ``tensorboardX`` (no TensorFlow) into
 ``<workdir>/tensorboard``: ``tensorboard --logdir runs/`` shows every run by its workdir. A run
 that resumes from step ``s`` marks the events after ``s`` of the interrupted attempt as purged
 (TensorBoard's ``purge_step``), so they show the same steps as ``metrics.jsonl``; a fresh start
-removes an earlier run's event files. W&B logs to ``<workdir>/wandb`` through ``wandb.init``
-(its settings from the environment: ``WANDB_MODE=offline``, ``WANDB_PROJECT``; default project
-``jaxcomp``), resuming the same W&B run id (kept in ``<workdir>/wandb_run_id``); W&B drops
-steps below the ones it has, so the interrupted attempt's last records stay there.
+removes an earlier run's event files. A run resumed from before a metric was renamed
+(``_metrics.RENAMED``) writes that metric's earlier steps again under its current tag; the old
+tag keeps its steps in the earlier event files. W&B logs to ``<workdir>/wandb`` through
+``wandb.init`` (its settings from the environment: ``WANDB_MODE=offline``,
+``WANDB_PROJECT``; default project ``jaxcomp``), resuming the same W&B run id (kept in
+``<workdir>/wandb_run_id``); W&B drops steps below the ones it has, so the interrupted
+attempt's last records stay there (and a renamed metric's earlier steps are not written again).
 """
 
 from __future__ import annotations
@@ -103,6 +106,9 @@ class TensorBoardWriter:
       config: the experiment config as JSON-able data, written once as text.
     """
 
+    #: events at steps before the last one written are kept (a renamed metric's earlier steps)
+    takes_earlier_steps = True
+
     def __init__(self, workdir: str, start_step: int, config: Mapping[str, Any] | None = None):
         from tensorboardX import SummaryWriter
 
@@ -140,6 +146,9 @@ class WandbWriter:
       start_step: unused (W&B keeps its own position); for the same signature.
       config: the experiment config, given to ``wandb.init``.
     """
+
+    #: W&B drops a step below the run's last one
+    takes_earlier_steps = False
 
     def __init__(self, workdir: str, start_step: int, config: Mapping[str, Any] | None = None):
         import wandb

@@ -13,6 +13,7 @@ loop's lost peer, tests/test_multihost_faults.py, 2026-12-05). Each order is for
 """
 
 import os
+import re
 import socket
 import threading
 import time
@@ -161,3 +162,14 @@ def test_the_watchdog_and_the_loop_failing_at_once_give_one_error_line(
     assert set(exits) == {code}, (exits, err)
     said = "no progress for" if first == "watchdog" else "a collective failed"
     assert said in lines[0] and "process 1 (pid 1073741824" in lines[0], lines[0]
+
+
+def test_a_bound_under_a_second_is_written_as_it_was_given():
+    team = [_watchdog.Peer(0, 100, "10.0.0.1")]
+    dog = _watchdog.Watchdog(0.4, 69, team, interval_s=0.05)
+    dog.me, lines = team[0], []
+    dog._exit = lines.append
+    dog._last -= 0.6  # no progress for 0.6 s
+    dog._watch()
+    (line,) = lines
+    assert re.search(r"no progress for 0\.\d s .* is 0\.4 s\)", line), line

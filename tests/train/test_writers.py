@@ -102,16 +102,19 @@ OLD = {"loss": 1.0, "layer_mode/0/fc1/kernel": 0.0, "rank/1/3/kernel": 4.0, "gon
 NEW = {"loss": 3.0, "layer_mode/fc1/kernel": 1.0, "rank/3/kernel": 2.0, "grad_norm/stage_0": 0.5}
 
 
-def test_a_run_resumed_from_before_a_metric_rename_writes_one_spelling(tmp_path):
+def test_a_run_resumed_from_before_a_metric_rename_writes_one_spelling(tmp_path, event_files):
     """metrics.jsonl and train.csv of a run resumed from a checkpoint written before the rename
     (its records, and the steps in its window) hold the current names only, with a column for
-    a metric that appears; an old name with no current one is left out and named."""
-    old = train.MetricWriter(str(tmp_path))
+    a metric that appears; an old name with no current one is left out and named. TensorBoard
+    shows every step under the current names too (the earlier steps written again under them;
+    the old event files keep the old tags)."""
+    old = train.MetricWriter(str(tmp_path), writers=("tensorboard",))
     old.truncate_after(0)
     for step in (1, 2, 3):
         old.write(step, "train", OLD)
     old.write(2, "eval", {"loss": 2.0})
-    resumed = train.MetricWriter(str(tmp_path))
+    old.close()
+    resumed = train.MetricWriter(str(tmp_path), writers=("tensorboard",))
     resumed.truncate_after(2)  # resumed at step 2, a checkpoint's window of one step
     window = [{"layer_mode/0/gone/kernel": 1.0, **OLD, "wire_bytes": 10.0}, NEW]
     record, lost = _metrics.window_mean(window, NEW, {"wire_bytes": 20.0})
@@ -120,6 +123,10 @@ def test_a_run_resumed_from_before_a_metric_rename_writes_one_spelling(tmp_path)
             "wire_bytes": 15.0, "grad_norm/stage_0": 0.5}  # fmt: skip
     assert record == want and list(record) == list(want)
     resumed.write(4, "train", record)
+    resumed.close()
+    seen = event_files(tmp_path)  # every scalar of metrics.jsonl, at its steps
+    assert seen["train/rank/3/kernel"] == [(1, 4.0), (2, 4.0), (4, 3.0)]
+    assert seen["train/loss"] == [(1, 1.0), (2, 1.0), (4, 2.0)]  # not written twice
     records = train.read_metrics(str(tmp_path))
     train_keys = [sorted(k for k in r if "/" in k) for r in records if r["split"] == "train"]
     assert train_keys == [["layer_mode/fc1/kernel", "rank/3/kernel"]] * 2 + [
