@@ -1,5 +1,6 @@
 """TopK and RandK: hand-worked outputs, exact-K property, blockwise semantics, shared seeds."""
 
+import functools
 import logging
 
 import hypothesis.extra.numpy as hnp
@@ -74,22 +75,33 @@ SELECT_CASES = [
 )
 def test_exact_top_k_selects_lax_top_k_set_bit_for_bit(shape, fraction, per_sample, x):
     x = np.asarray(x, np.float32).reshape(shape)
-    codec = compressors.top_k(fraction, per_sample=per_sample)
+    codec, encode, decode = _select_programs(fraction, per_sample)
     x2d = x.reshape(shape[0], -1) if per_sample else x.reshape(1, -1)
     k = compressors.kept_count(x2d.shape[1], fraction, None)
     expect = _stable_top(x2d, k)
     ref = np.sort(np.asarray(jax.lax.top_k(_top_k_magnitude(x2d), k)[1]), axis=-1)
     np.testing.assert_array_equal(ref, expect)  # lax.top_k's tie rule is the lowest index
-    encode = jax.jit(lambda x: codec.compress(x, codec.init(x), None)[0])
     payload = encode(jnp.asarray(x))
     idx = np.asarray(payload.indices).astype(np.int64).reshape(x2d.shape[0], k)
     np.testing.assert_array_equal(idx, expect)
     vals = np.asarray(payload.values).reshape(x2d.shape[0], k)
     np.testing.assert_array_equal(vals, np.take_along_axis(x2d, expect, -1))
-    y = np.asarray(jax.jit(codec.decompress)(payload, jnp.asarray(x))).reshape(x2d.shape)
+    y = np.asarray(decode(payload, jnp.asarray(x))).reshape(x2d.shape)
     dense = np.zeros_like(x2d)
     np.put_along_axis(dense, expect, np.take_along_axis(x2d, expect, -1), -1)
     np.testing.assert_array_equal(y, dense)
+
+
+@functools.cache
+def _select_programs(fraction, per_sample):
+    """The codec and its jitted encode and decode: one program per (fraction, layout, shape),
+    shared by the cases of one shape (the select's compile is seconds)."""
+    codec = compressors.top_k(fraction, per_sample=per_sample)
+    return (
+        codec,
+        jax.jit(lambda x: codec.compress(x, codec.init(x), None)[0]),
+        jax.jit(codec.decompress),
+    )
 
 
 def _top_k_magnitude(x2d):

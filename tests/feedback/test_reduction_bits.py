@@ -35,15 +35,18 @@ pytestmark = [
 W = 2
 SHAPE = (256, 512)  # 131072 entries: exact TopK 1% takes the bracketed select (d > 65536)
 
+#: (codec, shape, exact): ``exact`` is ``(fraction, per_sample)`` of an exact TopK, whose
+#: ``D(C(c))`` is numpy's (``_exact_round_trip``: the select's programs take seconds to compile);
+#: the others' is the codec's jitted round trip
 CASES = [
-    (compressors.top_k(0.01), SHAPE),  # exact, per tensor
-    (compressors.top_k(0.05, per_sample=True), SHAPE),  # exact, per sample
-    (compressors.top_k(0.01, method="blockwise"), SHAPE),  # blocks of 100, padded: a scatter
-    (compressors.top_k(count=1024, method="blockwise"), SHAPE),  # blocks of 128 divide: a mask
-    (compressors.top_k(0.02, method="blockwise", block_size=64), SHAPE),  # select per block
-    (compressors.top_k(0.1, per_sample=True, method="blockwise"), SHAPE),
-    (compressors.top_k(0.6), (16, 24)),  # most entries kept: kept signed zeros
-    (compressors.rand_k(0.1), SHAPE),  # the psum path
+    (compressors.top_k(0.01), SHAPE, (0.01, False)),  # exact, per tensor
+    (compressors.top_k(0.05, per_sample=True), SHAPE, (0.05, True)),  # exact, per sample
+    (compressors.top_k(0.01, method="blockwise"), SHAPE, None),  # blocks of 100: a scatter
+    (compressors.top_k(count=1024, method="blockwise"), SHAPE, None),  # blocks of 128: a mask
+    (compressors.top_k(0.02, method="blockwise", block_size=64), SHAPE, None),  # select per block
+    (compressors.top_k(0.1, per_sample=True, method="blockwise"), SHAPE, None),
+    (compressors.top_k(0.6), (16, 24), (0.6, False)),  # most entries kept: kept signed zeros
+    (compressors.rand_k(0.1), SHAPE, None),  # the psum path
 ]
 
 
@@ -62,6 +65,16 @@ def _inputs(signals, shape):
         flat_m[w, pos[-3:]] = [np.nan, np.inf, -0.0]
         flat_x[w, pos[-3:]] = [1.0, -np.inf, +0.0]  # inf - inf: NaN in c
     return x, mem
+
+
+def _exact_round_trip(c, fraction, per_sample, stable_top):
+    """``D(C(c))`` of exact TopK in numpy: the K entries of largest magnitude (NaN above inf,
+    the lowest index on ties: ``stable_top``, test_sparse.py's reference) kept, zeros elsewhere."""
+    rows = c.reshape(c.shape[0], -1) if per_sample else c.reshape(1, -1)
+    idx = stable_top(rows, compressors.kept_count(rows.shape[1], fraction, None))
+    out = np.zeros_like(rows)
+    np.put_along_axis(out, idx, np.take_along_axis(rows, idx, -1), -1)
+    return out.reshape(c.shape)
 
 
 def _bits(a):
@@ -127,9 +140,9 @@ def mesh():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("codec,shape", CASES, ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("codec,shape,exact", CASES, ids=[c.name for c, *_ in CASES])
 def test_error_feedback_and_ef21_reductions_keep_their_formulas_bit_for_bit(
-    mesh, signals, codec, shape
+    mesh, signals, load_test_module, codec, shape, exact
 ):
     x, e = _inputs(signals, shape)
     g = e[::-1].copy()  # another memory for EF21
@@ -140,7 +153,13 @@ def test_error_feedback_and_ef21_reductions_keep_their_formulas_bit_for_bit(
     )
     ef_mean, ef_e, ef_half_mean, ef_half_e, ef21_mean, ef21_g = (np.asarray(o) for o in outs)
 
-    round_trip = jax.jit(lambda c, k: codec.decompress(codec.compress(c, codec.init(c), k)[0], c))
+    if exact:
+        stable_top = load_test_module("compressors/test_sparse.py")._stable_top
+        round_trip = lambda c, k: _exact_round_trip(np.asarray(c), *exact, stable_top)  # noqa: E731
+    else:
+        round_trip = jax.jit(
+            lambda c, k: codec.decompress(codec.compress(c, codec.init(c), k)[0], c)
+        )
     k = key if codec.stochastic else None
     with np.errstate(invalid="ignore"):
         c = x + e

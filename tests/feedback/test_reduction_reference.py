@@ -8,8 +8,8 @@ from ``codec.compress`` and ``codec.decompress``:
 * EF21: ``m = x - g``, ``g' = g + D(C(m))``, ``G' = G + mean_w D(C(m_w))``, output ``G'``;
 * PowerSGD's own protocol: ``e' = c - mean`` (the reference keeps the averaged reconstruction).
 
-Shapes are large enough for the codecs' fast paths (exact TopK's sort-free select, blockwise
-TopK's one-per-block mask of 100-entry blocks); worker 0 holds a NaN and a -inf.
+Shapes are large enough for the codecs' fast paths (exact TopK's sort-free select); worker 0
+holds a NaN and a -inf. The TopK codecs alone: test_reduction_bits.py (bit patterns).
 
 TopK's decode is a select or a scatter (also of quantized values, composed), so every value is
 bit-identical. A quantizer's decode alone is a product ``a * s``; fused into ``c - a * s`` (or
@@ -39,16 +39,17 @@ pytestmark = [
 W = 2
 SHAPE = (256, 512)  # 131072 entries: exact TopK 1% takes the bracketed select (d > 65536)
 
+#: the codecs whose decode is not a select (the TopK codecs alone, exact, blockwise of 100 and
+#: of 64, take the same formulas bit for bit, signed zeros too, in test_reduction_bits.py, on
+#: these shapes with NaN and infinities on both workers: not repeated here)
 CODECS = [
-    compressors.top_k(0.01),
-    compressors.top_k(0.01, method="blockwise"),  # blocks of 100, one kept per block
-    compressors.top_k(0.02, method="blockwise", block_size=64),  # lax.top_k per block
     compressors.quantize(8),
     compressors.compose(compressors.top_k(0.01), compressors.quantize(8)),  # no round trip
 ]
+TOP_K = compressors.top_k(0.01)  # the bfloat16 residual's (the in-place path)
 
 
-#: the quantizer in the fast tier; TopK's select and scatter programs (seconds each) in the slow
+#: the quantizer in the fast tier; the composition's select and scatter (seconds each) in the slow
 CODEC_PARAMS = [
     pytest.param(c, id=c.name, marks=() if c.name.startswith("quantize") else pytest.mark.slow)
     for c in CODECS
@@ -151,16 +152,19 @@ def test_error_feedback_reduction_is_the_reference_formula(mesh, codec, nonfinit
 
 
 @pytest.mark.slow
-def test_error_feedback_with_a_bfloat16_residual_is_the_reference_formula(mesh):
+def test_error_feedback_with_a_bfloat16_residual_is_the_reference_formula(mesh, load_test_module):
     # the in-place path (c made by _order.computed_once) on a residual of another dtype:
     # c = x + f32(e), e' = bf16(c - D(C(c)))
-    codec = CODECS[0]  # exact TopK 1%: the reference programs of its row above, shared
+    codec = TOP_K
     x, e = _inputs(True)
     e = e.astype(jnp.bfloat16)
     channel = feedback.error_feedback(codec, residual_dtype=jnp.bfloat16)
     mean, e_new = _step(channel, mesh)(_put(mesh, x), _put(mesh, e))
     c = x + e.astype(np.float32)
-    d = np.stack([_round_trip(codec, jnp.asarray(c[w])) for w in range(W)])
+    # numpy's exact TopK (the select's reference programs take seconds to compile)
+    stable_top = load_test_module("compressors/test_sparse.py")._stable_top
+    bits = load_test_module("feedback/test_reduction_bits.py")
+    d = np.stack([bits._exact_round_trip(c[w], 0.01, False, stable_top) for w in range(W)])
     assert e_new.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(e_new), (c - d).astype(jnp.bfloat16))
     np.testing.assert_array_equal(mean, (d[0] + d[1]) / W)

@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 
 from jaxcomp import train
+from jaxcomp.train import _dense
+from jaxcomp.train import _dp_mode
+from jaxcomp.train import _pipeline_mode
 from jaxcomp.train import _trainer
 
 
@@ -21,7 +24,6 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_compressed_mean_data_parallel_sends_less_than_dense(make_config, tmp_path):
     config = make_config(
@@ -56,7 +58,10 @@ def test_the_modes_state_init_has_the_bits_of_jax_jit(make_mode_config, mode, mo
     """The mode's state init (``_mode.jit_init``, split in two programs) gives the bits of
     ``jax.jit`` of the same function with the same ``out_shardings`` (the AB mode's
     ``jit_init(model.init)`` is the digits MLP's of tests/_cpu/test_init_program.py). The configs:
-    test_nonfinite.py's (the same programs)."""
+    test_nonfinite.py's (the same programs). The setup stops at its ``compile_all``, after
+    every ``jit_init``: the step and evaluation programs (4-6 s of compiles in the pipeline
+    mode) pin nothing here; an init compiled beside them is test_init_program.py's
+    ``test_a_call_after_compile_all_compiles_and_traces_nothing``."""
     from jaxcomp.train import _mode
 
     inits = []
@@ -66,8 +71,17 @@ def test_the_modes_state_init_has_the_bits_of_jax_jit(make_mode_config, mode, mo
         inits.append((fn, jit_kwargs, real(fn, **jit_kwargs)))
         return inits[-1][2]
 
+    class _Stop(Exception):
+        pass
+
+    def stop(programs):
+        raise _Stop(sorted(programs))
+
     monkeypatch.setattr(_mode, "jit_init", recording)
-    train.setup(make_mode_config(mode))
+    for module in (_dense, _dp_mode, _pipeline_mode):
+        monkeypatch.setattr(module, "compile_all", stop)
+    with pytest.raises(_Stop, match="'init'"):  # it reached compile_all with the init
+        train.setup(make_mode_config(mode))
     assert inits
     for fn, jit_kwargs, split in inits:
         assert split.lower(jax.random.key(0)).plain is None  # the split program
