@@ -191,9 +191,13 @@ def test_rank_deficient_reconstruction_is_the_best_rank_r_approximation(
         assert np.all(np.isfinite(np.asarray(state.q)))
 
 
+#: one jitted PowerSGD compress for every test here (a jit per test or case compiled it again)
+CODEC = compressors.power_sgd(RANK)
+COMPRESS = jax.jit(lambda x, s: CODEC.compress(x, s, None))
+
+
 def test_dead_columns_keep_the_previous_query_and_a_new_direction_is_found():
-    codec = compressors.power_sgd(RANK)
-    step = jax.jit(lambda x, s: codec.compress(x, s, None))
+    codec, step = CODEC, COMPRESS
     rank1 = jnp.asarray(CASES["rank1"], jnp.float32)
     state0 = codec.init(rank1)
     state = state0
@@ -220,11 +224,10 @@ def test_dead_columns_keep_the_previous_query_and_a_new_direction_is_found():
     ],
 )
 def test_jit_and_eager_agree(case):
-    codec = compressors.power_sgd(RANK)
     x = jnp.asarray(CASES[case], jnp.float32)
-    state = codec.init(x)
-    eager = codec.compress(x, state, None)
-    jitted = jax.jit(lambda x, s: codec.compress(x, s, None))(x, state)
+    state = CODEC.init(x)
+    eager = CODEC.compress(x, state, None)
+    jitted = COMPRESS(x, state)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), eager, jitted)
     alive_e = np.any(np.asarray(eager[0].p) != 0, axis=0)
     alive_j = np.any(np.asarray(jitted[0].p) != 0, axis=0)

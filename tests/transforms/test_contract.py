@@ -5,15 +5,14 @@ Each transform (``compressed_mean`` on every collective path, ``accordion``,
 ``comm.place_state``, and run on per-worker gradients inside ``shard_map`` over 4 workers:
 
 * plain, jitted (the reference every other form is compared with);
-* in ``optax.chain`` with ``optax.sgd``: ``-lr`` times the reference's updates;
-* built through ``optax.inject_hyperparams``: the reference's numbers;
+* built through ``optax.inject_hyperparams``, in ``optax.chain`` with ``optax.sgd``, under
+  ``lax.cond`` (one program): ``-lr`` times the reference's updates; the new state has exactly
+  the old state's types (``jax.typeof``: shape, dtype, sharding and varying axes), so the
+  transform can sit in a branch; ``False`` leaves the state as it was;
 * inside ``optax.MultiSteps(k=2)``: nothing for a micro-step, then the reference's update of
   the two micro-batches' mean;
 * on bfloat16 and float16 parameters and gradients: updates of that dtype close to the
-  float32 reference, and a compressed mean's ``bytes_sent`` equal to its compiled bytes;
-* under ``lax.cond``: the new state has exactly the old state's types (``jax.typeof``: shape,
-  dtype, sharding and varying axes), so the transform can sit in a branch; ``True`` gives
-  the reference and ``False`` leaves the state as it was.
+  float32 reference, and a compressed mean's ``bytes_sent`` equal to its compiled bytes.
 
 ``ab_training`` (an optimizer alias, its state one entry per worker group) has its own cases at
 the end: every step kind, init outside ``shard_map``, last in a chain, its learning rate
@@ -159,33 +158,37 @@ def _local(tree):
     return jax.tree.map(lambda x: x[0], tree)
 
 
-def _runner(tx, state, mesh):
-    """``(state, grads[W, ...]) -> (updates, state)`` with ``tx.update`` inside ``shard_map``."""
+def _runner(tx, state, mesh, grads):
+    """``(state, grads[W, ...]) -> (updates, state)`` with ``tx.update`` inside ``shard_map``,
+    compiled (once: a jitted call and a ``lower`` of the same function compiled it twice)."""
     specs = comm.state_specs(state, AXIS)
 
     def body(state, grads):
         return tx.update(_local(grads), state, PARAMS)
 
-    return jax.jit(
+    step = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=(P(), specs))
     )
+    return step.lower(state, grads).compile()
 
 
 def _put(tree, mesh):
     return jax.device_put(tree, NamedSharding(mesh, P(AXIS)))
 
 
-def _run(case, tx, mesh, grads_seq, params=PARAMS, every_state=False):
+def _run(case, tx, mesh, grads_seq, params=PARAMS, every_state=False, step=None):
     """Updates of ``tx`` (built from ``case``) on each per-worker gradient in ``grads_seq``,
-    and the last state (``every_state``: the state after each step)."""
+    the last state (``every_state``: the state after each step) and the compiled step (``step``:
+    one compiled before for ``tx``'s state and gradients)."""
     state = comm.place_state(_init(case, tx, params, mesh), mesh, AXIS)
-    step = _runner(tx, state, mesh)
+    grads_seq = [_put(grads, mesh) for grads in grads_seq]
+    step = step or _runner(tx, state, mesh, grads_seq[0])
     out, states = [], []
     for grads in grads_seq:
-        updates, state = step(state, _put(grads, mesh))
+        updates, state = step(state, grads)
         out.append(jax.tree.map(np.asarray, updates))
         states.append(state)
-    return out, states if every_state else state
+    return out, states if every_state else state, step
 
 
 GRADS = [_worker_grads(1), _worker_grads(2), _worker_grads(3)]
@@ -193,13 +196,14 @@ GRADS = [_worker_grads(1), _worker_grads(2), _worker_grads(3)]
 
 @pytest.fixture(scope="module")
 def reference(mesh):
-    """Each case's plain updates on GRADS."""
+    """Each case's plain updates on GRADS (``step``: and its compiled step)."""
     cache = {}
 
-    def get(case):
+    def get(case, step=False):
         if case.name not in cache:
-            cache[case.name] = _run(case, case.build(), mesh, GRADS)[0]
-        return cache[case.name]
+            out, _, compiled = _run(case, case.build(), mesh, GRADS)
+            cache[case.name] = out, compiled
+        return cache[case.name] if step else cache[case.name][0]
 
     return get
 
@@ -234,24 +238,47 @@ def test_init_outside_shard_map_is_abstractly_stable(case, mesh):
 
 
 @pytest.mark.parametrize("case", _params(CASES, WRAPPED_SLOW))
-def test_in_optax_chain(case, mesh, reference):
-    want = reference(case)
-    assert _moved(want[:1])
-    tx = optax.chain(case.build(), optax.sgd(LR))
-    got, _ = _run(case, tx, mesh, GRADS)
-    for g, w in zip(got, want):
-        _assert_trees_equal(g, jax.tree.map(lambda u: -LR * u, w), rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.parametrize("case", _params(CASES, WRAPPED_SLOW))
-def test_inject_hyperparams(case, mesh, reference):
-    tx = optax.inject_hyperparams(case.factory, static_args=case.static)(*case.args, **case.kwargs)
+def test_injected_in_an_optax_chain_under_cond(case, mesh, reference):
+    """``chain(inject_hyperparams(transform), sgd(LR))`` inside ``lax.cond``, one program per
+    case (a program per wrapper cost a compile each): the dynamic hyperparameters in the
+    injected state; ``True`` gives ``-LR`` times the reference's updates step after step, with
+    the new state of exactly the old state's types; ``False`` zero updates and the state as it
+    was."""
+    injected = optax.inject_hyperparams(case.factory, static_args=case.static)
+    tx = optax.chain(injected(*case.args, **case.kwargs), optax.sgd(LR))
     state = _init(case, tx, PARAMS, mesh)
     dynamic = set(case.kwargs) - set(case.static) - {"path"}
-    assert dynamic <= set(state.hyperparams), (dynamic, state.hyperparams)
-    got, _ = _run(case, tx, mesh, GRADS)
-    for g, w in zip(got, reference(case)):
-        _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
+    assert dynamic <= set(state[0].hyperparams), (dynamic, state[0].hyperparams)
+    state = comm.place_state(state, mesh, AXIS)
+    specs = comm.state_specs(state, AXIS)
+    seen = {}
+
+    def body(state, grads, pred):
+        grads = _local(grads)
+
+        def run(s):
+            updates, new = tx.update(grads, s, PARAMS)
+            seen["old"] = jax.tree.map(jax.typeof, s)
+            seen["new"] = jax.tree.map(jax.typeof, new)
+            return updates, new
+
+        def skip(s):
+            return jax.tree.map(jnp.zeros_like, PARAMS), s
+
+        return lax.cond(pred, run, skip, state)
+
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(specs, P(AXIS), P()), out_specs=(P(), specs))
+    )
+    zeros, same = step(state, _put(GRADS[0], mesh), jnp.asarray(False))
+    assert seen["old"] == seen["new"]
+    assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(zeros))
+    _assert_trees_equal(jax.tree.map(np.asarray, same), jax.tree.map(np.asarray, state))
+    want = reference(case)
+    assert _moved(want[:1])
+    for grads, w in zip(GRADS, want):
+        updates, state = step(state, _put(grads, mesh), jnp.asarray(True))
+        _assert_trees_equal(updates, jax.tree.map(lambda u: -LR * u, w), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("case", _params(CASES, WRAPPED_SLOW))
@@ -279,7 +306,8 @@ def test_multisteps(case, mesh, reference):
     assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(first))
     second, state = step(state, _put(GRADS[1], mesh))
     mean = jax.tree.map(lambda a, b: a + (b - a) / 2, GRADS[0], GRADS[1])  # optax's running mean
-    want, _ = _run(case, case.build(), mesh, [mean])
+    _, compiled = reference(case, step=True)
+    want, _, _ = _run(case, case.build(), mesh, [mean], step=compiled)
     assert _moved(want)
     _assert_trees_equal(second, want[0], rtol=1e-5, atol=1e-6)
 
@@ -300,13 +328,15 @@ def _exact_grads(seed):
 EXACT = [_exact_grads(10 + i) for i in range(3)]
 
 
-def _metered(case):
-    """``case``'s transform without the psum case's warm-up round."""
-    return case.build(**({"warmup_steps": 0} if "warmup_steps" in case.kwargs else {}))
+def _metered(case, step, state, mesh, grads):
+    """``step``, ``case``'s compiled transform, without the psum case's warm-up round."""
+    if "warmup_steps" not in case.kwargs:
+        return step
+    return _runner(case.build(warmup_steps=0), state, mesh, grads)
 
 
 @pytest.fixture(scope="module")
-def float32_exact(mesh):
+def float32_exact(mesh, reference):
     """Each case's float32 run on :data:`EXACT` (updates, the state after each step) and its
     step 1's unmetered bytes (``None`` without a byte count): the reference of both 16-bit
     dtypes, computed once."""
@@ -314,22 +344,24 @@ def float32_exact(mesh):
 
     def get(case):
         if case.name not in cache:
-            want, states = _run(case, case.build(), mesh, EXACT, every_state=True)
+            step = reference(case, step=True)[1]  # the same program on other gradients
+            want, states, step = _run(case, case.build(), mesh, EXACT, every_state=True, step=step)
             unmetered = None
             if hasattr(states[0], "bytes_sent"):
-                step = _runner(_metered(case), states[0], mesh)
-                unmetered = _unmetered(step, states[0], _put(EXACT[1], mesh))
+                grads = _put(EXACT[1], mesh)
+                unmetered = _unmetered(
+                    _metered(case, step, states[0], mesh, grads), states[0], grads
+                )
             cache[case.name] = want, unmetered
         return cache[case.name]
 
     return get
 
 
-def _unmetered(step, state, grads):
+def _unmetered(compiled, state, grads):
     """Compiled collective bytes less the state's ``bytes_sent``: what the meter counts that
     this step does not send, i.e. the collectives of the branches not taken (the HLO meter
     counts every branch of a ``cond``: Accordion's other mode), the same at every dtype."""
-    compiled = step.lower(state, grads).compile()
     report = comm.collective_report(compiled.as_text())
     return report.total_bytes - float(compiled(state, grads)[1].bytes_sent)
 
@@ -349,11 +381,11 @@ def test_16_bit_params(case, dtype, mesh, float32_exact):
     tx = case.build()
     state = comm.place_state(_init(case, tx, params, mesh), mesh, AXIS)
     types = jax.tree.map(jax.typeof, state)
-    step = _runner(tx, state, mesh)
-    for i, (grads, w) in enumerate(zip(EXACT, want)):
-        grads = _put(jax.tree.map(lambda g: g.astype(dtype), grads), mesh)
+    exact = [_put(jax.tree.map(lambda g: g.astype(dtype), grads), mesh) for grads in EXACT]
+    step = _runner(tx, state, mesh, exact[0])
+    for i, (grads, w) in enumerate(zip(exact, want)):
         if i == 1 and hasattr(state, "bytes_sent"):  # without the psum case's warm-up round
-            got = _unmetered(_runner(_metered(case), state, mesh), state, grads)
+            got = _unmetered(_metered(case, step, state, mesh, grads), state, grads)
             assert ref is not None  # the float32 state's, after step 0
             assert got == ref and (ref == 0) == ("accordion" not in case.name), (got, ref)
         updates, state = step(state, grads)
@@ -361,39 +393,6 @@ def test_16_bit_params(case, dtype, mesh, float32_exact):
         assert {u.dtype for u in jax.tree.leaves(updates)} == {jnp.dtype(dtype)}
         scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(w))
         _assert_trees_equal(updates, w, rtol=2e-2, atol=1e-2 * scale)
-
-
-@pytest.mark.parametrize("case", _params(CASES, WRAPPED_SLOW))
-def test_state_types_stable_under_cond(case, mesh, reference):
-    tx = case.build()
-    state = comm.place_state(_init(case, tx, PARAMS, mesh), mesh, AXIS)
-    specs = comm.state_specs(state, AXIS)
-    seen = {}
-
-    def body(state, grads, pred):
-        grads = _local(grads)
-
-        def run(s):
-            updates, new = tx.update(grads, s, PARAMS)
-            seen["old"] = jax.tree.map(jax.typeof, s)
-            seen["new"] = jax.tree.map(jax.typeof, new)
-            return updates, new
-
-        def skip(s):
-            return jax.tree.map(jnp.zeros_like, PARAMS), s
-
-        return lax.cond(pred, run, skip, state)
-
-    step = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(specs, P(AXIS), P()), out_specs=(P(), specs))
-    )
-    grads = _put(GRADS[0], mesh)
-    updates, after = step(state, grads, jnp.asarray(True))
-    assert seen["old"] == seen["new"]
-    _assert_trees_equal(jax.tree.map(np.asarray, updates), reference(case)[0], rtol=1e-6, atol=1e-7)
-    zeros, same = step(state, grads, jnp.asarray(False))
-    assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(zeros))
-    _assert_trees_equal(jax.tree.map(np.asarray, same), jax.tree.map(np.asarray, state))
 
 
 # ---- ab_training: an optimizer alias over grouped workers -------------------------------------
