@@ -1,8 +1,6 @@
 """Compressed links: distributed == simulated (loss, grads, link states over several steps),
 and the bytes the compiled program sends == the theoretical payload bytes."""
 
-import functools
-
 import jax
 import numpy as np
 import pytest
@@ -44,32 +42,18 @@ def _max_diff(a, b):
 #: the runs whose link, MLP, keys and compress schedule are a test_golden.py case: their
 #: numbers are compared with the recorded ones here too (the case's programs compiled once)
 GOLDEN_CASES = {("aq_sgd", "1f1b"): "aq_sgd", ("quantize4", "1f1b"): "quant_stochastic"}
-#: GPipe for EF21, the shared mask and AQ-SGD; 1F1B for the per-sample state (EF, AQ-SGD's
-#: caches) and the stochastic quantizer (under GPipe == the simulation: test_ticks.py's
-#: heterogeneous payloads, both schedules). Per-sample EF under GPipe: test_golden.py's
-#: ``replicas_topk_ef`` (recorded numbers, both schedules). Under 1F1B the EF21 and shared-mask
-#: links' numbers are pinned by test_golden.py (ef21_q8, shared_mask), their payload sends by
-#: tests/export/test_pipeline.py
-RUNS = [(n, "gpipe") for n in ("aq_sgd", "ef21_bf16", "shared_mask")] + [
+#: one schedule per link: GPipe for EF21 and the shared mask, 1F1B for the per-sample state
+#: (EF, AQ-SGD's caches) and the stochastic quantizer. The other schedule's numbers: under
+#: GPipe, the per-sample EF by test_golden.py's ``replicas_topk_ef`` (both schedules), a
+#: stochastic quantizer == the simulation by test_ticks.py's heterogeneous payloads (both
+#: schedules), AQ-SGD's caches filled row by row by test_cold_sends.py (a GPipe run on a
+#: data x stage mesh); under 1F1B, EF21 and the shared mask by test_golden.py (ef21_q8,
+#: shared_mask), their payload sends by tests/export/test_pipeline.py (shared_mask)
+RUNS = [(n, "gpipe") for n in ("ef21_bf16", "shared_mask")] + [
     (n, "1f1b") for n in ("aq_sgd", "quantize4", "topk_ef")
 ]
 #: the fast tier's run (every other in the slow tier)
 FAST_RUN = ("topk_ef", "1f1b")
-
-
-@functools.cache
-def _simulated(name, mlp):
-    """The simulation's steps of a link (``config.schedule`` does not change what it computes:
-    one program per compress flag for both schedules' runs): the simulated pipeline, its
-    initial states and each step's (loss, grads, states, metrics)."""
-    sim = pipeline.simulate(mlp.model, pipeline.PipelineConfig(mlp.M, LINKS[name]))
-    sim_step = jax.jit(sim.step, static_argnames="compress")
-    states = first = sim.init(mlp.params, mlp.batch)
-    out = []
-    for i, compress in enumerate(SCHEDULES.get(name, (True, True))):
-        out.append(sim_step(mlp.params, mlp.batch, states, jax.random.key(i), compress=compress))
-        states = out[-1][2]
-    return sim, first, out
 
 
 @pytest.mark.parametrize(
@@ -81,10 +65,11 @@ def test_distributed_equals_simulated_and_sends_theory_bytes(
 ):
     config = pipeline.PipelineConfig(mlp.M, LINKS[name], schedule=schedule)
     pipe = pipeline.distribute(mlp.model, config, stage_mesh)
-    sim, sim_states, simulated = _simulated(name, mlp)
+    sim = pipeline.simulate(mlp.model, config)
     step = jax.jit(pipe.step, static_argnames="compress")
+    sim_step = jax.jit(sim.step, static_argnames="compress")
     params, packed = mlp.params, pack(mlp.params)
-    states = pipe.init(packed, mlp.batch)
+    states, sim_states = pipe.init(packed, mlp.batch), sim.init(params, mlp.batch)
     tools.close(states, sim_states, rtol=0, atol=0)
     compiled = {}  # one compile per program, both run and metered
     for i, compress in enumerate(SCHEDULES.get(name, (True, True))):
@@ -93,7 +78,9 @@ def test_distributed_equals_simulated_and_sends_theory_bytes(
             compiled[compress] = step.lower(packed, mlp.batch, states, key, compress).compile()
             _check_bytes(compiled[compress], pipe, sim, params, mlp.batch, compress, stage_mesh)
         loss, grads, new_states, metrics = compiled[compress](packed, mlp.batch, states, key)
-        s_loss, s_grads, s_states, s_metrics = simulated[i]
+        s_loss, s_grads, s_states, s_metrics = sim_step(
+            params, mlp.batch, sim_states, key, compress=compress
+        )
         np.testing.assert_allclose(loss, s_loss, rtol=1e-5)
         tools.close(grads.unpack(), s_grads)
         tools.close(new_states, s_states)
@@ -103,7 +90,7 @@ def test_distributed_equals_simulated_and_sends_theory_bytes(
         if jax.tree.leaves(states):
             assert _max_diff(new_states, states) > 0
         _assert_mirrors(new_states)
-        states = new_states
+        states, sim_states = new_states, s_states
 
 
 def _check_bytes(compiled, pipe, sim, params, batch, compress, stage_mesh):
