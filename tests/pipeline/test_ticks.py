@@ -138,24 +138,34 @@ def test_1f1b_moves_both_directions_of_a_tick_in_one_permute(name, mlp, stage_me
     assert (_both_ways(text), _both_ways(split_text)) == (5, 0)
 
 
+HET_LINK = pipeline.link(C.quantize(8), C.quantize(4, rounding="stochastic"))
+
+
+@pytest.fixture(scope="module")
+def het_simulated(het):
+    """The simulation's step of ``HET_LINK`` on ``het`` with key 1 (``config.schedule`` does not
+    change what it computes: one run for both schedules' tests)."""
+    sim = pipeline.simulate(het.model, pipeline.PipelineConfig(het.M, HET_LINK))
+    states = sim.init(het.params, het.batch)
+    return jax.jit(sim.step)(het.params, het.batch, states, jax.random.key(1))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", pipeline.SCHEDULES)
-def test_heterogeneous_compressed_payloads_equal_the_simulation(het, stage_mesh, pack, tools,
-                                                                schedule):  # fmt: skip
+def test_heterogeneous_compressed_payloads_equal_the_simulation(
+    het, het_simulated, stage_mesh, pack, tools, schedule
+):
     """Payloads of different structures and sizes per boundary (quantized codes and a scale):
     the distributed step equals the simulation and sends exactly the payloads' bytes."""
-    link = pipeline.link(C.quantize(8), C.quantize(4, rounding="stochastic"))
+    link = HET_LINK
     config = pipeline.PipelineConfig(het.M, link, schedule=schedule)
-    pipe, sim = (
-        pipeline.distribute(het.model, config, stage_mesh),
-        pipeline.simulate(het.model, config),
-    )
+    pipe = pipeline.distribute(het.model, config, stage_mesh)
     params = pack(het.params)
-    states, sim_states = pipe.init(params, het.batch), sim.init(het.params, het.batch)
+    states = pipe.init(params, het.batch)
     key = jax.random.key(1)
     compiled = jax.jit(pipe.step).lower(params, het.batch, states, key).compile()
     loss, grads, _, metrics = compiled(params, het.batch, states, key)
-    s_loss, s_grads, _, s_metrics = jax.jit(sim.step)(het.params, het.batch, sim_states, key)
+    s_loss, s_grads, _, s_metrics = het_simulated
     np.testing.assert_allclose(loss, s_loss, rtol=1e-5)
     tools.close(grads.unpack(), s_grads)
     sent = _links.hlo_sent_bytes(compiled.as_text(), stage_mesh)
