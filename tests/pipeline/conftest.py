@@ -1,5 +1,6 @@
 """Small staged models shared by the pipeline tests (built once per session)."""
 
+import functools
 import importlib.util
 import pathlib
 import types
@@ -126,6 +127,14 @@ def unpipelined_value_and_grad(model, params, batch):
     return jax.jit(jax.value_and_grad(loss))(params, batch["x"], batch["label"])
 
 
+def _forward(model, params, h):
+    return functools.reduce(lambda h, fp: fp[0](fp[1], h), zip(model.stages, params), h)
+
+
+#: the stages composed on the whole batch (no pipeline, no loss): ``forward(model, params, x)``
+forward = jax.jit(_forward, static_argnums=0)
+
+
 def check_data_stage_meter(text, pipe, params, batch, mesh):
     """On a (data x stage) mesh with unpacked parameters (the step gathers the stage-sharded
     gradient: permutes of its rows towards stage 0), each direction's boundary bytes in the
@@ -192,6 +201,7 @@ def tools():
         make_mlp=make_mlp,
         make_cnn=make_cnn,
         reference=unpipelined_value_and_grad,
+        forward=forward,
         close=assert_trees_close,
         check_data_stage_meter=check_data_stage_meter,
     )

@@ -48,7 +48,8 @@ def het(tools):
 def test_boundaries_of_different_sizes_send_no_padding(stage_mesh, pack, tools):
     """The test CNN's boundaries carry 512, 256 and 128 float32 per row: the compiled step's
     permutes carry exactly the payloads (every boundary's bytes once per microbatch and
-    direction), one permute per tick, direction and payload size."""
+    direction), one permute per tick, direction and payload size; its loss, gradients, metrics
+    and evaluation are the unpipelined model's (GPipe; 1F1B: test_gpipe.py)."""
     cnn = tools.make_cnn()
     pipe = pipeline.distribute(cnn.model, pipeline.PipelineConfig(cnn.M), stage_mesh)  # GPipe
     params = pack(cnn.params)
@@ -58,6 +59,14 @@ def test_boundaries_of_different_sizes_send_no_padding(stage_mesh, pack, tools):
     ref_loss, ref_grads = tools.reference(cnn.model, cnn.params, cnn.batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     tools.close(grads.unpack(), ref_grads)
+    h = tools.forward(cnn.model, cnn.params, cnn.batch["x"])
+    accuracy = np.mean(np.argmax(np.asarray(h), -1) == np.asarray(cnn.batch["label"]))
+    np.testing.assert_allclose(metrics["accuracy"], accuracy, rtol=1e-6)
+    # evaluation: the last stage's outputs for the whole batch, and the loss_fn metrics
+    e_loss, e_metrics, logits = jax.jit(pipe.evaluate)(params, cnn.batch)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(h), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(e_loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(e_metrics["accuracy"], accuracy, rtol=1e-6)
 
     payloads = [2 * 4 * n for n in (8 * 8 * 4, 4 * 4 * 8, 2 * 2 * 16)]  # microbatches of 2 rows
     sent = _links.hlo_sent_bytes(compiled.as_text(), stage_mesh)
