@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import comm
 from jaxcomp import compressors as C
 from jaxcomp import feedback as F
 from jaxcomp import pipeline
@@ -86,6 +87,17 @@ def _payload_sends(channel, lowering):
     return {lowering.tensor_type(leaf.shape, dtype)}
 
 
+def _export_uniform(fn, *args, mesh, lowering):
+    """``lowering.export`` and ``lowering.uniform`` of one ``jax.jit(fn)``, traced once (the
+    export's trace is the jit's cached one)."""
+    with jax.set_mesh(mesh):
+        jitted = jax.jit(fn)
+        comm.check_collective_uniformity(jitted.trace(*args))
+        exported = jax.export.export(jitted, platforms=lowering.platforms)(*args)
+    assert exported.platforms == lowering.platforms
+    return [t for k, t in lowering.collectives(exported) if k == "collective_permute"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, schedule", RUNS)
 def test_pipeline_step_and_evaluate_export(name, schedule, setup, lowering):
@@ -101,18 +113,14 @@ def test_pipeline_step_and_evaluate_export(name, schedule, setup, lowering):
         def step(packed, batch, states, key, compress=compress):
             return pipe.step(packed, batch, states, key, compress=compress)
 
-        exported = lowering.export(step, packed, batch, states, key, mesh=mesh)
-        sends[compress] = [
-            t for k, t in lowering.collectives(exported) if k == "collective_permute"
-        ]
-        lowering.uniform(step, packed, batch, states, key, mesh=mesh)
+        sends[compress] = _export_uniform(
+            step, packed, batch, states, key, mesh=mesh, lowering=lowering
+        )
 
     def evaluate(packed, batch, key):
         return pipe.evaluate(packed, batch, key, compress=True)
 
-    lowering.uniform(evaluate, packed, batch, key, mesh=mesh)
-    evaluate = lowering.export(evaluate, packed, batch, key, mesh=mesh)
-    eval_sends = [t for k, t in lowering.collectives(evaluate) if k == "collective_permute"]
+    eval_sends = _export_uniform(evaluate, packed, batch, key, mesh=mesh, lowering=lowering)
 
     assert ACTIVATION in sends[False]  # compress=False sends dense
     got = set(sends[True])

@@ -1,5 +1,6 @@
 """Small staged models shared by the pipeline tests (built once per session)."""
 
+import functools
 import importlib.util
 import pathlib
 import types
@@ -13,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import pipeline
+from jaxcomp.pipeline import _links
 
 NUM_STAGES = 4
 
@@ -125,6 +127,31 @@ def unpipelined_value_and_grad(model, params, batch):
     return jax.jit(jax.value_and_grad(loss))(params, batch["x"], batch["label"])
 
 
+def _forward(model, params, h):
+    return functools.reduce(lambda h, fp: fp[0](fp[1], h), zip(model.stages, params), h)
+
+
+#: the stages composed on the whole batch (no pipeline, no loss): ``forward(model, params, x)``
+forward = jax.jit(_forward, static_argnums=0)
+
+
+def check_data_stage_meter(text, pipe, params, batch, mesh):
+    """On a (data x stage) mesh with unpacked parameters (the step gathers the stage-sharded
+    gradient: permutes of its rows towards stage 0), each direction's boundary bytes in the
+    compiled ``text`` are R times one pipeline replica's compressed payloads: the program sends
+    the payloads, no more, and ``_links.hlo_sent_bytes`` counts them and only them."""
+    replicas = mesh.shape["data"]
+    counts = pipe.bytes_per_step(params, batch, compress=True)
+    sent = _links.hlo_sent_bytes(text, mesh)
+    assert sent["forward"] == replicas * counts["forward_bytes"] > 0
+    assert sent["backward"] == replicas * counts["backward_bytes"] > 0
+    assert counts["wire_bytes"] < counts["dense_bytes"]
+    # the premise (what the meter once counted as backward sends): the other permutes are the
+    # gather of stages 1 .. S - 1's gradient rows (f32) to stage 0, in each replica
+    row = np.dtype(np.float32).itemsize * sum(p.size for p in jax.tree.leaves(params[0]))
+    assert sent["other"] == (mesh.shape["stage"] - 1) * replicas * row
+
+
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
     la, ta = jax.tree.flatten(a)
     lb, tb = jax.tree.flatten(b)
@@ -174,7 +201,9 @@ def tools():
         make_mlp=make_mlp,
         make_cnn=make_cnn,
         reference=unpipelined_value_and_grad,
+        forward=forward,
         close=assert_trees_close,
+        check_data_stage_meter=check_data_stage_meter,
     )
 
 

@@ -150,13 +150,21 @@ def test_modes_follow_scripted_norms_and_bytes_follow_modes(scripted):
     assert np.isfinite(float(sim.evaluate(params, batch, compress=True)[0]))
 
 
+@pytest.fixture(scope="module")
+def ef_adaptive(mlp):
+    """EF_ADAPTIVE on the MLP under 1F1B, detector interval 1: the config and the simulation's
+    jitted step (shared: the simulation's programs compiled once per modes)."""
+    det = pipeline.Detector(1, check_every=1)
+    config = pipeline.PipelineConfig(mlp.M, EF_ADAPTIVE, schedule="1f1b", detector=det)
+    sim = pipeline.simulate(mlp.model, config)
+    return config, sim, jax.jit(sim.step, static_argnames=STEP_ARGS)
+
+
 @pytest.mark.slow
-def test_a_switch_keeps_the_error_feedback_residual(mlp):
+def test_a_switch_keeps_the_error_feedback_residual(mlp, ef_adaptive):
     """Low and high share the channel state: the first 4-bit step compensates the residual the
     8-bit steps left (x + e_old == x_hat + e_new for every microbatch, with the high codec)."""
-    det = pipeline.Detector(1, check_every=1)
-    sim = pipeline.simulate(mlp.model, pipeline.PipelineConfig(mlp.M, EF_ADAPTIVE, detector=det))
-    step = jax.jit(sim.step, static_argnames=STEP_ARGS)
+    _, sim, step = ef_adaptive
     states = sim.init(mlp.params, mlp.batch)
     for _ in range(2):  # interval 0 is critical; the second step's norms barely change
         modes = pipeline.link_modes(states)
@@ -183,16 +191,11 @@ def test_a_switch_keeps_the_error_feedback_residual(mlp):
 
 @pytest.mark.slow
 def test_distributed_equals_simulate_and_each_program_sends_its_theory(
-    mlp, stage_mesh, pack, tools
+    mlp, stage_mesh, pack, tools, ef_adaptive
 ):
-    det = pipeline.Detector(1, check_every=1)
-    config = pipeline.PipelineConfig(mlp.M, EF_ADAPTIVE, schedule="1f1b", detector=det)
-    pipe, sim = (
-        pipeline.distribute(mlp.model, config, stage_mesh),
-        pipeline.simulate(mlp.model, config),
-    )
+    config, sim, sim_step = ef_adaptive
+    pipe = pipeline.distribute(mlp.model, config, stage_mesh)
     step = jax.jit(pipe.step, static_argnames=STEP_ARGS)
-    sim_step = jax.jit(sim.step, static_argnames=STEP_ARGS)
     packed = pack(mlp.params)
     states, sim_states = pipe.init(packed, mlp.batch), sim.init(mlp.params, mlp.batch)
     seen = []

@@ -1,8 +1,8 @@
 """Per-sample buffers report the sends that met a cold buffer (a row this replica never
 filled): 0 when every sample comes back to the replica that filled it, the full count when a
-user's loop feeds the same ids to the other replica. The flags are local state: that the
-program's boundary sends stay the payloads' bytes is checked on its compiled HLO by
-tests/pipeline/test_compressed.py (its aq_sgd runs)."""
+user's loop feeds the same ids to the other replica. The flags are local state: the
+compressed program's boundary sends are R times one replica's payloads, no more (its compiled
+HLO, read by the data x stage meter: ``check_data_stage_meter``, tests/pipeline/conftest.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,8 @@ def run(tools):
     mlp = tools.make_mlp(num_microbatches=4, microbatch=1)
     batch = {k: jnp.concatenate([v, v]) for k, v in mlp.batch.items()}  # 2 x 4 rows
     config = pipeline.PipelineConfig(mlp.M, LINK)
-    pipe = pipeline.distribute(mlp.model, config, pipeline.pipeline_mesh(4))
+    mesh = pipeline.pipeline_mesh(4)
+    pipe = pipeline.distribute(mlp.model, config, mesh)
     step = jax.jit(pipe.step, static_argnames="compress")
     held = {"states": pipe.init(mlp.params, batch)}
     compiled = {}
@@ -36,6 +37,10 @@ def run(tools):
         b = {**batch, "ids": jnp.asarray(ids, jnp.int32)}
         if compress not in compiled:
             compiled[compress] = step.lower(mlp.params, b, held["states"], None, compress).compile()
+            if compress:
+                tools.check_data_stage_meter(
+                    compiled[compress].as_text(), pipe, mlp.params, b, mesh
+                )
         _, _, held["states"], metrics = compiled[compress](mlp.params, b, held["states"], None)
         return metrics, held["states"]
 

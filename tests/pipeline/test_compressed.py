@@ -42,12 +42,14 @@ def _max_diff(a, b):
 #: the runs whose link, MLP, keys and compress schedule are a test_golden.py case: their
 #: numbers are compared with the recorded ones here too (the case's programs compiled once)
 GOLDEN_CASES = {("aq_sgd", "1f1b"): "aq_sgd", ("quantize4", "1f1b"): "quant_stochastic"}
-#: GPipe for every link but the stateless quantizer (under GPipe == the simulation with a
-#: stochastic quantizer: test_ticks.py's heterogeneous payloads, both schedules); 1F1B for the
-#: per-sample state (EF, AQ-SGD's caches) and the quantizer. Under 1F1B the EF21 and
-#: shared-mask links' numbers are pinned by test_golden.py (ef21_q8, shared_mask), their
-#: payload sends by tests/export/test_pipeline.py (shared_mask)
-RUNS = [(n, "gpipe") for n in ("aq_sgd", "ef21_bf16", "shared_mask", "topk_ef")] + [
+#: one schedule per link: GPipe for EF21 and the shared mask, 1F1B for the per-sample state
+#: (EF, AQ-SGD's caches) and the stochastic quantizer. The other schedule's numbers: under
+#: GPipe, the per-sample EF by test_golden.py's ``replicas_topk_ef`` (both schedules), a
+#: stochastic quantizer == the simulation by test_ticks.py's heterogeneous payloads (both
+#: schedules), AQ-SGD's caches filled row by row by test_cold_sends.py (a GPipe run on a
+#: data x stage mesh); under 1F1B, EF21 and the shared mask by test_golden.py (ef21_q8,
+#: shared_mask), their payload sends by tests/export/test_pipeline.py (shared_mask)
+RUNS = [(n, "gpipe") for n in ("ef21_bf16", "shared_mask")] + [
     (n, "1f1b") for n in ("aq_sgd", "quantize4", "topk_ef")
 ]
 #: the fast tier's run (every other in the slow tier)

@@ -4,12 +4,10 @@ pair's bytes count by its direction (a 1F1B tick's permute carries both)."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jaxcomp import comm
 from jaxcomp import compressors as C
-from jaxcomp import feedback as F
 from jaxcomp import pipeline
 from jaxcomp.pipeline import _links
 
@@ -95,43 +93,25 @@ def test_meter_refuses_a_text_it_cannot_classify():
         _links.hlo_sent_bytes(outside, pipeline.pipeline_mesh(4, jax.devices()[:4]))
 
 
-N = 8  # sample ids of the per-sample link
-LINKS = {
-    "aq_sgd": pipeline.link(
-        F.aq_sgd(C.quantize(4), N), F.error_feedback(C.top_k(0.5), num_samples=N)
-    ),
-    "top_k": pipeline.link(C.top_k(0.25), C.top_k(0.5)),
-}
-RUNS = [(n, s) for n in sorted(LINKS) for s in pipeline.SCHEDULES]
-#: the fast tier's run (every other in the slow tier)
-FAST_RUN = ("top_k", "gpipe")
+#: stateless TopK both ways; a per-sample link (AQ-SGD forward, per-sample EF backward) is
+#: metered on test_cold_sends.py's GPipe program (the same mesh and MLP: one compile of it)
+LINK = pipeline.link(C.top_k(0.25), C.top_k(0.5))
+#: the fast tier's run (1F1B: a tick's permute carries both directions, each pair counted by
+#: its own); GPipe in the slow tier
+RUNS = ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize(
-    "name, schedule",
-    [r if r == FAST_RUN else pytest.param(*r, marks=pytest.mark.slow) for r in RUNS],
-)
-def test_data_by_stage_meter_is_replicas_times_step_bytes(name, schedule, tools):
-    """On a (data 2 x stage 4) mesh with unpacked parameters (the step gathers the
-    stage-sharded gradient: permutes of its rows towards stage 0), each direction's boundary
-    bytes are R times one pipeline replica's payloads: the program sends the payloads, no
-    more, and the meter counts them and only them."""
+@pytest.mark.parametrize("schedule", RUNS)
+def test_data_by_stage_meter_is_replicas_times_step_bytes(schedule, tools):
+    """On a (data 2 x stage 4) mesh, boundary bytes are R times one replica's payloads
+    (``check_data_stage_meter``, tests/pipeline/conftest.py)."""
     mlp = tools.make_mlp(num_microbatches=4, microbatch=1)
     batch = {k: jnp.concatenate([v, v]) for k, v in mlp.batch.items()}  # 2 x 4 rows
     mesh = pipeline.pipeline_mesh(4)
-    replicas = mesh.shape["data"]
     pipe = pipeline.distribute(
-        mlp.model, pipeline.PipelineConfig(mlp.M, LINKS[name], schedule=schedule), mesh
+        mlp.model, pipeline.PipelineConfig(mlp.M, LINK, schedule=schedule), mesh
     )
     states = pipe.init(mlp.params, batch)
     step = jax.jit(pipe.step, static_argnames="compress")
     text = step.lower(mlp.params, batch, states, jax.random.key(0), True).compile().as_text()
-    counts = pipe.bytes_per_step(mlp.params, batch, compress=True)
-    sent = _links.hlo_sent_bytes(text, mesh)
-    assert sent["forward"] == replicas * counts["forward_bytes"] > 0
-    assert sent["backward"] == replicas * counts["backward_bytes"] > 0
-    assert counts["wire_bytes"] < counts["dense_bytes"]
-    # the premise (what the meter once counted as backward sends): the other permutes are the
-    # gather of stages 1 .. S - 1's gradient rows (f32) to stage 0, in each replica
-    row = np.dtype(np.float32).itemsize * sum(p.size for p in jax.tree.leaves(mlp.params[0]))
-    assert sent["other"] == (mesh.shape["stage"] - 1) * replicas * row
+    tools.check_data_stage_meter(text, pipe, mlp.params, batch, mesh)

@@ -48,7 +48,8 @@ def het(tools):
 def test_boundaries_of_different_sizes_send_no_padding(stage_mesh, pack, tools):
     """The test CNN's boundaries carry 512, 256 and 128 float32 per row: the compiled step's
     permutes carry exactly the payloads (every boundary's bytes once per microbatch and
-    direction), one permute per tick, direction and payload size."""
+    direction), one permute per tick, direction and payload size; its loss, gradients, metrics
+    and evaluation are the unpipelined model's (GPipe; 1F1B: test_gpipe.py)."""
     cnn = tools.make_cnn()
     pipe = pipeline.distribute(cnn.model, pipeline.PipelineConfig(cnn.M), stage_mesh)  # GPipe
     params = pack(cnn.params)
@@ -58,6 +59,14 @@ def test_boundaries_of_different_sizes_send_no_padding(stage_mesh, pack, tools):
     ref_loss, ref_grads = tools.reference(cnn.model, cnn.params, cnn.batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     tools.close(grads.unpack(), ref_grads)
+    h = tools.forward(cnn.model, cnn.params, cnn.batch["x"])
+    accuracy = np.mean(np.argmax(np.asarray(h), -1) == np.asarray(cnn.batch["label"]))
+    np.testing.assert_allclose(metrics["accuracy"], accuracy, rtol=1e-6)
+    # evaluation: the last stage's outputs for the whole batch, and the loss_fn metrics
+    e_loss, e_metrics, logits = jax.jit(pipe.evaluate)(params, cnn.batch)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(h), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(e_loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(e_metrics["accuracy"], accuracy, rtol=1e-6)
 
     payloads = [2 * 4 * n for n in (8 * 8 * 4, 4 * 4 * 8, 2 * 2 * 16)]  # microbatches of 2 rows
     sent = _links.hlo_sent_bytes(compiled.as_text(), stage_mesh)
@@ -138,24 +147,34 @@ def test_1f1b_moves_both_directions_of_a_tick_in_one_permute(name, mlp, stage_me
     assert (_both_ways(text), _both_ways(split_text)) == (5, 0)
 
 
+HET_LINK = pipeline.link(C.quantize(8), C.quantize(4, rounding="stochastic"))
+
+
+@pytest.fixture(scope="module")
+def het_simulated(het):
+    """The simulation's step of ``HET_LINK`` on ``het`` with key 1 (``config.schedule`` does not
+    change what it computes: one run for both schedules' tests)."""
+    sim = pipeline.simulate(het.model, pipeline.PipelineConfig(het.M, HET_LINK))
+    states = sim.init(het.params, het.batch)
+    return jax.jit(sim.step)(het.params, het.batch, states, jax.random.key(1))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", pipeline.SCHEDULES)
-def test_heterogeneous_compressed_payloads_equal_the_simulation(het, stage_mesh, pack, tools,
-                                                                schedule):  # fmt: skip
+def test_heterogeneous_compressed_payloads_equal_the_simulation(
+    het, het_simulated, stage_mesh, pack, tools, schedule
+):
     """Payloads of different structures and sizes per boundary (quantized codes and a scale):
     the distributed step equals the simulation and sends exactly the payloads' bytes."""
-    link = pipeline.link(C.quantize(8), C.quantize(4, rounding="stochastic"))
+    link = HET_LINK
     config = pipeline.PipelineConfig(het.M, link, schedule=schedule)
-    pipe, sim = (
-        pipeline.distribute(het.model, config, stage_mesh),
-        pipeline.simulate(het.model, config),
-    )
+    pipe = pipeline.distribute(het.model, config, stage_mesh)
     params = pack(het.params)
-    states, sim_states = pipe.init(params, het.batch), sim.init(het.params, het.batch)
+    states = pipe.init(params, het.batch)
     key = jax.random.key(1)
     compiled = jax.jit(pipe.step).lower(params, het.batch, states, key).compile()
     loss, grads, _, metrics = compiled(params, het.batch, states, key)
-    s_loss, s_grads, _, s_metrics = jax.jit(sim.step)(het.params, het.batch, sim_states, key)
+    s_loss, s_grads, _, s_metrics = het_simulated
     np.testing.assert_allclose(loss, s_loss, rtol=1e-5)
     tools.close(grads.unpack(), s_grads)
     sent = _links.hlo_sent_bytes(compiled.as_text(), stage_mesh)
