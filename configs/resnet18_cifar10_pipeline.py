@@ -25,8 +25,8 @@ at inference too. The uncompressed reference for this ResNet-18 is about 94-95% 
 kuangliu/pytorch-cifar model; Accordion's logs: 94.5% at 300 epochs, SPEC.md section 2.6), so
 expect the compression-on column a little below that and the compression-off column lower.
 ``:smoke`` runs a width-8 ResNet cut after layer2 into 2 stages (2 microbatches) for 2 steps
-on a generated copy of CIFAR-10 (``data.fake``: :func:`jaxcomp.data.write_fake_tfds`, 64 images per split; nothing is
-downloaded or prepared).
+on a generated copy of CIFAR-10 (``data.fake``: :func:`jaxcomp.data.write_fake_tfds`, 64
+images per split; nothing is downloaded or prepared).
 """
 
 import ml_collections
