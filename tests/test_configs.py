@@ -14,6 +14,7 @@ import pytest
 
 from jaxcomp import data
 from jaxcomp import main
+from jaxcomp import models
 from jaxcomp import train
 
 #: the smoke runs check a config's wiring (2 steps, bytes sent, a finite loss), not the bits of
@@ -59,6 +60,9 @@ def _documents_its_run_and_smoke_trains_two_steps(path, workdir, tfds_dir=None):
     assert f"--config configs/{path.name}" in doc and "Expected" in doc, "docstring incomplete"
     full = train.with_defaults(module.get_config(None))  # the real run's keys are valid too
     assert full.total_steps > 2
+    if full.mode == "pipeline":  # the real run's stages fill its mesh (a smoke may run fewer)
+        stages = models.get_model(full.model_name, **dict(full.model)).num_stages
+        assert dict(full.mesh)["stage"] == stages <= full.pipeline.num_microbatches, path.stem
     smoke = module.get_config("smoke")
     if path in PAPER_SCALE:  # the smoke variant reads the real run's dataset, not a stand-in
         assert (smoke.data_name, smoke.data.name) == (full.data_name, full.data.name)

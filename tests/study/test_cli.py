@@ -29,6 +29,13 @@ CELLS = [
     "dense__optimizer=adam__seed0",
     "topk10-both__optimizer=adam__*",
 ]
+#: the cells on 2 stages of 2 microbatches (as configs/digits_pipeline.py:smoke): the CLI's
+#: cells, report and rerun, not the 4-stage program (the configs' smoke runs compile one)
+SMALL = [
+    *("--set", "mesh=[('data',4),('stage',2)]"),
+    *("--set", "model.cuts=('fc2',)"),
+    *("--set", "pipeline.num_microbatches=2"),
+]
 
 
 def study_cli(*args, cwd=None):
@@ -52,7 +59,8 @@ def study_cli(*args, cwd=None):
 def smoke_study(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("paper1_direction_smoke")
     cells = [a for c in CELLS for a in ("--cells", c)]
-    result = study_cli("run", "paper1_direction", "--workdir", str(workdir), "--smoke", *cells)
+    args = ["run", "paper1_direction", "--workdir", str(workdir), "--smoke", *SMALL, *cells]
+    result = study_cli(*args)
     return workdir, result
 
 
@@ -84,7 +92,8 @@ def test_a_rerun_skips_the_finished_cells_and_report_writes_elsewhere(
     cells = [a for c in CELLS for a in ("--cells", c)]
     # the rerun, `report` and `list` run the CLI's main in this process: the subprocess above
     # checks the `python -m` entry point, and a subprocess would pay JAX's import again (~2.5 s)
-    assert cli.main(["run", "paper1_direction", "--workdir", str(workdir), "--smoke", *cells]) == 0
+    args = ["run", "paper1_direction", "--workdir", str(workdir), "--smoke", *SMALL, *cells]
+    assert cli.main(args) == 0
     again = capsys.readouterr().out
     assert again.count("done already") == 3 and "running" not in again, again
     out = tmp_path / "report"
