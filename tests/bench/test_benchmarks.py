@@ -105,18 +105,32 @@ def test_ab_training_rows_per_worker_must_be_a_positive_int(rows):
 
 
 @pytest.mark.slow
-def test_ab_training_benchmark_times_each_rows_per_worker_and_keeps_its_keys(tmp_path):
+def test_ab_training_benchmark_times_each_rows_per_worker_and_keeps_its_keys(tmp_path, monkeypatch):
     from jaxcomp.bench import ab_training
 
     path = tmp_path / "ab.json"
-    argv = ["--no-bytes", "--repeats", "1", "--rows-per-worker", "1", "4", "--json", str(path)]
+    argv = ["--no-bytes", "--repeats", "1", "--rows-per-worker", "4", "--json", str(path)]
     assert ab_training.main(argv) == 0
     results = json.loads(path.read_text())["results"]
     phases = ["full", "refactor", "ab", "sync", "ab_dense_forward", "ab_switch", "full_checked"]
-    assert [(r["rows_per_worker"], r["phase"]) for r in results] == [
-        (rows, phase) for rows in (1, 4) for phase in phases
-    ]
+    assert [(r["rows_per_worker"], r["phase"]) for r in results] == [(4, p) for p in phases]
     for r in results:
         keys = ("model", "phase", "hlo_bytes_per_step", "dp_hlo_bytes_per_step", "step_time_s")
         assert all(r[k] is not None for k in (*keys, "dense_step_time_s"))
         assert r["step_time_s"] > 0 and r["dense_step_time_s"] > 0
+    # every --rows-per-worker value is timed, in order (each size compiles its own programs:
+    # the timing above is the real one, here its records stand in for each size's)
+    calls = []
+
+    def time_kinds(repeats, rows):
+        calls.append((repeats, rows))
+        return [dict(r, rows_per_worker=rows) for r in results]
+
+    monkeypatch.setattr(ab_training, "time_kinds", time_kinds)
+    argv = ["--no-bytes", "--repeats", "1", "--rows-per-worker", "1", "4", "--json", str(path)]
+    assert ab_training.main(argv) == 0
+    assert calls == [(1, 1), (1, 4)]
+    both = json.loads(path.read_text())["results"]
+    assert [(r["rows_per_worker"], r["phase"]) for r in both] == [
+        (rows, phase) for rows in (1, 4) for phase in phases
+    ]
