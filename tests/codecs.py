@@ -57,6 +57,11 @@ class CodecCase(NamedTuple):
         function per row, shared by every test module of the process (one compile per shape)."""
         return _round_trip(self.codec)
 
+    def compress_and_decode(self):
+        """The row's jitted ``(x, state, key) -> compress_and_decode(codec, x, state, key)``: one
+        function per row, shared by every test module of the process (one compile per shape)."""
+        return _compress_and_decode(self.codec)
+
     def exchanged(self, axis_name: str) -> Callable[[jax.Array], jax.Array]:
         """For ``shard_map`` over a 2-device ``axis_name``: compress, swap the payloads with
         the other device (one ``ppermute``), decode."""
@@ -78,6 +83,11 @@ def _round_trip(codec):
         return payload, state, codec.decompress(payload, x)
 
     return round_trip
+
+
+@functools.cache
+def _compress_and_decode(codec):
+    return jax.jit(lambda x, s, k: C.compress_and_decode(codec, x, s, k))
 
 
 def _symmetric(bits: int, feature: bool, wire_eps: float = 0.0):

@@ -5,14 +5,10 @@ At XLA's default compile: the fused sender and the separately compiled receiver 
 differently optimised programs, whose agreement on non-finite entries is what this guards
 (``test_contract.py`` runs unoptimised)."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxcomp import compressors
 
 pytestmark = pytest.mark.user_numerics
 
@@ -29,13 +25,6 @@ EDGES = {
 }
 
 
-@functools.cache
-def _compress_and_decode(codec):
-    """The row's jitted ``compress_and_decode``: one function per codec, so that the row's
-    edges (one shape) run the program its first edge compiled."""
-    return jax.jit(lambda x, s, k: compressors.compress_and_decode(codec, x, s, k))
-
-
 @pytest.mark.slow  # three programs per row at the default compile (test_contract.py: fast)
 @pytest.mark.parametrize("edge", EDGES)
 def test_compress_and_decode_equals_decompress_of_compress(codec_case, edge):
@@ -45,7 +34,7 @@ def test_compress_and_decode_equals_decompress_of_compress(codec_case, edge):
     x = EDGES[edge](jax.random.normal(jax.random.key(2), SHAPE))
     state = codec.init(x)
     key = jax.random.key(3)
-    payload, new_state, x_hat = _compress_and_decode(codec)(x, state, key)
+    payload, new_state, x_hat = codec_case.compress_and_decode()(x, state, key)
     # as in practice: compress on one side, decompress (separately compiled) on the other
     ref_payload, ref_state = jax.jit(codec.compress)(x, state, key)
     jax.tree.map(np.testing.assert_array_equal, payload, ref_payload)
