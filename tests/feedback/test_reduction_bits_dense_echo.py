@@ -145,7 +145,7 @@ POWER_SGD_CASES = [
     ("random", (4, 24, 40), 3, 1.0),  # a 3-D kernel: matrix view (96, 40)
     ("scaled", SHAPE, 2, 1.0),
     ("zero", SHAPE, 2, 1.0),
-    ("rank1", SHAPE, 4, 1.0),
+    ("rank1", SHAPE, 2, 1.0),  # a dead column of P; the rank-2 programs of the rows above
     ("nonfinite", SHAPE, 2, 1.0),
     ("random", (300,), 2, 1.0),  # 1-D: averaged dense by the protocol
 ]
