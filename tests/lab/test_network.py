@@ -10,6 +10,7 @@ import time
 import pytest
 
 from jaxcomp import lab
+from jaxcomp.lab import _faults
 from jaxcomp.lab import _net
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="builds network namespaces as root")
@@ -25,9 +26,22 @@ def test_a_link_honours_its_rate(topology, tmp_path):
     nbytes = int(RATE / 8 * 0.5)  # 0.5 s at the rate
     with lab.Lab(2, RATE, topology) as lb:
         got = lab.measure_rate(lb, str(tmp_path), nbytes)
+        if topology == "per_host":  # one host's link: a NIC throttled on transmit slows only
+            _faults.set_rate(lb.net, 1, RATE / 2, direction="out")  # what it sends
+            into = lab.measure_rate(lb, _dir(tmp_path / "into"), nbytes)  # host 0 -> host 1
+            _faults.set_rate(lb.net, 0, RATE / 2, direction="out")
+            out = lab.measure_rate(lb, _dir(tmp_path / "out"), nbytes // 2)
         lab_id = lb.net.lab_id
     assert got["seconds"] == pytest.approx(nbytes * 8 / RATE, rel=0.2), got
+    if topology == "per_host":
+        assert into["seconds"] == pytest.approx(nbytes * 8 / RATE, rel=0.2), into
+        assert out["seconds"] == pytest.approx(nbytes // 2 * 8 / (RATE / 2), rel=0.2), out
     assert not _ours(lab_id)
+
+
+def _dir(path):
+    path.mkdir()
+    return str(path)
 
 
 def test_two_labs_at_once_have_their_own_names_and_addresses():
