@@ -2,11 +2,11 @@
 
 Each fault must give the right answer or a clear error, never a silent wrong result: a byte
 flipped in any checkpoint file is detected (or harmless), a non-finite state is never saved,
-SIGTERM/SIGINT save and exit cleanly, a killed run loses only what its last checkpoint does
-not hold, and the resumed run is bit-identical to an uninterrupted one, and a restarted or
-finished workdir keeps its metrics and summary exact. Non-finite steps in every mode:
-tests/train/test_nonfinite.py; a resume in every mode, from a damaged newest checkpoint too:
-tests/train/test_resume.py.
+SIGTERM/SIGINT save and exit cleanly, a run aborted by a second signal (as a killed one:
+tests/test_multihost_faults.py) loses only what its last checkpoint does not hold, and the
+resumed run is bit-identical to an uninterrupted one, and a restarted or finished workdir keeps
+its metrics and summary exact. Non-finite steps in every mode: tests/train/test_nonfinite.py; a
+resume in every mode, from a damaged newest checkpoint too: tests/train/test_resume.py.
 """
 
 import dataclasses
