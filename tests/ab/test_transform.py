@@ -79,6 +79,7 @@ def split(w, sigma_on=None):
     return (u * s, vh) if sigma_on == "a" else (u, s[:, None] * vh)
 
 
+@jax.jit  # the reference's AB steps clip outside a program: one compile, not one per op
 def clip(grads, max_norm=0.05):  # small enough to act on these gradients
     norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
     return jax.tree.map(lambda g: g * jnp.minimum(1.0, max_norm / (norm + 1e-6)), grads)
