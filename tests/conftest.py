@@ -273,16 +273,16 @@ def pytest_addoption(parser):
 
 #: Tests that every run (CI included) also runs under ``jax.set_mesh`` of their mesh (a second
 #: parametrization, ``[set_mesh]``): a representative, cheap set of mesh-using tests, the pipeline
-#: step and evaluate, data parallelism (flat and over a (slow, fast) pair), Accordion's mode
-#: switch and AB-Training's grouped step. ``pytest --set-mesh`` runs every Mesh-fixture test so.
+#: step and evaluate, data parallelism (flat and over a (slow, fast) pair) and AB-Training's
+#: grouped step (Accordion's switch runs under it in
+#: ``test_accordion.py::test_power_sgd_switches_under_set_mesh``). ``pytest --set-mesh`` runs
+#: every Mesh-fixture test so.
 ALSO_UNDER_SET_MESH = (
     "tests/pipeline/test_gpipe.py::test_identity_mlp_matches_unpipelined",
     "tests/pipeline/test_compressed.py::"
     "test_compressed_evaluation_applies_each_forward_codec_with_the_documented_keys",
     "tests/parallel/test_data_parallel.py::test_identity_compression_equals_full_batch_training",
     "tests/parallel/test_data_parallel_pair.py::test_per_worker_state_belongs_to_a_slow_worker",
-    "tests/transforms/test_accordion.py::"
-    "test_low_compression_mode_equals_compressed_mean_with_power_sgd",
     "tests/ab/test_parallel.py::test_truncation_cuts_the_rank_and_capacity_can_follow",
     "tests/comm/test_uniformity.py::test_the_set_mesh_option_wraps_tests_taking_a_mesh",
 )

@@ -482,13 +482,17 @@ def test_a_program_compiles_again_for_another_dtype_or_weak_type():
     [("rectangular", {}), ("flat", dict(axis_name="data", group_size=2, sync_mode="only-learned"))],
 )
 @FAST
-def test_the_sync_inside_the_ab_program_counts_at_the_sync_kind_only(layout, options):
+def test_the_sync_inside_the_ab_program_counts_at_the_sync_kind_only(grouped, layout, options):
     # the harness runs a cycle's last AB step and its sync as one program (a cond on a flag):
     # the sync's collectives must add to that kind's bytes exactly what they add to the optax
     # transform's, and nothing to a plain AB step's
-    mesh = _mesh_of(layout)
-    config = transforms.ABConfig(1e-3, **TX_KWARGS, **options)
-    dp = parallel.ab_data_parallel(loss_fn, config, mesh, donate=False)
+    if options:
+        mesh = _mesh_of(layout)
+        config = transforms.ABConfig(1e-3, **TX_KWARGS, **options)
+        dp = parallel.ab_data_parallel(loss_fn, config, mesh, donate=False)
+    else:  # the module's harness: its step programs, compiled by the tests before, measured
+        config, dp = grouped
+        mesh = dp.mesh
     params = init_params()
     harness = dp.step_bytes(dp.init(params), batches(1)[0])
     kinds = ("ab", "ab_then_sync")

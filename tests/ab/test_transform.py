@@ -31,12 +31,17 @@ BASE_LR = optax.cosine_decay_schedule(0.05, 20, alpha=0.2)
 FACTORED = ("l1", "l2")  # l1: (6, 5) tall; l2: (5, 8) wide, so its tall view is transposed
 
 
-def init_params(key):
-    k = jax.random.split(key, 3)
+def _normal(rng, shape, scale=1.0):
+    """numpy's normal draws as float32 (an eager ``jax.random`` compiles a program per shape)."""
+    return jnp.asarray(rng.standard_normal(shape).astype(np.float32) / np.float32(scale))
+
+
+def init_params(seed):
+    rng = np.random.default_rng(seed)
     return {
-        "l1": {"kernel": jax.random.normal(k[0], (6, 5)) / 2.5, "bias": jnp.zeros(5)},
-        "l2": {"kernel": jax.random.normal(k[1], (5, 8)) / 2.2, "bias": jnp.full(8, 0.1)},
-        "head": {"kernel": jax.random.normal(k[2], (8, 3)) / 2.8, "bias": jnp.zeros(3)},
+        "l1": {"kernel": _normal(rng, (6, 5), 2.5), "bias": jnp.zeros(5)},
+        "l2": {"kernel": _normal(rng, (5, 8), 2.2), "bias": jnp.full(8, 0.1)},
+        "head": {"kernel": _normal(rng, (8, 3), 2.8), "bias": jnp.zeros(3)},
     }
 
 
@@ -48,9 +53,8 @@ def loss_fn(params, batch):
 
 
 def make_batches(steps, n=16):
-    k = jax.random.split(jax.random.key(7), 2 * steps)
-    return [(jax.random.normal(k[2 * i], (n, 6)), jax.random.normal(k[2 * i + 1], (n, 3)))
-            for i in range(steps)]  # fmt: skip
+    rng = np.random.default_rng(7)
+    return [(_normal(rng, (n, 6)), _normal(rng, (n, 3))) for _ in range(steps)]
 
 
 SHAPES = {"l1": (6, 5), "l2": (5, 8)}
@@ -79,6 +83,7 @@ def split(w, sigma_on=None):
     return (u * s, vh) if sigma_on == "a" else (u, s[:, None] * vh)
 
 
+@jax.jit  # the reference's AB steps clip outside a program: one compile, not one per op
 def clip(grads, max_norm=0.05):  # small enough to act on these gradients
     norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
     return jax.tree.map(lambda g: g * jnp.minimum(1.0, max_norm / (norm + 1e-6)), grads)
@@ -194,7 +199,7 @@ def test_one_group_without_truncation_is_plain_data_parallel_training():
     """
     mesh = parallel.ab_mesh(1, jax.devices()[:4])
     dp = parallel.ab_data_parallel(loss_fn, make_config(), mesh)
-    params = init_params(jax.random.key(0))
+    params = init_params(0)
     state, ref = dp.init(params), Reference(params, role="b")
     phases = []
     for t, batch in enumerate(make_batches(13)):
@@ -226,7 +231,7 @@ def _run_groups(config, mesh, params, batches, refs, shard_of_worker, group_of_w
 def test_each_group_trains_its_factor_on_its_own_data():
     """2 groups of 2, ``split_sigma=False``: group 0 trains A, group 1 trains B."""
     mesh = parallel.ab_mesh(2, jax.devices()[:4])
-    params = init_params(jax.random.key(1))
+    params = init_params(1)
     refs = [Reference(params, r, sigma_on=r, every=8) for r in ("a", "b")]
     state = _run_groups(make_config(every=8, split_sigma=False), mesh, params,
                         make_batches(WARMUP + 3), refs, lambda w: np.arange(4 * w, 4 * w + 4),
@@ -250,7 +255,7 @@ def test_unequal_groups_on_a_flat_axis_train_and_sync_as_the_reference():
     spreads the remainder; the with-stale sync averages over workers (3:2)."""
     mesh = comm.make_mesh([("data", 5)], jax.devices()[:5])
     config = make_config(every=8, axis_name="data", group_size=2)
-    params = init_params(jax.random.key(2))
+    params = init_params(2)
     refs = [Reference(params, r, every=8) for r in ("a", "b")]
     batches = make_batches(WARMUP + 5, n=15)  # steps 3-7 AB, the sync at the end of step 7
     state = _run_groups(config, mesh, params, batches[:-1], refs,
@@ -280,7 +285,7 @@ def test_individual_workers_train_factors_on_their_own_gradients():
     biases and the head take the mean over the group's workers (SPEC §3.4)."""
     mesh = parallel.ab_mesh(2, jax.devices()[:4])
     config = make_config(every=8, comm_setup="individual")
-    params = init_params(jax.random.key(3))
+    params = init_params(3)
     dp = parallel.ab_data_parallel(loss_fn, config, mesh)
     state = dp.init(params)
     refs = [Reference(params, "a" if w < 2 else "b", every=8) for w in range(4)]
@@ -327,7 +332,7 @@ def test_the_optax_transform_equals_the_harness_programs():
     """``tx.update`` (one program, ``lax.switch``) == the harness's programs, every kind."""
     mesh = parallel.ab_mesh(2, jax.devices()[:4])
     config = make_config(every=4, split_sigma=False, align_moments=True)
-    params = init_params(jax.random.key(4))
+    params = init_params(4)
     tx, step = _user_loop_step(config, mesh)
     dp = parallel.ab_data_parallel(loss_fn, config, mesh)
     state = dp.init(params)

@@ -20,7 +20,7 @@ TINY = {
     "resnet18": lambda: models.resnet18(width=8, blocks=(1, 1, 1, 1), norm="group"),
     "vgg16": lambda: models.vgg16(width_divisor=16, cuts=("block2", "block4")),
     "gpt": lambda: models.gpt(
-        seq_len=8, dim=16, num_heads=2, num_blocks=4, cuts=("block0", "block2")
+        seq_len=8, dim=16, num_heads=2, num_blocks=3, cuts=("block0", "block1")
     ),
 }
 

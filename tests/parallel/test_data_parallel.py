@@ -40,17 +40,24 @@ def mesh():
     return comm.make_mesh([(comm.DATA, W)], devices=jax.devices()[:W])
 
 
+REFERENCE = optax.sgd(0.1, 0.9)
+
+
+@jax.jit  # one program (run eagerly, the reference compiled one per op and shape)
+def full_batch_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = REFERENCE.update(grads, opt_state)
+    return loss, optax.apply_updates(params, updates), opt_state
+
+
 def test_identity_compression_equals_full_batch_training(mesh):
     tx = optax.chain(transforms.compressed_mean(compressors.identity()), optax.sgd(0.1, 0.9))
     dp = parallel.data_parallel(loss_fn, tx, mesh)
     state = dp.init(PARAMS)
-    reference = optax.sgd(0.1, 0.9)
-    params, opt_state = PARAMS, reference.init(PARAMS)
+    params, opt_state = PARAMS, REFERENCE.init(PARAMS)
     for _ in range(3):
         state, metrics = dp.step(state, BATCH)
-        loss, grads = jax.value_and_grad(loss_fn)(params, BATCH)
-        updates, opt_state = reference.update(grads, opt_state)
-        params = optax.apply_updates(params, updates)
+        loss, params, opt_state = full_batch_step(params, opt_state, BATCH)
         assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5)
     for k in PARAMS:
         np.testing.assert_allclose(state.params[k], params[k], rtol=1e-5, atol=1e-6)

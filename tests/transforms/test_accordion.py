@@ -1,5 +1,6 @@
 """accordion: the detector against the reference rule, switching, HLO bytes per mode, orbax."""
 
+import functools
 import re
 
 import jax
@@ -212,22 +213,28 @@ BATCH = (
 )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "pair",
-    [
-        (compressors.power_sgd(2), compressors.power_sgd(1)),
-        (compressors.top_k(0.99), compressors.top_k(0.1)),
-    ],
-    ids=["power_sgd", "top_k"],
-)
-def test_each_mode_sends_exactly_its_payload(mesh, pair):
-    low, high = pair
+PAIRS = {
+    "power_sgd": (compressors.power_sgd(2), compressors.power_sgd(1)),
+    "top_k": (compressors.top_k(0.99), compressors.top_k(0.1)),
+}
+
+
+@functools.cache
+def switching_dp(pair, mesh):
+    """A data-parallel step whose next check goes high (small steps); its step program is
+    shared by the payload test and the orbax test (one compile)."""
     tx = optax.chain(
-        transforms.accordion(low, high, interval_steps=2, check_every=1),
-        optax.sgd(1e-3, momentum=0.9),  # small steps: the next check goes high
+        transforms.accordion(*PAIRS[pair], interval_steps=2, check_every=1),
+        optax.sgd(1e-3, momentum=0.9),
     )
-    dp = parallel.data_parallel(mlp_loss, tx, mesh, donate=False)
+    return parallel.data_parallel(mlp_loss, tx, mesh, donate=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_each_mode_sends_exactly_its_payload(mesh, pair):
+    low, high = PAIRS[pair]
+    dp = switching_dp(pair, mesh)
     state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})  # not all zero
     text = dp.step.lower(state, BATCH).compile().as_text()
     report = comm.collective_report(text)
@@ -270,10 +277,7 @@ def test_each_mode_sends_exactly_its_payload(mesh, pair):
 
 @pytest.mark.slow
 def test_state_survives_orbax_and_the_run_continues_identically(mesh, tmp_path):
-    tx = optax.chain(
-        transforms.accordion(interval_steps=2, check_every=1), optax.sgd(0.05, momentum=0.9)
-    )
-    dp = parallel.data_parallel(mlp_loss, tx, mesh)
+    dp = switching_dp("power_sgd", mesh)  # the default codecs
     state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})
     for _ in range(3):
         state, _ = dp.step(state, BATCH)
