@@ -64,6 +64,10 @@ class Pipeline(NamedTuple):
         link by default).
       memory: ``memory(params, batch, states=None) -> dict``: the planned per-device memory
         of a training step (see :func:`jaxcomp.pipeline.distribute`).
+      state_shardings: ``state_shardings(link_states) -> the same tree of NamedSharding``
+        (``None`` from the simulation, on one device): where ``init`` puts each leaf.
+        ``jax.eval_shape`` of ``init`` does not carry it; give it to abstract states you
+        lower programs for.
       num_stages: ``S``.
       num_microbatches: ``M``.
       links: one :class:`Link` per boundary.
@@ -75,6 +79,7 @@ class Pipeline(NamedTuple):
     evaluate: Callable[..., Any]
     bytes_per_step: Callable[..., dict[str, int]]
     memory: Callable[..., dict[str, int]]
+    state_shardings: Callable[..., Any]
     num_stages: int
     num_microbatches: int
     links: tuple[_config.Link, ...]
@@ -88,6 +93,7 @@ def _pipeline(spec: Spec) -> Pipeline:
         evaluate=functools.partial(_driver.evaluate, spec),
         bytes_per_step=functools.partial(_driver.bytes_per_step, spec),
         memory=functools.partial(memory, spec),
+        state_shardings=functools.partial(_driver.state_shardings, spec),
         num_stages=spec.model.num_stages,
         num_microbatches=spec.num_microbatches,
         links=spec.links,

@@ -330,6 +330,31 @@ def init(spec: Spec, params: Any, batch: Any, model_state: Any = None) -> _link_
     )
 
 
+def state_shardings(spec: Spec, states: _link_state.LinkStates) -> _link_state.LinkStates | None:
+    """Where :func:`init` puts each leaf of ``states`` (the same tree, leaves
+    ``NamedSharding``); ``None`` in the single-device simulation.
+
+    ``init`` places its parts inside ``jax.jit`` programs, and ``jax.eval_shape`` of a function
+    that calls them does not carry those placements: a caller lowering a program for abstract
+    link states (a trainer's setup) takes them from here, so that the program it compiles is
+    the one later calls with the real states find in JAX's caches.
+    """
+    if spec.mesh is None:
+        return None
+    state = NamedSharding(spec.mesh, spec.state_spec)
+    replica = NamedSharding(spec.mesh, spec.replica_spec)
+    replicated = NamedSharding(spec.mesh, P())
+    return _link_state.LinkStates(
+        {name: state for name in states.buffers},
+        states.layout,
+        {name: replica for name in states.replica},
+        states.replica_layout,
+        jax.tree.map(lambda _: replicated, states.adaptive),
+        model={name: state for name in states.model},
+        model_layout=states.model_layout,
+    )
+
+
 def _replica_init(spec: Spec, layout: _params.ParamLayout):
     """Every stage's state of the averaging transform, packed: ``({dtype: [S, D, L]}, layout)``
     (per-worker parts start equal on every replica, as :func:`jaxcomp.comm.place_state`).

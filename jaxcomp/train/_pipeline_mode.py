@@ -303,10 +303,11 @@ def build_pipeline(
     with jax.set_mesh(mesh):
         params_abs, opt_abs, model_abs = jax.eval_shape(init, jax.random.key(0))
         link_abs = jax.eval_shape(lambda: pipe.init(params_abs, batch_abs, model_abs))
+    link_shardings = pipe.state_shardings(link_abs)  # eval_shape drops init's placements
     shardings = PipelineState(
         jax.tree.map(lambda _: stage_sharding, params_abs),
         jax.tree.map(lambda _: stage_sharding if not cfg["simulate"] else replicated, opt_abs),
-        jax.tree.map(lambda a: a.sharding if hasattr(a, "sharding") else replicated, link_abs),
+        jax.tree.map(lambda _: replicated, link_abs) if link_shardings is None else link_shardings,
         jax.tree.map(lambda _: replicated, _precision.initial(config)),
     )
     # scalar optimizer leaves (counts) cannot be sharded over stage

@@ -66,12 +66,15 @@ def _tiny(make_config, mode):
                 "codec": {"name": "quantize", "bits": 8},
             }
         },
-        "pipeline": {  # evaluates with compression on and off
+        "pipeline": {  # evaluates with compression on and off; link states to carry (EF)
             "mesh": [("stage", 2)],
             "model": {"hidden": (16,)},
             "batch_size": 32,
             "eval_batch_size": 32,
-            "pipeline": {"num_microbatches": 2, "forward": {"name": "quantize", "bits": 8}},
+            "pipeline": {
+                "num_microbatches": 2,
+                "forward": {"name": "quantize", "bits": 8, "feedback": "ef"},
+            },
         },
     }[mode]
     # checkpoints at 2, 4, 6, 8 with keep 2: the third save reads one back before pruning
