@@ -1,8 +1,6 @@
 """Small staged models shared by the pipeline tests (built once per session)."""
 
 import functools
-import importlib.util
-import pathlib
 import types
 
 import jax
@@ -219,17 +217,12 @@ def _live_ends(states, replica):
 
 
 @pytest.fixture(scope="session")
-def recorded():
+def recorded(load_test_module):
     """The numbers ``_golden.py`` recorded (``golden_v1.npz``): ``recorded.check(case, step, loss,
     grads, states, replicas)`` compares a step of a case with them. test_golden.py runs the
     cases no other test runs; test_compressed.py checks its runs of the same link, schedule and
     MLP here too (each case's programs compiled once)."""
-    spec = importlib.util.spec_from_file_location(
-        "_golden", pathlib.Path(__file__).with_name("_golden.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    with np.load(module.GOLDEN) as f:
+    with np.load(load_test_module("pipeline/_golden.py").GOLDEN) as f:
         recorded = dict(f)
 
     def check(case, step, loss, grads, states, replicas=1):
