@@ -31,10 +31,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import signal
 import subprocess
 from typing import NamedTuple
 
 PREFIX = "jxlab"
+_NETNS_DIR = "/run/netns"  # where `ip netns add` mounts a named namespace
 TOPOLOGIES = ("per_host", "shared")
 #: the rates the lab accepts, bit/s (and ``None``: unlimited)
 MIN_RATE, MAX_RATE = 10e6, 10e9
@@ -249,15 +251,31 @@ def _pids(ns: str) -> list[int]:
     return [int(p) for p in out.split() if p.isdigit()]
 
 
+def _kill_in(ns: str, pid: int) -> None:
+    """SIGKILL to ``pid`` if it still runs in namespace ``ns``. ``ip netns pids`` listed it a
+    moment ago: if it has exited since, its pid may already name a process elsewhere, so the
+    process is pinned first (a pidfd) and its namespace checked before the signal."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        theirs = os.stat(f"/proc/{pid}/ns/net")
+        mine = os.stat(os.path.join(_NETNS_DIR, ns))
+        if (theirs.st_dev, theirs.st_ino) == (mine.st_dev, mine.st_ino):
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except (ProcessLookupError, FileNotFoundError):
+        pass
+    finally:
+        os.close(fd)
+
+
 def _delete(namespaces) -> list[str]:
     """Kills every process left in ``namespaces`` and deletes them; the errors, if any."""
     errors = []
     for ns in namespaces:
         for pid in _pids(ns):
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
+            _kill_in(ns, pid)
     for ns in reversed(list(namespaces)):
         done = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True)
         if done.returncode and ns in list_namespaces():

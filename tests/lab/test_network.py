@@ -141,3 +141,18 @@ def test_a_killed_lab_leaves_only_namespaces_that_cleanup_removes(tmp_path):
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert not _ours(lab_id)
+
+
+def test_teardown_kills_only_processes_still_in_its_namespaces(monkeypatch):
+    # `ip netns pids` lists pids; one that exits before the kill can be reused by a process
+    # elsewhere (pid_max 32768 here): teardown must not kill that stranger
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        with lab.Lab(2, "10mbit") as lb:
+            ours = set(lb.net.namespaces)
+            monkeypatch.setattr(_net, "_pids", lambda ns: [stranger.pid] if ns in ours else [])
+        assert stranger.poll() is None, "teardown killed a process outside its namespaces"
+        assert not [n for n in ours if n in _net.list_namespaces()]
+    finally:
+        stranger.kill()
+        stranger.wait()

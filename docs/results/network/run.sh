@@ -9,7 +9,8 @@
 #   tools/cpu-all docs/results/network/run.sh pipeline-het   # boundaries of different sizes
 #   tools/cpu-all docs/results/network/run.sh 2x1            # one device per host
 #   tools/cpu-all docs/results/network/run.sh hier RATE      # hierarchical mesh vs flat dense
-#     (ROUNDS=N rounds, default 2; TAG=NAME: cells named ...-RATE-NAME-rN, a new series)
+#     (ROUNDS=N rounds, default 2; TAG=NAME: cells named ...-RATE-NAME-rN, a new series;
+#      PAIR=1: each cell beside its unlimited-rate twin, in the same window)
 #   tools/cpu-all docs/results/network/run.sh nic [RATE [CELL...]]  # NIC bytes per step
 #   tools/cpu-all docs/results/network/run.sh 10gbit         # a tbf that never limits
 #   tools/cpu-all docs/results/network/run.sh gpt RATE       # the GPT on the embedded text
@@ -85,31 +86,40 @@ case "$what" in
     # compressed between hosts; round-robin with the flat dense cell, ROUNDS rounds (default 2,
     # the second in reverse order); each round's cells are their own variant, so the report
     # takes a cell's compute from the same round's unlimited cell; TAG=NAME names a new series
-    # of cells (e.g. TAG=sharded after the hierarchical mean was sharded over fast)
+    # of cells (e.g. TAG=sharded after the hierarchical mean was sharded over fast);
+    # PAIR=1 runs each cell at unlimited rate right before (after, in even rounds) the same cell
+    # at RATE, so that the compute the report takes from the unlimited cell was measured in the
+    # same minute as the cell it predicts (a shared machine's load drifts between windows)
     HOSTS=2 DEVICES=4
     rate=$2
+    rates=("$rate")
+    [ -n "${PAIR:-}" ] && rates=(unlimited "$rate")
     HIER=(--set 'mesh=[("slow", 2), ("fast", 4)]')
     if [ "$rate" = 10mbit ]; then
       LEN=(--set total_steps=60 --set eval_every=20 --set log_every=20)
     else
       LEN=(--set total_steps=300 --set eval_every=25 --set log_every=25)
     fi
-    calibrate "per_host-2x4-$rate" 2 4 "$rate"
+    for rt in "${rates[@]}"; do calibrate "per_host-2x4-$rt" 2 4 "$rt"; done
     cells=(dense-flat powersgd-hier)
     case "$rate" in unlimited | 100mbit) cells+=(accordion-hier) ;; esac
     for r in $(seq 1 "${ROUNDS:-2}"); do
       order=("${cells[@]}")
       [ $((r % 2)) = 0 ] && order=($(printf '%s\n' "${cells[@]}" | tac))
+      pair=("${rates[@]}")
+      [ $((r % 2)) = 0 ] && pair=($(printf '%s\n' "${rates[@]}" | tac))
       for c in "${order[@]}"; do
-        name="$c-2x4-$rate${TAG:+-$TAG}-r$r" variant="$c${TAG:+-$TAG}-round$r"
-        case "$c" in
-          dense-flat) cell "$name" "$variant" "$rate" "per_host-2x4-$rate" \
-            configs/digits_dense.py "${LEN[@]}" ;;
-          powersgd-hier) cell "$name" "$variant" "$rate" "per_host-2x4-$rate" \
-            configs/digits_accordion.py "${LEN[@]}" "${PSGD[@]}" "${HIER[@]}" ;;
-          accordion-hier) cell "$name" "$variant" "$rate" "per_host-2x4-$rate" \
-            configs/digits_accordion.py "${LEN[@]}" "${HIER[@]}" ;;
-        esac
+        for rt in "${pair[@]}"; do
+          name="$c-2x4-$rt${TAG:+-$TAG}-r$r" variant="$c${TAG:+-$TAG}-round$r"
+          case "$c" in
+            dense-flat) cell "$name" "$variant" "$rt" "per_host-2x4-$rt" \
+              configs/digits_dense.py "${LEN[@]}" ;;
+            powersgd-hier) cell "$name" "$variant" "$rt" "per_host-2x4-$rt" \
+              configs/digits_accordion.py "${LEN[@]}" "${PSGD[@]}" "${HIER[@]}" ;;
+            accordion-hier) cell "$name" "$variant" "$rt" "per_host-2x4-$rt" \
+              configs/digits_accordion.py "${LEN[@]}" "${HIER[@]}" ;;
+          esac
+        done
       done
     done
     ;;
@@ -234,7 +244,7 @@ case "$what" in
     else
       LEN=(--set total_steps=300 --set eval_every=25 --set log_every=25)
     fi
-    calibrate "per_host-2x4-$rate" 2 4 "$rate"
+    for rt in "${rates[@]}"; do calibrate "per_host-2x4-$rt" 2 4 "$rt"; done
     cell "dense-2x4-$rate" dense "$rate" "per_host-2x4-$rate" configs/digits_dense.py "${LEN[@]}"
     cell "powersgd-2x4-$rate" powersgd-r2-ef "$rate" "per_host-2x4-$rate" \
       configs/digits_accordion.py "${LEN[@]}" "${PSGD[@]}"
