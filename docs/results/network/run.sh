@@ -14,6 +14,7 @@
 #   tools/cpu-all docs/results/network/run.sh nic [RATE [CELL...]]  # NIC bytes per step
 #   tools/cpu-all docs/results/network/run.sh 10gbit         # a tbf that never limits
 #   tools/cpu-all docs/results/network/run.sh gpt RATE       # the GPT on the embedded text
+#   tools/cpu-all docs/results/network/run.sh gpt-pipeline RATE  # its 4-stage pipeline, 4 x 1
 #     (issue 35 item 5: time to a target validation loss; language_model.md)
 # Runs go to $RUNS (default /tmp/jaxcomp-lab-runs); each finished cell's small files (lab.json,
 # summary, timing and metrics) are copied into docs/results/network/cells/, which
@@ -195,6 +196,24 @@ case "$what" in
         "${SHORT[@]}" "${ONE[@]}"
       cell "powersgd-2x1-$rate" powersgd-r2-ef-2x1 "$rate" "per_host-2x1-$rate" \
         configs/digits_accordion.py "${SHORT[@]}" "${ONE[@]}" "${PSGD[@]}"
+    done
+    ;;
+  gpt-pipeline)  # the GPT pipeline of configs/text_gpt_pipeline.py, one stage per host (4 x 1):
+    # its TopK 10% shared-mask links against identity links, time to target validation
+    # losses (issue 35 item 5); each cell beside its unlimited twin (as hier's PAIR=1)
+    HOSTS=4 DEVICES=1
+    rate=${2:-100mbit}
+    GPIPE=(--set 'mesh=[("stage", 4)]' --set "total_steps=${GPT_STEPS:-300}" --set eval_every=25
+           --set log_every=25 --set checkpoint_every=0)
+    TARGETS=(--target_loss 2.4 --target_loss 2.3 --target_loss 2.2 --target_loss 2.1)
+    IDENTITY=(--set 'pipeline.forward="identity"' --set 'pipeline.backward_mode="independent"')
+    for rt in unlimited "$rate"; do calibrate "per_host-4x1-$rt" 4 1 "$rt"; done
+    for v in topk identity; do
+      links=(); [ $v = identity ] && links=("${IDENTITY[@]}")
+      for rt in unlimited "$rate"; do
+        cell "gpt-pipeline-$v-4x1-$rt" "gpt-pipeline-$v" "$rt" "per_host-4x1-$rt" \
+          configs/text_gpt_pipeline.py "${GPIPE[@]}" "${links[@]}"
+      done
     done
     ;;
   pipeline)
