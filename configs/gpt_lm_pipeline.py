@@ -19,8 +19,9 @@ Without the prepared corpus the run stops with one line naming the ``tfds build`
 Expected: not measured to convergence here (CPU: ~1-2 s per step). The paper (GPT-2 fine-tuned
 on WikiText-2, SPEC.md section 1.1) reports that TopK starts to increase the loss from 20% and
 that 10% with a shared mask fine-tunes with a modest loss increase; its perplexity table could
-not be read. ``:smoke`` runs a 2-block, width-16 model (still 4 stages) for 2 steps on
-``pydoc_text`` (with ``data_name=tfds_text``, drop ``eval_data``, which holds a pydoc-only key).
+not be read. ``:smoke`` runs a 1-block, width-16 model cut after its block into 2 stages of 2
+microbatches for 2 steps on ``pydoc_text`` (with ``data_name=tfds_text``, drop ``eval_data``,
+which holds a pydoc-only key).
 """
 
 import ml_collections
@@ -54,11 +55,13 @@ def get_config(arg=None):
         backward_mode="shared_mask",
     )
     if smoke:
-        # 2 blocks, still 4 stages (embed | block0 | block1 | head)
+        # the config's wiring on one block, 2 stages (embed, block0 | head) of 2 microbatches;
+        # the 4-stage pipeline through the trainer: tests/train (MODE_OPTIONS["pipeline"])
         c.model = dict(
-            vocab_size=256, seq_len=16, dim=16, num_blocks=2, num_heads=2,
-            cuts=("embed", "block0", "block1"),
-        )  # fmt: skip
+            vocab_size=256, seq_len=16, dim=16, num_blocks=1, num_heads=2, cuts=("block0",)
+        )
+        c.mesh = [("data", -1), ("stage", 2)]
+        c.pipeline.num_microbatches = 2
         c.data = dict(seq_len=16)
         c.batch_size = c.eval_batch_size = 16
         c.eval_data = dict(seq_len=16, test_fraction=0.01)

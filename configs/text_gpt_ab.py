@@ -46,6 +46,4 @@ def get_config(arg=None):
     c.eval_every = 0 if smoke else 150
     c.checkpoint_every = 0 if smoke else 150
     c.grad_clip_norm = None  # AB clips the averaged trained gradients itself (ab.max_grad_norm)
-    if smoke:  # the config's wiring on one block: each block adds factorised layers
-        c.model.update(num_blocks=1, cuts=())
     return c

@@ -32,6 +32,4 @@ def get_config(arg=None):
         check_every=2,
         eta=0.5,
     )
-    if arg == "smoke":  # the config's wiring on one block: each block adds per-leaf codecs
-        c.model.update(num_blocks=1, cuts=())
     return c

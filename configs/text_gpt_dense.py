@@ -41,10 +41,9 @@ def get_config(arg=None):
     c.eval_every = 0 if smoke else 200
     c.checkpoint_every = 0 if smoke else 200
     if smoke:
-        # 2 blocks, still 4 stages for the pipeline config (embed | block0 | block1 | head)
-        c.model.update(
-            seq_len=16, dim=16, num_heads=2, num_blocks=2, cuts=("embed", "block0", "block1")
-        )
+        # the wiring on one block: each block adds per-leaf codecs and factorised layers in
+        # the configs built on this one
+        c.model.update(seq_len=16, dim=16, num_heads=2, num_blocks=1, cuts=())
         c.data.seq_len = 16
         c.batch_size = 16
     return c

@@ -32,7 +32,7 @@ def get_config(arg=None):
         forward=dict(name="top_k", fraction=0.1, per_sample=True),
         backward_mode="shared_mask",
     )
-    if arg == "smoke":  # 2 stages of 2 microbatches (gpt_lm_pipeline's smoke runs 4 stages)
+    if arg == "smoke":  # the one block cut into 2 stages (embed, block0 | head), 2 microbatches
         c.mesh = [("data", 4), ("stage", 2)]
         c.model.cuts = ("block0",)
         c.pipeline.num_microbatches = 2

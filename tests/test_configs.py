@@ -45,7 +45,7 @@ def test_the_paper_scale_configs_are_found():
     }
 
 
-#: the smallest GPT config (dense, 2 blocks) smoke-trains on a generated tfds text corpus
+#: the smallest GPT config (dense) smoke-trains on a generated tfds text corpus
 #: (tiny_shakespeare, ``fake_tfds_dir``) instead of its pydoc text: the tfds text source through
 #: the trainer in that config's one compile (was a second run of it); its model and mode are
 #: the same, and the pydoc source with its identity and reference runs in the other four text

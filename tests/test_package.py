@@ -91,23 +91,26 @@ def test_installed_wheel_runs_the_main_job_by_config_name(dist, tmp_path):
     env["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"  # tests/conftest.py: fast_compiles
     where = tmp_path / "elsewhere"
     where.mkdir()
-    # one interpreter for where jaxcomp comes from and the unknown name (an import of JAX
-    # each); the main job runs through `python -m` below
-    probe = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m, sys, jaxcomp; "
-         "print(jaxcomp.__file__, jaxcomp.__version__, m.version('jaxcomp'), flush=True); "
-         "from jaxcomp import main; "
-         "sys.exit(main.main(['--config', 'digits_pipelin', '--workdir', 'V']))"],
-        cwd=where, env=env, capture_output=True, text=True,
-    )  # fmt: skip
-    path, version, metadata = probe.stdout.splitlines()[0].split()
-    assert path.startswith(site) and version == metadata == jaxcomp.__version__
-    assert probe.returncode == 2 and "unknown config 'digits_pipelin'" in probe.stderr
-    assert "digits_pipeline," in probe.stderr and not (where / "V").exists()
+    # one interpreter (one import of JAX): where jaxcomp comes from, then the main job as
+    # `python -m jaxcomp.main` runs it (runpy, as ``__main__``, its exit status), by an unknown
+    # name and by a config's; the `python -m` launch itself: tests/test_main.py, test_faults.py
     run = subprocess.run(
-        [str(python), "-m", "jaxcomp.main", "--config", "digits_dense:smoke",
-         "--workdir", "W"],
+        [str(python), "-c", "import importlib.metadata as m, runpy, sys, jaxcomp; "
+         "print(jaxcomp.__file__, jaxcomp.__version__, m.version('jaxcomp'), flush=True)\n"
+         "def main(*argv):\n"
+         "    sys.argv = ['jaxcomp.main', '--config', *argv]\n"
+         "    runpy.run_module('jaxcomp.main', run_name='__main__', alter_sys=True)\n"
+         "try:\n"
+         "    main('digits_pipelin', '--workdir', 'V')\n"
+         "except SystemExit as e:\n"
+         "    print('unknown name:', e.code, flush=True)\n"
+         "main('digits_dense:smoke', '--workdir', 'W')"],
         cwd=where, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
+    lines = run.stdout.splitlines()
+    path, version, metadata = lines[0].split()
+    assert path.startswith(site) and version == metadata == jaxcomp.__version__
+    assert lines[1] == "unknown name: 2" and "unknown config 'digits_pipelin'" in run.stderr
+    assert "digits_pipeline," in run.stderr and not (where / "V").exists()
     assert run.returncode == 0, run.stderr[-2000:]
     assert "summary: dense / mlp" in run.stdout and (where / "W" / "summary.json").exists()

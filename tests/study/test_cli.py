@@ -131,8 +131,10 @@ def test_every_study_documents_itself_and_its_cells_are_valid_configs(name):
         study.cell_config(s, cell, base)  # raises naming the cell if an override is wrong
 
 
-#: the studies whose mode no other study test runs (the pipeline ones run through the CLI above)
-RUN_IN_TESTS = ["accordion_powersgd", "accordion_batch_size"]
+#: the studies whose mode no other test runs: the pipeline ones run through the CLI above, and
+#: accordion_powersgd's last variant ("accordion 2/1", sgdm, seed 0) is configs/digits_accordion
+#: with its own smoke overrides, which tests/test_configs.py runs
+RUN_IN_TESTS = ["accordion_batch_size"]
 
 
 @pytest.mark.slow
@@ -143,6 +145,13 @@ def test_a_study_of_each_mode_runs_a_smoke_cell(name, tmp_path):
     cell = next(c for c in study.cells(s) if c.variant == last)
     statuses = study.run_study(s, str(tmp_path), smoke=True, only=[cell.name], log=lambda *_: None)
     assert statuses == {cell.name: "done"}
+
+
+def test_the_accordion_powersgd_cell_left_out_is_the_digits_accordion_smoke():
+    s = study.load_study("accordion_powersgd")
+    cell = next(c for c in study.cells(s, _grid.SMOKE) if c.variant == list(s.variants)[-1])
+    smoke = train.with_defaults(_grid.base_config(s._replace(config=f"{s.config}:smoke")))
+    assert study.cell_config(s, cell).to_dict() == smoke.to_dict()
 
 
 # --- the CLI as a function: signals and process-wide settings ----------------------------------
