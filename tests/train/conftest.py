@@ -45,13 +45,13 @@ MODE_OPTIONS = {
             "codec": {"name": "top_k", "fraction": 0.1, "feedback": "ef"},
         }
     },
-    "pipeline": {
-        "mesh": [("stage", 4)],
-        "model": {"hidden": (16, 16, 16)},
+    "pipeline": {  # 2 stages, 2 microbatches: the smallest pipeline (a link each way)
+        "mesh": [("stage", 2)],
+        "model": {"hidden": (16,)},
         "batch_size": 32,
         "eval_batch_size": 32,
         "pipeline": {
-            "num_microbatches": 4,
+            "num_microbatches": 2,
             "forward": {"name": "top_k", "fraction": 0.25, "feedback": "ef"},
         },
     },

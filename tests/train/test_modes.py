@@ -52,12 +52,13 @@ def test_compressed_mean_data_parallel_sends_less_than_dense(make_config, tmp_pa
 @pytest.mark.user_numerics
 @pytest.mark.parametrize(
     "mode",
-    ["dense", *(pytest.param(m, marks=pytest.mark.slow) for m in ("data_parallel", "pipeline"))],
+    ["dense", pytest.param("pipeline", marks=pytest.mark.slow)],
 )
 def test_the_modes_state_init_has_the_bits_of_jax_jit(make_mode_config, mode, monkeypatch):
     """The mode's state init (``_mode.jit_init``, split in two programs) gives the bits of
-    ``jax.jit`` of the same function with the same ``out_shardings`` (the AB mode's
-    ``jit_init(model.init)`` is the digits MLP's of tests/_cpu/test_init_program.py). The configs:
+    ``jax.jit`` of the same function with the same ``out_shardings`` (the data-parallel and AB
+    modes' ``jit_init(model.init)``, no ``out_shardings``, is the digits MLP's of
+    tests/_cpu/test_init_program.py: the same program, pinned there). The configs:
     test_nonfinite.py's (the same programs). The setup stops at its ``compile_all``, after
     every ``jit_init``: the step and evaluation programs (4-6 s of compiles in the pipeline
     mode) pin nothing here; an init compiled beside them is test_init_program.py's

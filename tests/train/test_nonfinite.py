@@ -8,9 +8,11 @@ Each mode (dense, data parallel, pipeline, AB-Training) on the digits MLP (conft
   squares overflow Adam's second moment: committed, the weights would never move again). Both
   steps are skipped: the checkpoints after steps 1, 2 and 3 hold the same state, training goes
   on after them, and the summary counts 2 skipped steps.
-* SGD at ``lr = 1e39`` (``inf`` in float32): finite loss and gradients, an update that is not.
-  Each step says so and changes nothing; after ``max_nonfinite_in_a_row`` of them the run
-  stops with the last finite state saved (the initial one).
+* The same setups from a state whose Adam first moment is ``1e38`` (finite): finite loss and
+  gradients, an update that is not (the bias correction divides the moment by ``1 - 0.9``,
+  past float32's largest). Each step says so and changes nothing; after
+  ``max_nonfinite_in_a_row`` of them the run stops with the last finite state saved (that
+  initial one).
 
 Unoptimised (``fast_compiles``): what is checked here is the wiring (a step's flag decides
 what is committed, counted, saved and when the run stops). The flag's numerics (``sum(0 * v)``
@@ -19,6 +21,7 @@ pinned on the fusion emitters users get, optimised, by ``tests/test_finite.py``'
 ``user_numerics`` tests; the loop-emitter processes compile none of users' programs anyway.
 """
 
+import math
 import pathlib
 
 import jax
@@ -26,6 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from jaxcomp import pipeline
 from jaxcomp import train
 from jaxcomp.train import _trainer
 
@@ -74,12 +78,15 @@ def _same(a, b):
     return len(la) == len(lb) and all(np.array_equal(x, y, equal_nan=True) for x, y in zip(la, lb))
 
 
+#: the config of every run here: the first test's setups serve the second
+RUN = dict(total_steps=5, checkpoint_every=1, keep_checkpoints=5, log_every=1)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_non_finite_batches_are_skipped_and_the_run_goes_on(
     mode, make_mode_config, shared_setups, monkeypatch, tmp_path
 ):
-    config = make_mode_config(mode, total_steps=5, checkpoint_every=1, keep_checkpoints=5,
-                     log_every=1)  # fmt: skip
+    config = make_mode_config(mode, **RUN)
     s = shared_setups(config)
     corrupting = s._replace(train_loader=_Corrupting(s.train_loader))
     monkeypatch.setattr(_trainer, "setup", lambda config, devices=None: corrupting)
@@ -99,16 +106,45 @@ def _one_step(s, state, step):
     return s.mode.train_step(state, _trainer.place(batch, s.mode.batch_sharding), key, step)
 
 
+def _is_first_moment(path):
+    return any(getattr(k, "name", None) == "mu" for k in path)  # optax's ScaleByAdamState
+
+
+def _is_packed(x):
+    return isinstance(x, pipeline.PackedParams)
+
+
+def _overflowing(state):
+    """``state`` with every Adam first moment ``1e38``: finite, and ``0.9 * 1e38 + 0.1 g``
+    bias-corrected (divided by ``1 - 0.9`` at the first step) overflows float32. The
+    pipeline's optimizer state is packed per stage (its layout says where each moment is)."""
+
+    def moment(path, x):
+        if isinstance(x, pipeline.PackedParams):
+            buffers = {g: np.array(b) for g, b in x.buffers.items()}
+            for s, tree in enumerate(x.layout.structs()):
+                paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+                for p, slot in zip(paths, x.layout.slots[s], strict=True):
+                    if _is_first_moment(p):
+                        end = slot.offset + math.prod(slot.shape)
+                        buffers[slot.group][s, slot.offset : end] = 1e38
+            placed = {g: jax.device_put(b, x.buffers[g].sharding) for g, b in buffers.items()}
+            return pipeline.PackedParams(placed, x.layout)
+        if _is_first_moment(path):
+            return jax.device_put(np.full(x.shape, 1e38, x.dtype), x.sharding)
+        return x
+
+    new = jax.tree_util.tree_map_with_path(moment, state, is_leaf=_is_packed)
+    assert not _same(new, state)  # every mode's optimizer here is Adam
+    return new
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_an_overflowing_update_is_never_committed_and_stops_the_run(
-    mode, make_mode_config, shared_setups, tmp_path
+    mode, make_mode_config, shared_setups, monkeypatch, tmp_path
 ):
-    config = make_mode_config(mode, optax_name="sgd", lr=1e39, max_nonfinite_in_a_row=3,
-                     total_steps=40)  # fmt: skip
-    if mode == "ab":
-        config.ab = dict(config.ab.to_dict(), inner="sgd")
-    s = shared_setups(config)
-    init = s.mode.init(jax.random.key(0))
+    s = shared_setups(make_mode_config(mode, **RUN))
+    init = _overflowing(s.mode.init(jax.random.key(0)))
     before = jax.device_get(init)
     state = init
     for step in range(3):  # AB: the warm-up, then the step with the factorisation
@@ -119,6 +155,11 @@ def test_an_overflowing_update_is_never_committed_and_stops_the_run(
         if mode == "ab":  # a skipped step leaves the schedule: the state's kind, the warm-up
             assert metrics["wire_bytes"] == s.mode.dense_bytes
         assert _same(before, jax.device_get(state))
+    # the run from that state, stopping after 3 such steps (the loop reads the setup's config)
+    config = make_mode_config(mode, **RUN, max_nonfinite_in_a_row=3)
+    mode_ = s.mode._replace(init=lambda key: _overflowing(s.mode.init(key)))
+    run = s._replace(config=train.with_defaults(config), mode=mode_)
+    monkeypatch.setattr(_trainer, "setup", lambda config, devices=None: run)
     with pytest.raises(train.NonFiniteError, match="3 training steps in a row"):
         train.train_and_evaluate(config, str(tmp_path))
     target = _trainer.RunState(init, _trainer._replicated(np.zeros(2, np.uint32), s.mesh))

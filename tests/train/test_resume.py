@@ -1,9 +1,10 @@
 """A stopped and resumed run is bit-identical to an uninterrupted one, in every mode.
 
 One matrix: each mode (dense, data parallel, pipeline, AB-Training) against one uninterrupted
-reference run of the same config, interrupted at each point: after the first step (off the
-checkpoint grid), in the middle of the run, and with its newest checkpoint damaged (the
-resume falls back to the older one). Every mode's config carries the state a resume must
+reference run of the same config, and one run of it interrupted at each point in turn: after
+the first step (off the checkpoint grid), in the middle of the run (after step 3), and with
+its newest checkpoint damaged (after step 4: the resume falls back to the older one, 3, and
+redoes step 4). Every mode's config carries the state a resume must
 restore exactly: BatchNorm statistics (per worker, per stage and replica), error-feedback
 residuals (per sample on the pipeline's 2 replicas: the loader's per-replica shards), the
 adaptive links' and Accordion's detectors and modes (both switch after their first interval),
@@ -11,9 +12,9 @@ the AB schedule across a sync, the data loader's position in its epoch, the metr
 far and float16's loss scale (the data-parallel and AB configs compute in float16). Compared:
 every leaf of the last checkpoint, bit for bit, every metrics record and the summary's final
 loss and accuracy. Every run writes TensorBoard events too (the writers are part of the
-config a setup is shared by: one setup per mode); those of the runs stopped after step 3, read
-back by tensorboard's reader, hold every scalar of ``metrics.jsonl`` at the same steps
-(Accordion's per-layer modes, AB's phase and per-layer ranks included).
+config a setup is shared by: one setup per mode); those of the interrupted run, read back by
+tensorboard's reader, hold every scalar of ``metrics.jsonl`` at the same steps (Accordion's
+per-layer modes, AB's phase and per-layer ranks included; step 4's first attempt purged).
 
 The CLI's kill and signals: tests/test_faults.py. Resuming the library's own states (no
 trainer): tests/transforms/test_accordion.py, tests/pipeline/test_adaptive_bn.py.
@@ -76,7 +77,9 @@ MODES = (
     "dense",
     *(pytest.param(m, marks=pytest.mark.slow) for m in ("data_parallel", "pipeline", "ab")),
 )
-POINTS = ("after_step_1", "after_step_3", "newest_checkpoint_damaged")
+#: where the run stops, in turn (each call resumes the one before); the checkpoint of the
+#: last stop is damaged before the final call
+STOPS = (1, 3, 4)
 
 
 def _records(workdir):
@@ -97,42 +100,39 @@ def references(make_config, tmp_path_factory):
     return get
 
 
-def _interrupted(config, workdir, point, capsys):
-    """Runs ``config`` in ``workdir`` stopped at ``point`` and resumed to the end."""
-    if point == "newest_checkpoint_damaged":
-        assert train.train_and_evaluate(config, str(workdir), stop_after=4) == {"stopped_at": 4}
-        for data in (workdir / "checkpoints" / "4").rglob("d/*"):  # bytes inside each array file
-            raw = bytearray(data.read_bytes())
-            raw[len(raw) // 2] ^= 0xFF
-            data.write_bytes(bytes(raw))
-        capsys.readouterr()
-        summary = train.train_and_evaluate(config, str(workdir))
+def _interrupted(config, workdir, capsys):
+    """Runs ``config`` in ``workdir`` stopped at each of :data:`STOPS` and resumed, the newest
+    checkpoint damaged before the last resume; returns the finished run's summary."""
+    resumed = None
+    for stop in STOPS:
+        done = train.train_and_evaluate(config, str(workdir), stop_after=stop - (resumed or 0))
+        assert done == {"stopped_at": stop}
         out = capsys.readouterr().out
-        assert "checkpoint step 4" in out and "damaged" in out, out
-        assert "resumed from step 2" in out, out
-        return summary
-    stop = int(point.rsplit("_", 1)[1])
-    assert train.train_and_evaluate(config, str(workdir), stop_after=stop) == {"stopped_at": stop}
-    capsys.readouterr()
+        assert resumed is None or f"resumed from step {resumed}" in out, out
+        resumed = stop
+    for data in (workdir / "checkpoints" / str(stop)).rglob("d/*"):  # bytes inside each array file
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
     summary = train.train_and_evaluate(config, str(workdir))
-    assert f"resumed from step {stop}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"checkpoint step {stop}" in out and "damaged" in out, out
+    assert f"resumed from step {STOPS[-2]}" in out, out
     return summary
 
 
-@pytest.mark.parametrize("point", POINTS)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_resumed_run_is_bit_identical_to_the_uninterrupted_one(
-    mode, point, make_config, references, last_checkpoint, event_files, tmp_path, capsys
+    mode, make_config, references, last_checkpoint, event_files, tmp_path, capsys
 ):
     full, want = references(mode)
     part = tmp_path / "part"
     config = _config(make_config, mode)
-    got = _interrupted(config, part, point, capsys)
-    if point == "after_step_3":  # every scalar of metrics.jsonl, the per-layer ones too
-        seen = event_files(part)
-        assert seen["summary/final_accuracy"][0][0] == STEPS and "train/step_time_s" in seen
-        per_layer = {"data_parallel": "train/layer_mode/", "ab": "train/rank/"}.get(mode)
-        assert per_layer is None or any(tag.startswith(per_layer) for tag in seen), seen.keys()
+    got = _interrupted(config, part, capsys)
+    seen = event_files(part)  # every scalar of metrics.jsonl, the per-layer ones too
+    assert seen["summary/final_accuracy"][0][0] == STEPS and "train/step_time_s" in seen
+    per_layer = {"data_parallel": "train/layer_mode/", "ab": "train/rank/"}.get(mode)
+    assert per_layer is None or any(tag.startswith(per_layer) for tag in seen), seen.keys()
     (s1, a), (s2, b) = last_checkpoint(str(full)), last_checkpoint(str(part))
     assert s1 == s2 == STEPS
     a_leaves, b_leaves = jax.tree.leaves(a), jax.tree.leaves(b)
