@@ -1,15 +1,25 @@
-"""A network partition in the lab (issue 37, item 6): one host's link taken down in the middle
-of a 2-process ``digits_dense`` run. Both processes exit within the bound (``--peer_timeout``,
-well under 120 s), non-zero, with one line each; the last checkpoint stays intact and the same
-command resumes and finishes once the link is back, that host now a straggler (its link at a
-tenth of the other's rate). Which host is slow is not asserted here: with 2 hosts every step
-waits for the same all-reduce on both, and a link slow both ways slows both directions of the
-one path between them; the link probe names a host that sends slowly (test_straggler.py).
+"""Faults in the lab (issue 37, item 6), in one test: a network partition and a straggler.
+
+A partition: one host's link taken down in the middle of a 2-process ``digits_dense`` run. Both
+processes exit within the bound (``--peer_timeout``, well under 120 s), non-zero, with one line
+each; the last checkpoint stays intact and the same command resumes and finishes once the link
+is back, that host now a straggler (its link at a tenth of the other's rate). Which host is
+slow is not asserted there: with 2 hosts every step waits for the same all-reduce on both, and
+a link slow both ways slows both directions of the one path between them.
+
+A straggler: 3 processes of ``digits_dense``, host 1's link at a tenth of the others' rate (10
+vs 100 Mbit/s) both ways, in a second lab. The run finishes, and the link probe
+(``config.link_probe_every``, ``train/_link_probe.py``) names host 1 in ``metrics.jsonl`` and in
+a log line. Every host's step time is the same (a synchronous step): only the probe tells. (A
+2-host link throttled on transmit only: ``test_network.py::test_a_link_honours_its_rate``.)
+It runs while the partitioned processes wait out the bound (blocked: the CPU is free), and
+ends before the rerun starts (its probes time links, best without another run's startup).
 
 Before (2026-12-04, a loopback taken down at 30 s): both processes aborted 78 s later with exit
 134 and a C++ "Check failure stack trace" from JAX's coordination service, no line of ours.
 """
 
+import json
 import os
 import pathlib
 import re
@@ -25,7 +35,7 @@ from jaxcomp.lab import _faults
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="builds network namespaces as root"),
-    pytest.mark.slow,  # 2-process trainer runs
+    pytest.mark.slow,  # 2- and 3-process trainer runs
 ]
 ROOT = pathlib.Path(__file__).parents[2]
 BOUND = 8  #: --peer_timeout of these runs (s), as tests/test_multihost_faults.py's
@@ -34,14 +44,22 @@ SETS = {"mesh": [("data", 2)], "model.hidden": (32, 32, 32), "batch_size": 64,
         "checkpoint_every": 10, "keep_checkpoints": 2}  # fmt: skip
 
 
+#: the straggler's run: 3 probes, every 10 steps
+EVERY = 10
+STRAGGLER = {"model.hidden": (32, 32, 32), "batch_size": 96, "eval_batch_size": 120,
+             "total_steps": 3 * EVERY, "log_every": EVERY, "link_probe_every": EVERY,
+             "link_probe_bytes": 1 << 18, "mesh": [("data", 3)]}  # fmt: skip
+
+
 class _Run:
     """The trainer's CLI on every host of ``lb``, in a thread; ``t0``: when it started."""
 
-    def __init__(self, lb, workdir, logs, **sets):
-        sets = {**SETS, **sets}
+    def __init__(self, lb, workdir, logs, sets=SETS, bound=BOUND, **more):
+        sets = {**sets, **more}
         argv = [sys.executable, "-m", "jaxcomp.main", "--config",
                 str(ROOT / "configs" / "digits_dense.py") + ":smoke", "--workdir", str(workdir),
-                "--cpu_devices", "{devices}", "--peer_timeout", str(BOUND),
+                "--cpu_devices", "{devices}",
+                *(["--peer_timeout", str(bound)] if bound else []),
                 *sum((["--set", f"{k}={v!r}"] for k, v in sets.items()), [])]  # fmt: skip
         env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "PYTHONUNBUFFERED": "1"}
         self.log0 = logs / "host0.log"
@@ -83,15 +101,37 @@ def _checkpoints(workdir) -> list[int]:
     return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-def test_a_partition_stops_both_hosts_in_the_bound_and_the_rerun_resumes(tmp_path):
-    work = tmp_path / "run"
-    with lab.Lab(2, "100mbit", devices=1) as lb:
+def _check_straggler(result, work, a1) -> None:
+    logs = [pathlib.Path(p).read_text() for p in result.logs]
+    assert result.ok, (result, [t[-2000:] for t in logs])
+    records = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
+    links = [r for r in records if r["split"] == "links"]
+    assert [r["step"] for r in links] == [EVERY, 2 * EVERY, 3 * EVERY], links
+    for r in links:  # 256 KiB: 21 ms at 100 Mbit/s, 210 ms at 10 Mbit/s
+        fast = r["link_probe_ms/host_2"]  # 2 -> 0
+        assert r["link_probe_ms/host_1"] >= 3 * fast, links  # 1 -> 2: out of host 1
+        assert r["link_probe_ms/host_0"] >= 3 * fast, links  # 0 -> 1: into host 1
+    named = [ln for ln in logs[0].splitlines() if ln.startswith("link probe @")]
+    assert len(named) == 3, logs[0][-3000:]
+    assert all("host 1 (process 1 (pid " in ln and f"on host {a1})) sends to host 2" in ln
+               for ln in named), named  # fmt: skip
+    assert (work / "summary.json").exists()
+
+
+def test_a_partition_stops_both_hosts_in_the_bound_the_rerun_resumes_a_straggler_is_named(
+    tmp_path,
+):
+    work, slow_work = tmp_path / "run", tmp_path / "straggler"
+    with lab.Lab(2, "100mbit", devices=1) as lb, lab.Lab(3, "100mbit", devices=1) as slow:
+        _faults.set_rate(slow.net, 1, "10mbit")  # both ways
         run = _Run(lb, work, tmp_path / "logs0")
         try:
             run.wait_step(25)  # checkpoint 10 written, 20 under way or written
         finally:
             _faults.set_link(lb.net, 1, up=False)
         down = time.monotonic() - run.t0
+        # the straggler's run goes while the partitioned processes wait out the bound
+        straggler = _Run(slow, slow_work, tmp_path / "logs_straggler", STRAGGLER, bound=None)
         result = run.wait()
         _faults.set_link(lb.net, 1, up=True)
         _faults.set_rate(lb.net, 1, "10mbit")  # a straggler
@@ -110,6 +150,7 @@ def test_a_partition_stops_both_hosts_in_the_bound_and_the_rerun_resumes(tmp_pat
         last = _checkpoints(work)[-1]
         assert last >= 10
 
+        _check_straggler(straggler.wait(), slow_work, slow.net.addresses[1])
         rerun = _Run(lb, work, tmp_path / "logs1", total_steps=last + 10)
         result = rerun.wait()
     assert result.ok, (result, [pathlib.Path(p).read_text()[-2000:] for p in result.logs])

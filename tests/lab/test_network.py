@@ -10,6 +10,7 @@ import time
 import pytest
 
 from jaxcomp import lab
+from jaxcomp.lab import __main__ as lab_cli
 from jaxcomp.lab import _faults
 from jaxcomp.lab import _net
 
@@ -129,17 +130,17 @@ def test_a_signalled_lab_tears_itself_down(sig, inherited, tmp_path):
     assert _gone(hosts) and not _ours(lab_id)
 
 
-def test_a_killed_lab_leaves_only_namespaces_that_cleanup_removes(tmp_path):
+def test_a_killed_lab_leaves_only_namespaces_that_cleanup_removes(tmp_path, capsys):
     proc, lab_id, hosts = _start_lab(tmp_path)
     proc.kill()
     proc.wait(timeout=10)
     assert _gone(hosts)  # the kernel killed them with their parent (pdeathsig)
     left = _ours(lab_id)
     assert left and set(left) <= set(_net.stale_namespaces())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-m", "jaxcomp.lab", "cleanup"], env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    # the CLI's command in this process (`python -m jaxcomp.lab` as a process: test_cli.py)
+    assert lab_cli.main(["cleanup"]) == 0
+    said = capsys.readouterr().out
+    assert all(n in said for n in left), said
     assert not _ours(lab_id)
 
 

@@ -1,8 +1,8 @@
 """The link probe (``train/_link_probe.py``): its programs on 8 fake devices grouped into 4
 fake hosts, the metrics it records and whom it names, from synthetic times.
 
-The probe inside a 2-process run, one host's link at a tenth of the other's rate, is
-``tests/lab/test_straggler.py``.
+The probe inside a 3-process run, one host's link at a tenth of the others' rate, is
+``tests/lab/test_faults.py`` (its straggler).
 """
 
 import re

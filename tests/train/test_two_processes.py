@@ -45,6 +45,7 @@ import pytest
 
 from jaxcomp import main as cli
 from jaxcomp import train
+from jaxcomp.train import _metrics
 
 pytestmark = [pytest.mark.usefixtures("fast_compiles"), pytest.mark.slow]  # 2 subprocesses
 
@@ -240,9 +241,13 @@ def _compare(name: str, got_dir: str, want_dir: str, last_checkpoint) -> None:
 
 
 @pytest.mark.usefixtures("shared_setups")  # the dense case: 3 runs of one config here
-def test_every_mode_as_two_processes_matches_one_process(tmp_path, last_checkpoint, capsys):
+def test_every_mode_as_two_processes_matches_one_process(
+    tmp_path, last_checkpoint, capsys, monkeypatch
+):
     """One test (one launch, on one pytest-xdist worker): the pair trains every case while
     this process trains the references; then each case is compared, failures collected."""
+    # no curves here either (the worker's comment)
+    monkeypatch.setattr(_metrics, "plot_metrics", lambda workdir, path=None: None)
     four = jax.devices()[:4]
     from_one, ready = tmp_path / "from_one", tmp_path / "from_one.ready"
     pair = _Pair(tmp_path / "two", from_one, ready)
