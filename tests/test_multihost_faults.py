@@ -10,11 +10,8 @@ killed just before a save made the survivor move a good checkpoint to
 waiting in orbax's barriers until this bound (exit 69/69, "another process stopped
 answering"). The network lab's faults (a link down, a straggler): tests/lab/test_faults.py.
 
-Two chains of runs, each launch checking several faults, with a short bound (``--peer_timeout
-8``) and the smallest run (1 device per process, a 32-wide MLP): a stall, the kill and a resume
-stopped for good on one workdir; the full disk and its resume on another (a 4 MiB tmpfs), its
-first run started while the stopped run waits out the bound (one process stopped, the other
-idle), not after it.
+One chain of runs on one workdir (a 4 MiB tmpfs), each launch checking several faults, with
+a short bound (``--peer_timeout 8``) and the smallest run (1 device per process, a 32-wide MLP).
 """
 
 import os
@@ -41,14 +38,10 @@ SETS = {"mesh": [("data", 2)], "model.hidden": (32, 32, 32), "batch_size": 64,
         "checkpoint_every": 10, "keep_checkpoints": 2}  # fmt: skip
 
 
-def _port(given=set()) -> int:  # noqa: B006 (the ports handed out: two runs go at once)
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in given:
-            given.add(port)
-            return port
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _env():
@@ -154,50 +147,8 @@ def _checkpoints(workdir) -> list[int]:
     return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-def _fill(run, work, disk) -> list[int]:
-    """Fills the disk once ``run`` keeps its two checkpoints (``keep_checkpoints``): the next
-    one has no room. Waits for both processes to stop on it, exit 74 with one line each;
-    returns the steps kept."""
-    every = SETS["checkpoint_every"]
-    try:
-        # midway between two saves (the run may be far along: it started a while ago), with
-        # two checkpoints kept: a save under way when the disk fills printed tracebacks
-        # ("Event loop is closed", orbax's writes failing after its loop closed; seen once)
-        at = max(3 * every + 5, run.step() + 1)
-        run.wait_step(at + (every // 2 - at) % every)
-        newest = work / "checkpoints" / str(_checkpoints(work)[-1])
-        size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
-        free = shutil.disk_usage(disk).free  # room for the metrics, less than a checkpoint
-        (disk / "filler").write_bytes(b"\0" * max(free - size // 2, 0))
-        run.wait_exit(timeout=120)
-    finally:
-        run.kill()
-    assert [run.code(0), run.code(1)] == [main.EXIT_STORAGE] * 2, run.out(0)[-2000:]
-    lines = [_one_line(run.out(i)) for i in (0, 1)]
-    assert abs(run.ended[0] - run.ended[1]) < 10, run.ended  # the next step, not a bound
-    # Either process may meet the full disk, in the checkpoint or (under load, when the
-    # save comes late) in another file of the workdir first: both are named, with the path.
-    full = [i for i in (0, 1) if "cannot be written to" in lines[i]]
-    other = [
-        i for i in (0, 1) if f"cannot write {work}" in lines[i] and "No space left" in lines[i]
-    ]
-    assert full or other, lines
-    for i in full:
-        assert "no space left" in lines[i] and "it needs about" in lines[i], lines[i]
-        assert str(work / "checkpoints") in lines[i] and "is intact" in lines[i], lines[i]
-    for i in {0, 1} - set(full) - set(other):
-        said = lines[i]
-        assert (
-            f"process {1 - i} cannot write checkpoint step" in said
-            and "no space left on the device" in said
-        ) or f"process {1 - i} could not write its workdir after step" in said, said
-    kept = _checkpoints(work)
-    assert kept and kept[-1] >= SETS["checkpoint_every"], kept
-    return kept
-
-
 def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
-    work, filled, logs = tmp_path / "run", disk / "run", tmp_path / "logs"
+    work, logs = disk / "run", tmp_path / "logs"
     logs.mkdir()
     # --- a stall shorter than the bound, then kill -9 of process 1 at a checkpoint step ---
     run = Run(work, logs)
@@ -225,19 +176,14 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
     # still be in flight when the peer dies at 30 (seen once in a full suite run)
 
     # --- the resume; then process 0 (the coordinator) stopped for good ---------------------
-    run, full = Run(work, logs), None
+    run = Run(work, logs)
     try:
         run.wait_step(last + 5)
         os.kill(run.procs[0].pid, signal.SIGSTOP)
         stopped = time.monotonic()
-        full = Run(filled, logs)  # the full disk's run starts while this one waits
         (t1,) = run.wait_exit([1], timeout=BOUND + 60)
         os.kill(run.procs[0].pid, signal.SIGCONT)  # it notices it was away, and exits
         (t0,) = run.wait_exit([0], timeout=30)
-    except BaseException:
-        if full is not None:
-            full.kill()
-        raise
     finally:
         run.kill()
     assert f"resumed from step {last}" in run.out(0), run.out(0)[-2000:]
@@ -251,23 +197,54 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
     assert "this process did not run for" in _one_line(run.out(0))
     assert not (work / "checkpoints.damaged").exists()
     assert _checkpoints(work)[-1] >= last  # nothing lost to the stall
+    last = _checkpoints(work)[-1]
 
     # --- the disk fills up under a save: both processes stop, exit 74, one line each -------
-    kept = _fill(full, filled, disk)
+    run = Run(work, logs)
+    try:
+        run.wait_step(last + SETS["checkpoint_every"] + 5)  # one more checkpoint written
+        newest = work / "checkpoints" / str(_checkpoints(work)[-1])
+        size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
+        free = shutil.disk_usage(disk).free  # room for the metrics, less than a checkpoint
+        (disk / "filler").write_bytes(b"\0" * max(free - size // 2, 0))
+        run.wait_exit(timeout=120)
+    finally:
+        run.kill()
+    assert [run.code(0), run.code(1)] == [main.EXIT_STORAGE] * 2, run.out(0)[-2000:]
+    lines = [_one_line(run.out(i)) for i in (0, 1)]
+    assert abs(run.ended[0] - run.ended[1]) < 10, run.ended  # the next step, not a bound
+    # Either process may meet the full disk, in the checkpoint or (under load, when the
+    # save comes late) in another file of the workdir first: both are named, with the path.
+    full = [i for i in (0, 1) if "cannot be written to" in lines[i]]
+    other = [
+        i for i in (0, 1) if f"cannot write {work}" in lines[i] and "No space left" in lines[i]
+    ]
+    assert full or other, lines
+    for i in full:
+        assert "no space left" in lines[i] and "it needs about" in lines[i], lines[i]
+        assert str(work / "checkpoints") in lines[i] and "is intact" in lines[i], lines[i]
+    for i in {0, 1} - set(full) - set(other):
+        said = lines[i]
+        assert (
+            f"process {1 - i} cannot write checkpoint step" in said
+            and "no space left on the device" in said
+        ) or f"process {1 - i} could not write its workdir after step" in said, said
+    kept = _checkpoints(work)
+    assert kept[-1] > last
     # A save under way when the disk filled may stay in orbax's temporary folder: a process
     # whose write failed with several processes leaves at once (the Checkpointer's contract).
     # It is never restored (the resume below starts from kept[-1]) and the next start removes it.
-    partial = [p.name for p in (filled / "checkpoints").iterdir() if "tmp" in p.name]
+    partial = [p.name for p in (work / "checkpoints").iterdir() if "tmp" in p.name]
 
     # --- space freed: the same command resumes from the last good checkpoint, finishes ------
     (disk / "filler").unlink()
-    run = Run(filled, logs, total_steps=kept[-1] + 5)
+    run = Run(work, logs, total_steps=kept[-1] + 5)
     try:
         run.wait_exit(timeout=180)
     finally:
         run.kill()
     assert [run.code(0), run.code(1)] == [0, 0], run.out(0)[-3000:] + run.out(1)[-2000:]
     assert f"resumed from step {kept[-1]}" in run.out(0), run.out(0)[-2000:]
-    assert (filled / "summary.json").exists()
-    left = [p.name for p in (filled / "checkpoints").iterdir() if "tmp" in p.name]
+    assert (work / "summary.json").exists()
+    left = [p.name for p in (work / "checkpoints").iterdir() if "tmp" in p.name]
     assert not left, f"half-written saves {left} outlived the restart (after the fault: {partial})"
