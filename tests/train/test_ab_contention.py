@@ -34,9 +34,6 @@ def test_ab_mode_trains_beside_a_cpu_busy_process_without_a_stall(tmp_path):
         **os.environ,
         "PYTHONPATH": str(REPO),
         "PYTHONUNBUFFERED": "1",
-        # unoptimised (the stall is the LAPACK kernels' threads, not XLA's code: without the
-        # fix this run logged "may be stuck" as the optimised one did, 2026-12-06 suite13e)
-        "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
         + " --xla_cpu_collective_call_warn_stuck_timeout_seconds=1",
     }
