@@ -3,6 +3,12 @@
 The bracket may fail on some rows (then ``lax.top_k`` decides every row): a test through
 ``top_k_indices`` alone would not see a wrong fast-path answer on a matrix holding one row that
 falls back, so the short-row bracket is also checked row by row where it reports success.
+
+The select is integer arithmetic on the magnitudes' bit patterns, the same at every XLA level:
+these programs compile unoptimised (``fast_compiles``: docs/results/suite_tiers, suite13b).
+The optimised select stays pinned to numpy's TopK where users run it:
+test_reduction_bits.py (exact TopK per tensor on 131072 entries and per sample on rows of 512,
+with NaN, infinities and signed zeros), test_select_long_rows.py (the strided sample).
 """
 
 import functools
@@ -13,6 +19,8 @@ import numpy as np
 import pytest
 
 from jaxcomp._cpu import _select
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 def _stable_top(x2d: np.ndarray, k: int) -> np.ndarray:

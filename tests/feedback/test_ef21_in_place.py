@@ -9,6 +9,11 @@ the donated buffer, made the scatter write a fresh buffer copied into the state 
 every step (the data-parallel bench: 8 MiB per leaf). The programs here are a training step's:
 the state in, the new state out, donated; the reduced mean is also returned (the updates), as
 optax does.
+
+What is checked (copies, aliasing, temporaries) is the optimised HLO, which XLA's HLO passes
+make before code generation: the steps compile at backend level 0 (``LEVEL_0``, the suite's
+``fast_compiles`` options, a third of the CPU: docs/results/suite_tiers, suite13b), whose HLO
+is the default compile's, text for text (test_the_hlo_checked_is_the_default_compiles).
 """
 
 import functools
@@ -36,12 +41,15 @@ CODECS = {
 }
 # codecs without an in-place decode: error feedback writes c - echo over c in one fused pass
 DENSE_ECHO_CODECS = {"quantize": compressors.quantize(8), "power_sgd": compressors.power_sgd(2)}
+#: XLA options of ``jax_disable_most_optimizations`` (the LLVM passes off, not the HLO ones)
+LEVEL_0 = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 @functools.cache
-def _step(kind, name):
+def _step(kind, name, options="level_0"):
     """``(compiled, state, grads)`` of a donated ``compressed_mean`` step on 2 workers, with
-    ``kind`` (``ef21`` or ``error_feedback``) around ``CODECS[name]``."""
+    ``kind`` (``ef21`` or ``error_feedback``) around ``CODECS[name]``, compiled with
+    ``LEVEL_0`` (``options="default"``: XLA's default options)."""
     channel = getattr(feedback, kind)({**CODECS, **DENSE_ECHO_CODECS}[name])
     mesh = comm.make_mesh([(comm.DATA, W)], devices=jax.devices()[:W])
     tx = transforms.compressed_mean(channel)
@@ -70,7 +78,8 @@ def _step(kind, name):
         donate_argnums=(0,),
         out_shardings=shardings,
     )
-    return fn.lower(state, grads).compile(), state, grads
+    compiled = fn.lower(state, grads).compile(LEVEL_0 if options == "level_0" else None)
+    return compiled, state, grads
 
 
 def _state_copies(compiled):
@@ -85,6 +94,21 @@ def _state_copies(compiled):
         if re.search(r"= f32\[1,\d+,\d+\]\{[\d,]+\} copy\(", line)
         and line.split("=")[1].split("{")[0].strip() in shapes
     ]
+
+
+#: where the HLO's metadata and stack frames point in the source (the tests' lines included)
+_SOURCE = r", metadata=\{[^}]*\}|\bline=\d+ end_line=\d+ column=\d+( end_column=\d+)?"
+
+
+@pytest.mark.slow
+def test_the_hlo_checked_is_the_default_compiles():
+    # PowerSGD's step: its c in the donated buffer and its temporaries are fusion decisions
+    level_0 = _step("error_feedback", "power_sgd")[0]  # the cached one the tests below check
+    default = _step("error_feedback", "power_sgd", "default")[0]
+    texts = [re.sub(_SOURCE, "", c.as_text()) for c in (level_0, default)]
+    assert texts[0] == texts[1]
+    analyses = (c.memory_analysis() for c in (level_0, default))
+    assert len({(a.temp_size_in_bytes, a.alias_size_in_bytes) for a in analyses}) == 1
 
 
 @pytest.mark.slow

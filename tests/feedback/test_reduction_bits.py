@@ -67,13 +67,15 @@ def _inputs(signals, shape):
     return x, mem
 
 
-def _exact_round_trip(c, fraction, per_sample, stable_top):
+def _exact_round_trip(c, fraction, per_sample, stable_top, decode_values=None):
     """``D(C(c))`` of exact TopK in numpy: the K entries of largest magnitude (NaN above inf,
-    the lowest index on ties: ``stable_top``, test_sparse.py's reference) kept, zeros elsewhere."""
+    the lowest index on ties: ``stable_top``, test_sparse.py's reference) kept, zeros elsewhere.
+    ``decode_values``: a composition's inner round trip of the kept values ``[rows, K]``."""
     rows = c.reshape(c.shape[0], -1) if per_sample else c.reshape(1, -1)
     idx = stable_top(rows, compressors.kept_count(rows.shape[1], fraction, None))
+    kept = np.take_along_axis(rows, idx, -1)
     out = np.zeros_like(rows)
-    np.put_along_axis(out, idx, np.take_along_axis(rows, idx, -1), -1)
+    np.put_along_axis(out, idx, kept if decode_values is None else decode_values(kept), -1)
     return out.reshape(c.shape)
 
 
