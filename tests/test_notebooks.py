@@ -1,11 +1,9 @@
-"""Notebooks: each .ipynb is the jupytext pair of its .py, each executes (nbmake), and the
+"""Notebooks: each .ipynb is the jupytext pair of its .py, all execute (one kernel), and the
 committed .ipynb holds the outputs of one top-to-bottom run, figures included."""
 
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -22,12 +20,17 @@ def test_notebook_is_paired(path):
     assert from_py == from_nb, f"{ipynb.name} is out of sync with {path.name} (jupytext --sync)"
 
 
-@pytest.mark.slow  # a kernel per notebook
+@pytest.mark.slow  # the six notebooks
 def test_every_notebook_runs(tmp_path):
-    """Every notebook executes (nbmake), all in one pytest process (a kernel each): one
-    process's start and imports instead of one per notebook."""
-    pytest.importorskip("nbmake")
+    """Every notebook executes top to bottom at its smoke size, all in one Jupyter kernel: each
+    after ``%reset -f`` (a fresh namespace, so a notebook that uses a name it does not define
+    fails as in a kernel of its own); the kernel's start and the imports paid once, not six
+    times."""
+    nbclient = pytest.importorskip("nbclient")
+    import nbformat
+
     env = {**os.environ, "JAXCOMP_NOTEBOOK_SMOKE": "1", "MPLBACKEND": "Agg"}
+    env["TMPDIR"] = str(tmp_path)  # the notebooks' workdirs (tempfile.mkdtemp)
     # the notebook's checks are tolerances and shapes (its committed outputs come from a
     # default-compiled run): its kernel compiles unoptimised, as tests/conftest.fast_compiles
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
@@ -35,12 +38,21 @@ def test_every_notebook_runs(tmp_path):
     # loop emitters (tests/conftest.py, ``fast_compiles``)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
-    ipynbs = [str(p.with_suffix(".ipynb")) for p in NOTEBOOKS]
-    cmd = [sys.executable, "-m", "pytest", "--nbmake", "--nbmake-timeout=600", "-q", "-rf",
-           "-p", "no:cacheprovider", "--rootdir", str(tmp_path), *ipynbs]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1800)
-    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
-    assert f"{len(ipynbs)} passed" in out.stdout.strip().splitlines()[-1], out.stdout[-2000:]
+    cells, owners = [], []
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path.with_suffix(".ipynb"), as_version=4)
+        code = [nbformat.v4.new_code_cell("%reset -f")]
+        code += [c for c in nb.cells if c.cell_type == "code" and c.source.strip()]
+        cells += code
+        owners += [path.stem] * len(code)
+    combined = nbformat.v4.new_notebook(cells=cells, metadata=nb.metadata)
+    client = nbclient.NotebookClient(combined, timeout=600)
+    try:
+        client.execute(cwd=str(NOTEBOOKS[0].parent), env=env)
+    except nbclient.exceptions.CellExecutionError as err:
+        failed = [i for i, c in enumerate(cells) if any("ename" in o for o in c.outputs)]
+        pytest.fail(f"{owners[failed[0]] if failed else '?'}: {str(err)[-6000:]}")
+    assert client.code_cells_executed == len(cells)
 
 
 #: what each committed notebook prints at the size its text describes (not the tests' smoke
