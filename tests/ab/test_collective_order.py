@@ -73,27 +73,18 @@ def mesh():
     return parallel.ab_mesh(2, jax.devices()[:4])
 
 
-def _harness(config, mesh):
+def _harness(with_programs, config, mesh):
     """``ab_data_parallel`` of ``config`` and the ``Programs`` it runs (to trace its AB program
     again with another ``_after_update``: the only program that calls it)."""
-    made = []
-
-    class Recorded(_programs.Programs):
-        def __post_init__(self):
-            super().__post_init__()
-            made.append(self)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_programs, "Programs", Recorded)
-        dp = parallel.ab_data_parallel(loss_fn, config, mesh, has_aux=True, donate=False)
-    (programs,) = made
-    return dp, programs
+    return with_programs(
+        lambda: parallel.ab_data_parallel(loss_fn, config, mesh, has_aux=True, donate=False)
+    )
 
 
 @pytest.fixture(scope="module")
-def harness(mesh):
+def harness(mesh, with_programs):
     """The default options' harness, shared: its programs compile once for the tests here."""
-    return _harness(transforms.ABConfig(1e-2, **CONFIG), mesh)
+    return _harness(with_programs, transforms.ABConfig(1e-2, **CONFIG), mesh)
 
 
 def _ab_hlo(dp, programs, name):
