@@ -137,11 +137,10 @@ def _run(dp, data):
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, {"reset_opt": True, "sync_mode": "only-learned"}])
 def test_every_state_and_metric_leaf_is_bit_identical_to_the_loss_mean_after_the_forward(
-    mesh, harness, monkeypatch, options
+    mesh, harness, with_programs, monkeypatch, options
 ):
-    dp, programs = (
-        harness if not options else _harness(transforms.ABConfig(1e-2, **CONFIG, **options), mesh)
-    )
+    config = transforms.ABConfig(1e-2, **CONFIG, **options)
+    dp, programs = _harness(with_programs, config, mesh) if options else harness
     data = batches(10)
     late = _run(dp, data)
     before = {name: programs._programs[name] for name in _programs.PROGRAMS}

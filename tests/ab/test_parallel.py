@@ -47,19 +47,10 @@ TX_KWARGS = dict(warmup_steps=2, sync_every=4, full_rank_steps=1, exclude=("head
 
 
 @pytest.fixture(scope="module")
-def grouped_programs(with_programs):
-    """The module's harness (its config, itself) and the ``Programs`` it runs."""
+def grouped():
     mesh = parallel.ab_mesh(2, jax.devices()[:4])
     config = transforms.ABConfig(1e-3, **TX_KWARGS)
-    dp, programs = with_programs(
-        lambda: parallel.ab_data_parallel(loss_fn, config, mesh, donate=False)
-    )
-    return (config, dp), programs
-
-
-@pytest.fixture(scope="module")
-def grouped(grouped_programs):
-    return grouped_programs[0]
+    return config, parallel.ab_data_parallel(loss_fn, config, mesh, donate=False)
 
 
 # The marked test and the fusion counts first, optimised; the rest compile unoptimised
@@ -99,9 +90,7 @@ def _fusions(programs, name, state, batch):
 
 
 @pytest.mark.parametrize("name", ["dense", "ab"])
-def test_the_finiteness_check_reads_what_a_program_writes_without_computing_it_again(
-    grouped_programs, name
-):
+def test_the_finiteness_check_reads_what_a_program_writes_without_computing_it_again(grouped, name):
     # XLA:CPU fused each written leaf's producer into the check's concatenation too: a
     # kernel more per leaf (compile time follows the kernels; main: dense 32 -> 43). The
     # check in a cond reads them once; it adds its own few kernels (the flag, the sum, the
@@ -109,12 +98,15 @@ def test_the_finiteness_check_reads_what_a_program_writes_without_computing_it_a
     # cond there and computes the aligned moments twice again (21 -> 33).
     from jaxcomp.ab import _programs
 
-    (config, dp), checked = grouped_programs  # the harness checks: its programs, compiled
-    state, batch = dp.init(init_params()), dp.shard_batch(batches(1)[0])  # here for its steps
-    assert checked.check_finite
-    unchecked = _programs.Programs(config, loss_fn, dp.mesh, donate=False, check_finite=False)
-    count = {check: _fusions(p, name, state, batch)
-             for check, p in ((False, unchecked), (True, checked))}  # fmt: skip
+    config, dp = grouped
+    state, batch = dp.init(init_params()), dp.shard_batch(batches(1)[0])
+    count = {
+        check: _fusions(
+            _programs.Programs(config, loss_fn, dp.mesh, donate=False, check_finite=check),
+            name, state, batch,
+        )
+        for check in (False, True)
+    }  # fmt: skip
     assert count[True] - count[False] <= 4, count
 
 
