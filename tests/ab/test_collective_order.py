@@ -73,36 +73,59 @@ def mesh():
     return parallel.ab_mesh(2, jax.devices()[:4])
 
 
-def _ab_hlo(mesh, name):
-    config = transforms.ABConfig(1e-2, **CONFIG)
-    programs = _programs.Programs(config, loss_fn, mesh, has_aux=True, donate=False)
-    dp = parallel.ab_data_parallel(loss_fn, config, mesh, has_aux=True, donate=False)
+def _harness(with_programs, config, mesh):
+    """``ab_data_parallel`` of ``config`` and the ``Programs`` it runs (to trace its AB program
+    again with another ``_after_update``: the only program that calls it)."""
+    return with_programs(
+        lambda: parallel.ab_data_parallel(loss_fn, config, mesh, has_aux=True, donate=False)
+    )
+
+
+@pytest.fixture(scope="module")
+def harness(mesh, with_programs):
+    """The default options' harness, shared: its programs compile once for the tests here."""
+    return _harness(with_programs, transforms.ABConfig(1e-2, **CONFIG), mesh)
+
+
+def _ab_hlo(dp, programs, name):
     state, batch = dp.init(init_params()), dp.shard_batch(batches(1)[0])
     args = programs._args(name, state, batch)[: 3 if name == "ab" else 2]
     return _entry_schedule(programs.compiled(name, *args).as_text())
 
 
+def _early(monkeypatch, programs):
+    """From here ``programs`` runs an AB program traced without the data dependency (the
+    dense and transition programs do not call ``_after_update``: kept, not compiled again);
+    returns a function that puts the original AB program back."""
+    monkeypatch.setattr(_programs, "_after_update", lambda metrics, params: metrics)
+    late = programs._programs.pop("ab")
+    return lambda: programs._programs.__setitem__("ab", late)
+
+
 @pytest.mark.slow
-def test_the_loss_mean_is_the_ab_programs_last_collective(mesh, monkeypatch):
-    order = _ab_hlo(mesh, "ab")
+def test_the_loss_mean_is_the_ab_programs_last_collective(harness, monkeypatch):
+    dp, programs = harness
+    order = _ab_hlo(dp, programs, "ab")
     # the role cond (the factor's group mean), the head's group mean, the sync cond, and
     # last the loss and aux means over all workers (XLA may combine them)
     means, others = _loss_positions(order)
     assert means and len(others) == 3 and min(means) > max(others), order
     # the dense program keeps the loss in its gradients' all-reduce
-    dense = _ab_hlo(mesh, "dense")
+    dense = _ab_hlo(dp, programs, "dense")
     means, others = _loss_positions(dense)
     assert not means and len(others) == 1, dense
     assert "f32[]" in dense[others[0]].split(" all-reduce(")[0], dense
     # where XLA put it without the data dependency: not last (this test can fail)
-    monkeypatch.setattr(_programs, "_after_update", lambda metrics, params: metrics)
-    early = _ab_hlo(mesh, "ab")
+    restore = _early(monkeypatch, programs)
+    try:
+        early = _ab_hlo(dp, programs, "ab")
+    finally:
+        restore()
     means, others = _loss_positions(early)
     assert means and len(others) == 3 and min(means) < max(others), early
 
 
-def _run(config, mesh, data):
-    dp = parallel.ab_data_parallel(loss_fn, config, mesh, has_aux=True, donate=False)
+def _run(dp, data):
     state, out = dp.init(init_params()), []
     for batch in data:
         state, metrics = dp.step(state, batch)
@@ -114,22 +137,30 @@ def _run(config, mesh, data):
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, {"reset_opt": True, "sync_mode": "only-learned"}])
 def test_every_state_and_metric_leaf_is_bit_identical_to_the_loss_mean_after_the_forward(
-    mesh, monkeypatch, options
+    mesh, harness, with_programs, monkeypatch, options
 ):
     config = transforms.ABConfig(1e-2, **CONFIG, **options)
+    dp, programs = _harness(with_programs, config, mesh) if options else harness
     data = batches(10)
-    late = _run(config, mesh, data)
-    monkeypatch.setattr(_programs, "_after_update", lambda metrics, params: metrics)
-    early = _run(config, mesh, data)
+    late = _run(dp, data)
+    before = {name: programs._programs[name] for name in _programs.PROGRAMS}
+    restore = _early(monkeypatch, programs)
+    try:
+        early = _run(dp, data)
+        # the same dense and transition programs; the AB program traced again (this test
+        # compares two different AB programs)
+        assert all(programs._programs[n] is before[n] for n in _programs.PROGRAMS if n != "ab")
+        assert programs._programs["ab"] is not before["ab"]
+    finally:
+        restore()
     for step, (got, want) in enumerate(zip(late, early, strict=True)):
         for x, y in zip(got, want, strict=True):
             assert x.dtype == y.dtype and x.shape == y.shape
             assert x.tobytes() == y.tobytes(), f"step {step} differs"  # -0, NaN bits too
 
 
-def test_a_nan_on_one_worker_still_makes_the_ab_steps_loss_and_finite_flag_say_so(mesh):
-    config = transforms.ABConfig(1e-2, **CONFIG)
-    dp = parallel.ab_data_parallel(loss_fn, config, mesh, has_aux=True, donate=False)
+def test_a_nan_on_one_worker_still_makes_the_ab_steps_loss_and_finite_flag_say_so(harness):
+    dp, _ = harness
     state = dp.init(init_params())
     data = batches(4, bad_step=3)
     for batch in data[:3]:

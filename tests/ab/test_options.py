@@ -4,6 +4,8 @@ Expected values are worked out by hand or transcribed from the reference trainer
 (``ABLowRankTrainer``, SPEC §3.4-3.5).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,24 +126,34 @@ def _w0():
     return ((q1 * np.array([4.0, 3.0, 2.0, 1.0])) @ q2.T).astype(np.float32)
 
 
-def _run(steps, **options):
-    """warm-up 2, S = 4, D = 1: steps 2-3 AB (sync after 3), 4 full rank (+ re-factorisation),
-    5-7 AB; one group of 2 workers (every group trains B)."""
+@functools.cache
+def _run(**options):
+    """12 steps: warm-up 2, S = 4, D = 1: steps 2-3 AB (sync after 3), 4 full rank (+
+    re-factorisation), 5-7 AB, ...; one group of 2 workers (every group trains B). Cached: the
+    moment and learning-rate tests read the same two runs (a harness's programs each)."""
     mesh = parallel.ab_mesh(1, jax.devices()[:2])
     options = {"learning_rate": 1e-3, "warmup_steps": 2, "sync_every": 4, "full_rank_steps": 1,
                "inner": optax.scale_by_adam(b1=0.9), **options}  # fmt: skip
     dp = parallel.ab_data_parallel(linear_loss, transforms.ABConfig(**options), mesh)
     state = dp.init({"w": jnp.asarray(_w0()), "b": jnp.zeros(4)})
     history = []
-    for _ in range(steps):
+    for _ in range(12):
         state, metrics = dp.step(state, jnp.zeros((2, 1)))
         history.append((parallel.worker_entry(state.opt_state), metrics))
     return history
 
 
+#: the learning rate's rebound (base 0.1, floor 0.01, R = 2), reset at each sync (the default)
+#  with the moments reset too, or not reset at a sync with the moments kept: the moments do not
+#  depend on the learning rate (the loss is linear: constant gradients), the rate not on them
+REBOUND = dict(learning_rate=0.1, lr_rebound_steps=2, lr_rebound_floor=0.01)
+KEPT = dict(REBOUND, reset_lr_on_sync=False)
+RESET = dict(REBOUND, reset_opt=True)
+
+
 def test_reset_opt_zeroes_every_moment_at_each_switch_and_keeps_the_counts():
     b1 = 0.9
-    kept, reset = _run(5), _run(5, reset_opt=True)
+    kept, reset = _run(**KEPT), _run(**RESET)
     # after step 2, the first AB step (the switch was at its start)
     k, r = kept[2][0], reset[2][0]
     np.testing.assert_allclose(k.dense_state.mu[0], (1 - b1**2) * C, rtol=1e-5)  # 2 warm-ups
@@ -167,9 +179,7 @@ def test_reset_lr_on_sync_switches_the_rebound():
     # base 0.1, floor 0.01, R = 2; phase switches at steps 2, 4, 5, 8, 9:
     # k = 1 -> 0.01; k = 2 -> min(0.1, 2 (0.1 - 0.01) / 2) = 0.09; later -> 0.1
     want = [0.1, 0.1, 0.01, 0.09, 0.01, 0.01, 0.09, 0.1, 0.01, 0.01, 0.09, 0.1]
-    on = _run(12, learning_rate=0.1, lr_rebound_steps=2, lr_rebound_floor=0.01)
-    off = _run(12, learning_rate=0.1, lr_rebound_steps=2, lr_rebound_floor=0.01,
-               reset_lr_on_sync=False)  # fmt: skip
+    on, off = _run(**RESET), _run(**KEPT)
     np.testing.assert_allclose([float(m["lr"][0]) for _, m in on], want, rtol=1e-6)
     np.testing.assert_allclose([float(m["lr"][0]) for _, m in off], [0.1] * 12, rtol=1e-6)
 
