@@ -13,7 +13,7 @@ from jaxcomp import train
 from jaxcomp.models import _norm
 
 L, H = pipeline.LOW_COMPRESSION, pipeline.HIGH_COMPRESSION
-S, M, MB, F = 3, 5, 4, 8  # a first, a middle and a last stage; M > S: GPipe has bubble ticks
+S, M, MB, F = 4, 6, 4, 8  # M > S: GPipe has bubble ticks
 STEPS, SAVE_AFTER = 5, 3
 STEP_ARGS = ("compress", "modes")
 
@@ -67,18 +67,16 @@ def _stats(states):
 
 
 @pytest.mark.slow
-def test_batchnorm_statistics_on_adaptive_links_switch_count_and_resume(
-    stage_mesh3, pack, tmp_path
-):
+def test_batchnorm_statistics_on_adaptive_links_switch_count_and_resume(stage_mesh, pack, tmp_path):
     model = _bn_model()
     params, state0, batch = _setup()
     # interval 1, checked every step: the first check is critical (low), then the same batch
     # and parameters give the same norms: every link switches to high compression at step 2
     det = pipeline.Detector(1, check_every=1)
     config = pipeline.PipelineConfig(M, pipeline.adaptive_link(LOW, HIGH), detector=det)
-    pipe = pipeline.distribute(model, config, stage_mesh3)
+    pipe = pipeline.distribute(model, config, stage_mesh)
     step = jax.jit(pipe.step, static_argnames=STEP_ARGS)
-    packed = pack(params, stage_mesh3)
+    packed = pack(params)
     states = pipe.init(packed, batch, state0)
     modes, losses = [], []
     for t in range(STEPS):
@@ -91,7 +89,7 @@ def test_batchnorm_statistics_on_adaptive_links_switch_count_and_resume(
             ckpt.save(SAVE_AFTER, states, {"step": SAVE_AFTER})
             ckpt.wait()
             ckpt.close()
-    assert modes == [((L, L),) * (S - 1)] * 2 + [((H, H),) * (S - 1)] * 3, modes
+    assert modes == [((L, L),) * 3] * 2 + [((H, H),) * 3] * 3, modes
 
     # only real microbatches update the statistics: M forwards per step at every stage
     for s, st in enumerate(_stats(states)):
@@ -119,7 +117,7 @@ def test_batchnorm_statistics_on_adaptive_links_switch_count_and_resume(
     ckpt = train.Checkpointer(str(tmp_path))
     restored_step, resumed, _ = ckpt.restore_latest(states)
     ckpt.close()
-    assert restored_step == SAVE_AFTER and pipeline.link_modes(resumed) == ((H, H),) * (S - 1)
+    assert restored_step == SAVE_AFTER and pipeline.link_modes(resumed) == ((H, H),) * 3
     for _ in range(STEPS - SAVE_AFTER):
         _, _, resumed, _ = step(packed, batch, resumed, None, modes=pipeline.link_modes(resumed))
     a, b = jax.tree.leaves(states), jax.tree.leaves(resumed)
