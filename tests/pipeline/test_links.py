@@ -103,11 +103,11 @@ RUNS = ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)]
 
 @pytest.mark.parametrize("schedule", RUNS)
 def test_data_by_stage_meter_is_replicas_times_step_bytes(schedule, tools):
-    """On a (data 2 x stage 4) mesh, boundary bytes are R times one replica's payloads
+    """On a (data 2 x stage 3) mesh, boundary bytes are R times one replica's payloads
     (``check_data_stage_meter``, tests/pipeline/conftest.py)."""
-    mlp = tools.make_mlp(num_microbatches=4, microbatch=1)
-    batch = {k: jnp.concatenate([v, v]) for k, v in mlp.batch.items()}  # 2 x 4 rows
-    mesh = pipeline.pipeline_mesh(4)
+    mlp = tools.make_mlp(num_microbatches=3, microbatch=1, num_stages=3)
+    batch = {k: jnp.concatenate([v, v]) for k, v in mlp.batch.items()}  # 2 x 3 rows
+    mesh = pipeline.pipeline_mesh(3, jax.devices()[:6])
     pipe = pipeline.distribute(
         mlp.model, pipeline.PipelineConfig(mlp.M, LINK, schedule=schedule), mesh
     )

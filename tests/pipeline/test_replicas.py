@@ -43,9 +43,10 @@ LINK = pipeline.link(F.error_feedback(C.top_k(0.5, per_sample=True)), C.quantize
 
 @pytest.fixture(scope="module")
 def setup(tools):
-    mlp = tools.make_mlp(microbatch=2)
-    batch = {k: jnp.concatenate([v, v[::-1]]) for k, v in mlp.batch.items()}  # 2 x 8 rows
-    mesh = pipeline.pipeline_mesh(4)  # data 2 x stage 4
+    """A 3-stage MLP (a first, a middle and a last stage) on a data 2 x stage 3 mesh."""
+    mlp = tools.make_mlp(num_microbatches=3, microbatch=2, num_stages=3)
+    batch = {k: jnp.concatenate([v, v[::-1]]) for k, v in mlp.batch.items()}  # 2 x 6 rows
+    mesh = pipeline.pipeline_mesh(3, jax.devices()[:6])
     return mlp, batch, mesh
 
 
@@ -99,7 +100,7 @@ def _by_hand(tx, mlp, batch, keys, sim, step):
             )
             grads.append(g)
         averaged, mean = [], []
-        for s in range(4):
+        for s in range(len(mlp.params)):
             g = jax.tree.map(lambda a, b: jnp.stack([a, b]), grads[0][s], grads[1][s])
             u, states[s] = update(states[s], jax.device_put(g, NamedSharding(mesh, P("data"))))
             averaged.append(u)

@@ -20,8 +20,9 @@ TOKENS, K = 3, 2  # K of every token's 16 features
 
 
 @pytest.fixture(scope="module")
-def tokens(mlp):
-    """The MLP's stages on ``[8, TOKENS, 16]`` (x @ w acts on the last axis)."""
+def tokens(mlp3):
+    """The 3-stage MLP's stages on ``[6, TOKENS, 16]`` (x @ w acts on the last axis)."""
+    mlp = mlp3
     rng = np.random.default_rng(3)
     n, width = mlp.batch["x"].shape
     batch = {
@@ -52,13 +53,14 @@ _masked_reference = jax.jit(jax.value_and_grad(_masked_loss))
 
 
 def test_shared_mask_by_rows_equals_the_row_masked_model_and_sends_values_only(
-    tokens, stage_mesh, pack, tools
+    tokens, stage_mesh3, pack, tools
 ):
     mlp, batch = tokens
+    stage_mesh = stage_mesh3
     link = pipeline.link(C.top_k(count=K, row_axis=-1), mode="shared_mask")
     config = pipeline.PipelineConfig(mlp.M, link)
     pipe = pipeline.distribute(mlp.model, config, stage_mesh)
-    packed = pack(mlp.params)
+    packed = pack(mlp.params, stage_mesh)
     states = pipe.init(packed, batch)
     step = jax.jit(pipe.step, static_argnames="compress")
     compiled = step.lower(packed, batch, states, jax.random.key(0), True).compile()
@@ -71,7 +73,7 @@ def test_shared_mask_by_rows_equals_the_row_masked_model_and_sends_values_only(
     assert abs(float(dense_loss) - float(loss)) > 1e-3
     assert np.abs(np.asarray(dense_grads[0]["w"]) - np.asarray(grads.unpack()[0]["w"])).max() > 1e-3
     # on the wire: forward K values + K uint8 indices per row, backward the K values only
-    rows = 3 * len(batch["ids"]) * TOKENS  # 3 boundaries
+    rows = 2 * len(batch["ids"]) * TOKENS  # 2 boundaries
     sent = _links.hlo_sent_bytes(compiled.as_text(), stage_mesh)
     assert sent["forward"] == rows * K * 5
     assert sent["backward"] == rows * K * 4
@@ -106,10 +108,10 @@ def _steps(name, mlp_model, M, stage_mesh):
 
 @pytest.mark.slow  # the compressed step's distributed program and simulation per link
 @pytest.mark.parametrize("name", sorted(LINKS))
-def test_feedback_by_rows_distributed_equals_simulated(name, tokens, stage_mesh, pack, tools):
+def test_feedback_by_rows_distributed_equals_simulated(name, tokens, stage_mesh3, pack, tools):
     mlp, batch = tokens
-    pipe, sim, step, sim_step = _steps(name, mlp.model, mlp.M, stage_mesh)
-    packed = pack(mlp.params)
+    pipe, sim, step, sim_step = _steps(name, mlp.model, mlp.M, stage_mesh3)
+    packed = pack(mlp.params, stage_mesh3)
     states, sim_states = pipe.init(packed, batch), sim.init(mlp.params, batch)
     for i, compress in enumerate(SCHEDULES[name]):
         key = jax.random.key(i)
@@ -139,5 +141,5 @@ def test_feedback_by_rows_distributed_equals_simulated(name, tokens, stage_mesh,
         )
         states, sim_states = new_states, s_states
     # the compressed step: K values + K uint8 indices per token row in each direction
-    rows = 3 * len(batch["ids"]) * TOKENS
+    rows = 2 * len(batch["ids"]) * TOKENS  # 2 boundaries
     assert metrics["wire_bytes"] == 2 * rows * K * 5
