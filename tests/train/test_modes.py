@@ -60,7 +60,7 @@ def test_the_modes_state_init_has_the_bits_of_jax_jit(make_mode_config, mode, mo
     modes' ``jit_init(model.init)``, no ``out_shardings``, is the digits MLP's of
     tests/_cpu/test_init_program.py: the same program, pinned there). The configs:
     test_nonfinite.py's (the same programs). The setup stops at its ``compile_all``, after
-    every ``jit_init``: the step and evaluation programs (4-6 s of compiles in the pipeline
+    every ``jit_init``: the step and evaluation programs (seconds of compiles in the pipeline
     mode) pin nothing here; an init compiled beside them is test_init_program.py's
     ``test_a_call_after_compile_all_compiles_and_traces_nothing``."""
     from jaxcomp.train import _mode
