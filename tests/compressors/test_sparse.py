@@ -56,7 +56,8 @@ def _edge_vector(n: int, seed: int) -> np.ndarray:
 
 # inputs large enough for the sort-free select: one tensor of > 65536 entries (the long-row
 # bracket, two pivots; all-equal and mostly-zero inputs make it fail: the fallback, the latter
-# with K above its 351 nonzeros, so T = 0 and the lowest-index zeros are kept) at one K (one
+# with K = 701 above its 71 nonzeros, so T = 0 and the 630 lowest-index zeros are kept, more
+# than the bracket's 606 candidate slots: only the fallback's cut is right) at one K (one
 # program); rows of 1024 (the short-row bracket, 24 rows: more than 16) through the codec
 # table's ``top_k_per_sample`` round trip, the program test_nonfinite.py's large jitted case
 # compiles (the select's compile is seconds per program)
@@ -65,7 +66,7 @@ TENSOR_TOP_K = compressors.top_k(TENSOR_FRACTION)
 SELECT_CASES = [
     ("tensor_edges", (70001,), None, _edge_vector(70001, 0)),
     ("tensor_all_equal", (70001,), None, np.full(70001, -2.0, np.float32)),
-    ("tensor_mostly_zero", (70001,), None, np.where(np.arange(70001) % 200 == 0, 1.0, 0.0)),
+    ("tensor_mostly_zero", (70001,), None, np.where(np.arange(70001) % 1000 == 0, 1.0, 0.0)),
     ("rows_edges", (24, 1024), "top_k_per_sample", _edge_vector(24 * 1024, 1).reshape(24, 1024)),
     ("rows_quarters", (24, 1024), "top_k_per_sample", np.round(_edge_vector(24 * 1024, 2) * 4) / 4),
 ]
