@@ -29,31 +29,22 @@ def mesh():
     return comm.make_mesh([("x", 2)], devices=jax.devices()[:2])
 
 
-def test_hlo_bytes_equal_wire_bytes(codec_case, mesh):
-    codec = codec_case.codec
-    x = jax.random.normal(jax.random.key(1), (2 * SHAPE[0], SHAPE[1]))
-    x = jax.device_put(x, NamedSharding(mesh, P("x")))
-    f = jax.shard_map(codec_case.exchanged("x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
-    report = comm.measure_collectives(f, x)
-    like = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
-    expected = compressors.wire_bytes(compressors.payload_shape(codec, like))
-    assert report.total_bytes == expected, report.table()
-    if codec.name != "identity":
-        assert expected < compressors.dense_bytes(like)
-        assert "f32" not in report.dtypes() or expected < compressors.dense_bytes(like) / 2
-
-
-def test_16_bit_inputs_decode_to_their_dtype_with_their_payloads_bytes(codec_case, mesh):
-    """bfloat16 and float16 inputs (float32: the tests above), sent as the library sends a
-    payload (``_bits.move_as_bits``: XLA:CPU widens a bfloat16 ``ppermute`` to float32),
-    decode to their own dtype, zeros to zeros, and cross with their payload's bytes. Each input
-    has its own key, as each leaf of a transform: two payloads made with one key hold the same
-    RandK seed, which XLA sends once (420 bytes for 428, until 2026-12-05)."""
-    codec, dtypes = codec_case.codec, (jnp.bfloat16, jnp.float16)
+def test_payloads_cross_with_their_bytes_and_decode_to_their_dtype(codec_case, mesh):
+    """float32, bfloat16 and float16 inputs, in one program (a compile per row): the payloads'
+    bytes on the collectives are exactly ``wire_bytes`` of them, and each decodes to its own
+    dtype, zeros to zeros. The float32 payload crosses as it is (a ``ppermute`` per leaf: a
+    codec's float32 payload holds only leaves that cross at their width); the 16-bit ones as the
+    library sends a payload (``_bits.move_as_bits``: XLA:CPU widens a bfloat16 ``ppermute`` to
+    float32). Each input has its own key, as each leaf of a transform: two payloads made with
+    one key hold the same RandK seed, which XLA sends once (420 bytes for 428, until
+    2026-12-05)."""
+    codec, dtypes = codec_case.codec, (jnp.float32, jnp.bfloat16, jnp.float16)
 
     def send(x, i):
         payload, _ = codec.compress(x, codec.init(x), jax.random.key(i))
         move = lambda t: lax.ppermute(t, "x", [(0, 1), (1, 0)])  # noqa: E731
+        if x.dtype == jnp.float32:
+            return codec.decompress(jax.tree.map(move, payload), x)
         return codec.decompress(_bits.move_as_bits(move, payload), x)
 
     spec = (P("x"),) * len(dtypes)
@@ -63,8 +54,12 @@ def test_16_bit_inputs_decode_to_their_dtype_with_their_payloads_bytes(codec_cas
     xs = [jax.device_put(x.astype(d), NamedSharding(mesh, P("x"))) for d in dtypes]
     report = comm.measure_collectives(f, *xs)
     like = [jax.ShapeDtypeStruct(SHAPE, d) for d in dtypes]
-    expected = sum(compressors.wire_bytes(compressors.payload_shape(codec, a)) for a in like)
-    assert report.total_bytes == expected, report.table()
+    expected = [compressors.wire_bytes(compressors.payload_shape(codec, a)) for a in like]
+    assert report.total_bytes == sum(expected), report.table()
+    if codec.name != "identity":  # the float32 input's payload is smaller than its input
+        dense = compressors.dense_bytes(like[0])
+        assert expected[0] < dense
+        assert "f32" not in report.dtypes() or expected[0] < dense / 2
     assert [y.dtype for y in f(*xs)] == [jnp.dtype(d) for d in dtypes]
     for y in f(*[jnp.zeros_like(a) for a in xs]):
         np.testing.assert_array_equal(np.asarray(y, np.float32), 0.0)

@@ -1,6 +1,5 @@
 """TopK and RandK: hand-worked outputs, exact-K property, blockwise semantics, shared seeds."""
 
-import functools
 import logging
 
 import hypothesis.extra.numpy as hnp
@@ -55,53 +54,52 @@ def _edge_vector(n: int, seed: int) -> np.ndarray:
     return x.astype(np.float32)
 
 
-# inputs large enough for the sort-free select: one tensor of > 65536 entries (two pivots), rows
-# of 4096 (eight pivots); all-equal and mostly-zero inputs make the bracket fail (the fallback)
+# inputs large enough for the sort-free select: one tensor of > 65536 entries (the long-row
+# bracket, two pivots; all-equal and mostly-zero inputs make it fail: the fallback, the latter
+# with K = 701 above its 71 nonzeros, so T = 0 and the 630 lowest-index zeros are kept, more
+# than the bracket's 606 candidate slots: only the fallback's cut is right) at one K (one
+# program); rows of 1024 (the short-row bracket, 24 rows: more than 16) through the codec
+# table's ``top_k_per_sample`` round trip, the program test_nonfinite.py's large jitted case
+# compiles (the select's compile is seconds per program)
+TENSOR_FRACTION = 0.01
+TENSOR_TOP_K = compressors.top_k(TENSOR_FRACTION)
 SELECT_CASES = [
-    ("tensor_edges", (70001,), 0.01, False, _edge_vector(70001, 0)),
-    ("tensor_all_equal", (70001,), 0.01, False, np.full(70001, -2.0, np.float32)),
-    ("tensor_mostly_zero", (70001,), 0.5, False, np.where(np.arange(70001) % 5 == 0, 1.0, 0.0)),
-    ("rows_edges", (6, 4096), 0.1, True, _edge_vector(6 * 4096, 1).reshape(6, 4096)),
-    ("rows_quarters", (6, 4096), 0.1, True, np.round(_edge_vector(6 * 4096, 2) * 4) / 4),
+    ("tensor_edges", (70001,), None, _edge_vector(70001, 0)),
+    ("tensor_all_equal", (70001,), None, np.full(70001, -2.0, np.float32)),
+    ("tensor_mostly_zero", (70001,), None, np.where(np.arange(70001) % 1000 == 0, 1.0, 0.0)),
+    ("rows_edges", (24, 1024), "top_k_per_sample", _edge_vector(24 * 1024, 1).reshape(24, 1024)),
+    ("rows_quarters", (24, 1024), "top_k_per_sample", np.round(_edge_vector(24 * 1024, 2) * 4) / 4),
 ]
 
 
 @pytest.mark.user_numerics
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "shape, fraction, per_sample, x",
-    [c[1:] for c in SELECT_CASES],
-    ids=[c[0] for c in SELECT_CASES],
+    "shape, row, x", [c[1:] for c in SELECT_CASES], ids=[c[0] for c in SELECT_CASES]
 )
-def test_exact_top_k_selects_lax_top_k_set_bit_for_bit(shape, fraction, per_sample, x):
+def test_exact_top_k_selects_lax_top_k_set_bit_for_bit(
+    shape, row, x, codec_table, load_test_module
+):
     x = np.asarray(x, np.float32).reshape(shape)
-    codec, encode, decode = _select_programs(fraction, per_sample)
-    x2d = x.reshape(shape[0], -1) if per_sample else x.reshape(1, -1)
+    if row is None:
+        fraction = TENSOR_FRACTION  # the table's round trip for a codec of its own
+        round_trip = load_test_module("codecs.py").CodecCase("", TENSOR_TOP_K, "").round_trip()
+    else:
+        case = next(case for case in codec_table if case.name == row)
+        fraction, round_trip = 0.25, case.round_trip()  # the row's top_k(0.25, per_sample=True)
+    x2d = x.reshape(shape[0], -1) if row else x.reshape(1, -1)
     k = compressors.kept_count(x2d.shape[1], fraction, None)
     expect = _stable_top(x2d, k)
     ref = np.sort(np.asarray(jax.lax.top_k(_top_k_magnitude(x2d), k)[1]), axis=-1)
     np.testing.assert_array_equal(ref, expect)  # lax.top_k's tie rule is the lowest index
-    payload = encode(jnp.asarray(x))
+    payload, _, y = round_trip(jnp.asarray(x), jax.random.key(1))
     idx = np.asarray(payload.indices).astype(np.int64).reshape(x2d.shape[0], k)
     np.testing.assert_array_equal(idx, expect)
     vals = np.asarray(payload.values).reshape(x2d.shape[0], k)
     np.testing.assert_array_equal(vals, np.take_along_axis(x2d, expect, -1))
-    y = np.asarray(decode(payload, jnp.asarray(x))).reshape(x2d.shape)
     dense = np.zeros_like(x2d)
     np.put_along_axis(dense, expect, np.take_along_axis(x2d, expect, -1), -1)
-    np.testing.assert_array_equal(y, dense)
-
-
-@functools.cache
-def _select_programs(fraction, per_sample):
-    """The codec and its jitted encode and decode: one program per (fraction, layout, shape),
-    shared by the cases of one shape (the select's compile is seconds)."""
-    codec = compressors.top_k(fraction, per_sample=per_sample)
-    return (
-        codec,
-        jax.jit(lambda x: codec.compress(x, codec.init(x), None)[0]),
-        jax.jit(codec.decompress),
-    )
+    np.testing.assert_array_equal(np.asarray(y).reshape(x2d.shape), dense)
 
 
 def _top_k_magnitude(x2d):
