@@ -57,10 +57,21 @@ class CodecCase(NamedTuple):
         function per row, shared by every test module of the process (one compile per shape)."""
         return _round_trip(self.codec)
 
-    def compress_and_decode(self):
-        """The row's jitted ``(x, state, key) -> compress_and_decode(codec, x, state, key)``: one
-        function per row, shared by every test module of the process (one compile per shape)."""
-        return _compress_and_decode(self.codec)
+    def echo(self):
+        """The row's error-feedback sender and its receiver, ``(x, state, key, arrived=None) ->
+        (compress_and_decode(codec, x, state, key), compress(x, state, key), decompress(arrived,
+        x))``, as one jitted program per row shared by every test module of the process (one
+        compile per shape; ``arrived=None``: a payload of zeros; the jitted program itself,
+        ``(sent, received, arrived)`` with ``(x, state, key)`` twice, is ``echo().program``).
+
+        The three parts read their own copies of the arguments (separate parameters of the
+        program), so XLA merges nothing between them (an ``optimization_barrier`` does not keep
+        them apart on XLA:CPU: it is expanded before CSE) and each part compiles as it would
+        alone; the receiver decodes a payload that arrived as an argument, not one fused with
+        a compress. One program holds them because XLA:CPU compiles a fused computation that
+        two parts share once (the sender's and the receiver's compress: ~40% of the two
+        programs' compile)."""
+        return _echo(self.codec)
 
     def exchanged(self, axis_name: str) -> Callable[[jax.Array], jax.Array]:
         """For ``shard_map`` over a 2-device ``axis_name``: compress, swap the payloads with
@@ -86,8 +97,24 @@ def _round_trip(codec):
 
 
 @functools.cache
-def _compress_and_decode(codec):
-    return jax.jit(lambda x, s, k: C.compress_and_decode(codec, x, s, k))
+def _echo(codec):
+    @jax.jit
+    def program(sent, received, arrived):
+        x, state, key = received
+        return (
+            C.compress_and_decode(codec, *sent),
+            codec.compress(x, state, key),
+            codec.decompress(arrived, x),
+        )
+
+    def echo(x, state, key, arrived=None):
+        if arrived is None:
+            payload = jax.eval_shape(codec.compress, x, state, key)[0]
+            arrived = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), payload)
+        return program((x, state, key), (x, state, key), arrived)
+
+    echo.program = program
+    return echo
 
 
 def _symmetric(bits: int, feature: bool, wire_eps: float = 0.0):

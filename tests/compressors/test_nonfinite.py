@@ -90,12 +90,12 @@ def _check_size(case, size, modes=("eager", "jit")):
     codec = case.codec
     if size == "small" and codec.roundtrip is None:
         # the same trace as the round trip (compress, then decompress) with the state an
-        # argument: the program test_contract_echo.py compiles for the row at (16, 64), whose
-        # equality to the separately compiled receiver it checks at NaN and +-Inf
-        sender = case.compress_and_decode()
+        # argument: the sender of the program test_contract_echo.py compiles for the row at
+        # (16, 64), whose equality to the receiver it checks at NaN and +-Inf
+        echo = case.echo()
 
         def jitted(x, key):
-            return sender(x, codec.init(x), key)[2]
+            return echo(x, codec.init(x), key)[0][2]
     else:
         round_trip = case.round_trip()  # one program per row and size (test_magnitudes' too)
 
