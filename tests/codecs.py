@@ -73,6 +73,19 @@ class CodecCase(NamedTuple):
         programs' compile)."""
         return _echo(self.codec)
 
+    def received(self):
+        """The row's ``(x, key) -> decompress(compress(x, init(x), key), x)``, what a receiver
+        decodes, through :meth:`echo`'s program (two runs of it: the payload, then its decode;
+        the program test_contract_echo.py compiles for the row at (16, 64), nothing more)."""
+        echo = _echo(self.codec)
+
+        def received(x, key):
+            state = self.codec.init(x)
+            payload, _ = echo(x, state, key)[1]
+            return echo(x, state, key, payload)[2]
+
+        return received
+
     def exchanged(self, axis_name: str) -> Callable[[jax.Array], jax.Array]:
         """For ``shard_map`` over a 2-device ``axis_name``: compress, swap the payloads with
         the other device (one ``ppermute``), decode."""
@@ -107,10 +120,17 @@ def _echo(codec):
             codec.decompress(arrived, x),
         )
 
+    @functools.cache
+    def zeros(shape, dtype):  # a payload of zeros for an input of this shape and dtype
+        like = jax.ShapeDtypeStruct(shape, dtype)
+        payload = jax.eval_shape(
+            lambda x: codec.compress(x, codec.init(x), jax.random.key(0))[0], like
+        )
+        return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), payload)
+
     def echo(x, state, key, arrived=None):
         if arrived is None:
-            payload = jax.eval_shape(codec.compress, x, state, key)[0]
-            arrived = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), payload)
+            arrived = zeros(x.shape, x.dtype)
         return program((x, state, key), (x, state, key), arrived)
 
     echo.program = program

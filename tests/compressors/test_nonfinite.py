@@ -103,7 +103,6 @@ def _check(case, size, mode, bad, jitted=None):
 
 
 def _check_size(case, size, modes=("eager", "jit"), table=()):
-    codec = case.codec
     if size == "large" and case.name in _LARGE_TOGETHER:
         rows = {case.name: case for case in table}
         together = _round_trips_together(tuple(rows[name].codec for name in _LARGE_TOGETHER))
@@ -111,16 +110,13 @@ def _check_size(case, size, modes=("eager", "jit"), table=()):
 
         def jitted(x, key):
             return together(((x, key),) * len(_LARGE_TOGETHER))[part]
-    elif size == "small" and codec.roundtrip is None:
-        # the same trace as the round trip (compress, then decompress) with the state an
-        # argument: the sender of the program test_contract_echo.py compiles for the row at
-        # (16, 64), whose equality to the receiver it checks at NaN and +-Inf
-        echo = case.echo()
-
-        def jitted(x, key):
-            return echo(x, codec.init(x), key)[0][2]
+    elif size == "small":
+        # the receiver's decode of compress's payload: the program test_contract_echo.py
+        # compiles for the row at (16, 64), where it checks that the fused sender's echo
+        # equals it at NaN and +-Inf (test_magnitudes.py runs it too)
+        jitted = case.received()
     else:
-        round_trip = case.round_trip()  # one program per row and size (test_magnitudes' too)
+        round_trip = case.round_trip()  # one program per row and size (test_sparse's too)
 
         def jitted(x, key):
             return round_trip(x, key)[2]
