@@ -158,10 +158,20 @@ def test_decode_sum_and_add_decoded_equal_the_dense_decode(axis):
     # the fast paths a receiver of gathered payloads and error feedback use scatter at flat
     # positions of the rows' layout: back in the input's layout for any axis
     codec, f = _round_trip(None, 2, axis)
-    x, other = jnp.asarray(X3), jnp.asarray(X3[::-1] * 2)
+    x, other = X3, np.ascontiguousarray(X3[::-1] * 2)
     (p, decoded), (q, decoded_other) = f(x), f(other)
-    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), p, q)
+    stacked = jax.tree.map(lambda a, b: np.stack([a, b]), p, q)
+
+    @jax.jit  # as a training step runs them (eagerly, ~45 op compiles per axis)
+    def fast_paths(stacked, p, base):
+        return (
+            _base.decode_sum(codec, stacked, base),
+            _base.add_decoded(codec, base, p, -1),
+            _base.add_decoded(codec, base, p, 1),
+        )
+
+    summed, minus, plus = fast_paths(stacked, p, other)
     total = np.asarray(decoded, np.float64) + np.asarray(decoded_other, np.float64)
-    np.testing.assert_allclose(_base.decode_sum(codec, stacked, x), total, rtol=1e-6)
-    np.testing.assert_array_equal(_base.add_decoded(codec, other, p, -1), other - decoded)
-    np.testing.assert_array_equal(_base.add_decoded(codec, other, p, 1), other + decoded)
+    np.testing.assert_allclose(summed, total, rtol=1e-6)
+    np.testing.assert_array_equal(minus, other - np.asarray(decoded))
+    np.testing.assert_array_equal(plus, other + np.asarray(decoded))
