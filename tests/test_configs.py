@@ -1,6 +1,5 @@
 """Every config in configs/ runs 2 training steps in ``:smoke`` mode (one process), but those
-whose smoke is another's model and mode with other keys (:data:`LOWERED_ONLY`): set up and
-lowered, not compiled.
+whose smoke trains elsewhere (:data:`LOWERED_ONLY`): set up and lowered, not compiled.
 
 Paper-scale configs read CIFAR-10 / a text corpus through tfds; their smoke variants run on a
 generated copy in tfds format (``data.fake``; nothing downloads), and without the prepared
@@ -11,6 +10,7 @@ import importlib.util
 import json
 import math
 import pathlib
+import re
 
 import pytest
 
@@ -60,10 +60,11 @@ def test_the_paper_scale_configs_are_found():
 ON_TFDS_TEXT = CONFIGS[0].with_name("text_gpt_dense.py")
 
 
-#: configs whose smoke is another config's here, its model and mode, with other codec,
-#: schedule or optimizer keys, and whose keys train elsewhere: their smoke is set up (every key
-#: validated, the data read, the model and mode built, every program traced and lowered) but
-#: nothing compiles or runs (a compile is most of a smoke's CPU, docs/results/suite_tiers)
+#: configs whose smoke trains elsewhere: set up (every key validated, the data read, the model
+#: and mode built, every program traced and lowered), but nothing compiles or runs here (a
+#: compile is most of a smoke's CPU, docs/results/suite_tiers). Name -> where it trains: a
+#: config here whose smoke has its model and mode (other codec, schedule or optimizer keys,
+#: which train where the comments say), or a test file that trains this smoke config as it is
 LOWERED_ONLY = {
     # gpt_lm_pipeline's smoke model, mesh, microbatches and links (TopK 10% per sample,
     # shared mask); Adam at a constant rate where that one has AdamW and a warm-up cosine
@@ -77,6 +78,10 @@ LOWERED_ONLY = {
     # resnet18_cifar10_accordion_powersgd's; Accordion with TopK 99% / 10% (these codecs)
     # trains in tests/transforms/test_accordion.py
     "resnet18_cifar10_accordion_topk": "resnet18_cifar10_accordion_powersgd",
+    # 6 steps, every AB phase (also through the CLI: tests/train/test_ab_contention.py)
+    "digits_ab": "tests/train/test_no_stall.py",
+    # the installed wheel's main job (also through the CLI: test_main.py, test_faults.py)
+    "digits_dense": "tests/test_package.py",
 }
 
 
@@ -102,12 +107,16 @@ def _sets_up_without_compiling(config):
     return lowered.value.programs
 
 
-def test_a_lowered_only_config_shares_its_model_and_mode_with_one_that_trains():
-    for name, trained in LOWERED_ONLY.items():
+def test_a_lowered_only_config_trains_where_it_says():
+    for name, where in LOWERED_ONLY.items():
+        if where.startswith("tests/"):  # that file trains this config's smoke as it is
+            text = (CONFIGS[0].parents[1] / where).read_text()
+            assert re.search(rf"\b{name}(\.py)?:smoke", text), (name, where)
+            continue
         smoke, other = (
-            load(CONFIGS[0].with_name(f"{n}.py")).get_config("smoke") for n in (name, trained)
+            load(CONFIGS[0].with_name(f"{n}.py")).get_config("smoke") for n in (name, where)
         )
-        assert trained not in LOWERED_ONLY, name
+        assert where not in LOWERED_ONLY, name
         assert (smoke.mode, smoke.model_name, smoke.data_name) == (
             other.mode,
             other.model_name,
@@ -137,7 +146,8 @@ def _documents_its_run_and_smoke_trains_two_steps(path, workdir, tfds_dir=None):
         smoke.eval_data = {}
     if path.stem in LOWERED_ONLY:
         programs = _sets_up_without_compiling(smoke)
-        assert any(n.startswith("train_step") for n in programs), programs
+        steps = {"dense", "ab"} if smoke.mode == "ab" else {"train_step"}  # AB: its step kinds
+        assert steps <= {n.split("(")[0] for n in programs}, programs
         return
     summary = train.train_and_evaluate(smoke, str(workdir))
     assert summary["steps"] == 2
