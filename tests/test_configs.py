@@ -1,4 +1,5 @@
-"""Every config in configs/ runs 2 training steps in ``:smoke`` mode (one process).
+"""Every config in configs/ runs 2 training steps in ``:smoke`` mode (one process), but those
+whose smoke trains elsewhere (:data:`LOWERED_ONLY`): set up and lowered, not compiled.
 
 Paper-scale configs read CIFAR-10 / a text corpus through tfds; their smoke variants run on a
 generated copy in tfds format (``data.fake``; nothing downloads), and without the prepared
@@ -9,13 +10,18 @@ import importlib.util
 import json
 import math
 import pathlib
+import re
 
 import pytest
 
+from jaxcomp import _compile
 from jaxcomp import data
 from jaxcomp import main
 from jaxcomp import models
 from jaxcomp import train
+from jaxcomp.train import _dense
+from jaxcomp.train import _dp_mode
+from jaxcomp.train import _pipeline_mode
 
 #: the smoke runs check a config's wiring (2 steps, bytes sent, a finite loss), not the bits of
 #: XLA's optimised program: compiling the ResNet-18 / VGG-16 / GPT steps and inits unoptimised
@@ -54,6 +60,72 @@ def test_the_paper_scale_configs_are_found():
 ON_TFDS_TEXT = CONFIGS[0].with_name("text_gpt_dense.py")
 
 
+#: configs whose smoke trains elsewhere: set up (every key validated, the data read, the model
+#: and mode built, every program traced and lowered), but nothing compiles or runs here (a
+#: compile is most of a smoke's CPU, docs/results/suite_tiers). Name -> where it trains: a
+#: config here whose smoke has its model and mode (other codec, schedule or optimizer keys,
+#: which train where the comments say), or a test file that trains this smoke config as it is
+LOWERED_ONLY = {
+    # gpt_lm_pipeline's smoke model, mesh, microbatches and links (TopK 10% per sample,
+    # shared mask); Adam at a constant rate where that one has AdamW and a warm-up cosine
+    "text_gpt_pipeline": "gpt_lm_pipeline",
+    # digits_pipeline's; 1F1B with the replicas averaged by PowerSGD + EF trains in
+    # tests/train/test_two_processes.py (its "pipeline" case) and tests/pipeline
+    "digits_pipeline_1f1b_powersgd": "digits_pipeline",
+    # digits_pipeline's; adaptive links with their detector train in test_two_processes'
+    # "pipeline" case and tests/pipeline/test_adaptive*.py
+    "digits_pipeline_accordion": "digits_pipeline",
+    # resnet18_cifar10_accordion_topk's (its TopK step compiles in less than half the
+    # time); Accordion with PowerSGD rank 2 / 1 (these codecs) trains in digits_accordion
+    "resnet18_cifar10_accordion_powersgd": "resnet18_cifar10_accordion_topk",
+    # the CLI's cold, warm and damaged-cache runs (optimised; tests/train/test_no_stall.py
+    # trains it with its own overrides)
+    "digits_ab": "tests/test_compile_cache.py",
+    # the installed wheel's main job (also through the CLI: test_main.py, test_faults.py)
+    "digits_dense": "tests/test_package.py",
+}
+
+
+class _Lowered(BaseException):  # not an Exception: setup's error handling lets it through
+    """Raised in place of the setup's compile: every program it would compile, lowered."""
+
+    def __init__(self, programs):
+        super().__init__(sorted(programs))
+        self.programs = programs
+
+
+def _lowers_only(lowered):
+    raise _Lowered({n: p if hasattr(p, "compile") else p() for n, p in lowered.items()})
+
+
+def _sets_up_without_compiling(config):
+    """The setup of ``config`` up to its compile: the lowered programs by name."""
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (_compile, _dense, _dp_mode, _pipeline_mode):
+            mp.setattr(module, "compile_all", _lowers_only)
+        with pytest.raises(_Lowered) as lowered:
+            train.setup(config)
+    return lowered.value.programs
+
+
+def test_a_lowered_only_config_trains_where_it_says():
+    for name, where in LOWERED_ONLY.items():
+        if where.startswith("tests/"):  # that file trains this config's smoke as it is
+            text = (CONFIGS[0].parents[1] / where).read_text()
+            assert re.search(rf"\b{name}\b", text) and ":smoke" in text, (name, where)
+            continue
+        smoke, other = (
+            load(CONFIGS[0].with_name(f"{n}.py")).get_config("smoke") for n in (name, where)
+        )
+        assert where not in LOWERED_ONLY, name
+        assert (smoke.mode, smoke.model_name, smoke.data_name) == (
+            other.mode,
+            other.model_name,
+            other.data_name,
+        ), name
+        assert smoke.model.to_dict() == other.model.to_dict(), name
+
+
 def _documents_its_run_and_smoke_trains_two_steps(path, workdir, tfds_dir=None):
     module = load(path)
     doc = module.__doc__ or ""
@@ -73,6 +145,11 @@ def _documents_its_run_and_smoke_trains_two_steps(path, workdir, tfds_dir=None):
         smoke.data_name = "tfds_text"  # tiny_shakespeare by default
         smoke.data.data_dir = tfds_dir
         smoke.eval_data = {}
+    if path.stem in LOWERED_ONLY:
+        programs = _sets_up_without_compiling(smoke)
+        steps = {"dense", "ab"} if smoke.mode == "ab" else {"train_step"}  # AB: its step kinds
+        assert steps <= {n.split("(")[0] for n in programs}, programs
+        return
     summary = train.train_and_evaluate(smoke, str(workdir))
     assert summary["steps"] == 2
     assert summary["wire_bytes_per_step"] > 0

@@ -22,12 +22,12 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 ROOT = pathlib.Path(__file__).parents[2]
 STUDIES = sorted(p.stem for p in (ROOT / "configs" / "studies").glob("*.py"))
-#: 3 of paper1_direction's 28 cells: dense (seed 0) and TopK both ways (2 seeds: the report's
-#: mean over seeds) with Adam (the seeds were a 2-bit variant's, a 4th cell; every cell's config
-#: is checked below)
+#: 2 of paper1_direction's 28 cells: dense and TopK both ways, Adam, seed 0 (every cell's config
+#: is checked below; the report's mean over seeds, a diverged seed left out: test_study.py,
+#: on a fake trainer writing a run's files)
 CELLS = [
     "dense__optimizer=adam__seed0",
-    "topk10-both__optimizer=adam__*",
+    "topk10-both__optimizer=adam__seed0",
 ]
 #: the cells on 2 stages of 2 microbatches (as configs/digits_pipeline.py:smoke): the CLI's
 #: cells, report and rerun, not the 4-stage program (the configs' smoke runs compile one)
@@ -64,21 +64,21 @@ def smoke_study(tmp_path_factory):
     return workdir, result
 
 
-@pytest.mark.slow  # a study CLI process of 3 cells
+@pytest.mark.slow  # a study CLI process of 2 cells
 def test_paper1_direction_smoke_runs_the_chosen_cells_and_reports(smoke_study):
     workdir, result = smoke_study
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[28/28] quant2-both__optimizer=sgdm__seed1" not in result.stdout
-    assert "[14/28] topk10-both__optimizer=adam__seed1: done" in result.stdout
-    assert result.stdout.count(": running") == 3
+    assert "[13/28] topk10-both__optimizer=adam__seed0: done" in result.stdout
+    assert result.stdout.count(": running") == 2
     md = (workdir / "report.md").read_text()
-    assert "3 of 28 runs done, 0 diverged" in md
+    assert "2 of 28 runs done, 0 diverged" in md
     with open(workdir / "report.csv") as f:
         rows = {(r["variant"], r["optimizer"]): r for r in csv.DictReader(f)}
     dense, both = rows[("dense", "adam")], rows[("topk10 both", "adam")]
     assert float(dense["x_fewer_than_dense"]) == pytest.approx(1.0)
     assert float(both["x_fewer_than_baseline"]) > 5  # TopK 10% of values + indices, both ways
-    assert float(both["seeds"]) == 2
+    assert (float(both["seeds"]), float(both["of_seeds"])) == (1, 2)
     for png in ("accuracy_vs_bytes.png", "curves.png"):
         assert (workdir / png).read_bytes()[:4] == b"\x89PNG"
     assert not (workdir / ".jax_cache").exists()  # no cache on CPU (docs/results/accbug)
@@ -95,7 +95,7 @@ def test_a_rerun_skips_the_finished_cells_and_report_writes_elsewhere(
     args = ["run", "paper1_direction", "--workdir", str(workdir), "--smoke", *SMALL, *cells]
     assert cli.main(args) == 0
     again = capsys.readouterr().out
-    assert again.count("done already") == 3 and "running" not in again, again
+    assert again.count("done already") == 2 and "running" not in again, again
     out = tmp_path / "report"
     code = cli.main(["report", str(workdir), "--out", str(out), "--compute_s", "0.001"])
     assert code == 0
