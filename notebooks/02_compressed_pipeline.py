@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -56,7 +56,7 @@ config.batch_size = 64
 config.eval_batch_size = 64
 config.optax_name = "adam"
 config.lr = 2e-3
-config.total_steps = 30 if SMOKE else 600
+config.total_steps = 12 if SMOKE else 600
 config.log_every = 10
 config.pipeline = dict(
     num_microbatches=4,

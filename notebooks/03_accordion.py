@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -92,7 +92,7 @@ for name, leaf in zip(names, jax.tree.leaves(params)):
 # ## Train and record the modes
 
 # %%
-epochs = 4 if SMOKE else 27
+epochs = 2 if SMOKE else 27
 modes, sent, losses = [], [], []
 for epoch in range(epochs):
     for batch in loader.epoch(epoch):

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -52,9 +52,9 @@ spec = importlib.util.spec_from_file_location("digits_ab", ROOT / "configs" / "d
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 config = module.get_config(None)
-if SMOKE:
-    config.total_steps, config.log_every, config.eval_every, config.checkpoint_every = 40, 1, 40, 0
-    config.ab.warmup_steps, config.ab.sync_every, config.ab.full_rank_steps = 8, 10, 2
+if SMOKE:  # warm-up 0-1, AB 2-3 (a sync after 3), full rank 4 (re-factorised), AB 5
+    config.total_steps, config.log_every, config.eval_every, config.checkpoint_every = 6, 1, 6, 0
+    config.ab.warmup_steps, config.ab.sync_every, config.ab.full_rank_steps = 2, 4, 1
 else:
     config.log_every = 1
 print(dict(config.ab))

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -46,7 +46,7 @@ from jaxcomp import pipeline
 from jaxcomp import transforms
 
 SMOKE = os.environ.get("JAXCOMP_NOTEBOOK_SMOKE") == "1"
-STEPS = 20 if SMOKE else 300
+STEPS = 12 if SMOKE else 300
 train, test = data.digits("train"), data.digits("test")
 loader = data.Loader(train, 128, seed=0)
 test_x, test_y = test.__getitems__(np.arange(len(test))).values()

@@ -17,7 +17,7 @@ from jaxcomp._bits import byte_size
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
-S, M, MB, D = 4, 4, 2, 16
+S, M, MB, D = 3, 3, 2, 16  # 3 stages: a first, a middle and a last, every role a link end has
 N = M * MB
 ACTIVATION = f"tensor<{MB}x{D}xf32>"  # one microbatch's activation, uncompressed
 
