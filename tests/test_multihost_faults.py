@@ -1,7 +1,8 @@
 """Faults of a 2-process run on loopback (issue 37, items 1 and 2): a peer killed
 (``kill -9``) just before a save, stopped (``SIGSTOP``) for less or more than the bound, the
-disk filled under a save; each asserts the bound, the one line, the intact checkpoint and the
-resume.
+disk filled before a save (its room check fails on both processes at once; a write that fails
+mid-save: tests/train/test_workdir_faults.py and test_checkpoint_faults.py, in process); each
+asserts the bound, the one line, the intact checkpoint and the resume.
 
 Before: a peer killed or stopped left the survivor waiting until JAX's heartbeat timeout
 (72-100 s), then both aborted with exit 134 and a C++ "Check failure stack trace"; a peer
@@ -147,6 +148,46 @@ def _checkpoints(workdir) -> list[int]:
     return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
 
 
+def _bytes(folder) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _fill_before_the_next_save(run, work, disk) -> int:
+    """Fills ``disk``, both processes stopped between two room checks, so that the save after
+    the one under way (if any) fails its check on both (a fill that left room for the metrics
+    and a checkpoint's rotation let the run go on 10-320 steps, until its metrics ate the
+    slack). Returns the step of the last checkpoint written: the failing one's predecessor."""
+    while True:
+        for p in run.procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        # process 0 prints a step before saving it: between two saves' checks
+        if run.step() % SETS["checkpoint_every"]:
+            break
+        for p in run.procs:
+            os.kill(p.pid, signal.SIGCONT)
+        time.sleep(0.05)
+    try:
+        folders = list((work / "checkpoints").iterdir())
+        done = [p for p in folders if p.name.isdigit()]
+        writing = [p for p in folders if "tmp" in p.name]  # orbax's "<step>.orbax-...-tmp-..."
+        size = _bytes(max(done, key=lambda p: int(p.name)))  # what the room check asks for
+        # the checkpoints the next saves delete stay on the disk (linked), as if another writer
+        # took that room: a check sees the fill alone
+        held = disk / "held"
+        held.mkdir()
+        for folder in done:
+            for i, f in enumerate(p for p in folder.rglob("*") if p.is_file()):
+                os.link(f, held / f"{folder.name}-{i}")
+        # room for the rest of the save under way, then half a checkpoint
+        rest = sum(max(size - _bytes(p), 0) for p in writing)
+        free = shutil.disk_usage(disk).free
+        (disk / "filler").write_bytes(b"\0" * max(free - rest - size // 2, 0))
+    finally:
+        for p in run.procs:
+            os.kill(p.pid, signal.SIGCONT)
+    return max(int(p.name.split(".")[0]) for p in done + writing)
+
+
 def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
     work, logs = disk / "run", tmp_path / "logs"
     logs.mkdir()
@@ -199,45 +240,36 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
     assert _checkpoints(work)[-1] >= last  # nothing lost to the stall
     last = _checkpoints(work)[-1]
 
-    # --- the disk fills up under a save: both processes stop, exit 74, one line each -------
+    # --- the disk fills up before a save: both processes stop at it, exit 74, one line each --
     run = Run(work, logs)
     try:
         run.wait_step(last + SETS["checkpoint_every"] + 5)  # one more checkpoint written
-        newest = work / "checkpoints" / str(_checkpoints(work)[-1])
-        size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
-        free = shutil.disk_usage(disk).free  # room for the metrics, less than a checkpoint
-        (disk / "filler").write_bytes(b"\0" * max(free - size // 2, 0))
+        newest = _fill_before_the_next_save(run, work, disk)
         run.wait_exit(timeout=120)
     finally:
         run.kill()
     assert [run.code(0), run.code(1)] == [main.EXIT_STORAGE] * 2, run.out(0)[-2000:]
     lines = [_one_line(run.out(i)) for i in (0, 1)]
     assert abs(run.ended[0] - run.ended[1]) < 10, run.ended  # the next step, not a bound
-    # Either process may meet the full disk, in the checkpoint or (under load, when the
-    # save comes late) in another file of the workdir first: both are named, with the path.
-    full = [i for i in (0, 1) if "cannot be written to" in lines[i]]
-    other = [
-        i for i in (0, 1) if f"cannot write {work}" in lines[i] and "No space left" in lines[i]
-    ]
-    assert full or other, lines
+    # the save after the fill, at its room check, on both (or one, the other told: a process
+    # one step ahead may have passed its check before the fill)
+    failed = newest + SETS["checkpoint_every"]
+    full = [i for i in (0, 1) if f"checkpoint step {failed} cannot be written to" in lines[i]]
+    assert full, lines
     for i in full:
         assert "no space left" in lines[i] and "it needs about" in lines[i], lines[i]
-        assert str(work / "checkpoints") in lines[i] and "is intact" in lines[i], lines[i]
-    for i in {0, 1} - set(full) - set(other):
+        assert str(work / "checkpoints") in lines[i], lines[i]
+        assert f"the last good checkpoint (step {newest}) is intact" in lines[i], lines[i]
+    for i in {0, 1} - set(full):
         said = lines[i]
-        assert (
-            f"process {1 - i} cannot write checkpoint step" in said
-            and "no space left on the device" in said
-        ) or f"process {1 - i} could not write its workdir after step" in said, said
+        assert f"process {1 - i} cannot write checkpoint step {failed}: no space left" in said
     kept = _checkpoints(work)
-    assert kept[-1] > last
-    # A save under way when the disk filled may stay in orbax's temporary folder: a process
-    # whose write failed with several processes leaves at once (the Checkpointer's contract).
-    # It is never restored (the resume below starts from kept[-1]) and the next start removes it.
-    partial = [p.name for p in (work / "checkpoints").iterdir() if "tmp" in p.name]
+    assert kept[-1] == newest > last
+    assert not [p.name for p in (work / "checkpoints").iterdir() if "tmp" in p.name]  # unstarted
 
     # --- space freed: the same command resumes from the last good checkpoint, finishes ------
     (disk / "filler").unlink()
+    shutil.rmtree(disk / "held")
     run = Run(work, logs, total_steps=kept[-1] + 5)
     try:
         run.wait_exit(timeout=180)
@@ -246,5 +278,3 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
     assert [run.code(0), run.code(1)] == [0, 0], run.out(0)[-3000:] + run.out(1)[-2000:]
     assert f"resumed from step {kept[-1]}" in run.out(0), run.out(0)[-2000:]
     assert (work / "summary.json").exists()
-    left = [p.name for p in (work / "checkpoints").iterdir() if "tmp" in p.name]
-    assert not left, f"half-written saves {left} outlived the restart (after the fault: {partial})"
