@@ -11,8 +11,11 @@ killed just before a save made the survivor move a good checkpoint to
 waiting in orbax's barriers until this bound (exit 69/69, "another process stopped
 answering"). The network lab's faults (a link down, a straggler): tests/lab/test_faults.py.
 
-One chain of runs on one workdir (a 4 MiB tmpfs), each launch checking several faults, with
-a short bound (``--peer_timeout 8``) and the smallest run (1 device per process, a 32-wide MLP).
+Two chains of runs, each launch checking several faults, with a short bound (``--peer_timeout
+8``) and the smallest run (1 device per process, a 32-wide MLP): a stall, the kill and a resume
+stopped for good on one workdir; the full disk and its resume on another (a 4 MiB tmpfs), its
+first run started while the stopped run waits out the bound (one process stopped, the other
+idle), not after it.
 """
 
 import os
@@ -39,10 +42,14 @@ SETS = {"mesh": [("data", 2)], "model.hidden": (32, 32, 32), "batch_size": 64,
         "checkpoint_every": 10, "keep_checkpoints": 2}  # fmt: skip
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _port(given=set()) -> int:  # noqa: B006 (the ports handed out: two runs go at once)
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in given:
+            given.add(port)
+            return port
 
 
 def _env():
@@ -188,8 +195,8 @@ def _fill_before_the_next_save(run, work, disk) -> int:
     return max(int(p.name.split(".")[0]) for p in done + writing)
 
 
-def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
-    work, logs = disk / "run", tmp_path / "logs"
+def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path, request):
+    work, filled, logs = tmp_path / "run", disk / "run", tmp_path / "logs"
     logs.mkdir()
     # --- a stall shorter than the bound, then kill -9 of process 1 at a checkpoint step ---
     run = Run(work, logs)
@@ -222,6 +229,8 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
         run.wait_step(last + 5)
         os.kill(run.procs[0].pid, signal.SIGSTOP)
         stopped = time.monotonic()
+        full = Run(filled, logs)  # the full disk's run starts while this one waits (idle)
+        request.addfinalizer(full.kill)  # whatever fails before its stage
         (t1,) = run.wait_exit([1], timeout=BOUND + 60)
         os.kill(run.procs[0].pid, signal.SIGCONT)  # it notices it was away, and exits
         (t0,) = run.wait_exit([0], timeout=30)
@@ -238,13 +247,12 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
     assert "this process did not run for" in _one_line(run.out(0))
     assert not (work / "checkpoints.damaged").exists()
     assert _checkpoints(work)[-1] >= last  # nothing lost to the stall
-    last = _checkpoints(work)[-1]
 
     # --- the disk fills up before a save: both processes stop at it, exit 74, one line each --
-    run = Run(work, logs)
+    run = full
     try:
-        run.wait_step(last + SETS["checkpoint_every"] + 5)  # one more checkpoint written
-        newest = _fill_before_the_next_save(run, work, disk)
+        run.wait_step(SETS["checkpoint_every"] + 5)  # a checkpoint written
+        newest = _fill_before_the_next_save(run, filled, disk)
         run.wait_exit(timeout=120)
     finally:
         run.kill()
@@ -254,27 +262,27 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
     # the save after the fill, at its room check, on both (or one, the other told: a process
     # one step ahead may have passed its check before the fill)
     failed = newest + SETS["checkpoint_every"]
-    full = [i for i in (0, 1) if f"checkpoint step {failed} cannot be written to" in lines[i]]
-    assert full, lines
-    for i in full:
+    checked = [i for i in (0, 1) if f"checkpoint step {failed} cannot be written to" in lines[i]]
+    assert checked, lines
+    for i in checked:
         assert "no space left" in lines[i] and "it needs about" in lines[i], lines[i]
-        assert str(work / "checkpoints") in lines[i], lines[i]
+        assert str(filled / "checkpoints") in lines[i], lines[i]
         assert f"the last good checkpoint (step {newest}) is intact" in lines[i], lines[i]
-    for i in {0, 1} - set(full):
+    for i in {0, 1} - set(checked):
         said = lines[i]
         assert f"process {1 - i} cannot write checkpoint step {failed}: no space left" in said
-    kept = _checkpoints(work)
-    assert kept[-1] == newest > last
-    assert not [p.name for p in (work / "checkpoints").iterdir() if "tmp" in p.name]  # unstarted
+    kept = _checkpoints(filled)
+    assert kept[-1] == newest >= SETS["checkpoint_every"]
+    assert not [p.name for p in (filled / "checkpoints").iterdir() if "tmp" in p.name]  # unstarted
 
     # --- space freed: the same command resumes from the last good checkpoint, finishes ------
     (disk / "filler").unlink()
     shutil.rmtree(disk / "held")
-    run = Run(work, logs, total_steps=kept[-1] + 5)
+    run = Run(filled, logs, total_steps=kept[-1] + 5)
     try:
         run.wait_exit(timeout=180)
     finally:
         run.kill()
     assert [run.code(0), run.code(1)] == [0, 0], run.out(0)[-3000:] + run.out(1)[-2000:]
     assert f"resumed from step {kept[-1]}" in run.out(0), run.out(0)[-2000:]
-    assert (work / "summary.json").exists()
+    assert (filled / "summary.json").exists()
