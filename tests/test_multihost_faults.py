@@ -1,8 +1,8 @@
 """Faults of a 2-process run on loopback (issue 37, items 1 and 2): a peer killed
 (``kill -9``) just before a save, stopped (``SIGSTOP``) for less or more than the bound, the
-disk filled before a save (its room check fails on both processes at once; a write that fails
-mid-save: tests/train/test_workdir_faults.py and test_checkpoint_faults.py, in process); each
-asserts the bound, the one line, the intact checkpoint and the resume.
+disk filled under a save (its room check passed: the write fails on process 0, process 1 is
+told; a room check that fails: tests/train/test_workdir_faults.py); each asserts the bound, the
+one line, the intact checkpoint and the resume.
 
 Before: a peer killed or stopped left the survivor waiting until JAX's heartbeat timeout
 (72-100 s), then both aborted with exit 134 and a C++ "Check failure stack trace"; a peer
@@ -161,15 +161,18 @@ def _checkpoints(workdir) -> list[int]:
     return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-def _bytes(folder) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+def _sizes(folder) -> tuple[int, int]:
+    """The bytes of ``folder``'s files, and the bytes they take on the disk (whole pages)."""
+    stats = [p.stat() for p in folder.rglob("*") if p.is_file()]
+    return sum(st.st_size for st in stats), sum(st.st_blocks * 512 for st in stats)
 
 
-def _fill_before_the_next_save(run, work, disk) -> int:
-    """Fills ``disk``, both processes stopped between two room checks, so that the save after
-    the one under way (if any) fails its check on both (a fill that left room for the metrics
-    and a checkpoint's rotation let the run go on 10-320 steps, until its metrics ate the
-    slack). Returns the step of the last checkpoint written: the failing one's predecessor."""
+def _fill_under_the_next_save(run, work, disk) -> int:
+    """Fills ``disk``, both processes stopped between two saves, so that the next save passes
+    its room check (the files' bytes) and fails writing (their pages: a tmpfs page per small
+    file): process 0's write fails mid-save, process 1 is told. A fill that left room for the
+    metrics and a checkpoint's rotation let the run go on a random 10-320 steps, until the
+    metrics ate the slack. Returns the step of the last checkpoint written."""
     while True:
         for p in run.procs:
             os.kill(p.pid, signal.SIGSTOP)
@@ -183,18 +186,18 @@ def _fill_before_the_next_save(run, work, disk) -> int:
         folders = list((work / "checkpoints").iterdir())
         done = [p for p in folders if p.name.isdigit()]
         writing = [p for p in folders if "tmp" in p.name]  # orbax's "<step>.orbax-...-tmp-..."
-        size = _bytes(max(done, key=lambda p: int(p.name)))  # what the room check asks for
+        asked, taken = _sizes(max(done, key=lambda p: int(p.name)))  # the check's, the disk's
+        assert taken - asked > 16 << 10, (asked, taken)  # the margin each side, for the metrics
         # the checkpoints the next saves delete stay on the disk (linked), as if another writer
-        # took that room: a check sees the fill alone
+        # took that room: the next check sees the fill alone
         held = disk / "held"
         held.mkdir()
         for folder in done:
             for i, f in enumerate(p for p in folder.rglob("*") if p.is_file()):
                 os.link(f, held / f"{folder.name}-{i}")
-        # room for the rest of the save under way, then half a checkpoint
-        rest = sum(max(size - _bytes(p), 0) for p in writing)
+        rest = sum(max(taken - _sizes(p)[1], 0) for p in writing)  # of the save under way
         free = shutil.disk_usage(disk).free
-        (disk / "filler").write_bytes(b"\0" * max(free - rest - size // 2, 0))
+        (disk / "filler").write_bytes(b"\0" * max(free - rest - (asked + taken) // 2, 0))
     finally:
         for p in run.procs:
             os.kill(p.pid, signal.SIGCONT)
@@ -241,7 +244,7 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path, reque
 
         def fill_once_a_checkpoint_is_written():
             if not filled_at and full.step() > SETS["checkpoint_every"]:
-                filled_at.append(_fill_before_the_next_save(full, filled, disk))
+                filled_at.append(_fill_under_the_next_save(full, filled, disk))
             full.note_exits()
 
         (t1,) = run.wait_exit([1], timeout=BOUND + 60, meanwhile=fill_once_a_checkpoint_is_written)
@@ -261,12 +264,12 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path, reque
     assert not (work / "checkpoints.damaged").exists()
     assert _checkpoints(work)[-1] >= last  # nothing lost to the stall
 
-    # --- the disk fills up before a save: both processes stop at it, exit 74, one line each --
+    # --- the disk fills up under a save: both processes stop, exit 74, one line each -------
     run = full
     try:
         if not filled_at:  # (a loaded machine: not in the bound)
             run.wait_step(SETS["checkpoint_every"] + 5)
-            filled_at.append(_fill_before_the_next_save(run, filled, disk))
+            filled_at.append(_fill_under_the_next_save(run, filled, disk))
         newest = filled_at[0]
         run.wait_exit(timeout=120)
     finally:
@@ -274,21 +277,29 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path, reque
     assert [run.code(0), run.code(1)] == [main.EXIT_STORAGE] * 2, run.out(0)[-2000:]
     lines = [_one_line(run.out(i)) for i in (0, 1)]
     assert abs(run.ended[0] - run.ended[1]) < 10, run.ended  # the next step, not a bound
-    # the save after the fill, at its room check, on both (or one, the other told: a process
-    # one step ahead may have passed its check before the fill)
+    # The save after the fill fails (or, if process 0's metrics meet the full disk first,
+    # that write): both are named, with the path; the other process is told.
     failed = newest + SETS["checkpoint_every"]
-    checked = [i for i in (0, 1) if f"checkpoint step {failed} cannot be written to" in lines[i]]
-    assert checked, lines
-    for i in checked:
+    full = [i for i in (0, 1) if f"checkpoint step {failed} cannot be written to" in lines[i]]
+    other = [
+        i for i in (0, 1) if f"cannot write {filled}" in lines[i] and "No space left" in lines[i]
+    ]
+    assert full or other, lines
+    for i in full:
         assert "no space left" in lines[i] and "it needs about" in lines[i], lines[i]
         assert str(filled / "checkpoints") in lines[i], lines[i]
         assert f"the last good checkpoint (step {newest}) is intact" in lines[i], lines[i]
-    for i in {0, 1} - set(checked):
+    for i in {0, 1} - set(full) - set(other):
         said = lines[i]
-        assert f"process {1 - i} cannot write checkpoint step {failed}: no space left" in said
+        assert (
+            f"process {1 - i} cannot write checkpoint step {failed}: no space left" in said
+        ) or f"process {1 - i} could not write its workdir after step" in said, said
     kept = _checkpoints(filled)
     assert kept[-1] == newest >= SETS["checkpoint_every"]
-    assert not [p.name for p in (filled / "checkpoints").iterdir() if "tmp" in p.name]  # unstarted
+    # A save under way when the disk filled may stay in orbax's temporary folder: a process
+    # whose write failed with several processes leaves at once (the Checkpointer's contract).
+    # It is never restored (the resume below starts from kept[-1]) and the next start removes it.
+    partial = [p.name for p in (filled / "checkpoints").iterdir() if "tmp" in p.name]
 
     # --- space freed: the same command resumes from the last good checkpoint, finishes ------
     (disk / "filler").unlink()
@@ -301,3 +312,5 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path, reque
     assert [run.code(0), run.code(1)] == [0, 0], run.out(0)[-3000:] + run.out(1)[-2000:]
     assert f"resumed from step {kept[-1]}" in run.out(0), run.out(0)[-2000:]
     assert (filled / "summary.json").exists()
+    left = [p.name for p in (filled / "checkpoints").iterdir() if "tmp" in p.name]
+    assert not left, f"half-written saves {left} outlived the restart (after the fault: {partial})"
