@@ -1,7 +1,8 @@
 """``--compile_cache``: off on CPU with one warning line (``docs/results/accbug``); where it is
 on (``JAXCOMP_UNSAFE_CPU_COMPILE_CACHE=1`` here, as another backend would run), a warm run loads
 every program and computes the same bits as a cold one and a damaged cache entry is compiled
-again, never loaded."""
+again, never loaded. The cold run is also AB's run beside CPU-busy processes
+(``tests/train/test_ab_contention.py``): it trains without a stall (one launch for both)."""
 
 import json
 import os
@@ -21,18 +22,54 @@ CONFIG = str(ROOT / "configs" / "digits_ab.py")  # the mode with the most progra
 MISS = "PERSISTENT COMPILATION CACHE MISS"
 
 
-def _run(workdir, cache):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_EXPLAIN_CACHE_MISSES="1")
+STEPS = 6  # smoke's AB schedule: step 0 dense, then every step program, three SVD transitions
+
+
+def _run(workdir, cache, busy=False):
+    """The CLI's AB smoke run; ``busy``: beside ``os.cpu_count()`` CPU-busy processes over its
+    steps (test_ab_contention.py: the stall it guards). Returns its stderr."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_EXPLAIN_CACHE_MISSES="1",
+               PYTHONUNBUFFERED="1")  # fmt: skip
     env[_cpu.UNSAFE_CPU_COMPILE_CACHE] = "1"  # the cache's plumbing, as on GPU or TPU
     # optimised, as users compile (the split init is two cached programs only so), with XLA:CPU's
-    # loop emitters: the three runs compare bits with each other, all compiled alike
-    env["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"
+    # loop emitters: the runs compare bits with each other, all compiled alike. XLA's
+    # rendezvous watchdog logs "may be stuck" when a device waits over 1 s at a collective
+    env["XLA_FLAGS"] = (
+        "--xla_cpu_use_fusion_emitters=false --xla_cpu_collective_call_warn_stuck_timeout_seconds=1"
+    )
     env.pop("JAXCOMP_COMPILE_CACHE", None)
-    cmd = [sys.executable, "-m", "jaxcomp.main", "--config", f"{CONFIG}:smoke", "--workdir",
-           str(workdir), "--compile_cache", str(cache), "--set", "checkpoint_every=2"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stderr
+    cmd = [sys.executable, "-m", "jaxcomp.main", "--config", f"{CONFIG}:smoke",
+           "--workdir", str(workdir), "--compile_cache", str(cache),
+           "--set", f"total_steps={STEPS}"]  # fmt: skip
+    spin, procs, seen = "while True: pass", [], []
+    with open(pathlib.Path(workdir).with_suffix(".stderr"), "w+") as err:
+        run = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
+                               text=True)  # fmt: skip
+        try:
+            for line in run.stdout:
+                seen.append(line)
+                # the stalls were at the steps' collectives: the busy processes start once the
+                # setup has compiled the steps (its last line), so that the compile does not
+                # share the cores with them
+                if busy and not procs and line.startswith("  wire bytes/step"):
+                    procs = [subprocess.Popen([sys.executable, "-c", spin])
+                             for _ in range(os.cpu_count() or 2)]  # fmt: skip
+                if procs and f"step {STEPS}/{STEPS}" in line:  # the rest runs alone
+                    for p in procs:
+                        p.kill()
+            run.wait(timeout=600)
+        finally:
+            run.kill()
+            for p in procs:
+                p.kill()
+                p.wait()
+        err.seek(0)
+        stderr = err.read()
+    out = "".join(seen)
+    assert run.returncode == 0, out[-2000:] + stderr[-3000:]
+    assert f"step {STEPS}/{STEPS}" in out, out[-2000:]
+    assert procs or not busy, out[-2000:]  # they ran beside every step
+    return stderr
 
 
 def _result(workdir):
@@ -52,12 +89,16 @@ def _same(a, b):
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.slow  # two CLI processes
+@pytest.mark.slow  # two CLI processes, the first beside busy ones
 def test_a_warm_run_compiles_nothing_and_a_damaged_entry_is_compiled_again(tmp_path):
     # one cache path throughout: JAX's cache key holds the directory's path (its GPU
     # autotuning cache lives inside it), so a copied cache would miss everything
     cache = tmp_path / "cache"
-    cold = _run(tmp_path / "cold", cache)
+    cold = _run(tmp_path / "cold", cache, busy=True)
+    stalls = [line for line in cold.splitlines() if "may be stuck" in line]
+    assert not stalls, stalls[:3]  # beside busy processes (test_ab_contention.py)
+    summary = json.loads((tmp_path / "cold" / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["nonfinite_steps"] == 0
     reference = _result(tmp_path / "cold")
     entries = [p for p in cache.iterdir() if p.name.endswith("-cache")]
     # the three AB step programs, the split init, the evaluation, at least

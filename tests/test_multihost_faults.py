@@ -1,7 +1,8 @@
 """Faults of a 2-process run on loopback (issue 37, items 1 and 2): a peer killed
 (``kill -9``) just before a save, stopped (``SIGSTOP``) for less or more than the bound, the
-disk filled under a save; each asserts the bound, the one line, the intact checkpoint and the
-resume.
+disk filled under a save (its room check passed: the write fails on process 0, process 1 is
+told; a room check that fails: tests/train/test_workdir_faults.py); each asserts the bound, the
+one line, the intact checkpoint and the resume.
 
 Before: a peer killed or stopped left the survivor waiting until JAX's heartbeat timeout
 (72-100 s), then both aborted with exit 134 and a C++ "Check failure stack trace"; a peer
@@ -10,8 +11,11 @@ killed just before a save made the survivor move a good checkpoint to
 waiting in orbax's barriers until this bound (exit 69/69, "another process stopped
 answering"). The network lab's faults (a link down, a straggler): tests/lab/test_faults.py.
 
-One chain of runs on one workdir (a 4 MiB tmpfs), each launch checking several faults, with
-a short bound (``--peer_timeout 8``) and the smallest run (1 device per process, a 32-wide MLP).
+Two chains of runs, each launch checking several faults, with a short bound (``--peer_timeout
+8``) and the smallest run (1 device per process, a 32-wide MLP): a stall, the kill and a resume
+stopped for good on one workdir; the full disk and its resume on another (a 4 MiB tmpfs), its
+first run started while the stopped run waits out the bound (one process stopped, the other
+idle), not after it.
 """
 
 import os
@@ -38,10 +42,14 @@ SETS = {"mesh": [("data", 2)], "model.hidden": (32, 32, 32), "batch_size": 64,
         "checkpoint_every": 10, "keep_checkpoints": 2}  # fmt: skip
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _port(given=set()) -> int:  # noqa: B006 (the ports handed out: two runs go at once)
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in given:
+            given.add(port)
+            return port
 
 
 def _env():
@@ -94,8 +102,14 @@ class Run:
             time.sleep(0.05)
         return self.step()
 
-    def wait_exit(self, who=None, timeout=120.0) -> list:
-        """Waits for the processes in ``who`` (default all) to exit; returns their times."""
+    def note_exits(self) -> None:
+        for i, p in enumerate(self.procs):
+            if self.ended[i] is None and p.poll() is not None:
+                self.ended[i] = time.monotonic()
+
+    def wait_exit(self, who=None, timeout=120.0, meanwhile=None) -> list:
+        """Waits for the processes in ``who`` (default all) to exit, calling ``meanwhile()``
+        at each look; returns their times."""
         who = range(len(self.procs)) if who is None else who
         deadline = time.monotonic() + timeout
         while any(self.procs[i].poll() is None for i in who):
@@ -103,9 +117,9 @@ class Run:
                 for p in self.procs:
                     p.kill()
                 pytest.fail(f"no exit within {timeout} s: {[self.out(i)[-1500:] for i in who]}")
-            for i in who:
-                if self.ended[i] is None and self.procs[i].poll() is not None:
-                    self.ended[i] = time.monotonic()
+            self.note_exits()
+            if meanwhile is not None:
+                meanwhile()
             time.sleep(0.05)
         for i in who:
             self.ended[i] = self.ended[i] or time.monotonic()
@@ -147,8 +161,52 @@ def _checkpoints(workdir) -> list[int]:
     return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
-    work, logs = disk / "run", tmp_path / "logs"
+def _sizes(folder) -> tuple[int, int]:
+    """The bytes of ``folder``'s files, and the bytes they take on the disk (whole pages)."""
+    stats = [p.stat() for p in folder.rglob("*") if p.is_file()]
+    return sum(st.st_size for st in stats), sum(st.st_blocks * 512 for st in stats)
+
+
+def _fill_under_the_next_save(run, work, disk) -> int:
+    """Fills ``disk``, both processes stopped between two saves, so that the next save passes
+    its room check (the files' bytes) and fails writing (their pages: a tmpfs page per small
+    file): process 0's write fails mid-save, process 1 is told. A fill that left room for the
+    metrics and a checkpoint's rotation let the run go on a random 10-320 steps, until the
+    metrics ate the slack. Returns the step of the last checkpoint written."""
+    while True:
+        for p in run.procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        # process 0 prints a step before saving it: between two saves' checks, one written
+        if run.step() % SETS["checkpoint_every"] and _checkpoints(work):
+            break
+        for p in run.procs:
+            os.kill(p.pid, signal.SIGCONT)
+        time.sleep(0.05)
+    try:
+        folders = list((work / "checkpoints").iterdir())
+        done = [p for p in folders if p.name.isdigit()]
+        writing = [p for p in folders if "tmp" in p.name]  # orbax's "<step>.orbax-...-tmp-..."
+        asked, taken = _sizes(max(done, key=lambda p: int(p.name)))  # the check's, the disk's
+        # half of it each side: room for the metrics files' next pages (~50 KB here, 18 files)
+        assert taken - asked > 32 << 10, (asked, taken)
+        # the checkpoints the next saves delete stay on the disk (linked), as if another writer
+        # took that room: the next check sees the fill alone
+        held = disk / "held"
+        held.mkdir()
+        for folder in done:
+            for i, f in enumerate(p for p in folder.rglob("*") if p.is_file()):
+                os.link(f, held / f"{folder.name}-{i}")
+        rest = sum(max(taken - _sizes(p)[1], 0) for p in writing)  # of the save under way
+        free = shutil.disk_usage(disk).free
+        (disk / "filler").write_bytes(b"\0" * max(free - rest - (asked + taken) // 2, 0))
+    finally:
+        for p in run.procs:
+            os.kill(p.pid, signal.SIGCONT)
+    return max(int(p.name.split(".")[0]) for p in done + writing)
+
+
+def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path, request):
+    work, filled, logs = tmp_path / "run", disk / "run", tmp_path / "logs"
     logs.mkdir()
     # --- a stall shorter than the bound, then kill -9 of process 1 at a checkpoint step ---
     run = Run(work, logs)
@@ -181,7 +239,16 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
         run.wait_step(last + 5)
         os.kill(run.procs[0].pid, signal.SIGSTOP)
         stopped = time.monotonic()
-        (t1,) = run.wait_exit([1], timeout=BOUND + 60)
+        full = Run(filled, logs)  # the full disk's run starts while this one waits (idle)
+        request.addfinalizer(full.kill)  # whatever fails before its stage
+        filled_at = []  # the newest checkpoint when the disk was filled (once it has one)
+
+        def fill_once_a_checkpoint_is_written():
+            if not filled_at and full.step() > SETS["checkpoint_every"]:
+                filled_at.append(_fill_under_the_next_save(full, filled, disk))
+            full.note_exits()
+
+        (t1,) = run.wait_exit([1], timeout=BOUND + 60, meanwhile=fill_once_a_checkpoint_is_written)
         os.kill(run.procs[0].pid, signal.SIGCONT)  # it notices it was away, and exits
         (t0,) = run.wait_exit([0], timeout=30)
     finally:
@@ -197,54 +264,54 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path):
     assert "this process did not run for" in _one_line(run.out(0))
     assert not (work / "checkpoints.damaged").exists()
     assert _checkpoints(work)[-1] >= last  # nothing lost to the stall
-    last = _checkpoints(work)[-1]
 
     # --- the disk fills up under a save: both processes stop, exit 74, one line each -------
-    run = Run(work, logs)
+    run = full
     try:
-        run.wait_step(last + SETS["checkpoint_every"] + 5)  # one more checkpoint written
-        newest = work / "checkpoints" / str(_checkpoints(work)[-1])
-        size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
-        free = shutil.disk_usage(disk).free  # room for the metrics, less than a checkpoint
-        (disk / "filler").write_bytes(b"\0" * max(free - size // 2, 0))
+        if not filled_at:  # (a loaded machine: not in the bound)
+            run.wait_step(SETS["checkpoint_every"] + 5)
+            filled_at.append(_fill_under_the_next_save(run, filled, disk))
+        newest = filled_at[0]
         run.wait_exit(timeout=120)
     finally:
         run.kill()
     assert [run.code(0), run.code(1)] == [main.EXIT_STORAGE] * 2, run.out(0)[-2000:]
     lines = [_one_line(run.out(i)) for i in (0, 1)]
     assert abs(run.ended[0] - run.ended[1]) < 10, run.ended  # the next step, not a bound
-    # Either process may meet the full disk, in the checkpoint or (under load, when the
-    # save comes late) in another file of the workdir first: both are named, with the path.
-    full = [i for i in (0, 1) if "cannot be written to" in lines[i]]
+    # The save after the fill fails (or, if process 0's metrics meet the full disk first,
+    # that write): both are named, with the path; the other process is told.
+    failed = newest + SETS["checkpoint_every"]
+    full = [i for i in (0, 1) if f"checkpoint step {failed} cannot be written to" in lines[i]]
     other = [
-        i for i in (0, 1) if f"cannot write {work}" in lines[i] and "No space left" in lines[i]
+        i for i in (0, 1) if f"cannot write {filled}" in lines[i] and "No space left" in lines[i]
     ]
     assert full or other, lines
     for i in full:
         assert "no space left" in lines[i] and "it needs about" in lines[i], lines[i]
-        assert str(work / "checkpoints") in lines[i] and "is intact" in lines[i], lines[i]
+        assert str(filled / "checkpoints") in lines[i], lines[i]
+        assert f"the last good checkpoint (step {newest}) is intact" in lines[i], lines[i]
     for i in {0, 1} - set(full) - set(other):
         said = lines[i]
         assert (
-            f"process {1 - i} cannot write checkpoint step" in said
-            and "no space left on the device" in said
+            f"process {1 - i} cannot write checkpoint step {failed}: no space left" in said
         ) or f"process {1 - i} could not write its workdir after step" in said, said
-    kept = _checkpoints(work)
-    assert kept[-1] > last
+    kept = _checkpoints(filled)
+    assert kept[-1] == newest >= SETS["checkpoint_every"]
     # A save under way when the disk filled may stay in orbax's temporary folder: a process
     # whose write failed with several processes leaves at once (the Checkpointer's contract).
     # It is never restored (the resume below starts from kept[-1]) and the next start removes it.
-    partial = [p.name for p in (work / "checkpoints").iterdir() if "tmp" in p.name]
+    partial = [p.name for p in (filled / "checkpoints").iterdir() if "tmp" in p.name]
 
     # --- space freed: the same command resumes from the last good checkpoint, finishes ------
     (disk / "filler").unlink()
-    run = Run(work, logs, total_steps=kept[-1] + 5)
+    shutil.rmtree(disk / "held")
+    run = Run(filled, logs, total_steps=kept[-1] + 5)
     try:
         run.wait_exit(timeout=180)
     finally:
         run.kill()
     assert [run.code(0), run.code(1)] == [0, 0], run.out(0)[-3000:] + run.out(1)[-2000:]
     assert f"resumed from step {kept[-1]}" in run.out(0), run.out(0)[-2000:]
-    assert (work / "summary.json").exists()
-    left = [p.name for p in (work / "checkpoints").iterdir() if "tmp" in p.name]
+    assert (filled / "summary.json").exists()
+    left = [p.name for p in (filled / "checkpoints").iterdir() if "tmp" in p.name]
     assert not left, f"half-written saves {left} outlived the restart (after the fault: {partial})"
