@@ -122,14 +122,15 @@ def _two_steps(pipe, params, batch):
 @pytest.mark.parametrize(
     "name", ["identity", pytest.param("ef_quantize_4_8", marks=pytest.mark.slow)]
 )
-def test_1f1b_moves_both_directions_of_a_tick_in_one_permute(name, mlp, stage_mesh, pack,
+def test_1f1b_moves_both_directions_of_a_tick_in_one_permute(name, mlp3, stage_mesh3, pack,
                                                              monkeypatch):  # fmt: skip
     """Under 1F1B a tick's forward pairs and backward pairs are one permutation: one move per
     tick that sends, one permute per distinct payload size of both directions, the same bytes
     (the meter tells each pair's direction in a merged permute), and two steps bit-identical
     (losses, gradients, link states) to the program that moves each direction apart."""
+    mlp, stage_mesh = mlp3, stage_mesh3
     config = pipeline.PipelineConfig(mlp.M, MERGED[name], schedule="1f1b")
-    params = pack(mlp.params)
+    params = pack(mlp.params, stage_mesh)
     pipe = pipeline.distribute(mlp.model, config, stage_mesh)
     text, merged = _two_steps(pipe, params, mlp.batch)
     monkeypatch.setattr(_ticks, "tick_moves", _split)
@@ -143,11 +144,11 @@ def test_1f1b_moves_both_directions_of_a_tick_in_one_permute(name, mlp, stage_me
     assert sent["other"] == split_sent["other"] == 0
     shape = jax.ShapeDtypeStruct((2, 16), np.float32)
     fwd, bwd = _links.link_bytes(MERGED[name], shape, True)
-    # 14 ticks, 13 send: 5 both ways (identity: 1 permute, else 2), 8 one way (1 each)
-    assert sent["permutes"] == _moves("1f1b", 4, mlp.M, [(fwd, bwd)] * 3)
-    assert sent["permutes"] == (13 if fwd == bwd else 18)
-    assert split_sent["permutes"] == 18
-    assert (_both_ways(text), _both_ways(split_text)) == (5, 0)
+    # 10 ticks, 9 send: 3 both ways (identity: 1 permute, else 2), 6 one way (1 each)
+    assert sent["permutes"] == _moves("1f1b", 3, mlp.M, [(fwd, bwd)] * 2)
+    assert sent["permutes"] == (9 if fwd == bwd else 12)
+    assert split_sent["permutes"] == 12
+    assert (_both_ways(text), _both_ways(split_text)) == (3, 0)
 
 
 HET_LINK = pipeline.link(C.quantize(8), C.quantize(4, rounding="stochastic"))
