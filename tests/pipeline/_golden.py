@@ -1,18 +1,25 @@
 """Numbers of the pipeline before the compact link-state layout.
 
 ``golden_v1.npz`` holds what the GPipe pipeline of commit 48750c7 (link states with one slot
-per stage, backward by autodiff; the codecs of that commit) computed on the cases below: loss,
-gradients and the *live* ends of every link state (boundary ``b``: forward sender ``b``,
-receiver ``b + 1``; backward sender ``b + 1``, receiver ``b``). ``test_golden.py`` runs
-today's pipeline on the same cases and compares. Every case's backward channel is stateless or
-keyed by sample id, so its numbers do not depend on the order in which a step's microbatches
-cross a boundary backward (that order changed: microbatch order now, reversed before).
+per stage, backward by autodiff) computed on the cases below, on 3-stage pipelines (a first, a
+middle and a last stage: every role a link end has): loss, gradients and the *live* ends of
+every link state (boundary ``b``: forward sender ``b``, receiver ``b + 1``; backward sender
+``b + 1``, receiver ``b``). ``test_golden.py`` runs today's pipeline on the same cases and
+compares. Every case's backward channel is stateless or keyed by sample id, so its numbers do
+not depend on the order in which a step's microbatches cross a boundary backward (that order
+changed: microbatch order now, reversed before).
 
-When a codec's numerics change, record again with that old pipeline and today's codecs::
+Recorded (2026-12-06; at 4 stages before) with that pipeline on the rest of the package of
+e5e03b5, the last commit the old pipeline imports with::
 
-  python tests/pipeline/_golden.py record --old-pipeline 48750c7
+  python tests/pipeline/_golden.py record --old-pipeline 48750c7 --package e5e03b5
 
-(the pipeline package of that commit, everything else from the working tree).
+(the pipeline package of the first commit, everything else from the second; without
+``--package``, from the working tree). The same command at 4 stages rewrote the 4-stage file
+of e5e03b5 bit for bit, which today's pipeline matched: these cases' codecs compute as they
+did there. When a codec's numerics change, record with today's codecs (no ``--package``): the
+old pipeline then needs the helpers it imports (``compressors._base``, ``comm``, ``feedback``)
+as they were at e5e03b5.
 """
 
 import importlib.util
@@ -23,7 +30,8 @@ import numpy as np
 
 HERE = pathlib.Path(__file__).parent
 GOLDEN = HERE / "golden_v1.npz"
-N = 8  # samples per batch (per-sample buffers)
+S = 3  # stages
+N = 6  # samples per batch (per-sample buffers)
 
 
 def conftest():
@@ -62,11 +70,10 @@ def cases():
 
 def fixture(kind):
     c = conftest()
-    if kind == "mlp":
-        return c.make_mlp()
     if kind == "cnn":
-        return c.make_cnn()
-    return c.make_mlp()  # 8 rows: 2 replicas x 4 microbatches x 1 row
+        return c.make_cnn(num_microbatches=S, num_stages=S)
+    # "mlp2": the same 6 rows as 2 replicas x 3 microbatches x 1 row
+    return c.make_mlp(num_microbatches=S, num_stages=S)
 
 
 def old_ends(states):
@@ -93,8 +100,9 @@ def record():
     arrays = {}
     for name, (kind, link, schedule, replicas) in cases().items():
         fx = fixture(kind)
-        mesh = pipeline.pipeline_mesh(4, jax.devices()[: 4 * replicas])
-        pipe = pipeline.distribute(fx.model, pipeline.PipelineConfig(fx.M, link), mesh)
+        mesh = pipeline.pipeline_mesh(S, jax.devices()[: S * replicas])
+        distribute = getattr(pipeline, "distribute", None) or pipeline.gpipe  # 48750c7: gpipe
+        pipe = distribute(fx.model, pipeline.PipelineConfig(fx.M, link), mesh)
         params = pipeline.pack_params(fx.params, NamedSharding(mesh, P("stage")))
         batch = fx.batch
         if replicas > 1:
@@ -117,8 +125,9 @@ def record():
     print(f"wrote {len(arrays)} arrays to {GOLDEN}")
 
 
-def _with_old_pipeline(commit):
-    """Re-runs this script on a copy of the package whose ``pipeline`` is that of ``commit``."""
+def _with_old_pipeline(commit, package=None):
+    """Re-runs this script on a copy of the package (the working tree's, or ``package``'s, a
+    commit) whose ``pipeline`` is that of ``commit``."""
     import os
     import shutil
     import subprocess
@@ -126,13 +135,19 @@ def _with_old_pipeline(commit):
 
     root = HERE.parents[1]
     tmp = pathlib.Path(tempfile.mkdtemp())
-    shutil.copytree(root / "jaxcomp", tmp / "jaxcomp")
+
+    def extract(rev, path):
+        archive = subprocess.run(
+            ["git", "-C", str(root), "archive", rev, path], check=True, capture_output=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+
+    if package is None:
+        shutil.copytree(root / "jaxcomp", tmp / "jaxcomp")
+    else:
+        extract(package, "jaxcomp")
     shutil.rmtree(tmp / "jaxcomp" / "pipeline")
-    archive = subprocess.run(
-        ["git", "-C", str(root), "archive", commit, "jaxcomp/pipeline"],
-        check=True, capture_output=True,
-    ).stdout  # fmt: skip
-    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    extract(commit, "jaxcomp/pipeline")
     env = {**os.environ, "PYTHONPATH": str(tmp)}
     subprocess.run([sys.executable, __file__, "record"], env=env, check=True)
 
@@ -142,6 +157,6 @@ if __name__ == "__main__" and sys.argv[1:2] == ["record"]:
 
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     if sys.argv[2:3] == ["--old-pipeline"]:
-        _with_old_pipeline(sys.argv[3])
+        _with_old_pipeline(sys.argv[3], *(sys.argv[5:6] if sys.argv[4:5] == ["--package"] else []))
     else:
         record()

@@ -72,7 +72,7 @@ def _down(p, x):  # halves the resolution, changes the channels, GroupNorm
     return _group_norm(jax.nn.relu(_conv(p["conv"], x, stride=2))) * p["scale"]
 
 
-def _head(p, x):  # [mb, 2, 2, 16] -> [mb, 10]
+def _head(p, x):  # [mb, 2, 2, 16] -> [mb, 10] (3 stages: [mb, 4, 4, 8])
     return x.mean(axis=(1, 2)) @ p["w"] + p["b"]
 
 
@@ -81,9 +81,13 @@ def _cross_entropy(logits, labels):
     return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == labels)}
 
 
-def make_cnn(num_microbatches=4, microbatch=2, seed=0):
+def make_cnn(num_microbatches=4, microbatch=2, seed=0, num_stages=4):
     """A heterogeneous CNN: channels 1 -> 4 -> 8 -> 16 -> 10 classes, resolution 8 -> 4 -> 2,
-    every stage with a different parameter structure."""
+    every stage with a different parameter structure (``num_stages=3``: one ``_down`` stage,
+    channels 1 -> 4 -> 8 -> 10, resolution 8 -> 4; the first, middle and last stages' three
+    structures and a boundary of each size)."""
+    if num_stages not in (3, 4):
+        raise ValueError(f"make_cnn has 3 or 4 stages, not {num_stages}")
     rng = np.random.default_rng(seed)
 
     def f32(a):
@@ -93,19 +97,20 @@ def make_cnn(num_microbatches=4, microbatch=2, seed=0):
         w = rng.normal(size=(3, 3, cin, cout)) / np.sqrt(9 * cin)
         return {"kernel": f32(w), "bias": jnp.full((cout,), 0.01)}
 
-    params = [
-        {"conv": conv(1, 4)},
-        {"conv": conv(4, 8), "scale": jnp.ones((8,))},
-        {"conv": conv(8, 16), "scale": jnp.ones((16,))},
-        {"w": f32(rng.normal(size=(16, 10)) / 4.0), "b": jnp.zeros((10,))},
-    ]
+    params = [{"conv": conv(1, 4)}, {"conv": conv(4, 8), "scale": jnp.ones((8,))}]
+    if num_stages == 4:
+        params.append({"conv": conv(8, 16), "scale": jnp.ones((16,))})
+    channels = params[-1]["scale"].shape[0]
+    w = rng.normal(size=(channels, 10)) / np.sqrt(channels)
+    params.append({"w": f32(w), "b": jnp.zeros((10,))})
     n = num_microbatches * microbatch
     batch = {
         "x": f32(rng.normal(size=(n, 8, 8, 1))),
         "label": jnp.asarray(rng.integers(0, 10, size=(n,)), jnp.int32),
         "ids": jnp.arange(n, dtype=jnp.int32),
     }
-    model = pipeline.StagedModel((_stem, _down, _down, _head), _cross_entropy)
+    stages = (_stem,) + (_down,) * (num_stages - 2) + (_head,)
+    model = pipeline.StagedModel(stages, _cross_entropy)
     return types.SimpleNamespace(model=model, params=params, batch=batch, M=num_microbatches)
 
 
@@ -204,7 +209,8 @@ def mlp3():
 
 @pytest.fixture(scope="session")
 def cnn():
-    return make_cnn()
+    """The 3-stage CNN (3 microbatches of 2 rows), on :func:`stage_mesh3`."""
+    return make_cnn(num_microbatches=3, num_stages=3)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from jaxcomp import train
 from jaxcomp.models import _norm
 
 L, H = pipeline.LOW_COMPRESSION, pipeline.HIGH_COMPRESSION
-S, M, MB, F = 4, 6, 4, 8  # M > S: GPipe has bubble ticks
+S, M, MB, F = 3, 4, 4, 8  # M > S: GPipe has bubble ticks; a first, a middle and a last stage
 STEPS, SAVE_AFTER = 5, 3
 STEP_ARGS = ("compress", "modes")
 
@@ -67,16 +67,22 @@ def _stats(states):
 
 
 @pytest.mark.slow
-def test_batchnorm_statistics_on_adaptive_links_switch_count_and_resume(stage_mesh, pack, tmp_path):
+def test_batchnorm_statistics_on_adaptive_links_switch_count_and_resume(
+    stage_mesh3, pack, tmp_path
+):
+    stage_mesh = stage_mesh3
     model = _bn_model()
     params, state0, batch = _setup()
-    # interval 1, checked every step: the first check is critical (low), then the same batch
-    # and parameters give the same norms: every link switches to high compression at step 2
-    det = pipeline.Detector(1, check_every=1)
+    # interval 1, checked every step: the first check is critical (low); then the same batch
+    # and parameters give norms that change only by the links' coding, far below eta = 8
+    # (with the default 0.5, at S = 3, M = 5, boundary 0's backward norm with 4-bit links
+    # moved enough from the 8-bit one's to go back to low at step 3): every link switches to
+    # high compression at step 2 and stays
+    det = pipeline.Detector(1, check_every=1, eta=8.0)
     config = pipeline.PipelineConfig(M, pipeline.adaptive_link(LOW, HIGH), detector=det)
     pipe = pipeline.distribute(model, config, stage_mesh)
     step = jax.jit(pipe.step, static_argnames=STEP_ARGS)
-    packed = pack(params)
+    packed = pack(params, stage_mesh)
     states = pipe.init(packed, batch, state0)
     modes, losses = [], []
     for t in range(STEPS):
@@ -89,7 +95,7 @@ def test_batchnorm_statistics_on_adaptive_links_switch_count_and_resume(stage_me
             ckpt.save(SAVE_AFTER, states, {"step": SAVE_AFTER})
             ckpt.wait()
             ckpt.close()
-    assert modes == [((L, L),) * 3] * 2 + [((H, H),) * 3] * 3, modes
+    assert modes == [((L, L),) * (S - 1)] * 2 + [((H, H),) * (S - 1)] * 3, modes
 
     # only real microbatches update the statistics: M forwards per step at every stage
     for s, st in enumerate(_stats(states)):
@@ -117,7 +123,7 @@ def test_batchnorm_statistics_on_adaptive_links_switch_count_and_resume(stage_me
     ckpt = train.Checkpointer(str(tmp_path))
     restored_step, resumed, _ = ckpt.restore_latest(states)
     ckpt.close()
-    assert restored_step == SAVE_AFTER and pipeline.link_modes(resumed) == ((H, H),) * 3
+    assert restored_step == SAVE_AFTER and pipeline.link_modes(resumed) == ((H, H),) * (S - 1)
     for _ in range(STEPS - SAVE_AFTER):
         _, _, resumed, _ = step(packed, batch, resumed, None, modes=pipeline.link_modes(resumed))
     a, b = jax.tree.leaves(states), jax.tree.leaves(resumed)

@@ -11,7 +11,7 @@ from jaxcomp import feedback as F
 from jaxcomp import pipeline
 from jaxcomp.pipeline import _links
 
-N = 8  # samples in the test batch (per-sample buffers)
+N = 6  # samples in the test batch (per-sample buffers)
 
 LINKS = {
     "topk_ef": pipeline.link(
@@ -61,10 +61,9 @@ FAST_RUN = ("topk_ef", "1f1b")
     [r if r == FAST_RUN else pytest.param(*r, marks=pytest.mark.slow) for r in RUNS],
 )
 def test_distributed_equals_simulated_and_sends_theory_bytes(
-    name, schedule, mlp, stage_mesh, mlp3, stage_mesh3, pack, tools, recorded
+    name, schedule, mlp3, stage_mesh3, pack, tools, recorded
 ):
-    if (name, schedule) not in GOLDEN_CASES:  # the recorded numbers are the 4-stage MLP's
-        mlp, stage_mesh = mlp3, stage_mesh3  # a first, a middle and a last stage: every role
+    mlp, stage_mesh = mlp3, stage_mesh3  # a first, a middle and a last stage: every role
     config = pipeline.PipelineConfig(mlp.M, LINKS[name], schedule=schedule)
     pipe = pipeline.distribute(mlp.model, config, stage_mesh)
     sim = pipeline.simulate(mlp.model, config)
@@ -129,9 +128,10 @@ def _assert_mirrors(states):
                 )
 
 
-def test_aq_sgd_warmup_fills_both_caches(mlp, stage_mesh, pack):
+def test_aq_sgd_warmup_fills_both_caches(mlp3):
     """After the uncompressed warm-up, sender and receiver caches hold every sample's
     activation (in float16), bit-identical at both ends of each boundary."""
+    mlp = mlp3
     config = pipeline.PipelineConfig(mlp.M, LINKS["aq_sgd"])
     sim = pipeline.simulate(mlp.model, config)
     states = sim.init(mlp.params, mlp.batch)

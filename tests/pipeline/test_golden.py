@@ -38,7 +38,7 @@ RUNS = [(n, "1f1b") for n in sorted(CASES) if n not in NOT_HERE] + [("replicas_t
 def test_same_numbers_as_before_the_compact_layout(name, schedule, recorded):
     kind, link, compress_per_step, replicas = CASES[name]
     fx = golden.fixture(kind)
-    mesh = pipeline.pipeline_mesh(4, jax.devices()[: 4 * replicas])
+    mesh = pipeline.pipeline_mesh(golden.S, jax.devices()[: golden.S * replicas])
     config = pipeline.PipelineConfig(fx.M, link, schedule=schedule)
     pipe = pipeline.distribute(fx.model, config, mesh)
     params = pipeline.pack_params(fx.params, NamedSharding(mesh, P("stage")))

@@ -30,12 +30,12 @@ def test_identity_mlp_matches_unpipelined(mlp, stage_mesh, pack, tools, form):
 
 
 @pytest.mark.slow
-def test_identity_heterogeneous_cnn_matches_unpipelined(cnn, stage_mesh, pack, tools):
-    """1F1B on the CNN (GPipe's step and evaluation on it: test_ticks.py's
+def test_identity_heterogeneous_cnn_matches_unpipelined(cnn, stage_mesh3, pack, tools):
+    """1F1B on the 3-stage CNN (GPipe's step and evaluation on it: test_ticks.py's
     ``test_boundaries_of_different_sizes_send_no_padding``)."""
     config = pipeline.PipelineConfig(cnn.M, schedule="1f1b")
-    pipe = pipeline.distribute(cnn.model, config, stage_mesh)
-    params = pack(cnn.params)
+    pipe = pipeline.distribute(cnn.model, config, stage_mesh3)
+    params = pack(cnn.params, stage_mesh3)
     states = pipe.init(params, cnn.batch)
     loss, grads, _, metrics = jax.jit(pipe.step)(params, cnn.batch, states, jax.random.key(0))
     ref_loss, ref_grads = tools.reference(cnn.model, cnn.params, cnn.batch)

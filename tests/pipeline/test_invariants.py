@@ -1,10 +1,11 @@
 """Error-feedback invariants across steps, in both directions; bubble ticks touch no state.
 
-A probe pipeline whose gradients reveal what crossed each boundary: stages 0-2 add a parameter
-(``y = x + v_b``), stage 3 multiplies (``y = x * w``), loss ``mean_m sum(y_m)``. Then
-``dL/dv_b = sum_m g_hat_b,m`` (the gradient stage ``b`` received over backward link ``b``) and
-``dL/dw = sum_m x_hat_2,m / M``, so the EF telescoping identity ``sum_m sent + e = sum_m
-received + e'`` can be checked per backward link and, summed over the links, forward.
+A probe pipeline whose gradients reveal what crossed each boundary: stages 0 and 1 (a first and
+a middle stage) add a parameter (``y = x + v_b``), stage 2 multiplies (``y = x * w``), loss
+``mean_m sum(y_m)``. Then ``dL/dv_b = sum_m g_hat_b,m`` (the gradient stage ``b`` received over
+backward link ``b``) and ``dL/dw = sum_m x_hat_1,m / M``, so the EF telescoping identity
+``sum_m sent + e = sum_m received + e'`` can be checked per backward link and, summed over the
+links, forward.
 """
 
 import jax
@@ -16,7 +17,7 @@ from jaxcomp import compressors as C
 from jaxcomp import feedback as F
 from jaxcomp import pipeline
 
-M, MB, D, STEPS = 4, 2, 8, 3
+S, M, MB, D, STEPS = 3, 3, 2, 8, 3
 
 
 def _add(p, x):
@@ -33,9 +34,10 @@ def _total(y, labels):
 
 
 @pytest.fixture(scope="module")
-def probe(stage_mesh, pack):
+def probe(stage_mesh3, pack):
+    stage_mesh = stage_mesh3
     rng = np.random.default_rng(0)
-    params = [{"v": jnp.asarray(rng.normal(size=(MB, D)), jnp.float32)} for _ in range(3)]
+    params = [{"v": jnp.asarray(rng.normal(size=(MB, D)), jnp.float32)} for _ in range(S - 1)]
     params.append({"w": jnp.asarray(rng.normal(size=(MB, D)), jnp.float32)})
     batches = [
         {"x": jnp.asarray(rng.normal(size=(M * MB, D)), jnp.float32), "y": jnp.zeros(M * MB)}
@@ -44,9 +46,9 @@ def probe(stage_mesh, pack):
     link = pipeline.link(
         F.error_feedback(C.top_k(count=3, per_sample=True)), F.error_feedback(C.quantize(3))
     )
-    model = pipeline.StagedModel((_add, _add, _add, _mul), _total)
+    model = pipeline.StagedModel((_add,) * (S - 1) + (_mul,), _total)
     pipe = pipeline.distribute(model, pipeline.PipelineConfig(M, link), stage_mesh)
-    packed = pack(params)
+    packed = pack(params, stage_mesh)
     states = [pipe.init(packed, batches[0])]
     grads = []
     step = jax.jit(pipe.step)
@@ -63,14 +65,14 @@ def _np(tree):
 
 def test_backward_error_feedback_telescopes_per_link(probe):
     params, _, grads, states = probe
-    w = np.asarray(params[3]["w"])
+    w = np.asarray(params[-1]["w"])
     for i in range(STEPS):
         g = _np(grads[i])
         old, new = states[i].ends(), states[i + 1].ends()
         # what each backward link sent, summed over microbatches: w / M per microbatch from
-        # stage 3, then what the stage above received
-        sent = [g[1]["v"], g[2]["v"], M * (w / M)]
-        for b in range(3):
+        # the last stage, then what the stage above received
+        sent = [g[b + 1]["v"] for b in range(S - 2)] + [M * (w / M)]
+        for b in range(S - 1):
             e_old = np.asarray(old[b].backward.send.residual)
             e_new = np.asarray(new[b].backward.send.residual)
             assert np.any(e_new != e_old)
@@ -79,13 +81,13 @@ def test_backward_error_feedback_telescopes_per_link(probe):
 
 def test_forward_error_feedback_telescopes_over_the_links(probe):
     params, batches, grads, states = probe
-    v = sum(np.asarray(p["v"]) for p in params[:3])
+    v = sum(np.asarray(p["v"]) for p in params[:-1])
     for i in range(STEPS):
         x = np.asarray(batches[i]["x"]).reshape(M, MB, D).sum(axis=0)
         old, new = states[i].ends(), states[i + 1].ends()
-        e_old = sum(np.asarray(old[b].forward.send.residual) for b in range(3))
-        e_new = sum(np.asarray(new[b].forward.send.residual) for b in range(3))
-        received_last = M * np.asarray(grads[i][3]["w"])  # sum_m x_hat_2,m
+        e_old = sum(np.asarray(old[b].forward.send.residual) for b in range(S - 1))
+        e_new = sum(np.asarray(new[b].forward.send.residual) for b in range(S - 1))
+        received_last = M * np.asarray(grads[i][-1]["w"])  # sum_m x_hat_(S-2),m
         np.testing.assert_allclose(x + M * v + e_old, received_last + e_new, rtol=1e-5, atol=1e-5)
 
 
@@ -97,10 +99,10 @@ def test_only_the_link_ends_ever_change(probe):
     layout = initial.layout
     for name, shape, _ in layout.buffers:
         a0, a1 = np.asarray(initial.buffers[name]), np.asarray(final.buffers[name])
-        for d in range(4):
+        for d in range(S):
             used = sum(p.size for p in layout.places[d] if p.buffer == name)
             np.testing.assert_array_equal(a0[d][..., used:], a1[d][..., used:])
-            assert used < shape[-1] or d in (1, 2)  # the end stages own fewer ends
+            assert used < shape[-1] or 0 < d < S - 1  # the end stages own fewer ends
     for b, (e0, e1) in enumerate(zip(initial.ends(), final.ends())):
         for direction in ("forward", "backward"):
             s0, s1 = getattr(e0, direction).send, getattr(e1, direction).send

@@ -178,11 +178,10 @@ def test_replica_averaging_errors(setup):
 def test_plain_mean_of_a_heterogeneous_cnn_sends_each_stage_unpadded(tools):
     """Without a transform the replicas' float mean sends each stage's own parameter bytes (not
     the largest stage's packed row) and gives the unpipelined gradient of the whole batch."""
-    cnn = tools.make_cnn(microbatch=2)
+    cnn = tools.make_cnn(num_microbatches=3, num_stages=3)  # stages of 40, 304 and 90 floats
     batch = {k: jnp.concatenate([v, v[::-1]]) for k, v in cnn.batch.items()}
-    pipe = pipeline.distribute(
-        cnn.model, pipeline.PipelineConfig(cnn.M, schedule="1f1b"), pipeline.pipeline_mesh(4)
-    )
+    mesh = pipeline.pipeline_mesh(3, jax.devices()[:6])  # 2 replicas
+    pipe = pipeline.distribute(cnn.model, pipeline.PipelineConfig(cnn.M, schedule="1f1b"), mesh)
     args = (cnn.params, batch, pipe.init(cnn.params, batch), None)
     compiled = jax.jit(pipe.step).lower(*args).compile()
     loss, grads, _, metrics = compiled(*args)
@@ -195,4 +194,4 @@ def test_plain_mean_of_a_heterogeneous_cnn_sends_each_stage_unpadded(tools):
     tensor_bytes = sum(r.total_bytes for r in data if not scalars.fullmatch(r.shape))
     stage_bytes = [sum(x.size * 4 for x in jax.tree.leaves(p)) for p in cnn.params]
     assert tensor_bytes == float(metrics["data_wire_bytes"]) == sum(stage_bytes)
-    assert float(metrics["data_dense_bytes"]) == sum(stage_bytes) < 4 * max(stage_bytes)
+    assert float(metrics["data_dense_bytes"]) == sum(stage_bytes) < 3 * max(stage_bytes)
