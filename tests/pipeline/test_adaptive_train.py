@@ -1,18 +1,20 @@
 """Adaptive pipeline links in the trainer: per-boundary modes and bytes in the metrics, and the
 detector's config errors (a resume across a link switch: tests/train/test_resume.py)."""
 
+import jax.numpy as jnp
 import ml_collections
 import pytest
 
 from jaxcomp import train
+from jaxcomp.train import _pipeline_mode
 
 
 def _config():
     c = ml_collections.ConfigDict()
     c.mode = "pipeline"
-    c.mesh = [("stage", 4)]
+    c.mesh = [("stage", 2)]  # one boundary, both directions adaptive
     c.model_name = "mlp"
-    c.model = dict(hidden=(16, 16, 16))
+    c.model = dict(hidden=(16,))
     c.data_name = "digits"
     c.data = dict(flat=True)
     c.batch_size = 32
@@ -24,7 +26,7 @@ def _config():
     c.eval_every = 0
     c.checkpoint_every = 0
     c.pipeline = dict(
-        num_microbatches=4,
+        num_microbatches=2,
         forward=dict(name="quantize", bits=8, feedback="ef"),
         forward_high=dict(name="quantize", bits=4, feedback="ef"),
         backward=dict(name="quantize", bits=8),
@@ -39,9 +41,9 @@ def test_metrics_log_each_boundary_mode_and_the_bytes_of_that_mode(tmp_path):
     summary = train.train_and_evaluate(_config(), str(tmp_path))
     rows = [r for r in train.read_metrics(str(tmp_path)) if r["split"] == "train"]
     assert [r["step"] for r in rows] == list(range(1, 9))
-    keys = [f"link_mode_{d}_{b}" for b in range(3) for d in ("forward", "backward")]
+    keys = ["link_mode_forward_0", "link_mode_backward_0"]
     modes = [[r[k] for k in keys] for r in rows]
-    assert modes[0] == modes[1] == [0] * 6  # the first interval and the decision on it: low
+    assert modes[0] == modes[1] == [0] * 2  # the first interval and the decision on it: low
     assert any(v == 1 for m in modes for v in m), modes  # the detector switched some link
     low, high = summary["boundary_bytes_per_step"], summary["boundary_bytes_per_step_high"]
     assert high < low
@@ -53,6 +55,15 @@ def test_metrics_log_each_boundary_mode_and_the_bytes_of_that_mode(tmp_path):
             assert r["wire_bytes"] == high
         else:
             assert high < r["wire_bytes"] < low
+    # the records of several boundaries (a trainer run's switch one step for all): each
+    # adaptive direction's own mode under its boundary's number, the fixed ones left out
+    modes = jnp.array([[0, 1], [1, 0], [1, 1]])
+    mask = ((True, True), (True, False), (False, True))
+    out = _pipeline_mode._adaptive_metrics({"link_modes": modes, "wire_bytes": 7.0}, mask)
+    assert {k: int(v) for k, v in out.items()} == {
+        "wire_bytes": 7, "low_compression_links": 1, "link_mode_forward_0": 0,
+        "link_mode_backward_0": 1, "link_mode_forward_1": 1, "link_mode_backward_2": 1,
+    }  # fmt: skip
 
 
 def _with_pipeline(**changes):

@@ -8,6 +8,8 @@ with another ``total_steps`` changed every step's learning rate without a word, 
 ``total_steps`` to "continue" a finished one restarted the decay.
 """
 
+import functools
+
 import jax
 import pytest
 
@@ -100,6 +102,7 @@ def test_the_cosine_horizon_is_part_of_the_experiment(make_config, tmp_path, cap
     """Resuming with another total_steps is refused naming the horizon, before compiling;
     a finished cosine run is not 'continued' by raising total_steps; the explicit horizon
     continues it at the schedule's end value; constant schedules extend freely."""
+    make_config = functools.partial(make_config, model=dict(hidden=(16,)))  # 4 setups: small
     cosine = make_config(schedule="cosine", total_steps=8, log_every=4, checkpoint_every=4)
     work = tmp_path / "cos"
     train.train_and_evaluate(cosine, str(work))

@@ -17,7 +17,7 @@ def dp_config(**data_parallel):
             "mode": "data_parallel",
             "mesh": [("data", 8)],
             "model_name": "mlp",
-            "model": {"hidden": (16, 16)},
+            "model": {"hidden": (16,)},
             "data_name": "digits",
             "batch_size": 64,
             "eval_batch_size": 120,

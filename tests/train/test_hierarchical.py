@@ -21,6 +21,8 @@ ACCORDION = {"transform": "accordion", "low": {"name": "power_sgd", "rank": 2},
 
 
 def _dp(make_config, mesh, reducer, **kw):
+    # one hidden layer: two kernels to compress, each leaf's codec traced once per program
+    kw = {"model": {"hidden": (32,)}, **kw}
     return make_config(mode="data_parallel", mesh=mesh, optax_name="sgd", lr=0.1,
                        data_parallel=reducer, **kw)  # fmt: skip
 

@@ -11,19 +11,19 @@ from jaxcomp.train import _trainer
 pytestmark = pytest.mark.usefixtures("fast_compiles", "eval_compiled_when_called")
 
 
-@pytest.mark.slow  # a pipeline-mode setup (9 s); the NNX stages are in tests/pipeline
+@pytest.mark.slow  # a pipeline-mode setup; the NNX stages are in tests/pipeline
 def test_nnx_mlp_trains_in_pipeline_mode_with_a_per_leaf_optimizer(make_config):
     config = make_config(
         mode="pipeline",
-        mesh=[("stage", 4)],
+        mesh=[("stage", 2)],  # fc1 | head
         model_name="nnx_mlp",
-        model={"hidden": (16, 16, 16)},
+        model={"hidden": (16,)},
         batch_size=32,
         eval_batch_size=32,
         optax_name="lamb",
         lr=1e-2,
         grad_clip_norm=1.0,
-        pipeline={"num_microbatches": 4, "forward": {"name": "quantize", "bits": 8}},
+        pipeline={"num_microbatches": 2, "forward": {"name": "quantize", "bits": 8}},
     )
     s = train.setup(config)
     state = s.mode.init(jax.random.key(0))

@@ -210,9 +210,12 @@ def test_ab_mode_compiles_nothing_after_the_first_step(tmp_path, monkeypatch):
     """The smoke AB config (warm-up 1, S = 2, D = 1): every step kind runs by step 4; its step
     programs are compiled at setup, evaluation and checkpoints before step 1."""
     config = load_config(f"{REPO}/configs/digits_ab.py:smoke")
+    # fc1 -> fc2 -> head, fc2 factorised (AB excludes the first and last layers)
     config = train.apply_overrides(
-        config, {"total_steps": 6, "log_every": 1, "eval_every": 3, "checkpoint_every": 2}
-    )
+        config,
+        {"total_steps": 6, "log_every": 1, "eval_every": 3, "checkpoint_every": 2,
+         "model.hidden": (16, 16)},
+    )  # fmt: skip
     summary, events = _run_counting_compiles(config, tmp_path, monkeypatch)
     assert summary["steps"] == 6
     late = [e for e in events if e[2] >= 1]
