@@ -360,33 +360,35 @@ def _stateful_loss(params, model_state, batch):
     return loss_fn(params, batch), {"m": 0.5 * model_state["m"] + 0.5 * x.mean(0)[:2]}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "layout,rule",
-    [("flat", "average"), ("flat", "first"), ("flat", "keep"), ("rectangular", "average")],
-)
-@FAST
-def test_a_model_state_is_per_worker_and_follows_the_dense_sync_rule(layout, rule):
-    if layout == "flat":  # groups of 2 on a flat axis
-        mesh = comm.make_mesh([("data", 4)], jax.devices()[:4])
-        options = dict(axis_name="data", group_size=2)
-    else:  # the members of a group agree on the parameters: one entry per group
-        mesh, options = parallel.ab_mesh(2, jax.devices()[:4]), {}
-    config = transforms.ABConfig(1e-3, **TX_KWARGS, dense_sync=rule, **options)
-    dp = parallel.ab_data_parallel(_stateful_loss, config, mesh, has_state=True, donate=False)
-    state = dp.init(init_params(), {"m": jnp.zeros(2)})
-    data = batches(4)
+def _model_state_follows_the_dense_sync_rule(config, history, data):
+    """Steps 2 and 3 (AB, then AB + sync) of a run of ``_stateful_loss``: each worker updates
+    its own running state from its own rows, and the sync applies ``config``'s dense rule."""
     assert [config.schedule.step_kind(t) for t in range(4)][-1] == "ab_then_sync"
-    for t in range(3):
-        state, _ = dp.step(state, data[t])
-    before = np.asarray(state.model_state["m"])
+    before = history[2][0].model_state["m"]
     assert before.shape == (4, 2) and not np.allclose(before[0], before[1])  # each its own
     own = 0.5 * before + 0.5 * data[3][0].reshape(4, 2, 8).mean(1)[:, :2]  # 2 rows per worker
-    state, metrics = dp.step(state, data[3])
-    want = {"average": own.mean(0), "first": own[0], "keep": own}[rule]
+    state, metrics = history[3]
+    want = {"average": own.mean(0), "first": own[0], "keep": own}[config.dense_sync]
     np.testing.assert_allclose(state.model_state["m"], np.broadcast_to(want, own.shape),
                                rtol=1e-6, atol=1e-7)  # fmt: skip
     assert int(np.min(metrics["finite"])) == 1
+
+
+@pytest.mark.slow
+@FAST
+def test_a_model_state_is_per_worker_and_follows_the_dense_sync_rule():
+    # groups of 2 on a flat axis; the rules on other layouts ride on the donation test's runs
+    # (rectangular average and keep, flat first with groups of 3 + 1)
+    mesh = comm.make_mesh([("data", 4)], jax.devices()[:4])
+    config = transforms.ABConfig(1e-3, **TX_KWARGS, dense_sync="average", axis_name="data",
+                                 group_size=2)  # fmt: skip
+    dp = parallel.ab_data_parallel(_stateful_loss, config, mesh, has_state=True, donate=False)
+    state = dp.init(init_params(), {"m": jnp.zeros(2)})
+    data, history = batches(4), []
+    for batch in data:
+        state, metrics = dp.step(state, batch)
+        history.append(jax.tree.map(np.asarray, (state, metrics)))
+    _model_state_follows_the_dense_sync_rule(config, history, data)
     assert dp.abstract_state(init_params(), {"m": jnp.zeros(2)}).model_state["m"].shape == (4, 2)
 
 
@@ -409,25 +411,27 @@ def _mesh_of(layout):
     "layout,options",
     [
         ("rectangular", dict(reset_opt=True, dense_sync="average")),  # transitions zero moments
-        ("flat", dict(axis_name="data", group_size=3, sync_mode="only-learned")),  # 3 + 1
-        ("rectangular", dict(comm_setup="individual", lr_rebound_steps=2)),
+        ("flat", dict(axis_name="data", group_size=3, sync_mode="only-learned",
+                      dense_sync="first")),  # 3 + 1
+        ("rectangular", dict(comm_setup="individual", lr_rebound_steps=2, dense_sync="keep")),
     ],
-)
+)  # fmt: skip
 @FAST
 def test_without_donation_the_programs_return_only_what_they_write(layout, options):
     # donate=False (the trainer's, which keeps the previous state on a non-finite step) has
     # each program return only the leaves it wrote and the host put back the rest: over
     # every step kind (warm-up, factorisation, AB, sync, full rank, re-factorisation) the
-    # states, model states and metrics must equal the donating harness's bit for bit
+    # states, model states and metrics must equal the donating harness's bit for bit; the
+    # runs also show the model state's dense_sync rule at the first sync
     mesh = _mesh_of(layout)
     config = transforms.ABConfig(1e-3, **TX_KWARGS, **options)
     assert {config.schedule.step_kind(t) for t in range(10)} == set(STEP_KINDS)
-    runs = {}
+    runs, data = {}, batches(10)
     for donate in (True, False):
         dp = parallel.ab_data_parallel(_stateful_loss, config, mesh, has_state=True, donate=donate)
         state = dp.init(init_params(), {"m": jnp.zeros(2)})
         history = []
-        for batch in batches(10):
+        for batch in data:
             old, saved = state, jax.tree.map(np.asarray, state)
             state, metrics = dp.step(state, batch)
             history.append(jax.tree.map(np.asarray, (state, metrics)))
@@ -436,6 +440,7 @@ def test_without_donation_the_programs_return_only_what_they_write(layout, optio
         runs[donate] = history
     for got, want in zip(runs[False], runs[True]):
         jax.tree.map(np.testing.assert_array_equal, got, want)
+    _model_state_follows_the_dense_sync_rule(config, runs[False], data)
 
 
 @FAST
