@@ -1,6 +1,7 @@
 """AB-Training in a grouped data-parallel loop: truncation, capacity, checkpoints, errors."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -374,15 +375,23 @@ def _model_state_follows_the_dense_sync_rule(config, history, data):
     assert int(np.min(metrics["finite"])) == 1
 
 
+@functools.cache
+def _flat_stateful():
+    """Groups of 2 on a flat axis, ``only-learned``, with a model state averaged at a sync:
+    the harness of the model-state test, whose programs the sync-bytes test measures."""
+    mesh = comm.make_mesh([("data", 4)], jax.devices()[:4])
+    config = transforms.ABConfig(1e-3, **TX_KWARGS, dense_sync="average", axis_name="data",
+                                 group_size=2, sync_mode="only-learned")  # fmt: skip
+    return config, parallel.ab_data_parallel(_stateful_loss, config, mesh, has_state=True,
+                                             donate=False)  # fmt: skip
+
+
 @pytest.mark.slow
 @FAST
 def test_a_model_state_is_per_worker_and_follows_the_dense_sync_rule():
     # groups of 2 on a flat axis; the rules on other layouts ride on the donation test's runs
     # (rectangular average and keep, flat first with groups of 3 + 1)
-    mesh = comm.make_mesh([("data", 4)], jax.devices()[:4])
-    config = transforms.ABConfig(1e-3, **TX_KWARGS, dense_sync="average", axis_name="data",
-                                 group_size=2)  # fmt: skip
-    dp = parallel.ab_data_parallel(_stateful_loss, config, mesh, has_state=True, donate=False)
+    config, dp = _flat_stateful()
     state = dp.init(init_params(), {"m": jnp.zeros(2)})
     data, history = batches(4), []
     for batch in data:
@@ -482,30 +491,27 @@ def test_a_program_compiles_again_for_another_dtype_or_weak_type():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "layout,options",
-    [("rectangular", {}), ("flat", dict(axis_name="data", group_size=2, sync_mode="only-learned"))],
-)
+@pytest.mark.parametrize("layout", ["rectangular", "flat"])
 @FAST
-def test_the_sync_inside_the_ab_program_counts_at_the_sync_kind_only(grouped, layout, options):
+def test_the_sync_inside_the_ab_program_counts_at_the_sync_kind_only(grouped, layout):
     # the harness runs a cycle's last AB step and its sync as one program (a cond on a flag):
     # the sync's collectives must add to that kind's bytes exactly what they add to the optax
-    # transform's, and nothing to a plain AB step's
-    if options:
-        mesh = _mesh_of(layout)
-        config = transforms.ABConfig(1e-3, **TX_KWARGS, **options)
-        dp = parallel.ab_data_parallel(loss_fn, config, mesh, donate=False)
-    else:  # the module's harness: its step programs, compiled by the tests before, measured
-        config, dp = grouped
-        mesh = dp.mesh
-    params = init_params()
-    harness = dp.step_bytes(dp.init(params), batches(1)[0])
+    # transform's (and the model state's mean), and nothing to a plain AB step's; the
+    # harnesses' step programs, compiled by the tests before, measured
+    if layout == "flat":  # groups of 2, only-learned, a model state of 2 float32
+        config, dp = _flat_stateful()
+        state, model_state = dp.init(init_params(), {"m": jnp.zeros(2)}), 4 * 2
+    else:
+        (config, dp), model_state = grouped, 0
+        state = dp.init(init_params())
+    params, mesh = init_params(), dp.mesh
+    harness = dp.step_bytes(state, batches(1)[0])
     kinds = ("ab", "ab_then_sync")
     optax_ = transforms.ab_step_bytes(params, mesh, config, kinds=kinds)
     for role in ("a", "b"):
         sync = harness["ab_then_sync"][role] - harness["ab"][role]
         want = optax_["ab_then_sync"][role].total_bytes - optax_["ab"][role].total_bytes
-        assert sync == want > 0
+        assert sync == want + model_state and want > 0
     # the plain AB step's bytes are the optax transform's plus the loss's pmean (a scalar)
     for role in ("a", "b"):
         assert 0 < harness["ab"][role] - optax_["ab"][role].total_bytes <= 8
