@@ -473,17 +473,14 @@ def test_ab_init_outside_shard_map_is_abstractly_stable(ab_mesh):
     assert jax.tree.structure(placed) == jax.tree.structure(state)
 
 
-def test_ab_last_in_an_optax_chain(ab_mesh, ab_tx, ab_reference):
-    """``chain(scale(0.5), ab_training)`` == ab_training on half the gradients (exact: 0.5 is a
-    power of two), and ``chain(identity, ab_training)`` == ab_training."""
+def test_ab_last_in_an_optax_chain(ab_mesh, ab_tx):
+    """``chain(identity, scale(0.5), ab_training)`` == ab_training on half the gradients
+    (exact: 0.5 is a power of two; one program for both wrappers)."""
     tx = ab_tx
     halved = [jax.tree.map(lambda g: g * 0.5, g) for g in AB_GRADS]
     want, _ = _ab_run(tx, ab_mesh, halved)
-    got, _ = _ab_run(optax.chain(optax.scale(0.5), tx), ab_mesh, AB_GRADS)
+    got, _ = _ab_run(optax.chain(optax.identity(), optax.scale(0.5), tx), ab_mesh, AB_GRADS)
     for g, w in zip(got, want):
-        _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
-    got, _ = _ab_run(optax.chain(optax.identity(), tx), ab_mesh, AB_GRADS)
-    for g, w in zip(got, ab_reference):
         _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
 
 
