@@ -7,6 +7,7 @@ float32 collectives of the factors' shapes. The SVDs of the re-factorisation nee
 ``tests/upstream/test_tpu_svd_varying.py`` on TPU.
 """
 
+import functools
 import re
 
 import jax
@@ -49,9 +50,10 @@ def _export(fn, args, mesh, platform):
         return jax.export.export(fn, platforms=[platform])(*args).mlir_module()
 
 
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_every_harness_program_exports(layout, platform):
+@functools.cache
+def _harness(layout):
+    """A layout's mesh, config, programs and abstract arguments: built once, so that the
+    second platform's export reuses the jitted functions' traces (only lowering differs)."""
     make_mesh, options = LAYOUTS[layout]
     mesh = make_mesh()
     config = _config(options)
@@ -60,10 +62,15 @@ def test_every_harness_program_exports(layout, platform):
     batch = jax.ShapeDtypeStruct((2 * mesh.size, 6), jnp.float32,
                                  sharding=NamedSharding(mesh, P(config.axis_name)))  # fmt: skip
     flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=NamedSharding(mesh, P()))
-    texts = {}
-    for name in _programs.PROGRAMS:
-        args = {"dense": (state, batch), "ab": (state, batch, flag)}.get(name, (state, flag))
-        texts[name] = _export(programs._sharded(name), args, mesh, platform)
+    args = {"dense": (state, batch), "ab": (state, batch, flag)}
+    return mesh, {n: (programs._sharded(n), args.get(n, (state, flag))) for n in _programs.PROGRAMS}
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_harness_program_exports(layout, platform):
+    mesh, programs = _harness(layout)
+    texts = {n: _export(fn, args, mesh, platform) for n, (fn, args) in programs.items()}
     # the AB step's factor gradients travel as float32 of the factors' shapes, within the
     # group: A-gradients (6, 3) and (8, 3) (l2's tall view is 8 x 5), B-gradients (3, 5)
     factor_types = {"6x3xf32", "8x3xf32", "3x5xf32"}
@@ -90,8 +97,9 @@ def _collective_types(text, replica_groups):
     return types
 
 
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
-def test_the_optax_transform_exports(platform):
+@functools.cache
+def _transform_step():
+    """The optax transform's jitted step and abstract arguments (one trace, both platforms)."""
     mesh = parallel.ab_mesh(2, jax.devices()[:4])
     config = _config({})
     tx = transforms.ab_transform(config)
@@ -109,5 +117,11 @@ def test_the_optax_transform_exports(platform):
     )
     state = jax.eval_shape(tx.init, PARAMS)
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-    text = _export(fn, (lead(PARAMS), lead(state), lead(PARAMS)), mesh, platform)
+    return fn, (lead(PARAMS), lead(state), lead(PARAMS)), mesh
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_the_optax_transform_exports(platform):
+    fn, args, mesh = _transform_step()
+    text = _export(fn, args, mesh, platform)
     assert "stablehlo.case" in text  # the lax.switch over the four step kinds

@@ -1,6 +1,7 @@
 """AB-Training in a grouped data-parallel loop: truncation, capacity, checkpoints, errors."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -360,33 +361,43 @@ def _stateful_loss(params, model_state, batch):
     return loss_fn(params, batch), {"m": 0.5 * model_state["m"] + 0.5 * x.mean(0)[:2]}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "layout,rule",
-    [("flat", "average"), ("flat", "first"), ("flat", "keep"), ("rectangular", "average")],
-)
-@FAST
-def test_a_model_state_is_per_worker_and_follows_the_dense_sync_rule(layout, rule):
-    if layout == "flat":  # groups of 2 on a flat axis
-        mesh = comm.make_mesh([("data", 4)], jax.devices()[:4])
-        options = dict(axis_name="data", group_size=2)
-    else:  # the members of a group agree on the parameters: one entry per group
-        mesh, options = parallel.ab_mesh(2, jax.devices()[:4]), {}
-    config = transforms.ABConfig(1e-3, **TX_KWARGS, dense_sync=rule, **options)
-    dp = parallel.ab_data_parallel(_stateful_loss, config, mesh, has_state=True, donate=False)
-    state = dp.init(init_params(), {"m": jnp.zeros(2)})
-    data = batches(4)
+def _model_state_follows_the_dense_sync_rule(config, history, data):
+    """Steps 2 and 3 (AB, then AB + sync) of a run of ``_stateful_loss``: each worker updates
+    its own running state from its own rows, and the sync applies ``config``'s dense rule."""
     assert [config.schedule.step_kind(t) for t in range(4)][-1] == "ab_then_sync"
-    for t in range(3):
-        state, _ = dp.step(state, data[t])
-    before = np.asarray(state.model_state["m"])
+    before = history[2][0].model_state["m"]
     assert before.shape == (4, 2) and not np.allclose(before[0], before[1])  # each its own
     own = 0.5 * before + 0.5 * data[3][0].reshape(4, 2, 8).mean(1)[:, :2]  # 2 rows per worker
-    state, metrics = dp.step(state, data[3])
-    want = {"average": own.mean(0), "first": own[0], "keep": own}[rule]
+    state, metrics = history[3]
+    want = {"average": own.mean(0), "first": own[0], "keep": own}[config.dense_sync]
     np.testing.assert_allclose(state.model_state["m"], np.broadcast_to(want, own.shape),
                                rtol=1e-6, atol=1e-7)  # fmt: skip
     assert int(np.min(metrics["finite"])) == 1
+
+
+@functools.cache
+def _flat_stateful():
+    """Groups of 2 on a flat axis, ``only-learned``, with a model state averaged at a sync:
+    the harness of the model-state test, whose programs the sync-bytes test measures."""
+    mesh = comm.make_mesh([("data", 4)], jax.devices()[:4])
+    config = transforms.ABConfig(1e-3, **TX_KWARGS, dense_sync="average", axis_name="data",
+                                 group_size=2, sync_mode="only-learned")  # fmt: skip
+    return config, parallel.ab_data_parallel(_stateful_loss, config, mesh, has_state=True,
+                                             donate=False)  # fmt: skip
+
+
+@pytest.mark.slow
+@FAST
+def test_a_model_state_is_per_worker_and_follows_the_dense_sync_rule():
+    # groups of 2 on a flat axis; the rules on other layouts ride on the donation test's runs
+    # (rectangular average and keep, flat first with groups of 3 + 1)
+    config, dp = _flat_stateful()
+    state = dp.init(init_params(), {"m": jnp.zeros(2)})
+    data, history = batches(4), []
+    for batch in data:
+        state, metrics = dp.step(state, batch)
+        history.append(jax.tree.map(np.asarray, (state, metrics)))
+    _model_state_follows_the_dense_sync_rule(config, history, data)
     assert dp.abstract_state(init_params(), {"m": jnp.zeros(2)}).model_state["m"].shape == (4, 2)
 
 
@@ -409,25 +420,27 @@ def _mesh_of(layout):
     "layout,options",
     [
         ("rectangular", dict(reset_opt=True, dense_sync="average")),  # transitions zero moments
-        ("flat", dict(axis_name="data", group_size=3, sync_mode="only-learned")),  # 3 + 1
-        ("rectangular", dict(comm_setup="individual", lr_rebound_steps=2)),
+        ("flat", dict(axis_name="data", group_size=3, sync_mode="only-learned",
+                      dense_sync="first")),  # 3 + 1
+        ("rectangular", dict(comm_setup="individual", lr_rebound_steps=2, dense_sync="keep")),
     ],
-)
+)  # fmt: skip
 @FAST
 def test_without_donation_the_programs_return_only_what_they_write(layout, options):
     # donate=False (the trainer's, which keeps the previous state on a non-finite step) has
     # each program return only the leaves it wrote and the host put back the rest: over
     # every step kind (warm-up, factorisation, AB, sync, full rank, re-factorisation) the
-    # states, model states and metrics must equal the donating harness's bit for bit
+    # states, model states and metrics must equal the donating harness's bit for bit; the
+    # runs also show the model state's dense_sync rule at the first sync
     mesh = _mesh_of(layout)
     config = transforms.ABConfig(1e-3, **TX_KWARGS, **options)
     assert {config.schedule.step_kind(t) for t in range(10)} == set(STEP_KINDS)
-    runs = {}
+    runs, data = {}, batches(10)
     for donate in (True, False):
         dp = parallel.ab_data_parallel(_stateful_loss, config, mesh, has_state=True, donate=donate)
         state = dp.init(init_params(), {"m": jnp.zeros(2)})
         history = []
-        for batch in batches(10):
+        for batch in data:
             old, saved = state, jax.tree.map(np.asarray, state)
             state, metrics = dp.step(state, batch)
             history.append(jax.tree.map(np.asarray, (state, metrics)))
@@ -436,6 +449,7 @@ def test_without_donation_the_programs_return_only_what_they_write(layout, optio
         runs[donate] = history
     for got, want in zip(runs[False], runs[True]):
         jax.tree.map(np.testing.assert_array_equal, got, want)
+    _model_state_follows_the_dense_sync_rule(config, runs[False], data)
 
 
 @FAST
@@ -477,30 +491,27 @@ def test_a_program_compiles_again_for_another_dtype_or_weak_type():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "layout,options",
-    [("rectangular", {}), ("flat", dict(axis_name="data", group_size=2, sync_mode="only-learned"))],
-)
+@pytest.mark.parametrize("layout", ["rectangular", "flat"])
 @FAST
-def test_the_sync_inside_the_ab_program_counts_at_the_sync_kind_only(grouped, layout, options):
+def test_the_sync_inside_the_ab_program_counts_at_the_sync_kind_only(grouped, layout):
     # the harness runs a cycle's last AB step and its sync as one program (a cond on a flag):
     # the sync's collectives must add to that kind's bytes exactly what they add to the optax
-    # transform's, and nothing to a plain AB step's
-    if options:
-        mesh = _mesh_of(layout)
-        config = transforms.ABConfig(1e-3, **TX_KWARGS, **options)
-        dp = parallel.ab_data_parallel(loss_fn, config, mesh, donate=False)
-    else:  # the module's harness: its step programs, compiled by the tests before, measured
-        config, dp = grouped
-        mesh = dp.mesh
-    params = init_params()
-    harness = dp.step_bytes(dp.init(params), batches(1)[0])
+    # transform's (and the model state's mean), and nothing to a plain AB step's; the
+    # harnesses' step programs, compiled by the tests before, measured
+    if layout == "flat":  # groups of 2, only-learned, a model state of 2 float32
+        config, dp = _flat_stateful()
+        state, model_state = dp.init(init_params(), {"m": jnp.zeros(2)}), 4 * 2
+    else:
+        (config, dp), model_state = grouped, 0
+        state = dp.init(init_params())
+    params, mesh = init_params(), dp.mesh
+    harness = dp.step_bytes(state, batches(1)[0])
     kinds = ("ab", "ab_then_sync")
     optax_ = transforms.ab_step_bytes(params, mesh, config, kinds=kinds)
     for role in ("a", "b"):
         sync = harness["ab_then_sync"][role] - harness["ab"][role]
         want = optax_["ab_then_sync"][role].total_bytes - optax_["ab"][role].total_bytes
-        assert sync == want > 0
+        assert sync == want + model_state and want > 0
     # the plain AB step's bytes are the optax transform's plus the loss's pmean (a scalar)
     for role in ("a", "b"):
         assert 0 < harness["ab"][role] - optax_["ab"][role].total_bytes <= 8

@@ -61,32 +61,30 @@ def synced(sync_mode, count=3, **options):
 #   only-learned: mean(1, 2) * mean(30, 40) = 1.5 * 35 = 52.5
 #   full:         mean(1*10, 2*20, 3*30, 4*40) = 300 / 4 = 75
 #   only-b:       1 * mean(10, 20, 30, 40) = 25
-# The biases, by the reference's rule: averaged (mean(0, 1, 2, 3) = 1.5) with
-# comm_setup="groups" except in only-b, where its DDP re-wrap broadcasts rank 0's (0).
-@pytest.mark.slow
+# The biases (group g holds g), by the reference's rule where dense_sync is None: averaged
+# (mean(0, 1, 2, 3) = 1.5) with comm_setup="groups" except in only-b, where its DDP re-wrap
+# broadcasts rank 0's (0); a dense_sync option overrides the rule: "first" rank 0's, "keep"
+# each group its own (one program per sync mode: the options ride on the modes they change).
 @pytest.mark.parametrize(
-    "sync_mode,weight,a_after,b_after,bias",
-    [("with-stale", 62.5, 2.5, 25.0, 1.5), ("only-learned", 52.5, 1.5, 35.0, 1.5),
-     ("full", 75.0, None, None, 1.5), ("only-b", 25.0, 1.0, 25.0, 0.0)],
+    "sync_mode,dense_sync,weight,a_after,b_after,bias",
+    [pytest.param("with-stale", None, 62.5, 2.5, 25.0, [1.5] * 4, marks=pytest.mark.slow),
+     ("only-learned", "first", 52.5, 1.5, 35.0, [0.0] * 4),
+     ("full", "keep", 75.0, None, None, [0.0, 1.0, 2.0, 3.0]),
+     pytest.param("only-b", None, 25.0, 1.0, 25.0, [0.0] * 4, marks=pytest.mark.slow)],
 )  # fmt: skip
-def test_sync_modes_give_the_hand_computed_averages(sync_mode, weight, a_after, b_after, bias):
-    w, got_bias, state = synced(sync_mode)
+def test_sync_modes_give_the_hand_computed_averages(
+    sync_mode, dense_sync, weight, a_after, b_after, bias
+):
+    w, got_bias, state = synced(sync_mode, dense_sync=dense_sync)
     n = GROUPS * MEMBERS
     np.testing.assert_allclose(w, np.full((n, 4, 2), weight), rtol=1e-6)
-    np.testing.assert_allclose(got_bias, np.full((n, 3), bias), rtol=1e-6)
+    want_bias = np.broadcast_to(np.repeat(bias, MEMBERS)[:, None], (n, 3))
+    np.testing.assert_allclose(got_bias, want_bias, rtol=1e-6)
     if a_after is not None:
         np.testing.assert_allclose(np.asarray(state.a[0]), np.full((n, 4, 2), a_after), rtol=1e-6)
         want_b = np.broadcast_to(b_after * np.eye(2), (n, 2, 2))
         np.testing.assert_allclose(np.asarray(state.b[0]), want_b, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(state.phase), transforms.ABPhase.FULL)
-
-
-@pytest.mark.parametrize(
-    "dense_sync,want", [("average", [1.5] * 4), ("first", [0.0] * 4), ("keep", [0, 1, 2, 3])]
-)
-def test_dense_sync_options(dense_sync, want):
-    _, bias, _ = synced("only-b", dense_sync=dense_sync)
-    np.testing.assert_allclose(bias[::MEMBERS, 0], want, rtol=1e-6)
 
 
 def test_individual_mode_takes_worker_0s_biases_at_a_sync_as_the_reference():

@@ -126,13 +126,19 @@ def adamw(grads, state, params, lr):
     return jax.tree.map(lambda p, u: p - lr * u, params, updates), state
 
 
+@functools.cache
+def _learning_rate(every):
+    """The schedule's jitted learning rate, one program per ``every`` (not per reference)."""
+    return jax.jit(ABSchedule(WARMUP, every, FULL).learning_rate(BASE_LR, REBOUND))
+
+
 class Reference:
     """One group's AB-Training, written out step by step (per-role AdamW states)."""
 
     def __init__(self, params, role, sigma_on=None, every=EVERY):
         self.params, self.role, self.sigma_on = params, role, sigma_on
         self.sched = ABSchedule(WARMUP, every, FULL)
-        self.lr = jax.jit(self.sched.learning_rate(BASE_LR, REBOUND))
+        self.lr = _learning_rate(every)
         fac = {n: params[n]["kernel"] for n in FACTORED}
         self.other = {
             "l1": params["l1"]["bias"],
