@@ -3,10 +3,11 @@
     JAXCOMP_SUITE_PROFILE=/tmp/prof.jsonl PYTHONPATH=$PWD:$PWD/tools \
         tools/cpu-slot python -m pytest -p suite_profile tests/train -q
 
-Per test (setup, call and teardown together): wall and process CPU seconds; JAX's trace,
-lowering and backend-compile seconds and the number of backend compiles (and the name and
-seconds of each compile of 0.1 s or more); the persistent compilation cache's hits, the
-seconds they saved (as JAX records them) and the seconds spent reading and writing it.
+Per test (setup, call and teardown together): wall and process CPU seconds; the CPU seconds
+of the child processes it ended (subprocess tests: CLI runs, process pairs, notebook kernels);
+JAX's trace, lowering and backend-compile seconds and the number of backend compiles (and the
+name and seconds of each compile of 0.1 s or more); the persistent compilation cache's hits,
+the seconds they saved (as JAX records them) and the seconds spent reading and writing it.
 Summarise with ``python tools/suite_profile.py /tmp/prof.jsonl [file|dir|test|programs|workers]``
 (``dir``: per test directory).
 
@@ -18,6 +19,7 @@ end and how long it stood idle while the other still ran (the balance of the two
 import collections
 import json
 import os
+import resource
 import sys
 import time
 
@@ -76,6 +78,14 @@ def pytest_runtest_protocol(item, nextitem):
     _programs.clear()
     _current["_wall"] = time.perf_counter()
     _current["_cpu"] = time.process_time()
+    _current["_children"] = _children_cpu()
+
+
+def _children_cpu():
+    """User and system CPU seconds of the ended child processes (and the descendants they
+    waited for): a subprocess test's children are counted when the test reaps them."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def pytest_runtest_logfinish(nodeid, location):
@@ -85,6 +95,7 @@ def pytest_runtest_logfinish(nodeid, location):
     row = {k: round(v, 4) for k, v in _current.items() if not k.startswith("_")}
     row["wall_s"] = round(time.perf_counter() - _current["_wall"], 4)
     row["cpu_s"] = round(time.process_time() - _current["_cpu"], 4)
+    row["children_cpu_s"] = round(_children_cpu() - _current["_children"], 4)
     row["test"] = nodeid
     row["worker"] = os.environ.get("PYTEST_XDIST_WORKER", "main")
     row["end"] = round(time.time(), 3)
@@ -105,8 +116,8 @@ def _summary(path, by="file", top=40):
                 groups[key][k] += v
                 total[k] += v
         groups[key]["tests"] += 1
-    cols = ["wall_s", "cpu_s", "compile_s", "lower_s", "trace_s", "compiles", "cache_hits",
-            "saved_s", "cache_read_s", "cache_write_s", "tests"]  # fmt: skip
+    cols = ["wall_s", "cpu_s", "children_cpu_s", "compile_s", "lower_s", "trace_s", "compiles",
+            "cache_hits", "saved_s", "cache_read_s", "cache_write_s", "tests"]  # fmt: skip
     print(" ".join(f"{c:>10}" for c in cols), "name")
     for key, g in sorted(groups.items(), key=lambda kv: -kv[1]["wall_s"])[:top]:
         print(" ".join(f"{g[c]:10.1f}" for c in cols), key)
