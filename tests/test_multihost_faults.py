@@ -281,16 +281,16 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path, reque
     # The save after the fill fails (or, if process 0's metrics meet the full disk first,
     # that write): both are named, with the path; the other process is told.
     failed = newest + SETS["checkpoint_every"]
-    full = [i for i in (0, 1) if f"checkpoint step {failed} cannot be written to" in lines[i]]
+    named = [i for i in (0, 1) if f"checkpoint step {failed} cannot be written to" in lines[i]]
     other = [
         i for i in (0, 1) if f"cannot write {filled}" in lines[i] and "No space left" in lines[i]
     ]
-    assert full or other, lines
-    for i in full:
+    assert named or other, lines
+    for i in named:
         assert "no space left" in lines[i] and "it needs about" in lines[i], lines[i]
         assert str(filled / "checkpoints") in lines[i], lines[i]
         assert f"the last good checkpoint (step {newest}) is intact" in lines[i], lines[i]
-    for i in {0, 1} - set(full) - set(other):
+    for i in {0, 1} - set(named) - set(other):
         said = lines[i]
         assert (
             f"process {1 - i} cannot write checkpoint step {failed}: no space left" in said

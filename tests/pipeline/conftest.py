@@ -72,7 +72,7 @@ def _down(p, x):  # halves the resolution, changes the channels, GroupNorm
     return _group_norm(jax.nn.relu(_conv(p["conv"], x, stride=2))) * p["scale"]
 
 
-def _head(p, x):  # [mb, 2, 2, 16] -> [mb, 10] (3 stages: [mb, 4, 4, 8])
+def _head(p, x):  # [mb, 4, 4, 8] -> [mb, 10] (4 stages: [mb, 2, 2, 16])
     return x.mean(axis=(1, 2)) @ p["w"] + p["b"]
 
 
@@ -181,7 +181,7 @@ def stage_mesh():
 
 @pytest.fixture(scope="session")
 def stage_mesh3():
-    """3 of the 8 fake devices, one per stage of :func:`mlp3`."""
+    """3 of the 8 fake devices, one per stage of :func:`mlp3` and :func:`cnn`."""
     return pipeline.pipeline_mesh(3, jax.devices()[:3])
 
 
@@ -201,9 +201,9 @@ def mlp():
 @pytest.fixture(scope="session")
 def mlp3():
     """The smallest pipeline with every stage role (a first, a middle and a last stage) and
-    the most bubble ticks (``M = S = 3``), for a property that does not need 4 stages (the
-    recorded numbers do): its step has fewer unrolled fill and drain ticks and fewer stages per
-    tick's switch, and compiles in about half the 4-stage step's time."""
+    the most bubble ticks (``M = S = 3``; the recorded numbers' MLP too): its step has fewer
+    unrolled fill and drain ticks and fewer stages per tick's switch, and compiles in about
+    half the 4-stage step's time."""
     return make_mlp(num_microbatches=3, num_stages=3)
 
 

@@ -75,7 +75,7 @@ def test_batchnorm_statistics_on_adaptive_links_switch_count_and_resume(
     params, state0, batch = _setup()
     # interval 1, checked every step: the first check is critical (low); then the same batch
     # and parameters give norms that change only by the links' coding, far below eta = 8
-    # (with the default 0.5, at S = 3, M = 5, boundary 0's backward norm with 4-bit links
+    # (with the default 0.5, at S = 3, M = 4, boundary 0's backward norm with 4-bit links
     # moved enough from the 8-bit one's to go back to low at step 3): every link switches to
     # high compression at step 2 and stays
     det = pipeline.Detector(1, check_every=1, eta=8.0)

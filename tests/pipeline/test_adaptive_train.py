@@ -55,8 +55,11 @@ def test_metrics_log_each_boundary_mode_and_the_bytes_of_that_mode(tmp_path):
             assert r["wire_bytes"] == high
         else:
             assert high < r["wire_bytes"] < low
-    # the records of several boundaries (a trainer run's switch one step for all): each
-    # adaptive direction's own mode under its boundary's number, the fixed ones left out
+
+
+def test_metrics_name_each_adaptive_direction_by_its_boundary():
+    """The records of several boundaries (a trainer run above switches one step for all):
+    each adaptive direction's own mode under its boundary's number, the fixed ones left out."""
     modes = jnp.array([[0, 1], [1, 0], [1, 1]])
     mask = ((True, True), (True, False), (False, True))
     out = _pipeline_mode._adaptive_metrics({"link_modes": modes, "wire_bytes": 7.0}, mask)

@@ -175,10 +175,10 @@ def test_replica_averaging_errors(setup):
 
 
 @pytest.mark.slow
-def test_plain_mean_of_a_heterogeneous_cnn_sends_each_stage_unpadded(tools):
+def test_plain_mean_of_a_heterogeneous_cnn_sends_each_stage_unpadded(tools, cnn):
     """Without a transform the replicas' float mean sends each stage's own parameter bytes (not
     the largest stage's packed row) and gives the unpipelined gradient of the whole batch."""
-    cnn = tools.make_cnn(num_microbatches=3, num_stages=3)  # stages of 40, 304 and 90 floats
+    # the 3-stage CNN: stages of 40, 304 and 90 floats
     batch = {k: jnp.concatenate([v, v[::-1]]) for k, v in cnn.batch.items()}
     mesh = pipeline.pipeline_mesh(3, jax.devices()[:6])  # 2 replicas
     pipe = pipeline.distribute(cnn.model, pipeline.PipelineConfig(cnn.M, schedule="1f1b"), mesh)

@@ -46,14 +46,13 @@ def het(tools):
     return tools.make_mlp(num_microbatches=3, num_stages=3, widths=WIDTHS)
 
 
-def test_boundaries_of_different_sizes_send_no_padding(stage_mesh3, pack, tools):
+def test_boundaries_of_different_sizes_send_no_padding(stage_mesh3, pack, tools, cnn):
     """The 3-stage test CNN's boundaries carry 256 and 128 float32 per row: the compiled step's
     permutes carry exactly the payloads (every boundary's bytes once per microbatch and
     direction), one permute per tick, direction and payload size (12, where boundaries alike
     take 8); its loss, gradients, metrics and evaluation are the unpipelined model's (GPipe;
     1F1B: test_gpipe.py)."""
     stage_mesh = stage_mesh3
-    cnn = tools.make_cnn(num_microbatches=3, num_stages=3)
     pipe = pipeline.distribute(cnn.model, pipeline.PipelineConfig(cnn.M), stage_mesh)  # GPipe
     params = pack(cnn.params, stage_mesh)
     states = pipe.init(params, cnn.batch)
