@@ -122,10 +122,7 @@ def _echo(codec):
 
     @functools.cache
     def zeros(shape, dtype):  # a payload of zeros for an input of this shape and dtype
-        like = jax.ShapeDtypeStruct(shape, dtype)
-        payload = jax.eval_shape(
-            lambda x: codec.compress(x, codec.init(x), jax.random.key(0))[0], like
-        )
+        payload = C.payload_shape(codec, jax.ShapeDtypeStruct(shape, dtype))
         return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), payload)
 
     def echo(x, state, key, arrived=None):

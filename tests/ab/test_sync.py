@@ -63,14 +63,16 @@ def synced(sync_mode, count=3, **options):
 #   only-b:       1 * mean(10, 20, 30, 40) = 25
 # The biases (group g holds g), by the reference's rule where dense_sync is None: averaged
 # (mean(0, 1, 2, 3) = 1.5) with comm_setup="groups" except in only-b, where its DDP re-wrap
-# broadcasts rank 0's (0); a dense_sync option overrides the rule: "first" rank 0's, "keep"
-# each group its own (one program per sync mode: the options ride on the modes they change).
+# broadcasts rank 0's (0); a dense_sync option overrides the rule: "average" the mean (also
+# in only-b), "first" rank 0's, "keep" each group its own (one program per sync mode and
+# option: the options ride on the modes they change).
 @pytest.mark.parametrize(
     "sync_mode,dense_sync,weight,a_after,b_after,bias",
     [pytest.param("with-stale", None, 62.5, 2.5, 25.0, [1.5] * 4, marks=pytest.mark.slow),
      ("only-learned", "first", 52.5, 1.5, 35.0, [0.0] * 4),
      ("full", "keep", 75.0, None, None, [0.0, 1.0, 2.0, 3.0]),
-     pytest.param("only-b", None, 25.0, 1.0, 25.0, [0.0] * 4, marks=pytest.mark.slow)],
+     pytest.param("only-b", None, 25.0, 1.0, 25.0, [0.0] * 4, marks=pytest.mark.slow),
+     pytest.param("only-b", "average", 25.0, 1.0, 25.0, [1.5] * 4, marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_sync_modes_give_the_hand_computed_averages(
     sync_mode, dense_sync, weight, a_after, b_after, bias

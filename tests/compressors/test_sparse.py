@@ -20,10 +20,9 @@ def roundtrip(codec, x, key=KEY):
     return payload, codec.decompress(payload, x)
 
 
-def jitted_roundtrip(codec, x, key=KEY):
-    """:func:`roundtrip` as one jitted program (eagerly, each of its ~30 operations compiles a
-    program of its own per shape: ~0.6 s of CPU per test)."""
-    return jax.jit(roundtrip, static_argnums=0)(codec, x, key)
+#: :func:`roundtrip` as one jitted program (eagerly, each of its ~30 operations compiles a
+#: program of its own per shape: ~0.6 s of CPU per test)
+jitted_roundtrip = jax.jit(roundtrip, static_argnums=0)
 
 
 def _normal(shape, seed=0):

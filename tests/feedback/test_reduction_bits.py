@@ -53,6 +53,7 @@ CASES = [
 #: the decay-0.5 residual's dtype per codec (float32 if not named): a bfloat16 residual on the
 #: select's large path in place of a program of its own (its select compiles in seconds)
 DECAYED_DTYPE = {"top_k(0.01, exact)": jnp.bfloat16}
+assert set(DECAYED_DTYPE) <= {codec.name for codec, *_ in CASES}, "a renamed codec: no bf16 run"
 
 
 EDGES = np.array([np.nan, np.inf, -np.inf, 1e6, -1e6, 1e-10, -1e-10], np.float32)
