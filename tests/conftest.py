@@ -4,6 +4,7 @@ import contextlib
 import functools
 import gc
 import importlib.util
+import json
 import os
 import pathlib
 import warnings
@@ -65,6 +66,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 gc.collect()
 gc.freeze()
 gc.set_threshold(100_000, 50, 1000)
+#: a folder whose ``sitecustomize`` sets the same thresholds in the processes the tests start
+CHILD_SITE = pathlib.Path(__file__).with_name("child_site")
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(CHILD_SITE), *filter(None, [os.environ.get("PYTHONPATH")])]
+)
 
 #: sizes of the fake tfds datasets of :func:`fake_tfds_dir` (32 images: two full batches of 16)
 FAKE_IMAGES, FAKE_CHARS = 32, 1200
@@ -204,10 +210,13 @@ def fake_tfds_dir(tmp_path_factory):
 def pytest_collection_modifyitems(config, items):
     """Test ids must be the same in every process (pytest-xdist compares them). The tests of
     the other emitters are deselected (:func:`_deselect_by_emitters`). The user-numerics runner
-    (the longest test: a pytest subprocess), then the modules that hold a ``slow`` test run
-    first, each module's tests together: pytest-xdist hands out tests in this order, so the long
-    ones start early and the short ones fill both workers at the end (a 20-second test handed
-    out last kept one worker busy alone)."""
+    (the longest test: a pytest subprocess) runs first, then the modules by their seconds in
+    ``tests/durations.json``, longest first, each module's tests together: pytest-xdist hands out
+    tests in this order, so the long ones start early and the short ones fill both workers at
+    the end (ordered by whether a module held a ``slow`` test, a 32-second test was handed out
+    late and one worker ran alone for 34 s: docs/results/suite_tiers, suite15 lead). A module
+    not in the file counts as :data:`UNLISTED_SLOW_S` if it holds a ``slow`` test, else 0;
+    ``tools/suite_profile.py PROFILE durations tests/durations.json`` writes the file again."""
     _deselect_by_emitters(config, items)
     _check_also_under_set_mesh(items)
     unstable = [item.nodeid for item in items if " at 0x" in item.nodeid]
@@ -217,8 +226,20 @@ def pytest_collection_modifyitems(config, items):
             f"ids= to parametrize: {unstable[:3]}"
         )
     slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable
-    items.sort(key=lambda item: not item.nodeid.startswith(USER_NUMERICS_RUNNER))
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
+    def longest_first(item):
+        module = item.nodeid.split("::")[0]
+        runner = item.nodeid.startswith(USER_NUMERICS_RUNNER)
+        return not runner, -seconds.get(module, UNLISTED_SLOW_S if module in slow else 0.0)
+
+    items.sort(key=longest_first)  # stable: a module's tests keep their order, together
+
+
+#: each test module's seconds in a profiled run (:func:`pytest_collection_modifyitems`)
+DURATIONS = pathlib.Path(__file__).with_name("durations.json")
+#: the seconds assumed for a module missing from :data:`DURATIONS` that holds a ``slow`` test
+UNLISTED_SLOW_S = 5.0
 
 
 #: the test that runs the ``user_numerics`` tests in a fusion-emitter process

@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ],
 )
 def test_a_closed_pipe_ends_the_cli_with_141_and_no_traceback(argv):
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    path = os.pathsep.join([ROOT, os.environ["PYTHONPATH"]])
+    env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the first line: every write fails, no race
     try:

@@ -98,7 +98,7 @@ def test_a_slurm_launch_joins_both_processes():
     for rank in range(2):
         env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ["PYTHONPATH"]]),
             "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": "",
             **SLURM2,

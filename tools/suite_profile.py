@@ -14,6 +14,8 @@ Summarise with ``python tools/suite_profile.py /tmp/prof.jsonl [file|dir|test|pr
 Under pytest-xdist (``-n 2``: the plugin loads in each worker) a row also names its worker and
 the test's end (``time.time()``); ``workers`` shows each worker's busy seconds, its last test's
 end and how long it stood idle while the other still ran (the balance of the two workers).
+``python tools/suite_profile.py /tmp/prof.jsonl durations tests/durations.json`` writes each test
+file's seconds, which ``tests/conftest.py`` hands out longest first.
 """
 
 import collections
@@ -161,8 +163,24 @@ def _workers_summary(path, top=5):
     print(f"run: {last - start:.1f} s from the first test's start to the last test's end")
 
 
+def _durations(path, out):
+    """Write ``{test file: seconds}`` (the wall of its tests in the xdist workers; the runner's
+    rows, worker ``main``, are left out: those tests are deselected in the workers) to ``out``,
+    the file ``tests/conftest.py`` orders the suite's modules by."""
+    rows = list({r["test"]: r for r in map(json.loads, open(path))}.values())
+    seconds = collections.Counter()
+    for r in rows:
+        if r.get("worker", "main") != "main":
+            seconds[r["test"].split("::")[0]] += r["wall_s"]
+    with open(out, "w") as f:
+        json.dump({k: round(v, 1) for k, v in sorted(seconds.items())}, f, indent=0)
+        f.write("\n")
+
+
 if __name__ == "__main__":
-    if sys.argv[2:3] == ["programs"]:
+    if sys.argv[2:3] == ["durations"]:
+        _durations(sys.argv[1], sys.argv[3])
+    elif sys.argv[2:3] == ["programs"]:
         _programs_summary(sys.argv[1])
     elif sys.argv[2:3] == ["workers"]:
         _workers_summary(sys.argv[1])

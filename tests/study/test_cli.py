@@ -41,7 +41,8 @@ SMALL = [
 def study_cli(*args, cwd=None):
     # unoptimised compiles, as this module's in-process runs (``fast_compiles``): the tests
     # read a report's bytes, counts and files, not the bits of an optimised program
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+    path = os.pathsep.join([str(ROOT), os.environ["PYTHONPATH"]])
+    env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu",
            "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}  # fmt: skip
     env["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"  # tests/conftest.py: fast_compiles
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
