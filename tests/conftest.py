@@ -1,5 +1,6 @@
 """Test-suite setup: 8 fake CPU devices, set before the JAX backend starts."""
 
+import atexit
 import contextlib
 import functools
 import gc
@@ -7,10 +8,27 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
+import sys
+import tempfile
 import warnings
 
 import hypothesis
 import pytest
+
+# Where Python may not write bytecode (PYTHONDONTWRITEBYTECODE, as in this project's CI
+# containers, after an install with --no-compile), each process the suite starts (the xdist
+# workers, the user-numerics runner, the CLI and multi-process children, the notebook kernels)
+# compiled JAX, Flax, optax, orbax and jaxcomp from source again: ~1.3 CPU-s more per process
+# (docs/results/suite_tiers, suite15 lead). The run's processes write and read their bytecode in
+# one folder of the run instead (PYTHONPYCACHEPREFIX), not beside the sources; the process that
+# made the folder removes it when it exits.
+if sys.dont_write_bytecode and "PYTHONPYCACHEPREFIX" not in os.environ:
+    _PYCACHE = tempfile.mkdtemp(prefix="jaxcomp-tests-pycache-")
+    atexit.register(shutil.rmtree, _PYCACHE, ignore_errors=True)
+    sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"] = _PYCACHE
+    sys.dont_write_bytecode = False
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")

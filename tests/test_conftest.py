@@ -2,6 +2,7 @@
 it hands tests to pytest-xdist's workers."""
 
 import gc
+import importlib.util
 import json
 import os
 import pathlib
@@ -34,6 +35,18 @@ def test_child_processes_collect_garbage_as_rarely_as_the_test_processes():
             env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
         assert out.strip() == str(gc.get_threshold()) == "(100000, 50, 1000)"
+
+
+def test_the_processes_of_the_run_read_compiled_bytecode():
+    import jax
+
+    assert not sys.dont_write_bytecode
+    assert pathlib.Path(importlib.util.cache_from_source(jax.__file__)).exists()
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; print(sys.dont_write_bytecode, sys.pycache_prefix)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert out == ["False", str(sys.pycache_prefix)]
 
 
 def test_modules_are_handed_out_longest_first_each_together(request, conftest):
