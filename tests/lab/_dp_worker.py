@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-WARMUP, STEPS = 2, 6
+WARMUP, STEPS = 1, 4
 SIZES = (64, 256, 256, 256, 10)
 
 
