@@ -118,11 +118,14 @@ def test_every_models_init_has_the_default_compiles_bits(name):
 @pytest.mark.user_numerics
 @pytest.mark.slow
 def test_the_initializers_have_the_default_compiles_bits_on_small_and_large_shapes():
-    """The initializers the models use (Dense/Conv: lecun_normal, GPT: normal(0.02)) on small
-    shapes (loops unrolled at XLA's default level) and large ones (vectorised)."""
+    """The initializers the models use (Dense/Conv: lecun_normal, GPT: normal(0.02)) on large
+    shapes (vectorised at XLA's default level), and one no model uses on a small and a larger
+    shape. Small ones (loops unrolled: each shape a kernel of its own, ~0.5 s of the reference's
+    compile) are the models' above: the MLP's and the CNN's Dense and Conv kernels, 18 to 2048
+    entries, GPT's embeddings."""
     inits = {
-        "lecun_normal": (nn.initializers.lecun_normal(), [(16, 10), (3, 3, 8, 8), (1024, 64)]),
-        "normal": (nn.initializers.normal(0.02), [(64, 16), (2048, 32)]),
+        "lecun_normal": (nn.initializers.lecun_normal(), [(1024, 64)]),
+        "normal": (nn.initializers.normal(0.02), [(2048, 32)]),
         "uniform": (nn.initializers.uniform(1.0), [(5,), (300, 7)]),
     }
 
