@@ -1,6 +1,8 @@
 """jit_split_init: a state init compiled as a fast key part and a default-compiled float part
 gives ``jax.jit(fn)``'s bits, in every context it is called in."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -170,12 +172,18 @@ def _mixed(key):
     }
 
 
+#: ``_mixed`` split and plain, each made once: the tests below call them with other keys (the
+#: same programs, compiled once for a key type)
+_MIXED_SPLIT = functools.cache(lambda: _init_program.jit_split_init(_mixed))
+_MIXED_JIT = jax.jit(_mixed)
+
+
 @pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
 def test_typed_and_raw_keys_in_and_out(make_key):
     key = make_key(7)
-    init = _init_program.jit_split_init(_mixed)
+    init = _MIXED_SPLIT()
     assert _is_split(init, key)
-    _assert_same_bits(init(key), jax.jit(_mixed)(key))
+    _assert_same_bits(init(key), _MIXED_JIT(key))
 
 
 def test_an_init_without_a_key_part_is_one_plain_program():
@@ -196,7 +204,7 @@ def test_with_xla_optimisations_off_it_is_one_plain_program_kept_apart():
     """Under ``jax_disable_most_optimizations`` (the test suite's ``fast_compiles``) the whole
     init compiles at level 0: one program, 0.1-0.2 s faster than two; a call outside it does
     not reuse that program."""
-    init = _init_program.jit_split_init(_mixed)
+    init = _MIXED_SPLIT()
     key = jax.random.key(6)
     previous = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", True)
@@ -206,7 +214,7 @@ def test_with_xla_optimisations_off_it_is_one_plain_program_kept_apart():
     finally:
         jax.config.update("jax_disable_most_optimizations", previous)
     assert _is_split(init, key)
-    _assert_same_bits(init(key), jax.jit(_mixed)(key))
+    _assert_same_bits(init(key), _MIXED_JIT(key))
 
 
 def test_other_jit_arguments_give_one_plain_program():
@@ -237,7 +245,7 @@ def test_an_error_in_the_init_surfaces_as_from_jax_jit():
 def test_inside_a_trace_it_is_the_callers_program():
     """Inside ``jit``, ``shard_map`` or ``eval_shape`` the init is traced into the caller's
     program; those programs' draws equal the split program's."""
-    init = _init_program.jit_split_init(_mixed)
+    init = _MIXED_SPLIT()
     key = jax.random.key(5)
     direct = init(key)
     _assert_same_bits(jax.jit(lambda k: init(k))(key), direct)
