@@ -218,8 +218,8 @@ PAIRS = {
 
 @functools.cache
 def switching_dp(pair, mesh):
-    """A data-parallel step whose next check goes high (small steps); its step program is
-    shared by the payload test and the orbax test (one compile)."""
+    """A data-parallel step whose next check goes high (small steps); its step program, under
+    ``jax.set_mesh``, is shared by the payload test and the orbax test (one compile)."""
     tx = optax.chain(
         transforms.accordion(*PAIRS[pair], interval_steps=2, check_every=1),
         optax.sgd(1e-3, momentum=0.9),
@@ -232,6 +232,11 @@ def switching_dp(pair, mesh):
 def test_each_mode_sends_exactly_its_payload(mesh, pair):
     low, high = PAIRS[pair]
     dp = switching_dp(pair, mesh)
+    with jax.set_mesh(mesh):  # as the orbax test runs the same program
+        _check_payloads(dp, low, high)
+
+
+def _check_payloads(dp, low, high):
     state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})  # not all zero
     text = dp.step.lower(state, BATCH).compile().as_text()
     report = comm.collective_report(text)
@@ -274,32 +279,45 @@ def test_each_mode_sends_exactly_its_payload(mesh, pair):
 
 @pytest.mark.slow
 def test_state_survives_orbax_and_the_run_continues_identically(mesh, tmp_path):
+    """Under ``jax.set_mesh`` (the payload test's program), where a switch re-initialises the
+    incoming PowerSGD Q inside the traced shard_map body: a staged computation, not an eager
+    PRNG key (issue 14); the restored state continues bit for bit."""
     dp = switching_dp("power_sgd", mesh)  # the default codecs
-    state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})
-    for _ in range(3):
-        state, _ = dp.step(state, BATCH)
-    options = ocp.CheckpointManagerOptions(max_to_keep=1, create=True)
-    with ocp.CheckpointManager(tmp_path, options=options) as manager:
-        manager.save(3, args=ocp.args.StandardSave(state))
-        manager.wait_until_finished()
-    accordion_state = state.opt_state[0]
-    assert accordion_state.leaves["a"].accum.value.sharding.spec == P(comm.DATA)
+    fresh = np.asarray(compressors.power_sgd(1).init(PARAMS["a"]).q)
+    switched = []
 
-    def run(state, n=4):
+    def run(state, n=4, modes=None):
         for _ in range(n):
-            state, _ = dp.step(state, BATCH)
+            state, metrics = dp.step(state, BATCH)
+            if modes is not None:
+                modes.append(int(transforms.accordion_metrics(state.opt_state)["modes"]["a"]))
+                if modes[-2:] == [LOW, HIGH]:  # switched at this interval end: Q restarted
+                    high = state.opt_state[0].leaves["a"].high.q.q
+                    np.testing.assert_array_equal(np.asarray(high), fresh)
+                    switched.append(len(modes))
+                assert np.isfinite(float(metrics["loss"]))
         return state
 
-    continued = run(state)
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        continued,
-        dp.state_sharding(PARAMS),
-    )
-    with ocp.CheckpointManager(tmp_path, options=options) as manager:
-        restored = manager.restore(3, args=ocp.args.StandardRestore(abstract))
-    assert jax.tree.structure(restored) == jax.tree.structure(continued)
-    resumed = run(restored)
+    with jax.set_mesh(mesh):
+        modes = [LOW]
+        state = run(dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()}), 3, modes)
+        options = ocp.CheckpointManagerOptions(max_to_keep=1, create=True)
+        with ocp.CheckpointManager(tmp_path, options=options) as manager:
+            manager.save(3, args=ocp.args.StandardSave(state))
+            manager.wait_until_finished()
+        accordion_state = state.opt_state[0]
+        assert accordion_state.leaves["a"].accum.value.sharding.spec == P(comm.DATA)
+        continued = run(state, modes=modes)
+        assert switched, modes
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            continued,
+            dp.state_sharding(PARAMS),
+        )
+        with ocp.CheckpointManager(tmp_path, options=options) as manager:
+            restored = manager.restore(3, args=ocp.args.StandardRestore(abstract))
+        assert jax.tree.structure(restored) == jax.tree.structure(continued)
+        resumed = run(restored)
     for a, b in zip(jax.tree.leaves(continued), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -383,31 +401,6 @@ def test_bad_arguments_raise_clear_errors():
     state = tx.init(PARAMS)
     with pytest.raises(ValueError, match="does not match"):
         tx.update({"a": PARAMS["a"]}, state)
-
-
-@pytest.mark.slow
-def test_power_sgd_switches_under_set_mesh(mesh):
-    """A switch re-initialises the incoming PowerSGD Q inside the traced shard_map body; under
-    ``jax.set_mesh`` that must be a staged computation, not an eager PRNG key (issue 14)."""
-    tx = optax.chain(
-        transforms.accordion(
-            compressors.power_sgd(2), compressors.power_sgd(1), interval_steps=1, check_every=1
-        ),
-        optax.sgd(1e-3),
-    )
-    dp = parallel.data_parallel(mlp_loss, tx, mesh)
-    fresh = np.asarray(compressors.power_sgd(1).init(PARAMS["a"]).q)
-    modes, switched = [LOW], 0
-    with jax.set_mesh(mesh):
-        state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})
-        for _ in range(4):
-            state, metrics = dp.step(state, BATCH)
-            modes.append(int(transforms.accordion_metrics(state.opt_state)["modes"]["a"]))
-            if modes[-2:] == [LOW, HIGH]:  # switched at this interval end: Q restarted
-                high = state.opt_state[0].leaves["a"].high.q.q
-                np.testing.assert_array_equal(np.asarray(high), fresh)
-                switched += 1
-    assert switched and np.isfinite(float(metrics["loss"]))
 
 
 def test_init_runs_outside_shard_map_and_places_on_the_mesh(mesh):
