@@ -123,28 +123,26 @@ def test_decisions_are_replicated_from_the_chosen_statistic(mesh, statistic, mod
 
 @pytest.mark.slow
 def test_low_compression_mode_equals_compressed_mean_with_power_sgd(mesh):
-    def loss_fn(params, batch):
-        x, y = batch
-        h = jnp.tanh(x @ params["a"]) @ params["b"]
-        return jnp.mean((h - y) ** 2) + jnp.sum(params["bias"] ** 2)
-
+    """Until its first switch, ``switching_dp``'s step (the payload and orbax tests' program:
+    low compression, PowerSGD rank 2 with error feedback) == ``compressed_mean`` of that
+    channel in the same chain."""
     params = {k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()}
-    batch = (
-        np.random.default_rng(7).standard_normal((16, 16)).astype(np.float32),
-        np.random.default_rng(8).standard_normal((16, 8)).astype(np.float32),
-    )
+    channel = feedback.error_feedback(compressors.power_sgd(2))
+    tx = optax.chain(transforms.compressed_mean(channel), optax.sgd(1e-3, momentum=0.9))
     runs = []
-    for reducer in (
-        transforms.accordion(interval_steps=100),
-        transforms.compressed_mean(feedback.error_feedback(compressors.power_sgd(2))),
-    ):
-        dp = parallel.data_parallel(loss_fn, optax.chain(reducer, optax.sgd(0.1)), mesh)
-        state = dp.init(params)
-        for _ in range(3):
-            state, _ = dp.step(state, batch)
-        runs.append(state.params)
+    with jax.set_mesh(mesh):
+        for dp in (switching_dp("power_sgd", mesh),
+                   parallel.data_parallel(mlp_loss, tx, mesh, donate=False)):  # fmt: skip
+            state = dp.init(params)
+            for _ in range(3):
+                state, _ = dp.step(state, BATCH)
+            runs.append(state)
+    modes = transforms.accordion_metrics(runs[0].opt_state)["modes"]  # low at all 3 steps
+    assert int(modes["a"]) == LOW and int(modes["b"]) == LOW
     for k in params:
-        np.testing.assert_allclose(runs[0][k], runs[1][k], rtol=1e-6, atol=1e-7)
+        got, want = np.asarray(runs[0].params[k]), np.asarray(runs[1].params[k])
+        assert not np.allclose(want, params[k], rtol=0, atol=1e-6)  # the steps moved it
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,7 +196,8 @@ PAIRS = {
 @functools.cache
 def switching_dp(pair, mesh):
     """A data-parallel step whose next check goes high (small steps); its step program, under
-    ``jax.set_mesh``, is shared by the payload test and the orbax test (one compile)."""
+    ``jax.set_mesh``, is shared by the low-compression, payload and orbax tests (one
+    compile)."""
     tx = optax.chain(
         transforms.accordion(*PAIRS[pair], interval_steps=2, check_every=1),
         optax.sgd(1e-3, momentum=0.9),
