@@ -26,7 +26,8 @@ GROUPS, MEMBERS = 4, 2
 @functools.cache
 def _program(sync_mode, options):
     """The jitted ``shard_map`` of one ``ab_training`` update (learning rate 0, zero
-    gradients) per worker, one per sync mode and options (the NaN runs reuse it)."""
+    gradients) per worker and the placed initial ``(state, params)``, one per sync mode and
+    options (the NaN runs reuse them)."""
     mesh = parallel.ab_mesh(GROUPS, jax.devices()[: GROUPS * MEMBERS])
     tx = transforms.ab_training(0.0, warmup_steps=1, sync_every=4, full_rank_steps=1,
                                 sync_mode=sync_mode, **dict(options))  # fmt: skip
@@ -40,7 +41,8 @@ def _program(sync_mode, options):
 
     spec = P((GROUP, MEMBER))
     run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, spec)))
-    return tx, mesh, run
+    params = {"w": jnp.zeros((4, 2)), "bias": jnp.zeros(3)}
+    return run, parallel.stack_per_worker((tx.init(params), params), mesh)
 
 
 def synced(sync_mode, count=3, nan_group=None, **options):
@@ -51,16 +53,15 @@ def synced(sync_mode, count=3, nan_group=None, **options):
     ``nan_group``: that group's ``A`` holds a NaN. The public transform runs in a user's
     ``shard_map`` on per-worker states.
     """
-    tx, mesh, run = _program(sync_mode, tuple(sorted(options.items())))
-    params = {"w": jnp.zeros((4, 2)), "bias": jnp.zeros(3)}
+    run, (state, stacked) = _program(sync_mode, tuple(sorted(options.items())))
     g = np.repeat(np.arange(GROUPS, dtype=np.float32), MEMBERS)[:, None, None]  # per worker
     a = np.ones((GROUPS * MEMBERS, 4, 2), np.float32) * (1 if sync_mode == "only-b" else g + 1)
     b = 10 * (g + 1) * np.eye(2, dtype=np.float32)
     w = a @ b
     if nan_group is not None:  # in both members: a group's members hold equal factors
         a[nan_group * MEMBERS : (nan_group + 1) * MEMBERS, 2, 1] = np.nan
-    state, stacked = parallel.stack_per_worker((tx.init(params), params), mesh)
-    workers = NamedSharding(mesh, P((GROUP, MEMBER)))
+    stacked = dict(stacked)
+    workers = NamedSharding(stacked["w"].sharding.mesh, P((GROUP, MEMBER)))
     put = lambda x: jax.device_put(x, workers)  # noqa: E731
     state = state._replace(
         count=put(np.full(GROUPS * MEMBERS, count, np.int32)), a=(put(a),), b=(put(b),)
