@@ -1,4 +1,7 @@
-"""AB-Training syncs (averages worked out by hand) and the bytes each step kind puts on the wire."""
+"""AB-Training syncs (averages worked out by hand, a NaN factor not hidden) and the bytes each
+step kind puts on the wire."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,28 +23,14 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")
 GROUPS, MEMBERS = 4, 2
 
 
-def synced(sync_mode, count=3, **options):
-    """One ``ab_then_sync`` step (count 3) with learning rate 0, from hand-made factors.
-
-    Group g (0..3) holds ``A = (g + 1) * ones(4, 2)`` (``ones`` in only-b, where A = U is
-    shared), ``B = 10 (g + 1) * I`` and ``bias = g``; groups 0 and 1 are the A-groups. The
-    public transform runs in a user's ``shard_map`` on per-worker states.
-    """
+@functools.cache
+def _program(sync_mode, options):
+    """The jitted ``shard_map`` of one ``ab_training`` update (learning rate 0, zero
+    gradients) per worker and the placed initial ``(state, params)``, one per sync mode and
+    options (the NaN runs reuse them)."""
     mesh = parallel.ab_mesh(GROUPS, jax.devices()[: GROUPS * MEMBERS])
     tx = transforms.ab_training(0.0, warmup_steps=1, sync_every=4, full_rank_steps=1,
-                                sync_mode=sync_mode, **options)  # fmt: skip
-    params = {"w": jnp.zeros((4, 2)), "bias": jnp.zeros(3)}
-    g = np.repeat(np.arange(GROUPS, dtype=np.float32), MEMBERS)[:, None, None]  # per worker
-    a = np.ones((GROUPS * MEMBERS, 4, 2), np.float32) * (1 if sync_mode == "only-b" else g + 1)
-    b = 10 * (g + 1) * np.eye(2, dtype=np.float32)
-    state, stacked = parallel.stack_per_worker((tx.init(params), params), mesh)
-    workers = NamedSharding(mesh, P((GROUP, MEMBER)))
-    put = lambda x: jax.device_put(x, workers)  # noqa: E731
-    state = state._replace(
-        count=put(np.full(GROUPS * MEMBERS, count, np.int32)), a=(put(a),), b=(put(b),)
-    )
-    stacked["bias"] = put(np.repeat(g[:, 0], 3, axis=1))
-    stacked["w"] = put(a @ b)
+                                sync_mode=sync_mode, **dict(options))  # fmt: skip
 
     def body(state, params):
         state, params = jax.tree.map(lambda x: x[0], (state, params))
@@ -52,6 +41,33 @@ def synced(sync_mode, count=3, **options):
 
     spec = P((GROUP, MEMBER))
     run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, spec)))
+    params = {"w": jnp.zeros((4, 2)), "bias": jnp.zeros(3)}
+    return run, parallel.stack_per_worker((tx.init(params), params), mesh)
+
+
+def synced(sync_mode, count=3, nan_group=None, **options):
+    """One ``ab_then_sync`` step (count 3) with learning rate 0, from hand-made factors.
+
+    Group g (0..3) holds ``A = (g + 1) * ones(4, 2)`` (``ones`` in only-b, where A = U is
+    shared), ``B = 10 (g + 1) * I`` and ``bias = g``; groups 0 and 1 are the A-groups;
+    ``nan_group``: that group's ``A`` holds a NaN. The public transform runs in a user's
+    ``shard_map`` on per-worker states.
+    """
+    run, (state, stacked) = _program(sync_mode, tuple(sorted(options.items())))
+    g = np.repeat(np.arange(GROUPS, dtype=np.float32), MEMBERS)[:, None, None]  # per worker
+    a = np.ones((GROUPS * MEMBERS, 4, 2), np.float32) * (1 if sync_mode == "only-b" else g + 1)
+    b = 10 * (g + 1) * np.eye(2, dtype=np.float32)
+    w = a @ b
+    if nan_group is not None:  # in both members: a group's members hold equal factors
+        a[nan_group * MEMBERS : (nan_group + 1) * MEMBERS, 2, 1] = np.nan
+    stacked = dict(stacked)
+    workers = NamedSharding(stacked["w"].sharding.mesh, P((GROUP, MEMBER)))
+    put = lambda x: jax.device_put(x, workers)  # noqa: E731
+    state = state._replace(
+        count=put(np.full(GROUPS * MEMBERS, count, np.int32)), a=(put(a),), b=(put(b),)
+    )
+    stacked["bias"] = put(np.repeat(g[:, 0], 3, axis=1))
+    stacked["w"] = put(w)
     new, state = run(state, stacked)
     return np.asarray(new["w"]), np.asarray(new["bias"]), state
 
@@ -87,6 +103,15 @@ def test_sync_modes_give_the_hand_computed_averages(
         want_b = np.broadcast_to(b_after * np.eye(2), (n, 2, 2))
         np.testing.assert_allclose(np.asarray(state.b[0]), want_b, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(state.phase), transforms.ABPhase.FULL)
+    if sync_mode == "only-b":  # A = U is shared: no group's own A
+        return
+    # a NaN in one group's factor reaches every worker's synced weights (the harness's
+    # ``finite`` metric then reports the step), never a finite weight computed from it: in an
+    # A-group's A, and in a B-group's A, which only-learned does not average (the group's B
+    # gradient A^T G reads it); the same program
+    for group in (0, GROUPS - 1):
+        w, _, _ = synced(sync_mode, nan_group=group, dense_sync=dense_sync)
+        assert np.all(np.isnan(w).any(axis=(1, 2))), (sync_mode, group)
 
 
 def test_individual_mode_takes_worker_0s_biases_at_a_sync_as_the_reference():

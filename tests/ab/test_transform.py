@@ -224,7 +224,8 @@ def test_one_group_without_truncation_is_plain_data_parallel_training():
 
 
 def _run_groups(config, mesh, params, batches, refs, shard_of_worker, group_of_worker):
-    """Steps the harness and one reference per group; group g's AB steps see its shards."""
+    """Steps the harness and one reference per group; group g's AB steps see its shards;
+    returns the state and the harness (to step it on)."""
     dp = parallel.ab_data_parallel(loss_fn, config, mesh)
     state = dp.init(params)
     for t, (x, y) in enumerate(batches):
@@ -233,7 +234,7 @@ def _run_groups(config, mesh, params, batches, refs, shard_of_worker, group_of_w
             rows = np.concatenate([shard_of_worker(w) for w in range(len(group_of_worker))
                                    if group_of_worker[w] == g])  # fmt: skip
             ref.step(t, (x, y) if t < WARMUP else (x[rows], y[rows]))
-    return state
+    return state, dp
 
 
 @pytest.mark.slow
@@ -242,7 +243,7 @@ def test_each_group_trains_its_factor_on_its_own_data():
     mesh = parallel.ab_mesh(2, jax.devices()[:4])
     params = init_params(1)
     refs = [Reference(params, r, sigma_on=r, every=8) for r in ("a", "b")]
-    state = _run_groups(make_config(every=8, split_sigma=False), mesh, params,
+    state, _ = _run_groups(make_config(every=8, split_sigma=False), mesh, params,
                         make_batches(WARMUP + 3), refs, lambda w: np.arange(4 * w, 4 * w + 4),
                         [0, 0, 1, 1])  # fmt: skip
     # the members of a group agree: one state entry per group
@@ -267,12 +268,11 @@ def test_unequal_groups_on_a_flat_axis_train_and_sync_as_the_reference():
     params = init_params(2)
     refs = [Reference(params, r, every=8) for r in ("a", "b")]
     batches = make_batches(WARMUP + 5, n=15)  # steps 3-7 AB, the sync at the end of step 7
-    state = _run_groups(config, mesh, params, batches[:-1], refs,
+    state, dp = _run_groups(config, mesh, params, batches[:-1], refs,
                         lambda w: np.arange(3 * w, 3 * w + 3), [0, 0, 0, 1, 1])  # fmt: skip
     for w in range(5):
         assert_params_close(parallel.worker_entry(state.params, w), refs[w // 3].params)
-    # the last AB step, then the sync: A and B averaged over the 5 workers
-    dp = parallel.ab_data_parallel(loss_fn, config, mesh)
+    # the last AB step, then the sync: A and B averaged over the 5 workers (the same harness)
     state, _ = dp.step(state, batches[-1])
     x, y = batches[-1]
     refs[0].step(WARMUP + 4, (x[:9], y[:9]))

@@ -122,50 +122,27 @@ def test_decisions_are_replicated_from_the_chosen_statistic(mesh, statistic, mod
 
 
 @pytest.mark.slow
-def test_switch_resets_the_incoming_q_and_keeps_the_error_memory():
-    # reset_memory_on_switch=True zeroes the memory at a periodic switch instead: checked in
-    # test_learning_rate_from_extra_args_overrides_the_schedule_and_keeps_the_memory's run
-    tx = transforms.accordion(interval_steps=1, check_every=1, axis_name=None)
-    g = {k: jnp.asarray(d) for k, d in DIRECTIONS.items()}
-    state = tx.init(PARAMS)
-    update = jax.jit(tx.update)
-    _, state = update(g, state)  # epoch 0: low compression, stays low
-    leaf = state.leaves["a"]
-    assert int(leaf.mode) == LOW
-    q_used = np.asarray(leaf.low.q.q)
-    _, state = update(g, state)  # same norm: not critical -> switch to high
-    leaf = state.leaves["a"]
-    assert int(leaf.mode) == HIGH
-    fresh = compressors.power_sgd(1).init(PARAMS["a"]).q
-    np.testing.assert_array_equal(np.asarray(leaf.high.q.q), fresh)
-    assert not np.array_equal(np.asarray(leaf.low.q.q), q_used)  # low kept warm-starting
-    assert np.abs(np.asarray(leaf.memory.residual.value)).max() > 0
-
-
-@pytest.mark.slow
 def test_low_compression_mode_equals_compressed_mean_with_power_sgd(mesh):
-    def loss_fn(params, batch):
-        x, y = batch
-        h = jnp.tanh(x @ params["a"]) @ params["b"]
-        return jnp.mean((h - y) ** 2) + jnp.sum(params["bias"] ** 2)
-
+    """Until its first switch, ``switching_dp``'s step (the payload and orbax tests' program:
+    low compression, PowerSGD rank 2 with error feedback) == ``compressed_mean`` of that
+    channel in the same chain."""
     params = {k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()}
-    batch = (
-        np.random.default_rng(7).standard_normal((16, 16)).astype(np.float32),
-        np.random.default_rng(8).standard_normal((16, 8)).astype(np.float32),
-    )
+    channel = feedback.error_feedback(compressors.power_sgd(2))
+    tx = optax.chain(transforms.compressed_mean(channel), optax.sgd(1e-3, momentum=0.9))
     runs = []
-    for reducer in (
-        transforms.accordion(interval_steps=100),
-        transforms.compressed_mean(feedback.error_feedback(compressors.power_sgd(2))),
-    ):
-        dp = parallel.data_parallel(loss_fn, optax.chain(reducer, optax.sgd(0.1)), mesh)
-        state = dp.init(params)
-        for _ in range(3):
-            state, _ = dp.step(state, batch)
-        runs.append(state.params)
+    with jax.set_mesh(mesh):
+        for dp in (switching_dp("power_sgd", mesh),
+                   parallel.data_parallel(mlp_loss, tx, mesh, donate=False)):  # fmt: skip
+            state = dp.init(params)
+            for _ in range(3):
+                state, _ = dp.step(state, BATCH)
+            runs.append(state)
+    modes = transforms.accordion_metrics(runs[0].opt_state)["modes"]  # low at all 3 steps
+    assert int(modes["a"]) == LOW and int(modes["b"]) == LOW
     for k in params:
-        np.testing.assert_allclose(runs[0][k], runs[1][k], rtol=1e-6, atol=1e-7)
+        got, want = np.asarray(runs[0].params[k]), np.asarray(runs[1].params[k])
+        assert not np.allclose(want, params[k], rtol=0, atol=1e-6)  # the steps moved it
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,8 +195,9 @@ PAIRS = {
 
 @functools.cache
 def switching_dp(pair, mesh):
-    """A data-parallel step whose next check goes high (small steps); its step program is
-    shared by the payload test and the orbax test (one compile)."""
+    """A data-parallel step whose next check goes high (small steps); its step program, under
+    ``jax.set_mesh``, is shared by the low-compression, payload and orbax tests (one
+    compile)."""
     tx = optax.chain(
         transforms.accordion(*PAIRS[pair], interval_steps=2, check_every=1),
         optax.sgd(1e-3, momentum=0.9),
@@ -232,6 +210,11 @@ def switching_dp(pair, mesh):
 def test_each_mode_sends_exactly_its_payload(mesh, pair):
     low, high = PAIRS[pair]
     dp = switching_dp(pair, mesh)
+    with jax.set_mesh(mesh):  # as the orbax test runs the same program
+        _check_payloads(dp, low, high)
+
+
+def _check_payloads(dp, low, high):
     state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})  # not all zero
     text = dp.step.lower(state, BATCH).compile().as_text()
     report = comm.collective_report(text)
@@ -274,32 +257,45 @@ def test_each_mode_sends_exactly_its_payload(mesh, pair):
 
 @pytest.mark.slow
 def test_state_survives_orbax_and_the_run_continues_identically(mesh, tmp_path):
+    """Under ``jax.set_mesh`` (the payload test's program), where a switch re-initialises the
+    incoming PowerSGD Q inside the traced shard_map body: a staged computation, not an eager
+    PRNG key (issue 14); the restored state continues bit for bit."""
     dp = switching_dp("power_sgd", mesh)  # the default codecs
-    state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})
-    for _ in range(3):
-        state, _ = dp.step(state, BATCH)
-    options = ocp.CheckpointManagerOptions(max_to_keep=1, create=True)
-    with ocp.CheckpointManager(tmp_path, options=options) as manager:
-        manager.save(3, args=ocp.args.StandardSave(state))
-        manager.wait_until_finished()
-    accordion_state = state.opt_state[0]
-    assert accordion_state.leaves["a"].accum.value.sharding.spec == P(comm.DATA)
+    fresh = np.asarray(compressors.power_sgd(1).init(PARAMS["a"]).q)
+    switched = []
 
-    def run(state, n=4):
+    def run(state, n=4, modes=None):
         for _ in range(n):
-            state, _ = dp.step(state, BATCH)
+            state, metrics = dp.step(state, BATCH)
+            if modes is not None:
+                modes.append(int(transforms.accordion_metrics(state.opt_state)["modes"]["a"]))
+                if modes[-2:] == [LOW, HIGH]:  # switched at this interval end: Q restarted
+                    high = state.opt_state[0].leaves["a"].high.q.q
+                    np.testing.assert_array_equal(np.asarray(high), fresh)
+                    switched.append(len(modes))
+                assert np.isfinite(float(metrics["loss"]))
         return state
 
-    continued = run(state)
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        continued,
-        dp.state_sharding(PARAMS),
-    )
-    with ocp.CheckpointManager(tmp_path, options=options) as manager:
-        restored = manager.restore(3, args=ocp.args.StandardRestore(abstract))
-    assert jax.tree.structure(restored) == jax.tree.structure(continued)
-    resumed = run(restored)
+    with jax.set_mesh(mesh):
+        modes = [LOW]
+        state = run(dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()}), 3, modes)
+        options = ocp.CheckpointManagerOptions(max_to_keep=1, create=True)
+        with ocp.CheckpointManager(tmp_path, options=options) as manager:
+            manager.save(3, args=ocp.args.StandardSave(state))
+            manager.wait_until_finished()
+        accordion_state = state.opt_state[0]
+        assert accordion_state.leaves["a"].accum.value.sharding.spec == P(comm.DATA)
+        continued = run(state, modes=modes)
+        assert switched, modes
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            continued,
+            dp.state_sharding(PARAMS),
+        )
+        with ocp.CheckpointManager(tmp_path, options=options) as manager:
+            restored = manager.restore(3, args=ocp.args.StandardRestore(abstract))
+        assert jax.tree.structure(restored) == jax.tree.structure(continued)
+        resumed = run(restored)
     for a, b in zip(jax.tree.leaves(continued), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -327,9 +323,19 @@ def test_inject_hyperparams_learning_rate_drop_switches_everything_low():
     state = tx.init(PARAMS)
     g = {k: jnp.asarray(d) for k, d in DIRECTIONS.items()}
     update = jax.jit(tx.update)
-    for _ in range(8):  # identical norms: the second check goes to high compression
+    for step in range(8):  # identical norms: the second check (step 7) goes to high compression
         _, state = update(g, state)
+        if step == 6:
+            assert int(state.inner_state.leaves["a"].mode) == LOW
+            q_used = np.asarray(state.inner_state.leaves["a"].low.q.q)
     assert int(transforms.accordion_metrics(state)["modes"]["a"]) == HIGH
+    # the periodic switch resets the incoming Q and keeps the error memory (with
+    # reset_memory_on_switch=True it zeroes it instead: the extra-args test's run)
+    leaf = state.inner_state.leaves["a"]
+    fresh = compressors.power_sgd(1).init(PARAMS["a"]).q
+    np.testing.assert_array_equal(np.asarray(leaf.high.q.q), fresh)
+    assert not np.array_equal(np.asarray(leaf.low.q.q), q_used)  # low kept warm-starting
+    assert np.abs(np.asarray(leaf.memory.residual.value)).max() > 0
     lr = state.hyperparams["learning_rate"]
     state.hyperparams["learning_rate"] = jnp.asarray(0.01, lr.dtype)  # a manual decay
     _, state = update(g, state)
@@ -383,31 +389,6 @@ def test_bad_arguments_raise_clear_errors():
     state = tx.init(PARAMS)
     with pytest.raises(ValueError, match="does not match"):
         tx.update({"a": PARAMS["a"]}, state)
-
-
-@pytest.mark.slow
-def test_power_sgd_switches_under_set_mesh(mesh):
-    """A switch re-initialises the incoming PowerSGD Q inside the traced shard_map body; under
-    ``jax.set_mesh`` that must be a staged computation, not an eager PRNG key (issue 14)."""
-    tx = optax.chain(
-        transforms.accordion(
-            compressors.power_sgd(2), compressors.power_sgd(1), interval_steps=1, check_every=1
-        ),
-        optax.sgd(1e-3),
-    )
-    dp = parallel.data_parallel(mlp_loss, tx, mesh)
-    fresh = np.asarray(compressors.power_sgd(1).init(PARAMS["a"]).q)
-    modes, switched = [LOW], 0
-    with jax.set_mesh(mesh):
-        state = dp.init({k: jnp.asarray(0.1 * d) for k, d in DIRECTIONS.items()})
-        for _ in range(4):
-            state, metrics = dp.step(state, BATCH)
-            modes.append(int(transforms.accordion_metrics(state.opt_state)["modes"]["a"]))
-            if modes[-2:] == [LOW, HIGH]:  # switched at this interval end: Q restarted
-                high = state.opt_state[0].leaves["a"].high.q.q
-                np.testing.assert_array_equal(np.asarray(high), fresh)
-                switched += 1
-    assert switched and np.isfinite(float(metrics["loss"]))
 
 
 def test_init_runs_outside_shard_map_and_places_on_the_mesh(mesh):

@@ -228,16 +228,23 @@ def _moved(updates_seq):
     return all(any(np.any(u != 0) for u in jax.tree.leaves(upd)) for upd in updates_seq)
 
 
+@functools.cache
+def _jitted_inits(needs_mesh, mesh):
+    """``{name: state}``: the ``init`` of every case with this ``needs_mesh``, jitted as one
+    program (one compile, not one per case; under the mesh where the state is sized by W)."""
+    txs = {c.name: c.build() for c in CASES if c.needs_mesh == needs_mesh}
+    jitted = jax.jit(lambda params: {name: tx.init(params) for name, tx in txs.items()})
+    if needs_mesh:
+        with jax.set_mesh(mesh):
+            return jitted(PARAMS)
+    return jitted(PARAMS)
+
+
 @pytest.mark.parametrize("case", _params(CASES))
 def test_init_outside_shard_map_is_abstractly_stable(case, mesh):
     tx = case.build()
     state = _init(case, tx, PARAMS, mesh)
-    jitted = jax.jit(tx.init)
-    if case.needs_mesh:
-        with jax.set_mesh(mesh):
-            again = jitted(PARAMS)
-    else:
-        again = jitted(PARAMS)
+    again = _jitted_inits(case.needs_mesh, mesh)[case.name]
     assert jax.tree.map(jax.typeof, state) == jax.tree.map(jax.typeof, again)
     placed = comm.place_state(state, mesh, AXIS)
     assert jax.tree.structure(placed) == jax.tree.structure(state)
@@ -317,11 +324,12 @@ def _exact_grads(seed):
 EXACT = [_exact_grads(10 + i) for i in range(3)]
 
 
-def _metered(case, step, state, mesh, grads):
-    """``step``, ``case``'s compiled transform, without the psum case's warm-up round."""
-    if "warmup_steps" not in case.kwargs:
-        return step
-    return _runner(case.build(warmup_steps=0), state, mesh, grads)
+def _warmup_branch(report):
+    """The bytes of ``w``'s dense warm-up round in a step's collective ``report`` (its only
+    ``[8,6]`` collective: the compressed rounds send payloads), a branch the psum case's steps
+    after the warm-up do not take, at the width the backend sends the dtype (a ``bfloat16`` psum
+    crosses as ``float32`` on the CPU backend, a ``float16`` one as itself)."""
+    return sum(r.total_bytes for r in report.records if "[8,6]" in r.shape)
 
 
 @pytest.fixture(scope="module")
@@ -337,22 +345,22 @@ def float32_exact(mesh, reference):
             want, states, step = _run(case, case.build(), mesh, EXACT, every_state=True, step=step)
             unmetered = None
             if hasattr(states[0], "bytes_sent"):
-                grads = _put(EXACT[1], mesh)
-                unmetered = _unmetered(
-                    _metered(case, step, states[0], mesh, grads), states[0], grads
-                )
+                unmetered = _unmetered(case, step, states[0], _put(EXACT[1], mesh))
             cache[case.name] = want, unmetered
         return cache[case.name]
 
     return get
 
 
-def _unmetered(compiled, state, grads):
+def _unmetered(case, compiled, state, grads):
     """Compiled collective bytes less the state's ``bytes_sent``: what the meter counts that
     this step does not send, i.e. the collectives of the branches not taken (the HLO meter
-    counts every branch of a ``cond``: Accordion's other mode), the same at every dtype."""
+    counts every branch of a ``cond``: Accordion's other mode, the same at every dtype), less
+    the psum case's warm-up round (:func:`_warmup_branch`: its width is the dtype's)."""
     report = comm.collective_report(compiled.as_text())
-    return report.total_bytes - float(compiled(state, grads)[1].bytes_sent)
+    warmup = _warmup_branch(report) if "warmup_steps" in case.kwargs else 0
+    assert ("warmup_steps" in case.kwargs) == (warmup > 0), warmup
+    return report.total_bytes - warmup - float(compiled(state, grads)[1].bytes_sent)
 
 
 @pytest.mark.parametrize(
@@ -373,8 +381,8 @@ def test_16_bit_params(case, dtype, mesh, float32_exact):
     exact = [_put(jax.tree.map(lambda g: g.astype(dtype), grads), mesh) for grads in EXACT]
     step = _runner(tx, state, mesh, exact[0])
     for i, (grads, w) in enumerate(zip(exact, want)):
-        if i == 1 and hasattr(state, "bytes_sent"):  # without the psum case's warm-up round
-            got = _unmetered(_metered(case, step, state, mesh, grads), state, grads)
+        if i == 1 and hasattr(state, "bytes_sent"):  # after the psum case's warm-up round
+            got = _unmetered(case, step, state, grads)
             assert ref is not None  # the float32 state's, after step 0
             assert got == ref and (ref == 0) == ("accordion" not in case.name), (got, ref)
         updates, state = step(state, grads)
@@ -473,44 +481,20 @@ def test_ab_init_outside_shard_map_is_abstractly_stable(ab_mesh):
     assert jax.tree.structure(placed) == jax.tree.structure(state)
 
 
-def test_ab_last_in_an_optax_chain(ab_mesh, ab_tx):
-    """``chain(identity, scale(0.5), ab_training)`` == ab_training on half the gradients
-    (exact: 0.5 is a power of two; one program for both wrappers)."""
-    tx = ab_tx
-    halved = [jax.tree.map(lambda g: g * 0.5, g) for g in AB_GRADS]
-    want, _ = _ab_run(tx, ab_mesh, halved)
-    got, _ = _ab_run(optax.chain(optax.identity(), optax.scale(0.5), tx), ab_mesh, AB_GRADS)
-    for g, w in zip(got, want):
-        _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
+def _ab_with_options(learning_rate):  # ab_training's options are keyword-only (**options)
+    return transforms.ab_training(learning_rate, **AB_OPTIONS)
 
 
-def test_ab_inject_hyperparams_learning_rate(ab_mesh, ab_reference):
-    """The learning rate injected (the options static): the reference's numbers; a rate set in
-    the state is the rate used (== ab_training built with it)."""
-
-    def ab_with_options(learning_rate):  # ab_training's options are keyword-only (**options)
-        return transforms.ab_training(learning_rate, **AB_OPTIONS)
-
-    tx = optax.inject_hyperparams(ab_with_options)(AB_LR)
-    state = tx.init(AB_PARAMS)
-    assert set(state.hyperparams) == {"learning_rate"}
-    got, _ = _ab_run(tx, ab_mesh, AB_GRADS, state)
-    for g, w in zip(got, ab_reference):
-        _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
-    state.hyperparams["learning_rate"] = jnp.asarray(2 * AB_LR, jnp.float32)
-    got, _ = _ab_run(tx, ab_mesh, AB_GRADS, state)
-    want, _ = _ab_run(transforms.ab_training(2 * AB_LR, **AB_OPTIONS), ab_mesh, AB_GRADS)
-    assert not np.allclose(want[0]["w"], ab_reference[0]["w"])
-    for g, w in zip(got, want):
-        _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
-
-
-def test_ab_state_types_stable_under_cond(ab_mesh, ab_reference):
-    """Each step kind inside ``lax.cond`` (predicate uniform): the new state has the old
-    state's types; ``True`` gives the reference, ``False`` keeps the state."""
-    tx = transforms.ab_training(AB_LR, **AB_OPTIONS)
+def test_ab_injected_last_in_an_optax_chain_under_cond(ab_mesh, ab_reference):
+    """``chain(identity, scale(0.5), inject_hyperparams(ab_training))`` inside ``lax.cond``
+    (predicate uniform), one program: on twice the gradients the reference's numbers (exact:
+    0.5 is a power of two) at each step kind, the new state of the old state's types; ``False``
+    zero updates and the state as it was; a learning rate set in the injected state is the
+    rate used (== ab_training built with it, the same program run on the changed state)."""
+    tx = optax.chain(
+        optax.identity(), optax.scale(0.5), optax.inject_hyperparams(_ab_with_options)(AB_LR)
+    )
     held = _ab_held(ab_mesh)
-    params, state = parallel.stack_per_worker((AB_PARAMS, tx.init(AB_PARAMS)), ab_mesh, held)
     seen = []
 
     def body(params, state, grads, pred):
@@ -532,11 +516,28 @@ def test_ab_state_types_stable_under_cond(ab_mesh, ab_reference):
     specs = (P(held), P(held), P(AB_WORKERS), P())
     step = jax.jit(jax.shard_map(body, mesh=ab_mesh, in_specs=specs,
                                  out_specs=(P(held), P(held), P(held))))  # fmt: skip
-    for grads, want in zip(AB_GRADS, ab_reference):
-        grads = jax.device_put(grads, NamedSharding(ab_mesh, P(AB_WORKERS)))
-        _, zeros, same = step(params, state, grads, jnp.asarray(False))
-        assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(zeros))
-        _assert_trees_equal(jax.tree.map(np.asarray, same), jax.tree.map(np.asarray, state))
-        params, updates, state = step(params, state, grads, jnp.asarray(True))
-        _assert_trees_equal(jax.tree.map(np.asarray, updates), want, rtol=1e-6, atol=1e-7)
+    doubled = [jax.tree.map(lambda g: np.asarray(g) * np.float32(2), g) for g in AB_GRADS]
+
+    def run(state, check_skip=False):
+        params, state = parallel.stack_per_worker((AB_PARAMS, state), ab_mesh, held)
+        out = []
+        for grads in doubled:
+            grads = jax.device_put(grads, NamedSharding(ab_mesh, P(AB_WORKERS)))
+            if check_skip:
+                _, zeros, same = step(params, state, grads, jnp.asarray(False))
+                assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(zeros))
+                _assert_trees_equal(jax.tree.map(np.asarray, same), jax.tree.map(np.asarray, state))
+            params, updates, state = step(params, state, grads, jnp.asarray(True))
+            out.append(jax.tree.map(np.asarray, updates))
+        return out
+
+    state = tx.init(AB_PARAMS)  # outside shard_map
+    assert set(state[2].hyperparams) == {"learning_rate"}
+    for g, w in zip(run(state, check_skip=True), ab_reference, strict=True):
+        _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
     assert seen and all(seen)
+    state[2].hyperparams["learning_rate"] = jnp.asarray(2 * AB_LR, jnp.float32)
+    want, _ = _ab_run(transforms.ab_training(2 * AB_LR, **AB_OPTIONS), ab_mesh, AB_GRADS)
+    assert not np.allclose(want[0]["w"], ab_reference[0]["w"])
+    for g, w in zip(run(state), want, strict=True):
+        _assert_trees_equal(g, w, rtol=1e-6, atol=1e-7)
