@@ -324,7 +324,8 @@ def pytest_addoption(parser):
 #: parametrization, ``[set_mesh]``): a representative, cheap set of mesh-using tests, the pipeline
 #: step and evaluate, data parallelism (flat and over a (slow, fast) pair) and AB-Training's
 #: grouped step (Accordion's switch runs under it in
-#: ``test_accordion.py::test_power_sgd_switches_under_set_mesh``). ``pytest --set-mesh`` runs
+#: ``test_accordion.py::test_state_survives_orbax_and_the_run_continues_identically``).
+#: ``pytest --set-mesh`` runs
 #: every Mesh-fixture test so.
 ALSO_UNDER_SET_MESH = (
     "tests/pipeline/test_gpipe.py::test_identity_mlp_matches_unpipelined",
