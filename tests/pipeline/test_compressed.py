@@ -1,7 +1,10 @@
 """Compressed links: distributed == simulated (loss, grads, link states over several steps),
 and the bytes the compiled program sends == the theoretical payload bytes."""
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -171,6 +174,29 @@ def test_data_replicas_equal_per_replica_simulations(tools):
         tools.close(jax.tree.map(lambda a, r=r: a[:, r], states), outs[r][2])
 
 
+EVAL_CODEC = C.quantize(2, rounding="stochastic")
+
+
+@functools.cache
+def _evaluation_by_hand(stages):
+    """The stages with ``EVAL_CODEC`` at each boundary, microbatch ``m`` crossing boundary ``b``
+    with ``fold_in(fold_in(fold_in(key, b), m), 0)``: one jitted program (op by op it compiled
+    ~30 programs per run)."""
+
+    def run(params, xs, key):
+        out = []
+        for m in range(xs.shape[0]):
+            h = xs[m]
+            for b in range(len(stages) - 1):
+                h = stages[b](params[b], h)
+                k = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, b), m), 0)
+                h = EVAL_CODEC.decompress(EVAL_CODEC.compress(h, EVAL_CODEC.init(h), k)[0], h)
+            out.append(stages[-1](params[-1], h))
+        return jnp.concatenate(out)
+
+    return jax.jit(run)
+
+
 @pytest.mark.slow
 def test_compressed_evaluation_applies_each_forward_codec_with_the_documented_keys(
     mlp3, stage_mesh3, pack, tools
@@ -180,23 +206,17 @@ def test_compressed_evaluation_applies_each_forward_codec_with_the_documented_ke
     checked against that computation written out, for gpipe and simulate. Only the forward
     payloads travel."""
     mlp, stage_mesh = mlp3, stage_mesh3
-    codec = C.quantize(2, rounding="stochastic")
-    config = pipeline.PipelineConfig(mlp.M, pipeline.link(F.error_feedback(codec), C.quantize(8)))
+    config = pipeline.PipelineConfig(
+        mlp.M, pipeline.link(F.error_feedback(EVAL_CODEC), C.quantize(8))
+    )
     pipe, sim = (
         pipeline.distribute(mlp.model, config, stage_mesh),
         pipeline.simulate(mlp.model, config),
     )
     key = jax.random.key(11)
-    stages, params = mlp.model.stages, mlp.params
+    params = mlp.params
     xs = np.asarray(mlp.batch["x"]).reshape(mlp.M, -1, mlp.batch["x"].shape[-1])
-    expected = []
-    for m, h in enumerate(xs):
-        for b in range(len(stages) - 1):
-            h = stages[b](params[b], h)
-            k = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, b), m), 0)
-            h = codec.decompress(codec.compress(h, codec.init(h), k)[0], h)
-        expected.append(stages[-1](params[-1], h))
-    expected = np.concatenate(expected)
+    expected = np.asarray(_evaluation_by_hand(mlp.model.stages)(params, xs, key))
 
     packed = pack(params, stage_mesh)
     compiled = (
