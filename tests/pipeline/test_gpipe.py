@@ -10,21 +10,31 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import comm
 from jaxcomp import models
 from jaxcomp import pipeline
+from jaxcomp.pipeline import _links
 from jaxcomp.train import _mode
 
 
 @pytest.mark.parametrize("form", ["packed", "list"])
 def test_identity_mlp_matches_unpipelined(mlp, stage_mesh, pack, tools, form):
+    """GPipe on 4 stages of one width; with packed parameters its sends are boundaries alike
+    moved in one permute per tick and direction (jaxcomp.pipeline._ticks.move_boundaries)."""
     pipe = pipeline.distribute(mlp.model, pipeline.PipelineConfig(mlp.M), stage_mesh)
     params = pack(mlp.params) if form == "packed" else mlp.params
     states = pipe.init(params, mlp.batch)
-    loss, grads, _, metrics = jax.jit(pipe.step)(params, mlp.batch, states, jax.random.key(0))
+    key = jax.random.key(0)
+    compiled = jax.jit(pipe.step).lower(params, mlp.batch, states, key).compile()
+    loss, grads, _, metrics = compiled(params, mlp.batch, states, key)
     ref_loss, ref_grads = tools.reference(mlp.model, mlp.params, mlp.batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
     if form == "packed":
         assert isinstance(grads, pipeline.PackedParams)
         grads = grads.unpack()
+        sent = _links.hlo_sent_bytes(compiled.as_text(), stage_mesh)
+        # 6 forward ticks send (1, 2, 3, 3, 2, 1 boundaries) and 6 backward: 24 sends in 12
+        # permutes (test_ticks.py's _moves("gpipe", 4, 4)), each payload [2, 16] float32
+        assert sent["permutes"] == 12
+        assert sent["forward"] == sent["backward"] == mlp.M * 3 * 2 * 16 * 4
     assert isinstance(grads, (list, tuple)) and len(grads) == 4
     tools.close(list(grads), ref_grads)
 
