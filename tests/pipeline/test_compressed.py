@@ -24,8 +24,12 @@ LINKS = {
     "quantize4": pipeline.link(
         C.quantize(4, scale="feature"), C.quantize(4, rounding="stochastic")
     ),
-    "shared_mask": pipeline.link(C.top_k(0.25, per_sample=True), mode="shared_mask"),
-    "ef21_bf16": pipeline.link(F.ef21(C.top_k(0.25)), F.ef21(C.cast("bfloat16"))),
+    # one link per boundary: EF21 from the first stage to the middle one, the shared mask from
+    # the middle stage to the last (two links' runs in one program)
+    "ef21_bf16+shared_mask": (
+        pipeline.link(F.ef21(C.top_k(0.25)), F.ef21(C.cast("bfloat16"))),
+        pipeline.link(C.top_k(0.25, per_sample=True), mode="shared_mask"),
+    ),
     "aq_sgd": pipeline.link(
         F.aq_sgd(C.quantize(4), N), F.error_feedback(C.top_k(0.5), num_samples=N)
     ),
@@ -45,14 +49,14 @@ def _max_diff(a, b):
 #: the runs whose link, MLP, keys and compress schedule are a test_golden.py case: their
 #: numbers are compared with the recorded ones here too (the case's programs compiled once)
 GOLDEN_CASES = {("aq_sgd", "1f1b"): "aq_sgd", ("quantize4", "1f1b"): "quant_stochastic"}
-#: one schedule per link: GPipe for EF21 and the shared mask, 1F1B for the per-sample state
-#: (EF, AQ-SGD's caches) and the stochastic quantizer. The other schedule's numbers: under
-#: GPipe, the per-sample EF by test_golden.py's ``replicas_topk_ef`` (both schedules), a
-#: stochastic quantizer == the simulation by test_ticks.py's heterogeneous payloads (both
-#: schedules), AQ-SGD's caches filled row by row by test_cold_sends.py (a GPipe run on a
-#: data x stage mesh); under 1F1B, EF21 and the shared mask by test_golden.py (ef21_q8,
-#: shared_mask), their payload sends by tests/export/test_pipeline.py (shared_mask)
-RUNS = [(n, "gpipe") for n in ("ef21_bf16", "shared_mask")] + [
+#: one schedule per link: GPipe for EF21 and the shared mask (one run), 1F1B for the
+#: per-sample state (EF, AQ-SGD's caches) and the stochastic quantizer. The other schedule's
+#: numbers: under GPipe, the per-sample EF by test_golden.py's ``replicas_topk_ef`` (both
+#: schedules), a stochastic quantizer == the simulation by test_ticks.py's heterogeneous
+#: payloads (both schedules), AQ-SGD's caches filled row by row by test_cold_sends.py (a GPipe
+#: run on a data x stage mesh); under 1F1B, EF21 and the shared mask by test_golden.py
+#: (ef21_q8, shared_mask), their payload sends by tests/export/test_pipeline.py (shared_mask)
+RUNS = [("ef21_bf16+shared_mask", "gpipe")] + [
     (n, "1f1b") for n in ("aq_sgd", "quantize4", "topk_ef")
 ]
 #: the fast tier's run (every other in the slow tier)
