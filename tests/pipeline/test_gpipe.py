@@ -39,23 +39,6 @@ def test_identity_mlp_matches_unpipelined(mlp, stage_mesh, pack, tools, form):
     tools.close(list(grads), ref_grads)
 
 
-@pytest.mark.slow
-def test_identity_heterogeneous_cnn_matches_unpipelined(cnn, stage_mesh3, pack, tools):
-    """1F1B on the 3-stage CNN (GPipe's step and evaluation on it: test_ticks.py's
-    ``test_boundaries_of_different_sizes_send_no_padding``)."""
-    config = pipeline.PipelineConfig(cnn.M, schedule="1f1b")
-    pipe = pipeline.distribute(cnn.model, config, stage_mesh3)
-    params = pack(cnn.params, stage_mesh3)
-    states = pipe.init(params, cnn.batch)
-    loss, grads, _, metrics = jax.jit(pipe.step)(params, cnn.batch, states, jax.random.key(0))
-    ref_loss, ref_grads = tools.reference(cnn.model, cnn.params, cnn.batch)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    tools.close(grads.unpack(), ref_grads)
-    h = tools.forward(cnn.model, cnn.params, cnn.batch["x"])
-    accuracy = np.mean(np.argmax(np.asarray(h), -1) == np.asarray(cnn.batch["label"]))
-    np.testing.assert_allclose(metrics["accuracy"], accuracy, rtol=1e-6)
-
-
 @pytest.fixture(scope="module")
 def gpt():
     """A 1-block GPT decoder from the model registry, cut after the block: 2 stages (4 blocks on
@@ -71,7 +54,8 @@ def gpt():
 @pytest.mark.slow  # the GPT decoder and its reference, two programs
 def test_identity_gpt_decoder_from_the_registry_equals_unpipelined(gpt, pack, tools):
     """``models.get_model`` feeds the pipeline as it is (one StagedModel class). One schedule:
-    that every schedule equals the unpipelined model is the MLP's and the CNN's tests above."""
+    that every schedule equals the unpipelined model is the MLP's tests here and the CNN's
+    1F1B dense step in test_golden.py (``cnn_aq``'s warm-up)."""
     model, params, batch = gpt
     assert isinstance(model, pipeline.StagedModel) and models.StagedModel is pipeline.StagedModel
     ref_loss, ref_grads = tools.reference(model, params, batch)

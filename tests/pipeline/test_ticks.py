@@ -52,7 +52,7 @@ def test_boundaries_of_different_sizes_send_no_padding(stage_mesh3, pack, tools,
     permutes carry exactly the payloads (every boundary's bytes once per microbatch and
     direction), one permute per tick, direction and payload size (12, where boundaries alike
     take 8); its loss, gradients, metrics and evaluation are the unpipelined model's (GPipe;
-    1F1B: test_gpipe.py)."""
+    1F1B's dense step: test_golden.py's ``cnn_aq`` warm-up)."""
     stage_mesh = stage_mesh3
     pipe = pipeline.distribute(cnn.model, pipeline.PipelineConfig(cnn.M), stage_mesh)  # GPipe
     params = pack(cnn.params, stage_mesh)
