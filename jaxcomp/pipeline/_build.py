@@ -208,19 +208,19 @@ def distribute(
       >>> from jaxcomp import compressors, feedback, pipeline
       >>> def stage(w, x):
       ...     return jnp.tanh(x @ w)
-      >>> model = pipeline.StagedModel((stage,) * 4, lambda y, t: jnp.mean((y - t) ** 2))
-      >>> params = [jnp.eye(8)] * 4
+      >>> model = pipeline.StagedModel((stage,) * 2, lambda y, t: jnp.mean((y - t) ** 2))
+      >>> params = [jnp.eye(8)] * 2
       >>> batch = {"x": jnp.ones((16, 8)), "label": jnp.zeros((16, 8))}
       >>> ef_topk = feedback.error_feedback(compressors.top_k(0.25, per_sample=True))
       >>> link = pipeline.link(ef_topk, compressors.quantize(8))
-      >>> mesh = pipeline.pipeline_mesh(4, jax.devices()[:4])
+      >>> mesh = pipeline.pipeline_mesh(2, jax.devices()[:2])
       >>> config = pipeline.PipelineConfig(4, link, schedule="1f1b")
       >>> pipe = pipeline.distribute(model, config, mesh)
       >>> states = pipe.init(params, batch)
       >>> step = jax.jit(pipe.step, static_argnames="compress")
       >>> loss, grads, states, metrics = step(params, batch, states, jax.random.key(0))
       >>> int(metrics["wire_bytes"]), int(metrics["dense_bytes"])
-      (912, 3072)
+      (304, 1024)
 
     References:
       Huang et al., `GPipe: Efficient Training of Giant Neural Networks using Pipeline

@@ -118,8 +118,13 @@ def unpipelined_value_and_grad(model, params, batch):
     """The reference: the stages composed on the whole batch, no pipeline, no compression.
 
     One jitted program (run eagerly it compiled every op of the model apart: ~260 programs,
-    ~7 s of the GPT decoder test)."""
+    ~7 s of the GPT decoder test), made once per model: a module's calls on the same model
+    and shapes share its compile."""
+    return _reference_program(model)(params, batch["x"], batch["label"])
 
+
+@functools.cache
+def _reference_program(model):
     def loss(params, x, labels):
         h = x
         for f, p in zip(model.stages, params):
@@ -127,7 +132,7 @@ def unpipelined_value_and_grad(model, params, batch):
         out = model.loss_fn(h, labels)
         return out[0] if isinstance(out, tuple) else out
 
-    return jax.jit(jax.value_and_grad(loss))(params, batch["x"], batch["label"])
+    return jax.jit(jax.value_and_grad(loss))
 
 
 def _forward(model, params, h):

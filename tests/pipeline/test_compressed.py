@@ -1,7 +1,10 @@
 """Compressed links: distributed == simulated (loss, grads, link states over several steps),
 and the bytes the compiled program sends == the theoretical payload bytes."""
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -21,8 +24,12 @@ LINKS = {
     "quantize4": pipeline.link(
         C.quantize(4, scale="feature"), C.quantize(4, rounding="stochastic")
     ),
-    "shared_mask": pipeline.link(C.top_k(0.25, per_sample=True), mode="shared_mask"),
-    "ef21_bf16": pipeline.link(F.ef21(C.top_k(0.25)), F.ef21(C.cast("bfloat16"))),
+    # one link per boundary: EF21 from the first stage to the middle one, the shared mask from
+    # the middle stage to the last (two links' runs in one program)
+    "ef21_bf16+shared_mask": (
+        pipeline.link(F.ef21(C.top_k(0.25)), F.ef21(C.cast("bfloat16"))),
+        pipeline.link(C.top_k(0.25, per_sample=True), mode="shared_mask"),
+    ),
     "aq_sgd": pipeline.link(
         F.aq_sgd(C.quantize(4), N), F.error_feedback(C.top_k(0.5), num_samples=N)
     ),
@@ -42,14 +49,14 @@ def _max_diff(a, b):
 #: the runs whose link, MLP, keys and compress schedule are a test_golden.py case: their
 #: numbers are compared with the recorded ones here too (the case's programs compiled once)
 GOLDEN_CASES = {("aq_sgd", "1f1b"): "aq_sgd", ("quantize4", "1f1b"): "quant_stochastic"}
-#: one schedule per link: GPipe for EF21 and the shared mask, 1F1B for the per-sample state
-#: (EF, AQ-SGD's caches) and the stochastic quantizer. The other schedule's numbers: under
-#: GPipe, the per-sample EF by test_golden.py's ``replicas_topk_ef`` (both schedules), a
-#: stochastic quantizer == the simulation by test_ticks.py's heterogeneous payloads (both
-#: schedules), AQ-SGD's caches filled row by row by test_cold_sends.py (a GPipe run on a
-#: data x stage mesh); under 1F1B, EF21 and the shared mask by test_golden.py (ef21_q8,
-#: shared_mask), their payload sends by tests/export/test_pipeline.py (shared_mask)
-RUNS = [(n, "gpipe") for n in ("ef21_bf16", "shared_mask")] + [
+#: one schedule per link: GPipe for EF21 and the shared mask (one run), 1F1B for the
+#: per-sample state (EF, AQ-SGD's caches) and the stochastic quantizer. The other schedule's
+#: numbers: under GPipe, the per-sample EF by test_golden.py's ``replicas_topk_ef`` (both
+#: schedules), a stochastic quantizer == the simulation by test_ticks.py's heterogeneous
+#: payloads (both schedules), AQ-SGD's caches filled row by row by test_cold_sends.py (a GPipe
+#: run on a data x stage mesh); under 1F1B, EF21 and the shared mask by test_golden.py
+#: (ef21_q8, shared_mask), their payload sends by tests/export/test_pipeline.py (shared_mask)
+RUNS = [("ef21_bf16+shared_mask", "gpipe")] + [
     (n, "1f1b") for n in ("aq_sgd", "quantize4", "topk_ef")
 ]
 #: the fast tier's run (every other in the slow tier)
@@ -171,6 +178,29 @@ def test_data_replicas_equal_per_replica_simulations(tools):
         tools.close(jax.tree.map(lambda a, r=r: a[:, r], states), outs[r][2])
 
 
+EVAL_CODEC = C.quantize(2, rounding="stochastic")
+
+
+@functools.cache
+def _evaluation_by_hand(stages):
+    """The stages with ``EVAL_CODEC`` at each boundary, microbatch ``m`` crossing boundary ``b``
+    with ``fold_in(fold_in(fold_in(key, b), m), 0)``: one jitted program (op by op it compiled
+    ~30 programs per run)."""
+
+    def run(params, xs, key):
+        out = []
+        for m in range(xs.shape[0]):
+            h = xs[m]
+            for b in range(len(stages) - 1):
+                h = stages[b](params[b], h)
+                k = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, b), m), 0)
+                h = EVAL_CODEC.decompress(EVAL_CODEC.compress(h, EVAL_CODEC.init(h), k)[0], h)
+            out.append(stages[-1](params[-1], h))
+        return jnp.concatenate(out)
+
+    return jax.jit(run)
+
+
 @pytest.mark.slow
 def test_compressed_evaluation_applies_each_forward_codec_with_the_documented_keys(
     mlp3, stage_mesh3, pack, tools
@@ -180,23 +210,17 @@ def test_compressed_evaluation_applies_each_forward_codec_with_the_documented_ke
     checked against that computation written out, for gpipe and simulate. Only the forward
     payloads travel."""
     mlp, stage_mesh = mlp3, stage_mesh3
-    codec = C.quantize(2, rounding="stochastic")
-    config = pipeline.PipelineConfig(mlp.M, pipeline.link(F.error_feedback(codec), C.quantize(8)))
+    config = pipeline.PipelineConfig(
+        mlp.M, pipeline.link(F.error_feedback(EVAL_CODEC), C.quantize(8))
+    )
     pipe, sim = (
         pipeline.distribute(mlp.model, config, stage_mesh),
         pipeline.simulate(mlp.model, config),
     )
     key = jax.random.key(11)
-    stages, params = mlp.model.stages, mlp.params
+    params = mlp.params
     xs = np.asarray(mlp.batch["x"]).reshape(mlp.M, -1, mlp.batch["x"].shape[-1])
-    expected = []
-    for m, h in enumerate(xs):
-        for b in range(len(stages) - 1):
-            h = stages[b](params[b], h)
-            k = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, b), m), 0)
-            h = codec.decompress(codec.compress(h, codec.init(h), k)[0], h)
-        expected.append(stages[-1](params[-1], h))
-    expected = np.concatenate(expected)
+    expected = np.asarray(_evaluation_by_hand(mlp.model.stages)(params, xs, key))
 
     packed = pack(params, stage_mesh)
     compiled = (

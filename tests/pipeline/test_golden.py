@@ -6,6 +6,7 @@ import importlib.util
 import pathlib
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -35,7 +36,7 @@ RUNS = [(n, "1f1b") for n in sorted(CASES) if n not in NOT_HERE] + [("replicas_t
     "name, schedule",
     [r if r == ("ef21_q8", "1f1b") else pytest.param(*r, marks=pytest.mark.slow) for r in RUNS],
 )
-def test_same_numbers_as_before_the_compact_layout(name, schedule, recorded):
+def test_same_numbers_as_before_the_compact_layout(name, schedule, recorded, tools):
     kind, link, compress_per_step, replicas = CASES[name]
     fx = golden.fixture(kind)
     mesh = pipeline.pipeline_mesh(golden.S, jax.devices()[: golden.S * replicas])
@@ -48,8 +49,22 @@ def test_same_numbers_as_before_the_compact_layout(name, schedule, recorded):
     states = pipe.init(params, batch)
     step = jax.jit(pipe.step, static_argnames="compress")
     for i, compress in enumerate(compress_per_step):
-        loss, grads, states, _ = step(params, batch, states, jax.random.key(i), compress)
+        loss, grads, states, metrics = step(params, batch, states, jax.random.key(i), compress)
         recorded.check(name, i, loss, grads, states, replicas)
+        if not compress:
+            _check_dense_step(fx, loss, grads, metrics, tools)
+
+
+def _check_dense_step(fx, loss, grads, metrics, tools):
+    """A dense step (AQ-SGD's warm-up: ``cnn_aq``, 1F1B on the 3-stage CNN, boundaries of two
+    sizes) gives the unpipelined model's loss, gradients and metrics (identity links == the
+    model: test_gpipe.py, on the MLP)."""
+    ref_loss, ref_grads = tools.reference(fx.model, fx.params, fx.batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    tools.close(grads.unpack(), ref_grads)
+    h = tools.forward(fx.model, fx.params, fx.batch["x"])
+    accuracy = np.mean(np.argmax(np.asarray(h), -1) == np.asarray(fx.batch["label"]))
+    np.testing.assert_allclose(metrics["accuracy"], accuracy, rtol=1e-6)
 
 
 def test_every_recorded_case_is_checked(load_test_module):

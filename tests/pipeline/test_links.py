@@ -93,18 +93,16 @@ def test_meter_refuses_a_text_it_cannot_classify():
         _links.hlo_sent_bytes(outside, pipeline.pipeline_mesh(4, jax.devices()[:4]))
 
 
-#: stateless TopK both ways; a per-sample link (AQ-SGD forward, per-sample EF backward) is
-#: metered on test_cold_sends.py's GPipe program (the same mesh and MLP: one compile of it)
+#: stateless TopK both ways; GPipe's program on the same mesh and MLP is metered by
+#: test_cold_sends.py (a per-sample link: AQ-SGD forward, per-sample EF backward)
 LINK = pipeline.link(C.top_k(0.25), C.top_k(0.5))
-#: the fast tier's run (1F1B: a tick's permute carries both directions, each pair counted by
-#: its own); GPipe in the slow tier
-RUNS = ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("schedule", RUNS)
-def test_data_by_stage_meter_is_replicas_times_step_bytes(schedule, tools):
+def test_data_by_stage_meter_is_replicas_times_step_bytes(tools):
     """On a (data 2 x stage 3) mesh, boundary bytes are R times one replica's payloads
-    (``check_data_stage_meter``, tests/pipeline/conftest.py)."""
+    (``check_data_stage_meter``, tests/pipeline/conftest.py), under 1F1B: a tick's permute
+    carries both directions, each pair counted by its own (GPipe: test_cold_sends.py)."""
+    schedule = "1f1b"
     mlp = tools.make_mlp(num_microbatches=3, microbatch=1, num_stages=3)
     batch = {k: jnp.concatenate([v, v]) for k, v in mlp.batch.items()}  # 2 x 3 rows
     mesh = pipeline.pipeline_mesh(3, jax.devices()[:6])

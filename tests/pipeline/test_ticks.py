@@ -1,8 +1,9 @@
 """A tick moves the payloads of every boundary that sends in it in one ``ppermute`` per payload
 size (``jaxcomp.pipeline._ticks.move_boundaries``), both directions together where no stage
-receives twice (1F1B): a 4-stage step of boundaries alike is one ``collective-permute`` per tick
-that sends, not one per boundary and microbatch, and boundaries of different sizes (the test
-CNN's) send exactly their payloads' bytes, no padding, with the unpipelined model's numbers."""
+receives twice (1F1B): a step of boundaries alike is one ``collective-permute`` per tick that
+sends, not one per boundary and microbatch (GPipe's 4-stage MLP: test_gpipe.py's identity test,
+its program), and boundaries of different sizes (the test CNN's) send exactly their payloads'
+bytes, no padding, with the unpipelined model's numbers."""
 
 import jax
 import numpy as np
@@ -51,7 +52,7 @@ def test_boundaries_of_different_sizes_send_no_padding(stage_mesh3, pack, tools,
     permutes carry exactly the payloads (every boundary's bytes once per microbatch and
     direction), one permute per tick, direction and payload size (12, where boundaries alike
     take 8); its loss, gradients, metrics and evaluation are the unpipelined model's (GPipe;
-    1F1B: test_gpipe.py)."""
+    1F1B's dense step: test_golden.py's ``cnn_aq`` warm-up)."""
     stage_mesh = stage_mesh3
     pipe = pipeline.distribute(cnn.model, pipeline.PipelineConfig(cnn.M), stage_mesh)  # GPipe
     params = pack(cnn.params, stage_mesh)
@@ -78,18 +79,6 @@ def test_boundaries_of_different_sizes_send_no_padding(stage_mesh3, pack, tools,
     assert float(metrics["wire_bytes"]) == counts["wire_bytes"] == counts["dense_bytes"]
     sizes = [(n, n) for n in payloads]
     assert sent["permutes"] == _moves("gpipe", 3, cnn.M, sizes) == 12 > _moves("gpipe", 3, 3)
-
-
-def test_one_permute_per_tick_and_direction_for_boundaries_alike(mlp, stage_mesh, pack):
-    """Boundaries of one payload shape move in one permute per tick and direction."""
-    pipe = pipeline.distribute(mlp.model, pipeline.PipelineConfig(mlp.M), stage_mesh)
-    params = pack(mlp.params)
-    states = pipe.init(params, mlp.batch)
-    text = jax.jit(pipe.step).lower(params, mlp.batch, states, None).compile().as_text()
-    sent = _links.hlo_sent_bytes(text, stage_mesh)
-    # 6 forward ticks send (1, 2, 3, 3, 2, 1 boundaries) and 6 backward: 24 sends, 12 permutes
-    assert sent["permutes"] == _moves("gpipe", 4, mlp.M) == 12
-    assert sent["forward"] == sent["backward"] == mlp.M * 3 * 2 * 16 * 4
 
 
 #: 1F1B's merged moves against the per-direction ones: identity (one permute per tick); error

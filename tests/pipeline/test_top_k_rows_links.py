@@ -80,17 +80,19 @@ def test_shared_mask_by_rows_equals_the_row_masked_model_and_sends_values_only(
     assert metrics["wire_bytes"] == rows * K * 9
 
 
+#: one link per boundary (both feedbacks' runs in one program): EF21 from the first stage to
+#: the middle one, AQ-SGD (and per-sample EF backward) from the middle stage to the last
 LINKS = {
-    "ef21": pipeline.link(
-        F.ef21(C.top_k(count=K, row_axis=-1)), F.ef21(C.top_k(count=K, row_axis=-1))
-    ),
-    "aq_sgd": pipeline.link(
-        F.aq_sgd(C.top_k(count=K, row_axis=-1), 8),
-        F.error_feedback(C.top_k(count=K, row_axis=-1), num_samples=8),
+    "ef21+aq_sgd": (
+        pipeline.link(F.ef21(C.top_k(count=K, row_axis=-1)), F.ef21(C.top_k(count=K, row_axis=-1))),
+        pipeline.link(
+            F.aq_sgd(C.top_k(count=K, row_axis=-1), 8),
+            F.error_feedback(C.top_k(count=K, row_axis=-1), num_samples=8),
+        ),
     ),
 }
 # AQ-SGD's first step is its uncompressed warm-up, which fills both per-sample caches
-SCHEDULES = {"ef21": (True, True), "aq_sgd": (False, True, True)}
+SCHEDULES = {"ef21+aq_sgd": (False, True, True)}
 
 
 @functools.cache
@@ -121,7 +123,7 @@ def test_feedback_by_rows_distributed_equals_simulated(name, tokens, stage_mesh3
         if not compress:
             # AQ-SGD's dense warm-up uses no codec: the distributed run starts from the
             # simulation's states (a distributed warm-up == the simulation's:
-            # test_compressed.py's aq_sgd run)
+            # test_compressed.py's aq_sgd run; EF21's estimates too)
             pairs = zip(jax.tree.leaves(s_states), jax.tree.leaves(states), strict=True)
             leaves = [jax.device_put(s, d.sharding) for s, d in pairs]
             states, sim_states = jax.tree.unflatten(jax.tree.structure(states), leaves), s_states
