@@ -34,6 +34,11 @@ def roundtrip(codec, x, key=KEY):
     return codec.decompress(compress(codec, x, key), x)
 
 
+#: :func:`roundtrip` jitted, for the cases that check a result (eagerly, each of a round trip's
+#: 7-41 operations compiled on its own, per shape)
+jitted_roundtrip = jax.jit(roundtrip, static_argnums=0)
+
+
 def payload_of(codec, made_from):
     """A payload of ``codec`` for an array shaped ``made_from``: zeros in the structure, shapes
     and dtypes its compress returns (traced abstractly: the cases below check the decode, and an
@@ -73,7 +78,17 @@ def relative_error_below(x, bound):
 
 
 Z = jnp.zeros((0, 4))
-BIG = jnp.asarray(np.random.default_rng(0).standard_normal((16, 256)), jnp.float32)
+BIG_NP = np.random.default_rng(0).standard_normal((16, 256)).astype(np.float32)
+BIG = jnp.asarray(BIG_NP)
+
+
+def _with(a, pos, value):
+    """A copy of the numpy array ``a`` with ``a[pos] = value``."""
+    a = a.copy()
+    a[pos] = value
+    return a
+
+
 q8, q4f, q2mm = C.quantize(8), C.quantize(4, scale="feature"), C.quantize(2, scale="minmax")
 top, top_ps, top_bw = C.top_k(0.5), C.top_k(0.5, per_sample=True), C.top_k(0.25, method="blockwise")
 psgd = C.power_sgd(2)
@@ -203,26 +218,27 @@ CASES = {
         lambda: jax.jit(lambda x: roundtrip(q2mm, x))(BIG.at[3, 7].set(jnp.nan)),
         expect=non_finite_everywhere,
     ),
-    "inf_power_sgd_jit": Case(  # eager: tests/compressors/test_nonfinite.py's codec table
+    "inf_power_sgd_jit": Case(  # eager runs the same operations (test_nonfinite.py)
         lambda: jax.jit(lambda x: roundtrip(psgd, x))(BIG.at[3, 7].set(jnp.inf)),
         expect=non_finite_everywhere,
     ),
     # --- item 3: magnitudes the old float16 scale / +1e-6 got wrong
     "quantize_feature_above_65504": Case(
-        lambda: roundtrip(C.quantize(8, scale="feature"), BIG * 1e5),
-        expect=relative_error_below(BIG * 1e5, 2.0**-7 * 1.01),
+        lambda: jitted_roundtrip(C.quantize(8, scale="feature"), BIG_NP * np.float32(1e5)),
+        expect=relative_error_below(BIG_NP * np.float32(1e5), 2.0**-7 * 1.01),
     ),
     "quantize_feature_fp16_above_65504": Case(  # documented: that feature decodes non-finite
-        lambda: roundtrip(
-            C.quantize(8, scale="feature", scale_dtype=jnp.float16), BIG.at[0, 9].set(7e4)
+        lambda: jitted_roundtrip(
+            C.quantize(8, scale="feature", scale_dtype=jnp.float16), _with(BIG_NP, (0, 9), 7e4)
         )[:, 9],
         expect=non_finite_everywhere,
     ),
     "quantize_magnitude_1e-8": Case(
-        lambda: roundtrip(q8, BIG * 1e-8), expect=relative_error_below(BIG * 1e-8, 2.0**-7 * 1.01)
+        lambda: jitted_roundtrip(q8, BIG_NP * np.float32(1e-8)),
+        expect=relative_error_below(BIG_NP * np.float32(1e-8), 2.0**-7 * 1.01),
     ),
     "sign_rms_magnitude_1e-25": Case(
-        lambda: roundtrip(C.sign(scale="rms"), BIG * 1e-25),
+        lambda: jitted_roundtrip(C.sign(scale="rms"), BIG_NP * np.float32(1e-25)),
         expect=lambda y: abs(np.max(np.abs(np.asarray(y))) / 1e-25 - 1.0) < 0.1,  # rms of N(0,1)
     ),
     # --- bad arguments at call time

@@ -144,7 +144,7 @@ FAST = pytest.mark.usefixtures("fast_compiles")
 @FAST
 def test_top_k_by_hand():
     x = jnp.array([0.1, -3.0, 0.5, 2.0])
-    payload, y = roundtrip(compressors.top_k(count=2), x)
+    payload, y = jitted_roundtrip(compressors.top_k(count=2), x)
     np.testing.assert_array_equal(payload.values, [-3.0, 2.0])
     np.testing.assert_array_equal(payload.indices, [1, 3])
     assert payload.indices.dtype == jnp.uint8
@@ -154,7 +154,7 @@ def test_top_k_by_hand():
 @FAST
 def test_top_k_per_sample_by_hand():
     x = jnp.array([[1.0, -5.0, 2.0, 0.0], [3.0, 0.0, -1.0, 4.0]])
-    payload, y = roundtrip(compressors.top_k(0.5, per_sample=True), x)
+    payload, y = jitted_roundtrip(compressors.top_k(0.5, per_sample=True), x)
     assert payload.values.shape == (2, 2)
     np.testing.assert_array_equal(y, [[0.0, -5.0, 2.0, 0.0], [3.0, 0.0, 0.0, 4.0]])
 
@@ -195,7 +195,7 @@ def test_top_k_keeps_exactly_the_k_largest_magnitudes(x):
 def test_blockwise_keeps_the_top_of_each_block():
     x = _normal((3, 100))
     codec = compressors.top_k(0.1, per_sample=True, method="blockwise", block_size=25)
-    payload, y = roundtrip(codec, x)
+    payload, y = jitted_roundtrip(codec, x)
     # 100 entries, K = 10, 4 blocks of 25 -> ceil(10 / 4) = 3 per block, block-local indices
     assert payload.values.shape == (3, 12) and payload.indices.dtype == jnp.uint8
     xb, yb = np.asarray(x).reshape(3, 4, 25), np.asarray(y).reshape(3, 4, 25)
@@ -211,7 +211,7 @@ def test_blockwise_decode_drops_an_index_past_its_block():
     # (the decode scatters at flat positions block * 25 + index); j not kept in block 1
     x = _normal((2, 100))
     codec = compressors.top_k(0.1, per_sample=True, method="blockwise", block_size=25)
-    payload, y = roundtrip(codec, x)
+    payload, y = jitted_roundtrip(codec, x)
     j = min(set(range(25)) - set(np.asarray(payload.indices[0, 3:6]).tolist()))
     bad = payload._replace(indices=payload.indices.at[0, 0].set(25 + j))
     z = np.asarray(codec.decompress(bad, x))
@@ -238,7 +238,7 @@ def test_blockwise_with_one_per_block_is_blockwise_argmax_and_pads_the_tail():
 def test_approx_method_is_the_exact_selection_off_tpu():
     x = jnp.asarray(_edge_vector(70001, 3))
     exact, approx = compressors.top_k(0.01), compressors.top_k(0.01, method="approx")
-    p, q = roundtrip(exact, x)[0], roundtrip(approx, x)[0]
+    p, q = jitted_roundtrip(exact, x)[0], jitted_roundtrip(approx, x)[0]
     np.testing.assert_array_equal(p.indices, q.indices)
     np.testing.assert_array_equal(p.values, q.values)
 
@@ -247,8 +247,8 @@ def test_approx_method_is_the_exact_selection_off_tpu():
 def test_rand_k_shared_key_means_shared_positions_and_summable_payloads():
     codec = compressors.rand_k(count=5)
     a, b = jnp.arange(20.0), -2.0 * jnp.arange(20.0)
-    pa, ya = roundtrip(codec, a)
-    pb, yb = roundtrip(codec, b)
+    pa, ya = jitted_roundtrip(codec, a)
+    pb, yb = jitted_roundtrip(codec, b)
     np.testing.assert_array_equal(pa.seed, pb.seed)
     summed = compressors.RandKPayload(pa.values + pb.values, pa.seed)
     np.testing.assert_allclose(codec.decompress(summed, a), ya + yb)
@@ -259,7 +259,7 @@ def test_rand_k_positions_are_one_per_stratum():
     codec = compressors.rand_k(count=4)
     x = jnp.arange(1.0, 11.0)  # strata of sizes 3, 3, 2, 2
     for seed in range(20):
-        y = np.asarray(roundtrip(codec, x, jax.random.key(seed))[1])
+        y = np.asarray(jitted_roundtrip(codec, x, jax.random.key(seed))[1])
         kept = np.flatnonzero(y)
         assert len(kept) == 4
         assert [int(i in kept) for i in range(10)].count(1) == 4

@@ -43,8 +43,8 @@ SHAPE = (256, 512)  # 131072 entries: exact TopK 1% takes the bracketed select (
 CASES = [
     (compressors.top_k(0.01), SHAPE, (0.01, False)),  # exact, per tensor (+ bf16 residual)
     (compressors.top_k(0.05, per_sample=True), SHAPE, (0.05, True)),  # exact, per sample
-    (compressors.top_k(0.01, method="blockwise"), SHAPE, None),  # blocks of 100: a scatter
-    (compressors.top_k(count=1024, method="blockwise"), SHAPE, None),  # blocks of 128: a mask
+    (compressors.top_k(0.1, method="blockwise"), SHAPE, None),  # blocks of 10: a scatter
+    (compressors.top_k(count=16384, method="blockwise"), SHAPE, None),  # blocks of 8: a mask
     (compressors.top_k(0.02, method="blockwise", block_size=64), SHAPE, None),  # select per block
     (compressors.top_k(0.1, per_sample=True, method="blockwise"), SHAPE, None),
     (compressors.top_k(0.6), (16, 24), (0.6, False)),  # most entries kept: kept signed zeros
