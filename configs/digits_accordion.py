@@ -16,6 +16,7 @@ averages densely inside each host and compresses only between hosts, in fewer an
 rings across the slow links: faster there (docs/results/network/README.md, the hierarchical
 mesh). PowerSGD's results do not change with it (error feedback and shared factors keep it
 linear in the gradients).
+``:smoke``: a one-hidden-layer MLP (32 units) for 2 steps.
 """
 
 import ml_collections
@@ -47,4 +48,6 @@ def get_config(arg=None):
         check_every=2,
         eta=0.5,
     )
+    if smoke:  # the wiring on one hidden layer: two compressed kernels (each compiles its codecs)
+        c.model.hidden = (32,)
     return c

@@ -22,7 +22,7 @@ Expected: not measured here (CPU only). The reference's logs (SPEC.md section 2.
 94.72% test accuracy for Accordion vs 94.49% (static rank 2) and 94.25% (static rank 1), with
 ~136x (rank 2) / ~243x (rank 1) fewer floats than dense; the paper reports up to 5.5x less
 communication than static low compression at similar accuracy.
-``:smoke`` runs a 2-layer, width-8 ResNet for 2 steps on a generated copy of
+``:smoke`` runs a 1-layer, width-8 ResNet for 2 steps on a generated copy of
 CIFAR-10 (``data.fake``: :func:`jaxcomp.data.write_fake_tfds`, 64 images per split; nothing is
 downloaded or prepared).
 """
@@ -67,7 +67,7 @@ def get_config(arg=None):
     )
     if smoke:
         c.data.fake = True  # generated images: no download
-        c.model = dict(norm="batch", cuts=(), width=8, blocks=(1, 1))  # a 2-layer ResNet
+        c.model = dict(norm="batch", cuts=(), width=8, blocks=(1,))  # a 1-layer ResNet
         c.batch_size = c.eval_batch_size = 16
         c.lr_decay_steps = [1]
         c.total_steps, c.log_every, c.eval_every, c.checkpoint_every = 2, 1, 0, 0

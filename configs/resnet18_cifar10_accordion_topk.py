@@ -18,7 +18,7 @@ Expected: not measured here (CPU only). The reference's logs (SPEC.md section 2.
 93.78% test accuracy for Accordion vs 94.09% (static 99%) and 93.08% (static 10%). TopK 99%
 costs more than dense (values + indices), so its low-compression mode falls back to the exact
 dense mean (``min_compression_rate``).
-``:smoke`` runs a 2-layer, width-8 ResNet for 2 steps on a generated copy of
+``:smoke`` runs a 1-layer, width-8 ResNet for 2 steps on a generated copy of
 CIFAR-10 (``data.fake``: :func:`jaxcomp.data.write_fake_tfds`, 64 images per split; nothing is
 downloaded or prepared).
 """

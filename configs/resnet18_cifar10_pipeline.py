@@ -24,10 +24,9 @@ severely harm convergence and that a TopK-trained model (no error feedback) need
 at inference too. The uncompressed reference for this ResNet-18 is about 94-95% (the
 kuangliu/pytorch-cifar model; Accordion's logs: 94.5% at 300 epochs, SPEC.md section 2.6), so
 expect the compression-on column a little below that and the compression-off column lower.
-``:smoke`` runs a width-8 ResNet of two one-block layers cut after layer1 into 2 stages (2
-microbatches) for 2 steps
-on a generated copy of CIFAR-10 (``data.fake``: :func:`jaxcomp.data.write_fake_tfds`, 64
-images per split; nothing is downloaded or prepared).
+``:smoke`` runs a width-8 ResNet of one one-block layer, cut after its stem into 2 stages (2
+microbatches), for 2 steps on a generated copy of CIFAR-10 (``data.fake``:
+:func:`jaxcomp.data.write_fake_tfds`, 64 images per split; nothing is downloaded or prepared).
 """
 
 import ml_collections
@@ -62,7 +61,8 @@ def get_config(arg=None):
     )
     if smoke:
         c.data.fake = True  # generated images: no download
-        c.model = dict(norm="batch", width=8, blocks=(1, 1), cuts=("layer1",))
+        # the wiring on the least ResNet: stem | layer1 (one block) + head
+        c.model = dict(norm="batch", width=8, blocks=(1,), cuts=("stem",))
         c.mesh = [("data", -1), ("stage", 2)]
         c.pipeline.num_microbatches = 2
         c.batch_size = c.eval_batch_size = 16

@@ -21,6 +21,7 @@ from jaxcomp import models
 from jaxcomp import train
 from jaxcomp.train import _dense
 from jaxcomp.train import _dp_mode
+from jaxcomp.train import _metrics
 from jaxcomp.train import _pipeline_mode
 
 #: the smoke runs check a config's wiring (2 steps, bytes sent, a finite loss), not the bits of
@@ -150,7 +151,10 @@ def _documents_its_run_and_smoke_trains_two_steps(path, workdir, tfds_dir=None):
         steps = {"dense", "ab"} if smoke.mode == "ab" else {"train_step"}  # AB: its step kinds
         assert steps <= {n.split("(")[0] for n in programs}, programs
         return
-    summary = train.train_and_evaluate(smoke, str(workdir))
+    with pytest.MonkeyPatch.context() as mp:  # no curves: the PNG is drawn from metrics.jsonl
+        # whatever the config (tests/train/test_trainer.py): ~0.2 s of matplotlib per smoke
+        mp.setattr(_metrics, "plot_metrics", lambda workdir, path=None: None)
+        summary = train.train_and_evaluate(smoke, str(workdir))
     assert summary["steps"] == 2
     assert summary["wire_bytes_per_step"] > 0
     assert summary["final_loss"] == summary["final_loss"]  # finite, not NaN

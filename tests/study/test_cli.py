@@ -29,11 +29,13 @@ CELLS = [
     "dense__optimizer=adam__seed0",
     "topk10-both__optimizer=adam__seed0",
 ]
-#: the cells on 2 stages of 2 microbatches (as configs/digits_pipeline.py:smoke): the CLI's
-#: cells, report and rerun, not the 4-stage program (the configs' smoke runs compile one)
+#: the cells on 2 stages of 2 microbatches and one hidden layer of 64 (a stage each): the CLI's
+#: cells, report and rerun, not the config's programs (configs/digits_pipeline.py's smoke
+#: trains in tests/test_configs.py); TopK 10% of 64 features per sample: 7.3x fewer bytes
 SMALL = [
     *("--set", "mesh=[('data',4),('stage',2)]"),
-    *("--set", "model.cuts=('fc2',)"),
+    *("--set", "model.hidden=(64,)"),
+    *("--set", "model.cuts=('fc1',)"),
     *("--set", "pipeline.num_microbatches=2"),
 ]
 
@@ -134,7 +136,7 @@ def test_every_study_documents_itself_and_its_cells_are_valid_configs(name):
 
 #: the studies whose mode no other test runs: the pipeline ones run through the CLI above, and
 #: accordion_powersgd's last variant ("accordion 2/1", sgdm, seed 0) is configs/digits_accordion
-#: with its own smoke overrides, which tests/test_configs.py runs
+#: with its own smoke overrides on a narrower MLP, which tests/test_configs.py runs
 RUN_IN_TESTS = ["accordion_batch_size"]
 
 
@@ -144,7 +146,11 @@ def test_a_study_of_each_mode_runs_a_smoke_cell(name, tmp_path):
     s = study.load_study(name)
     last = list(s.variants)[-1]  # the most involved variant (Accordion, EF21, AQ-SGD, ...)
     cell = next(c for c in study.cells(s) if c.variant == last)
-    statuses = study.run_study(s, str(tmp_path), smoke=True, only=[cell.name], log=lambda *_: None)
+    # on the digits smoke's MLP (configs/digits_accordion.py): the mode's wiring, not its width
+    small = {"model.hidden": (32,)}
+    statuses = study.run_study(
+        s, str(tmp_path), smoke=True, extra=small, only=[cell.name], log=lambda *_: None
+    )
     assert statuses == {cell.name: "done"}
 
 
@@ -152,7 +158,13 @@ def test_the_accordion_powersgd_cell_left_out_is_the_digits_accordion_smoke():
     s = study.load_study("accordion_powersgd")
     cell = next(c for c in study.cells(s, _grid.SMOKE) if c.variant == list(s.variants)[-1])
     smoke = train.with_defaults(_grid.base_config(s._replace(config=f"{s.config}:smoke")))
-    assert study.cell_config(s, cell).to_dict() == smoke.to_dict()
+    got = study.cell_config(s, cell).to_dict()
+    # but for the model's width: the smoke's MLP has one hidden layer (the codecs per kernel)
+    assert (got.pop("model"), smoke.model.to_dict()) == (
+        {"hidden": (256, 256, 256)},
+        {"hidden": (32,)},
+    )
+    assert got == {k: v for k, v in smoke.to_dict().items() if k != "model"}
 
 
 # --- the CLI as a function: signals and process-wide settings ----------------------------------
