@@ -88,8 +88,9 @@ def _records(workdir):
 
 @pytest.fixture(scope="module")
 def references(make_config, tmp_path_factory):
-    """``references(mode) -> (workdir, summary)``: the uninterrupted run, once per mode (the
-    names of the programs its setup and run compiled: ``compiled[mode]``)."""
+    """``references(mode) -> (workdir, summary)``: the uninterrupted run, once per mode;
+    ``references.compiled[mode]``: the programs its setup and run compiled, by name (its
+    config is this module's only: no other run builds the setup first)."""
     runs = {}
 
     def get(mode):
