@@ -93,6 +93,17 @@ def runs(make_config):
     return batch, {name: (s, *_step(s, batch)) for name, s in setups.items()}
 
 
+def _single_device_sums(model, variables, batch):
+    """The evaluation sums of the unsharded model on ``batch`` (one program: eagerly, each
+    op of the sums compiled a program of its own)."""
+
+    def sums(variables, batch):
+        logits, _ = model.apply(variables, batch["x"])
+        return _mode.eval_sums(model, logits, batch)
+
+    return jax.jit(sums)(variables, batch)
+
+
 def _single_device(model, variables, x):
     """The unsharded model on ``x``: ``(logits, new variables)``."""
     return jax.jit(lambda v, x: model.apply(v, x, train=True))(variables, jnp.asarray(x))
@@ -149,10 +160,9 @@ def test_data_parallel_evaluates_with_worker0s_or_the_mean_statistics(runs, make
 
     stats = tuple(jax.tree.map(pick, part.value) for part in new.model_state)
     variables = _mode.join_variables(jax.device_get(new.params), stats)
-    logits, _ = jax.jit(lambda v, x: s.model.apply(v, x))(variables, jnp.asarray(batch["x"]))
     ev = {**batch, "mask": np.ones(BATCH, np.float32)}
     got = s.mode.eval_step(new, _trainer.place(ev, s.mode.batch_sharding))
-    want = _mode.eval_sums(s.model, logits, {**ev, "mask": jnp.asarray(ev["mask"])})
+    want = _single_device_sums(s.model, variables, ev)
     for k in want:
         np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=1e-5)
 
@@ -215,10 +225,9 @@ def test_ab_evaluates_with_the_running_statistics(runs, make_config, eval_with):
 
     params = jax.tree.map(lambda x: np.asarray(x)[0], new.params)
     variables = _mode.join_variables(params, jax.tree.map(pick, new.model_state))
-    logits, _ = jax.jit(lambda v, x: s.model.apply(v, x))(variables, batch["x"])
     ev = {**batch, "mask": np.ones(BATCH, np.float32)}
     got = s.mode.eval_step(new, _trainer.place(ev, s.mode.batch_sharding))
-    want = _mode.eval_sums(s.model, logits, ev)
+    want = _single_device_sums(s.model, variables, ev)
     for k in want:
         np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=1e-5)
 
