@@ -421,6 +421,12 @@ def build_pipeline(
     def step_fn(state, batch, key, step):
         return program(step >= warmup_steps, modes_of(state))(state, batch, key)
 
+    def eval_fn(state, batch, compressed):
+        # without compression nothing passes a link's codec: the program is the same for
+        # every mode combination, the all-low one's (compiled once, not again per switch)
+        compressed = bool(compressed)
+        return eval_jit(state, batch, compressed, modes_of(state) if compressed else low)
+
     kind = (
         "simulated on one device"
         if cfg["simulate"]
@@ -475,7 +481,7 @@ def build_pipeline(
         mesh=mesh,
         init=init_jit,
         train_step=step_fn,
-        eval_step=lambda s, b, compressed: eval_jit(s, b, bool(compressed), modes_of(s)),
+        eval_step=eval_fn,
         batch_sharding=batch_sharding,
         # adaptive links: each step reports the bytes of its mode combination
         wire_bytes=math.nan if detector is not None else float(counts["wire_bytes"]),

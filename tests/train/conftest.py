@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from jaxcomp import train
+from jaxcomp.train import _metrics
 from jaxcomp.train import _writers
+
+_PLOT = _metrics.plot_metrics
 
 
 def digits_config(**overrides) -> ml_collections.ConfigDict:
@@ -138,3 +141,19 @@ def eval_compiled_when_called():
         for module in (_compile, _dense, _dp_mode, _pipeline_mode):  # AB: _compile's
             mp.setattr(module, "compile_all", without_eval)
         yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_curves():
+    """No ``metrics.png`` from the runs here: a finished run's plot takes 0.2-0.5 s of
+    matplotlib (the tight layout's text measures, the PNG) and draws the metrics the tests
+    compare. A test that checks the plot asks for :func:`curves`."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_metrics, "plot_metrics", lambda workdir, path=None: None)
+        yield
+
+
+@pytest.fixture
+def curves(monkeypatch):
+    """For the test: a finished run draws ``metrics.png`` (:func:`_no_curves` undone)."""
+    monkeypatch.setattr(_metrics, "plot_metrics", _PLOT)

@@ -93,6 +93,17 @@ def runs(make_config):
     return batch, {name: (s, *_step(s, batch)) for name, s in setups.items()}
 
 
+def _single_device_sums(model, variables, batch):
+    """The evaluation sums of the unsharded model on ``batch`` (one program: eagerly, each
+    op of the sums compiled a program of its own)."""
+
+    def sums(variables, batch):
+        logits, _ = model.apply(variables, batch["x"])
+        return _mode.eval_sums(model, logits, batch)
+
+    return jax.jit(sums)(variables, batch)
+
+
 def _single_device(model, variables, x):
     """The unsharded model on ``x``: ``(logits, new variables)``."""
     return jax.jit(lambda v, x: model.apply(v, x, train=True))(variables, jnp.asarray(x))
@@ -149,10 +160,9 @@ def test_data_parallel_evaluates_with_worker0s_or_the_mean_statistics(runs, make
 
     stats = tuple(jax.tree.map(pick, part.value) for part in new.model_state)
     variables = _mode.join_variables(jax.device_get(new.params), stats)
-    logits, _ = jax.jit(lambda v, x: s.model.apply(v, x))(variables, jnp.asarray(batch["x"]))
     ev = {**batch, "mask": np.ones(BATCH, np.float32)}
     got = s.mode.eval_step(new, _trainer.place(ev, s.mode.batch_sharding))
-    want = _mode.eval_sums(s.model, logits, {**ev, "mask": jnp.asarray(ev["mask"])})
+    want = _single_device_sums(s.model, variables, ev)
     for k in want:
         np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=1e-5)
 
@@ -215,10 +225,9 @@ def test_ab_evaluates_with_the_running_statistics(runs, make_config, eval_with):
 
     params = jax.tree.map(lambda x: np.asarray(x)[0], new.params)
     variables = _mode.join_variables(params, jax.tree.map(pick, new.model_state))
-    logits, _ = jax.jit(lambda v, x: s.model.apply(v, x))(variables, batch["x"])
     ev = {**batch, "mask": np.ones(BATCH, np.float32)}
     got = s.mode.eval_step(new, _trainer.place(ev, s.mode.batch_sharding))
-    want = _mode.eval_sums(s.model, logits, ev)
+    want = _single_device_sums(s.model, variables, ev)
     for k in want:
         np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=1e-5)
 
@@ -333,40 +342,39 @@ def test_data_parallel_refuses_a_replicated_model_state_that_differs_per_worker(
         parallel.data_parallel(lambda p, b: 0.0, tx, mesh).init({"w": jnp.ones(3)}, {"s": 1.0})
 
 
-@pytest.mark.slow  # 30 steps
+@pytest.mark.slow  # 40 steps
 def test_ab_with_batchnorm_learns_digits(make_config, tmp_path):
     config = _config(make_config, "ab")  # 2 groups of 2, each synchronising its statistics
-    config.model = dict(MODEL, blocks=(1, 1))
     config.mesh = [("group", 2), ("member", 2)]
     config.ab = dict(warmup_steps=10, sync_every=10, full_rank_steps=2, inner="adam",
                      sync_batch_stats=True)  # fmt: skip
-    config.lr, config.batch_size, config.eval_batch_size = 1e-2, 64, 120
-    config.total_steps, config.log_every, config.eval_every, config.checkpoint_every = 30, 10, 30, 0
+    config.lr, config.batch_size, config.eval_batch_size = 5e-2, 64, 120
+    config.total_steps, config.log_every, config.eval_every, config.checkpoint_every = 40, 10, 40, 0
     train.train_and_evaluate(config, str(tmp_path))
     records = train.read_metrics(str(tmp_path))
     losses = [r["loss"] for r in records if r["split"] == "train"]
     final = [r for r in records if r["split"] == "eval"][-1]
     assert losses[-1] < 0.8 * losses[0], losses
-    # 10 classes: chance is 0.1; the eval accuracy was 0.68 after 30 steps, 0.93 after 60
+    # 10 classes: chance is 0.1; the eval accuracy was 0.64 after 40 steps (one block)
     assert final["accuracy"] > 0.5, (losses, final)
 
 
-@pytest.mark.slow  # 60 steps
+@pytest.mark.slow  # 40 steps
 def test_a_batchnorm_resnet_learns_digits_through_a_compressed_pipeline(make_config, tmp_path):
     config = _pipeline_config(
         make_config, forward={"name": "top_k", "fraction": 0.5, "feedback": "ef"}
     )
     config.model["width"] = 8
-    config.optax_name, config.lr, config.batch_size = "adam", 1e-2, 32
-    config.total_steps, config.checkpoint_every = 60, 60
-    config.log_every, config.eval_every = 10, 60
+    config.optax_name, config.lr, config.batch_size = "adam", 3e-2, 32
+    config.total_steps, config.checkpoint_every = 40, 40
+    config.log_every, config.eval_every = 10, 40
     config.eval_batch_size = 120
     train.train_and_evaluate(config, str(tmp_path))
     records = train.read_metrics(str(tmp_path))
     losses = [r["loss"] for r in records if r["split"] == "train"]
     final = [r for r in records if r["split"] == "eval"][-1]
     assert losses[-1] < 0.8 * losses[0], losses
-    # measured: eval accuracy 0.68 after 60 steps (10 classes: chance is 0.1)
+    # measured: eval accuracy 0.61 after 40 steps (10 classes: chance is 0.1)
     assert final["accuracy_uncompressed"] > 0.5, (losses, final)
 
 

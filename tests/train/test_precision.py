@@ -49,12 +49,14 @@ def test_compute_dtype_is_a_checked_key_that_leaves_float32_fingerprints_alone(m
 
 def test_policy_computes_in_16_bits_and_differentiates_float32_parameters():
     model = models.mlp(hidden=(8,)).with_compute_dtype("float16")
-    variables = model.init(jax.random.key(0))
-    x = jnp.ones((2, 64))
-    y, _ = model.apply(variables, x)
+    # jitted: eagerly, each op compiled a program of its own (64 compiles)
+    variables = jax.jit(model.init)(jax.random.key(0))
+    x = np.ones((2, 64), np.float32)
+    y, _ = jax.jit(model.apply)(variables, x)
     assert y.dtype == jnp.float16
     params = [v["params"] for v in variables]
-    grads = jax.grad(lambda p: model.apply([{"params": q} for q in p], x)[0].sum())(params)
+    loss = jax.jit(jax.grad(lambda p: model.apply([{"params": q} for q in p], x)[0].sum()))
+    grads = loss(params)
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
     with pytest.raises(ValueError, match="compute dtype"):
         model.with_compute_dtype("int8")

@@ -88,15 +88,30 @@ def _records(workdir):
 
 @pytest.fixture(scope="module")
 def references(make_config, tmp_path_factory):
-    """``references(mode) -> (workdir, summary)``: the uninterrupted run, once per mode."""
+    """``references(mode) -> (workdir, summary)``: the uninterrupted run, once per mode;
+    ``references.compiled[mode]``: the programs its setup and run compiled, by name (its
+    config is this module's only: no other run builds the setup first)."""
     runs = {}
 
     def get(mode):
         if mode not in runs:
             workdir = tmp_path_factory.mktemp(f"reference_{mode}")
-            runs[mode] = workdir, train.train_and_evaluate(_config(make_config, mode), str(workdir))
+            names = compiled.setdefault(mode, [])
+
+            def listener(event, duration, fun_name=None, **_):
+                if event.endswith("backend_compile_duration"):
+                    names.append(fun_name)
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            try:
+                summary = train.train_and_evaluate(_config(make_config, mode), str(workdir))
+            finally:
+                jax.monitoring.unregister_event_duration_listener(listener)
+            runs[mode] = workdir, summary
         return runs[mode]
 
+    compiled = {}
+    get.compiled = compiled
     return get
 
 
@@ -175,6 +190,9 @@ def test_the_checkpoint_holds_the_state_a_resume_needs(mode, references, last_ch
         modes = [r["link_mode_forward_0"] for r in records]
         assert modes[0] == 0 and modes[-1] == 1, modes
         assert records[0]["wire_bytes"] > records[-1]["wire_bytes"]
+        # evaluated before step 1 (the trainer's compile ahead) in the low modes, then after
+        # the switch: compression on compiled for each, off once (its program is every mode's)
+        assert references.compiled[mode].count("jit(eval_step)") == 3, references.compiled
         return
     if mode in ("data_parallel", "ab"):  # float16's loss scale, beside the mode's state
         assert float(state["mode_state"]["loss_scale"]["scale"]) == 2.0**15

@@ -13,6 +13,7 @@ from jaxcomp import train
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
+@pytest.mark.usefixtures("curves")
 def test_run_writes_metrics_plot_and_summary(make_config, tmp_path, capsys):
     summary = train.train_and_evaluate(make_config(eval_every=8), str(tmp_path))
     out = capsys.readouterr().out
