@@ -55,7 +55,6 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import signal
 import sys
@@ -64,6 +63,7 @@ import time
 from typing import NoReturn
 
 from jaxcomp import _early_signals
+from jaxcomp import _pyfile
 
 EXIT_SETUP = 2
 EXIT_NONFINITE = 3
@@ -156,9 +156,7 @@ def load_config(spec: str):
     """
     path, colon, arg = spec.partition(":")
     path = config_path(path)
-    module_spec = importlib.util.spec_from_file_location("jaxcomp_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    module = _pyfile.run_file(path, "jaxcomp_config")
     if not callable(getattr(module, "get_config", None)):
         raise UsageError(f"config file {path!r} has no get_config(arg) function.")
     allowed = tuple(getattr(module, "ARGS", ("smoke",)))

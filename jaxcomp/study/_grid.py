@@ -20,7 +20,6 @@ names its workdir.
 from __future__ import annotations
 
 import fnmatch
-import importlib.util
 import itertools
 import os
 import pathlib
@@ -29,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
+from jaxcomp import _pyfile
 from jaxcomp import _resources
 
 #: overrides that make every cell a 2-step smoke run (``--smoke``)
@@ -200,13 +200,6 @@ def _find(spec: str, folder: pathlib.Path, what: str) -> pathlib.Path:
     raise ValueError(f"unknown {what} {spec!r}: no {candidate}; known: {known}.")
 
 
-def _exec(path: pathlib.Path):
-    spec = importlib.util.spec_from_file_location(f"jaxcomp_study_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _overrides(where: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
         raise ValueError(f"{where} must be a dict of dotted keys to values; got {value!r}.")
@@ -221,7 +214,7 @@ def load_study(spec: str, studies_dir: str | os.PathLike | None = None) -> Study
     """
     folder = pathlib.Path(studies_dir) if studies_dir else repo_configs_dir() / "studies"
     path = _find(spec, folder, "study")
-    module = _exec(path)
+    module = _pyfile.run_file(path, f"jaxcomp_study_{path.stem}")
     where = f"study {path}"
     doc = (module.__doc__ or "").strip()
     if "python -m jaxcomp.study run" not in doc:
@@ -293,7 +286,7 @@ def base_config(study: Study):
     """The study's base config (``CONFIG``, with its ``:arg``), as ``get_config`` returns it."""
     name, _, arg = study.config.partition(":")
     path = _find(name, repo_configs_dir(), "config")
-    module = _exec(path)
+    module = _pyfile.run_file(path, f"jaxcomp_study_{path.stem}")
     if not hasattr(module, "get_config"):
         raise ValueError(f"config {path} has no get_config(arg).")
     return module.get_config(arg or None)
