@@ -239,9 +239,14 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path, reque
     # still be in flight when the peer dies at 30 (seen once in a full suite run)
 
     # --- the resume; then process 0 (the coordinator) stopped for good ---------------------
+    # the save the kill cut short, if any, in orbax's temporary folder: the 2-process restart
+    # removes it (the full disk's restart below is one process)
+    cut = {p.name for p in (work / "checkpoints").iterdir() if "tmp" in p.name}
     run = Run(work, logs)
     try:
         run.wait_step(last + 5)
+        left = cut & {p.name for p in (work / "checkpoints").iterdir()}
+        assert not left, f"half-written saves {left} outlived the 2-process restart"
         os.kill(run.procs[0].pid, signal.SIGSTOP)
         stopped = time.monotonic()
         full = Run(filled, logs)  # the full disk's run starts while this one waits (idle)
@@ -288,8 +293,8 @@ def test_peer_faults_are_bounded_named_and_the_run_resumes(disk, tmp_path, reque
     # pages still fitted in what the fill left (3 of ~18 runs), a later save fails, each save
     # after the fill then deleting an older one that no link holds (step 40 or 80 after 30).
     every = SETS["checkpoint_every"]
-    said = [int(m[1]) for ln in lines if (m := re.search(r"checkpoint step (\d+) cannot be", ln))]
-    failed = said[0] if said else newest + every
+    steps = [int(m[1]) for ln in lines if (m := re.search(r"checkpoint step (\d+) cannot be", ln))]
+    failed = steps[0] if steps else newest + every
     assert failed > newest and failed % every == 0, (newest, lines)
     newest = failed - every
     named = [i for i in (0, 1) if f"checkpoint step {failed} cannot be written to" in lines[i]]

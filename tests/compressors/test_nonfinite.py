@@ -10,11 +10,11 @@ are redone row by row) and the per-tensor and per-feature scales' elementwise fo
 least 256 entries); not the select's long-row bracket (one row longer than ``2**16``).
 
 Eager dispatch runs the jitted program's operations, each compiled on its own. That does not
-change what a reduction makes of a NaN here (2026-12-06: a ``max`` alone, fused with its
-producer ``abs`` or with a consumer, drops the NaN of a ``(24, 1024)`` input alike, eager or
-jitted), and taking out any of the codecs' NaN guards (``nan_as_inf``, ``has_nan``, the folds'
-NaN-keeping ``maximum``) fails the jitted small or large check of every row whose eager large
-check it fails (``docs/results/suite_tiers``, suite15a). So only the large inputs whose path
+change what a reduction makes of a NaN here (a ``max`` alone, fused with its producer ``abs``
+or with a consumer, drops the NaN of a ``(24, 1024)`` input alike, eager or jitted), and taking
+out any of the codecs' NaN guards (``nan_as_inf``, ``has_nan``, the folds' NaN-keeping
+``maximum``) fails the jitted small or large check of every row whose eager large check it
+fails (both measured: ``docs/results/suite_tiers``, suite15a). So only the large inputs whose path
 depends on the size run eagerly as well (``EAGER_LARGE``: the folds, whose small inputs take a
 plain ``max``); a row whose large path is its small one (the blockwise, RandK, sign, PowerSGD,
 min-max rows) or another eager row's at another shape runs jitted only.
@@ -131,6 +131,12 @@ def _check_size(case, size, modes, table=()):
     for mode in modes:
         for bad in sorted(BAD):
             _check(case, size, mode, bad, jitted)
+
+
+def test_the_rows_named_here_are_rows_of_the_table(codec_table):
+    names = {case.name for case in codec_table}
+    named = set(EAGER_LARGE) | _LARGE_AS_ANOTHER | set(EAGER_SELECT.values())
+    assert named <= names, f"not rows of tests/codecs.py: {sorted(named - names)}"
 
 
 def test_non_finite_input_decodes_non_finite(codec_case):

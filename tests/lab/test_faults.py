@@ -5,8 +5,8 @@ A straggler: host 1's link at a tenth of the others' rate (10 vs 100 Mbit/s) bot
 link probe (``config.link_probe_every``, ``train/_link_probe.py``) names host 1 in
 ``metrics.jsonl`` and in a log line, every 10 steps. Every host's step time is the same (a
 synchronous step): only the probe tells. (A 2-host link throttled on transmit only:
-``test_network.py::test_a_link_honours_its_rate``.) The probes (steps 10, 20, 30) fall between
-the saves (steps 25, 50, ...): their timings have no save beside them.
+``test_network.py::test_a_link_honours_its_rate``.) The probes (steps 10, 20, 30) come before
+the first save (step 35): their timings have no save beside them.
 
 A partition: host 0's link then taken down (after step 35). Every process exits within the
 bound (``--peer_timeout``, well under 120 s), non-zero, with one line each (process 0, the
@@ -50,7 +50,7 @@ BOUND = 8  #: --peer_timeout of these runs (s), as tests/test_multihost_faults.p
 EVERY = 10  #: the link probe's period (steps)
 SETS = {"mesh": [("data", 3)], "model.hidden": (32, 32, 32), "batch_size": 96,
         "eval_batch_size": 120, "lr": 3e-3, "total_steps": 100_000, "log_every": 5,
-        "checkpoint_every": 25, "keep_checkpoints": 2, "link_probe_every": EVERY,
+        "checkpoint_every": 35, "keep_checkpoints": 2, "link_probe_every": EVERY,
         "link_probe_bytes": 1 << 18}  # fmt: skip
 
 
@@ -125,7 +125,7 @@ def test_a_straggler_is_named_a_partition_stops_every_host_in_the_bound_the_work
         run = _Run(lb, work, tmp_path / "logs")
         try:
             run.wait_step(3 * EVERY + 5)  # 3 probes done
-            # and a checkpoint committed (under load the save of 25 may still be in flight)
+            # and a checkpoint committed (under load the save of 35 may still be in flight)
             while not _checkpoints(work):
                 assert run.thread.is_alive(), run.log0.read_text()[-3000:]
                 time.sleep(0.05)
@@ -157,7 +157,7 @@ def test_a_straggler_is_named_a_partition_stops_every_host_in_the_bound_the_work
             assert f"on host {a0}), the coordinator, has not answered" in lines[k], lines[k]
         assert not (work / "checkpoints.damaged").exists()
         last = _checkpoints(work)[-1]
-        assert last >= 25
+        assert last >= 35
         _check_straggler([pathlib.Path(p).read_text() for p in result.logs], work, a1)
     # the workdir the bound left resumes: its newest checkpoint restored (checksums verified)
     # on the same mesh, 1 process x 3 devices; 2 steps, saved

@@ -34,10 +34,8 @@ TRANSFORMS = {
     "user_protocol_ef": lambda user: transforms.compressed_mean(
         F.error_feedback(user.majority_sign())
     ),
-    # Accordion's two modes on quantizers: PowerSGD in a replica mean is power_sgd_ef's (its
-    # rank-2 / rank-1 pair under Accordion's switch doubled this step's compile)
     "accordion": lambda user: transforms.accordion(
-        C.quantize(8), C.quantize(2), interval_steps=1, check_every=1
+        C.power_sgd(2), C.power_sgd(1), interval_steps=1, check_every=1
     ),
 }
 LINK = pipeline.link(F.error_feedback(C.top_k(0.5, per_sample=True)), C.quantize(8))

@@ -360,6 +360,7 @@ def test_ab_with_batchnorm_learns_digits(make_config, tmp_path):
 
 
 @pytest.mark.slow  # 40 steps
+@pytest.mark.usefixtures("curves")  # the plot of a run evaluated with compression on and off
 def test_a_batchnorm_resnet_learns_digits_through_a_compressed_pipeline(make_config, tmp_path):
     config = _pipeline_config(
         make_config, forward={"name": "top_k", "fraction": 0.5, "feedback": "ef"}
@@ -376,6 +377,7 @@ def test_a_batchnorm_resnet_learns_digits_through_a_compressed_pipeline(make_con
     assert losses[-1] < 0.8 * losses[0], losses
     # measured: eval accuracy 0.61 after 40 steps (10 classes: chance is 0.1)
     assert final["accuracy_uncompressed"] > 0.5, (losses, final)
+    assert (tmp_path / "metrics.png").stat().st_size > 0
 
 
 def test_the_vgg16_ab_config_takes_batchnorm_from_the_command_line():

@@ -137,11 +137,10 @@ def test_a_write_failing_mid_save_leaves_no_callback_to_a_closed_loop(monkeypatc
     whose write fails (a full disk met mid-save) while another write is still pending in
     tensorstore: orbax closed the loop, and the pending write's completion then raised
     ``RuntimeError: Event loop is closed`` in tensorstore's thread, printed as a traceback
-    (sys.unraisablehook): 52 above process 0's one error line in test_multihost_faults.py (1
-    run in 3 there: whether they came before its exit). Now the pending write is cancelled
-    before the loop closes: its future calls back while the loop is open. (A tmpfs filled
-    under a save of 200 leaves, in one process: 186-198 tracebacks in 4 of 6 runs before, 0
-    in 10 runs after; cancelling alone left 1 in 1 run of 6.)"""
+    (sys.unraisablehook), dozens above process 0's one error line in test_multihost_faults.py
+    when they came before its exit. Now the pending write is cancelled before the loop closes:
+    its future calls back while the loop is open (the runs before and after the fix:
+    ``docs/results/suite_tiers``, fix15h)."""
     from orbax.checkpoint._src import asyncio_utils
 
     assert _checkpoint._close_orbax_loops_cleanly()  # orbax's function is still where it was
