@@ -22,11 +22,12 @@ def run_file(path: str | os.PathLike, name: str) -> types.ModuleType:
       name: the module's ``__name__``.
 
     Returns:
-      The module, its ``__file__`` the path; errors raised by the file's code propagate with
-      their traceback through it.
+      The module, its ``__file__`` the path, compiled with the file's own ``__future__``
+      imports only; errors raised by the file's code propagate with their traceback through
+      it.
     """
     path = pathlib.Path(path)
     module = types.ModuleType(name)
     module.__file__ = str(path)
-    exec(compile(path.read_bytes(), str(path), "exec"), module.__dict__)
+    exec(compile(path.read_bytes(), str(path), "exec", dont_inherit=True), module.__dict__)
     return module

@@ -57,6 +57,11 @@ def test_modules_are_handed_out_longest_first_each_together(request, conftest):
     modules = [item.nodeid.split("::")[0] for item in request.session.items]
     runs = [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m]
     assert len(runs) == len(set(runs)), "a module's tests are not together"
+    unlisted = [m for m in runs if m not in seconds]
+    assert seconds and len(unlisted) <= max(2, 0.1 * len(runs)), (
+        f"tests/durations.json misses {len(unlisted)} of the {len(runs)} modules run (write it "
+        f"again from a profile: CONTRIBUTING.md, Tests): {unlisted[:5]}"
+    )
     slow = {
         item.nodeid.split("::")[0]
         for item in request.session.items

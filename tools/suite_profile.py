@@ -164,16 +164,22 @@ def _workers_summary(path, top=5):
 
 
 def _durations(path, out):
-    """Write ``{test file: seconds}`` (the wall of its tests in the xdist workers; the runner's
-    rows, worker ``main``, are left out: those tests are deselected in the workers) to ``out``,
-    the file ``tests/conftest.py`` orders the suite's modules by."""
+    """Update ``out``, the ``{test file: seconds}`` that ``tests/conftest.py`` orders the suite's
+    modules by, with the files of the profile ``path`` (the wall of their tests in the xdist
+    workers; the runner's rows, worker ``main``, are left out: those tests are deselected in
+    the workers). Files the profile did not run keep their seconds; a profile without xdist
+    rows (not run with ``-n``) is refused."""
     rows = list({r["test"]: r for r in map(json.loads, open(path))}.values())
     seconds = collections.Counter()
     for r in rows:
         if r.get("worker", "main") != "main":
             seconds[r["test"].split("::")[0]] += r["wall_s"]
+    if not seconds:
+        sys.exit(f"{path} holds no xdist worker's rows: profile with pytest -n 2")
+    kept = json.load(open(out)) if os.path.exists(out) else {}
+    kept.update({k: round(v, 1) for k, v in seconds.items()})
     with open(out, "w") as f:
-        json.dump({k: round(v, 1) for k, v in sorted(seconds.items())}, f, indent=0)
+        json.dump(dict(sorted(kept.items())), f, indent=0)
         f.write("\n")
 
 

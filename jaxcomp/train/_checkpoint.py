@@ -81,7 +81,7 @@ async def _cancelling_the_rest(coro):
     ends (``asyncio_utils._run_sync_via_new_loop``); a part that fails on one write (a full
     disk) ends with its other writes still pending in tensorstore, whose completions then call
     ``call_soon_threadsafe`` on the closed loop: one ``RuntimeError: Event loop is closed``
-    traceback each (~50 under a process's one error line). Cancelled here, inside the loop, a
+    traceback each (dozens under a process's one error line). Cancelled here, inside the loop, a
     pending write's tensorstore future is cancelled too and calls back while the loop is open.
     A write that completed just before its cancel may still be calling back from tensorstore's
     thread (waiting for the GIL) when the loop closes: that call, for a task already ended,
@@ -110,13 +110,16 @@ async def _cancelling_the_rest(coro):
 
 
 def _close_orbax_loops_cleanly() -> bool:
-    """Has orbax's fresh event loops end their leftover tasks before closing
-    (:func:`_cancelling_the_rest`); once per process. Orbax's private function is looked up
-    where this orbax keeps it; ``False`` (only the tracebacks come back) where it moved:
+    """Has orbax's event loops end their leftover tasks before closing; once per process.
+
+    The tasks are cancelled by :func:`_cancelling_the_rest`. Orbax's private function is looked
+    up where this orbax keeps it; ``False`` (only the tracebacks come back) where it moved:
     ``tests/train/test_checkpoint_faults.py`` checks it is found.
     """
-    from orbax.checkpoint._src import asyncio_utils
-
+    try:
+        from orbax.checkpoint._src import asyncio_utils
+    except ImportError:
+        return False
     run = getattr(asyncio_utils, "_run_sync_via_new_loop", None)
     if run is None:
         return False
@@ -126,6 +129,7 @@ def _close_orbax_loops_cleanly() -> bool:
             return run(_cancelling_the_rest(coro))
 
         run_sync_via_new_loop.jaxcomp_cancels_the_rest = True
+        run_sync_via_new_loop.__wrapped__ = run
         asyncio_utils._run_sync_via_new_loop = run_sync_via_new_loop
     return True
 
