@@ -160,6 +160,21 @@ def check_data_stage_meter(text, pipe, params, batch, mesh):
     assert sent["other"] == (mesh.shape["stage"] - 1) * replicas * row
 
 
+def check_unpipelined(fx, loss, grads, metrics):
+    """A dense pipeline step's ``loss``, ``grads`` (packed) and ``metrics["accuracy"]`` are the
+    unpipelined model's on ``fx`` (a :func:`make_mlp` or :func:`make_cnn` namespace).
+
+    Returns:
+      The reference's ``(loss, outputs, accuracy)``, for a test's further checks."""
+    ref_loss, ref_grads = unpipelined_value_and_grad(fx.model, fx.params, fx.batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(grads.unpack(), ref_grads)
+    h = forward(fx.model, fx.params, fx.batch["x"])
+    accuracy = np.mean(np.argmax(np.asarray(h), -1) == np.asarray(fx.batch["label"]))
+    np.testing.assert_allclose(metrics["accuracy"], accuracy, rtol=1e-6)
+    return ref_loss, h, accuracy
+
+
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
     la, ta = jax.tree.flatten(a)
     lb, tb = jax.tree.flatten(b)
@@ -227,6 +242,7 @@ def tools():
         reference=unpipelined_value_and_grad,
         forward=forward,
         close=assert_trees_close,
+        check_unpipelined=check_unpipelined,
         check_data_stage_meter=check_data_stage_meter,
     )
 

@@ -6,7 +6,6 @@ import importlib.util
 import pathlib
 
 import jax
-import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -59,12 +58,7 @@ def _check_dense_step(fx, loss, grads, metrics, tools):
     """A dense step (AQ-SGD's warm-up: ``cnn_aq``, 1F1B on the 3-stage CNN, boundaries of two
     sizes) gives the unpipelined model's loss, gradients and metrics (identity links == the
     model: test_gpipe.py, on the MLP)."""
-    ref_loss, ref_grads = tools.reference(fx.model, fx.params, fx.batch)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    tools.close(grads.unpack(), ref_grads)
-    h = tools.forward(fx.model, fx.params, fx.batch["x"])
-    accuracy = np.mean(np.argmax(np.asarray(h), -1) == np.asarray(fx.batch["label"]))
-    np.testing.assert_allclose(metrics["accuracy"], accuracy, rtol=1e-6)
+    tools.check_unpipelined(fx, loss, grads, metrics)
 
 
 def test_every_recorded_case_is_checked(load_test_module):
